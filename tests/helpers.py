@@ -1,0 +1,47 @@
+"""Shared builders for the trainer tests: a tiny model, the say-the-word task and a trainer around them."""
+
+from __future__ import annotations
+
+from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
+from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
+from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+
+TRAINER_DEFAULTS = dict(
+    use_cpu=True,
+    bf16=False,
+    report_to="none",
+    seed=0,
+    per_device_train_batch_size=16,
+    num_generations=4,
+    max_completion_length=4,
+    max_steps=6,
+    learning_rate=5e-2,
+    logging_steps=1,
+    save_strategy="no",
+    replay_start_ratio=0.3,
+    beta=0.0,
+    disable_tqdm=True,
+)
+
+
+def make_args(tmp_path, config_cls=ExReplayGRPOConfig, **overrides):
+    kwargs = {**TRAINER_DEFAULTS, "output_dir": str(tmp_path / "out"), **overrides}
+    known = config_cls.__dataclass_fields__
+    return config_cls(**{name: value for name, value in kwargs.items() if name in known})
+
+
+def make_trainer(tmp_path, trainer_cls=ExReplayGRPOTrainer, args=None, num_tasks=4, **overrides):
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    model = build_tiny_model(tokenizer, seed=0)
+    args = args if args is not None else make_args(tmp_path, **overrides)
+    return trainer_cls(
+        model=model,
+        reward_funcs=said_target,
+        args=args,
+        train_dataset=say_word_dataset(num_tasks=num_tasks, repeats=8),
+        processing_class=tokenizer,
+    )
+
+
+def losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -1,0 +1,158 @@
+"""Tests for `trl_exreplay.config`: validation of every replay field, and `replay_options`."""
+
+from __future__ import annotations
+
+import pytest
+from trl import GRPOConfig
+
+from trl_exreplay.config import ExReplayGRPOConfig, replay_options, validate_replay_options
+
+REPLAY_FIELDS = {
+    "enable_experience_replay",
+    "exp_ratio",
+    "replay_start_ratio",
+    "offpolicy_trajectories_per_task",
+    "max_trajectories_per_task",
+    "experience_lbound",
+    "experience_rbound",
+    "success_threshold",
+    "exp_select_mode",
+    "use_current_policy_entropy",
+    "exp_is_correct",
+    "off_cliprange_high",
+    "off_clip_ratio_c",
+    "off_policy_shaping",
+    "off_policy_shaping_beta",
+    "replay_bucket_weighting",
+    "max_policy_age",
+    "task_id_column",
+    "pool_store_mode",
+}
+
+
+def make(tmp_path, config_cls=ExReplayGRPOConfig, **kwargs):
+    base = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        report_to="none",
+    )
+    return config_cls(**{**base, **kwargs})
+
+
+def test_defaults(tmp_path):
+    c = make(tmp_path)
+    assert c.enable_experience_replay is True
+    assert (c.exp_ratio, c.replay_start_ratio) == (0.5, 0.35)
+    assert (c.offpolicy_trajectories_per_task, c.max_trajectories_per_task) == (1, 5)
+    assert (c.experience_lbound, c.experience_rbound) == (0, None)
+    assert (c.exp_select_mode, c.off_policy_shaping, c.replay_bucket_weighting) == ("argmin", "clip", "uniform")
+    assert (c.off_cliprange_high, c.off_clip_ratio_c, c.off_policy_shaping_beta) == (1.0, 3.0, 0.1)
+    assert (c.max_policy_age, c.task_id_column, c.pool_store_mode) == (None, "task_id", "all")
+    assert isinstance(c, GRPOConfig)
+
+
+def test_boundary_values_are_valid(tmp_path):
+    c = make(
+        tmp_path,
+        exp_ratio=1.0,
+        replay_start_ratio=0.0,
+        offpolicy_trajectories_per_task=3,  # G - 1
+        max_trajectories_per_task=3,  # == k
+        experience_lbound=3,  # rbound None = G = 4
+        off_cliprange_high=0.0,
+        off_clip_ratio_c=1.0,
+        off_policy_shaping_beta=1e-6,
+        max_policy_age=0,
+        exp_select_mode="random",
+        off_policy_shaping="exgrpo",
+        replay_bucket_weighting="linear",
+        pool_store_mode="best",
+    )
+    assert c.offpolicy_trajectories_per_task == 3 and c.experience_lbound == 3
+    c = make(tmp_path, exp_ratio=0.0, replay_start_ratio=1.0, experience_lbound=2, experience_rbound=3)
+    assert (c.experience_lbound, c.experience_rbound) == (2, 3)
+    c = make(tmp_path, exp_select_mode="argmax", replay_bucket_weighting="normal", task_id_column="id")
+    assert c.task_id_column == "id"
+
+
+INVALID = [
+    ("exp_ratio", dict(exp_ratio=-0.1), "numbers in [0, 1]"),
+    ("exp_ratio", dict(exp_ratio=1.01), "numbers in [0, 1]"),
+    ("replay_start_ratio", dict(replay_start_ratio=-0.5), "numbers in [0, 1]"),
+    ("replay_start_ratio", dict(replay_start_ratio=2.0), "numbers in [0, 1]"),
+    ("offpolicy_trajectories_per_task", dict(offpolicy_trajectories_per_task=0), "integers 1 .. num_generations - 1"),
+    ("offpolicy_trajectories_per_task", dict(offpolicy_trajectories_per_task=4), "integers 1 .. num_generations - 1"),
+    ("offpolicy_trajectories_per_task", dict(offpolicy_trajectories_per_task=5), "integers 1 .. num_generations - 1"),
+    ("max_trajectories_per_task", dict(max_trajectories_per_task=0), "integers >= offpolicy_trajectories_per_task"),
+    (
+        "max_trajectories_per_task",
+        dict(offpolicy_trajectories_per_task=2, max_trajectories_per_task=1),
+        "integers >= offpolicy_trajectories_per_task (2)",
+    ),
+    ("experience_lbound", dict(experience_lbound=-1), "integers >= 0"),
+    ("experience_lbound", dict(experience_lbound=4), "integers below experience_rbound (4"),  # rbound None = G
+    ("experience_lbound", dict(experience_lbound=2, experience_rbound=2), "integers below experience_rbound (2"),
+    ("experience_lbound", dict(experience_lbound=3, experience_rbound=1), "integers below experience_rbound (1"),
+    ("exp_select_mode", dict(exp_select_mode="median"), "'argmin', 'argmax', 'random'"),
+    ("off_policy_shaping", dict(off_policy_shaping="ppo"), "'clip', 'exgrpo'"),
+    ("replay_bucket_weighting", dict(replay_bucket_weighting="exponential"), "'uniform', 'normal', 'linear'"),
+    ("pool_store_mode", dict(pool_store_mode="worst"), "'all', 'best'"),
+    ("off_cliprange_high", dict(off_cliprange_high=-0.1), "numbers >= 0"),
+    ("off_clip_ratio_c", dict(off_clip_ratio_c=0.5), "numbers >= 1"),
+    ("off_policy_shaping_beta", dict(off_policy_shaping_beta=0.0), "numbers > 0"),
+    ("off_policy_shaping_beta", dict(off_policy_shaping_beta=-1.0), "numbers > 0"),
+    ("max_policy_age", dict(max_policy_age=-1), "None or integers >= 0"),
+    ("task_id_column", dict(task_id_column=""), "a non-empty column name"),
+]
+
+
+@pytest.mark.parametrize(
+    "field, kwargs, allowed", INVALID, ids=[f"{f}={list(kw.values())[-1]!r}" for f, kw, _ in INVALID]
+)
+def test_invalid_value_raises_naming_field_and_allowed_values(tmp_path, field, kwargs, allowed):
+    with pytest.raises(ValueError) as info:
+        make(tmp_path, **kwargs)
+    message = str(info.value)
+    assert f"`{field}`" in message
+    assert allowed in message
+    assert repr(kwargs[field]) in message  # the offending value is shown
+
+
+def test_replay_options_of_replay_config(tmp_path):
+    c = make(tmp_path, exp_ratio=0.25, exp_select_mode="argmax", max_policy_age=3)
+    options = replay_options(c)
+    assert set(options) == REPLAY_FIELDS
+    assert options["exp_ratio"] == 0.25
+    assert options["exp_select_mode"] == "argmax"
+    assert options["max_policy_age"] == 3
+    assert options["task_id_column"] == "task_id"
+
+
+def test_replay_options_of_plain_grpo_config_are_the_defaults(tmp_path):
+    c = make(tmp_path, config_cls=GRPOConfig)
+    options = replay_options(c)
+    assert set(options) == REPLAY_FIELDS
+    defaults = replay_options(make(tmp_path))
+    assert options == defaults
+    validate_replay_options(options, c.num_generations)  # the defaults are valid
+
+
+def test_validate_without_num_generations(tmp_path):
+    options = replay_options(make(tmp_path))
+    # without G, k and lbound have no upper bound to check against (rbound None)
+    validate_replay_options({**options, "offpolicy_trajectories_per_task": 9, "max_trajectories_per_task": 9}, None)
+    validate_replay_options({**options, "experience_lbound": 50}, None)
+    with pytest.raises(ValueError, match="`offpolicy_trajectories_per_task`"):
+        validate_replay_options({**options, "offpolicy_trajectories_per_task": 0}, None)
+    with pytest.raises(ValueError, match="`experience_lbound`"):
+        validate_replay_options({**options, "experience_lbound": 5, "experience_rbound": 5}, None)
+
+
+def test_validate_reports_num_generations_bound(tmp_path):
+    options = replay_options(make(tmp_path))
+    with pytest.raises(ValueError, match=r"integers 1 \.\. num_generations - 1 = 7"):
+        validate_replay_options({**options, "offpolicy_trajectories_per_task": 8}, 8)
+    validate_replay_options({**options, "offpolicy_trajectories_per_task": 7, "max_trajectories_per_task": 7}, 8)

@@ -1,0 +1,275 @@
+"""Tests for `trl_exreplay.planner`: bucket weights, replay plans and the plan's row layout.
+
+Expected plans and weights are worked out by hand from the layout (group g = rows g*G .. g*G+G-1).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from trl_exreplay.planner import NORMAL_BUCKET_STD, ReplayPlan, bucket_weights, plan_replay
+
+
+def plan(group_keys, replayable, exp_ratio, G=4, k=1, weighting="uniform", seed=0):
+    return plan_replay(
+        group_keys, replayable, exp_ratio=exp_ratio, num_generations=G, num_replayed=k, weighting=weighting, seed=seed
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# bucket_weights
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_bucket_weights_uniform_is_one_per_task():
+    w = bucket_weights([0, 1, 1, 3], 4, "uniform")
+    assert w.tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_bucket_weights_normal():
+    assert NORMAL_BUCKET_STD == 0.25
+    # G = 4: accuracies 0, .25, .5, .5, .75 -> z = -2, -1, 0, 0, 1; the bucket of 2 shares exp(0) = 1 between its tasks
+    w = bucket_weights([0, 1, 2, 2, 3], 4, "normal")
+    expected = [math.exp(-2.0), math.exp(-0.5), 0.5, 0.5, math.exp(-0.5)]
+    np.testing.assert_allclose(w, expected, rtol=1e-12, atol=0)
+
+
+def test_bucket_weights_normal_other_group_size():
+    # G = 8: accuracy 2/8 = .25 -> z = -1; 6/8 -> z = 1; 4/8 -> z = 0 shared by three tasks
+    w = bucket_weights([2, 4, 4, 4, 6], 8, "normal")
+    expected = [math.exp(-0.5), 1 / 3, 1 / 3, 1 / 3, math.exp(-0.5)]
+    np.testing.assert_allclose(w, expected, rtol=1e-12, atol=0)
+
+
+def test_bucket_weights_linear():
+    # G = 4: per bucket G - d = 3, 3, 1, 4; bucket 1 holds two tasks -> 1.5 each
+    w = bucket_weights([1, 1, 3, 0], 4, "linear")
+    assert w.tolist() == [1.5, 1.5, 1.0, 4.0]
+    # G - d below 1 is clipped to 1
+    assert bucket_weights([4, 5, 2], 4, "linear").tolist() == [1.0, 1.0, 2.0]
+
+
+def test_bucket_weights_unknown_raises():
+    with pytest.raises(ValueError, match="replay_bucket_weighting.*'uniform', 'normal', 'linear'"):
+        bucket_weights([1, 2], 4, "exponential")
+
+
+def test_plan_unknown_weighting_raises():
+    with pytest.raises(ValueError, match="replay_bucket_weighting"):
+        plan(["a", "b"], [("x", 1)], 1.0, weighting="exponential")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# ReplayPlan layout
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_replay_plan_rows_k1():
+    p = ReplayPlan(num_generations=4, num_replayed=1, replay_groups={2: "y", 0: "x"})
+    assert p.num_tasks == 2
+    assert p.replayed_rows() == [3, 11]
+    assert [r for r in range(16) if p.is_replayed(r)] == [3, 11]
+
+
+def test_replay_plan_rows_k2_and_task_of_row():
+    p = ReplayPlan(num_generations=3, num_replayed=2, replay_groups={1: "x"})
+    keys = ["a", "b", "c"]
+    assert p.replayed_rows() == [4, 5]
+    assert [p.is_replayed(r) for r in range(9)] == [False, False, False, False, True, True, False, False, False]
+    # every row of a replay group belongs to the replayed task, fresh rows included
+    assert [p.task_of_row(r, keys) for r in range(9)] == ["a", "a", "a", "x", "x", "x", "c", "c", "c"]
+
+
+def test_empty_replay_plan():
+    p = ReplayPlan(4, 1, {})
+    assert p.num_tasks == 0 and p.replayed_rows() == []
+    assert not any(p.is_replayed(r) for r in range(8))
+    assert [p.task_of_row(r, ["a", "b"]) for r in range(8)] == ["a"] * 4 + ["b"] * 4
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# plan_replay: sizes
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_groups, exp_ratio, num_replayable, expected",
+    [
+        (4, 0.0, 3, 0),
+        (4, 0.5, 0, 0),
+        (3, 0.3, 5, 0),  # int(0.9) = 0
+        (4, 0.5, 5, 2),
+        (4, 0.6, 5, 2),  # int(2.4) = 2
+        (8, 0.5, 2, 2),  # fewer: the pool is small
+        (8, 1.0, 8, 8),
+        (5, 1.0, 12, 5),
+    ],
+)
+def test_plan_size(num_groups, exp_ratio, num_replayable, expected):
+    keys = [f"g{i}" for i in range(num_groups)]
+    replayable = [(f"p{i}", i % 3) for i in range(num_replayable)]
+    p = plan(keys, replayable, exp_ratio, seed=11)
+    assert p.num_tasks == expected
+    assert len(set(p.replay_groups.values())) == expected  # distinct tasks
+    assert set(p.replay_groups.values()) <= {t for t, _ in replayable}
+    assert all(0 <= g < num_groups for g in p.replay_groups)
+    assert (p.num_generations, p.num_replayed) == (4, 1)
+
+
+def test_plan_keeps_G_and_k():
+    p = plan(["a", "b"], [("x", 1)], 0.5, G=6, k=3, seed=1)
+    assert (p.num_generations, p.num_replayed) == (6, 3)
+    assert p.replay_groups in ({0: "x"}, {1: "x"})
+    group = next(iter(p.replay_groups))
+    assert p.replayed_rows() == [group * 6 + 3, group * 6 + 4, group * 6 + 5]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# plan_replay: exact plans
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_drawn_tasks_in_batch_replay_in_their_own_group(seed):
+    # target = int(4 * .5) = 2 = len(replayable): both drawn, both already in the batch
+    p = plan(["a", "b", "c", "d"], [("d", 2), ("b", 1)], 0.5, seed=seed)
+    assert p.replay_groups == {1: "b", 3: "d"}
+    assert p.replayed_rows() == [7, 15]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_drawn_task_replays_in_its_first_group(seed):
+    p = plan(["a", "b", "a", "c"], [("a", 1)], 0.25, seed=seed)
+    assert p.replay_groups == {0: "a"}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_exact_plan_mixing_present_and_new_tasks(seed):
+    # target 3 = every replayable task; a and b sit in groups 0 and 1, so x can only take group 2
+    p = plan(["a", "b", "q"], [("x", 3), ("a", 1), ("b", 2)], 1.0, seed=seed)
+    assert p.replay_groups == {0: "a", 1: "b", 2: "x"}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_new_task_never_replaces_a_drawn_task_group(seed):
+    # target 2: b (group 1) and x drawn; x goes to a group whose task was not drawn: 0, 2 or 3
+    p = plan(["a", "b", "c", "d"], [("x", 1), ("b", 1)], 0.5, seed=seed)
+    assert p.replay_groups[1] == "b"
+    (x_group,) = [g for g, t in p.replay_groups.items() if t == "x"]
+    assert x_group in (0, 2, 3)
+    assert p.num_tasks == 2
+
+
+def test_new_task_uses_every_free_group_over_seeds():
+    positions = set()
+    for seed in range(60):
+        p = plan(["a", "b", "c", "d"], [("x", 1), ("b", 1)], 0.5, seed=seed)
+        positions |= {g for g, t in p.replay_groups.items() if t == "x"}
+    assert positions == {0, 2, 3}
+
+
+def test_duplicate_group_keys_never_get_the_drawn_task_twice():
+    # a is in groups 0 and 2; drawn, it replays in group 0 only, and group 2 (a drawn task) is not a free slot
+    for seed in range(20):
+        p = plan(["a", "b", "a", "c"], [("a", 1), ("x", 2)], 0.5, seed=seed)
+        assert p.replay_groups[0] == "a"
+        assert 2 not in p.replay_groups
+        assert sorted(p.replay_groups.values()) == ["a", "x"]
+        assert [g for g, t in p.replay_groups.items() if t == "x"][0] in (1, 3)
+
+
+def test_plan_has_target_tasks_even_when_batch_repeats_a_drawn_task():
+    # Every group holds task a (a dataset that repeats a task can give such a batch). target = int(4 * .5) = 2 and the
+    # pool has 2 replayable tasks, so both a and x are drawn: a replays in group 0 and x must take one of the other
+    # groups (it cannot duplicate a task there: the replay of a sits in group 0). The plan must hold 2 tasks.
+    for seed in range(5):
+        p = plan(["a", "a", "a", "a"], [("a", 1), ("x", 2)], 0.5, seed=seed)
+        assert p.replay_groups[0] == "a"
+        assert p.num_tasks == 2, p.replay_groups
+        assert sorted(p.replay_groups.values()) == ["a", "x"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# plan_replay: determinism and randomness
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _random_case(rnd: random.Random):
+    num_groups = rnd.randint(1, 10)
+    universe = [f"t{i}" for i in range(14)]
+    keys = rnd.sample(universe, num_groups)  # distinct tasks per batch
+    replayable = [(t, rnd.randint(0, 3)) for t in rnd.sample(universe, rnd.randint(0, 14))]
+    return keys, replayable, rnd.choice([0.0, 0.25, 0.5, 0.75, 1.0]), rnd.choice(["uniform", "normal", "linear"])
+
+
+def test_plan_invariants_on_random_cases():
+    rnd = random.Random(1234)
+    for case in range(300):
+        keys, replayable, ratio, weighting = _random_case(rnd)
+        p = plan(keys, replayable, ratio, weighting=weighting, seed=case)
+        target = min(int(len(keys) * ratio), len(replayable))
+        tasks = list(p.replay_groups.values())
+        assert p.num_tasks == target
+        assert len(set(tasks)) == len(tasks)
+        assert set(tasks) <= {t for t, _ in replayable}
+        assert list(p.replay_groups) == sorted(p.replay_groups)
+        for g, t in p.replay_groups.items():
+            assert 0 <= g < len(keys)
+            if t in keys:
+                assert keys.index(t) == g  # a drawn task present in the batch occupies its group
+            else:
+                assert keys[g] not in tasks  # a new task only replaces a group whose task was not drawn
+        # the batch never holds a task twice: fresh groups and replay groups together
+        batch = [p.replay_groups.get(g, keys[g]) for g in range(len(keys))]
+        assert len(set(batch)) == len(batch)
+
+
+def test_same_inputs_and_seed_same_plan():
+    keys = [f"g{i}" for i in range(8)]
+    replayable = [(f"p{i}", i % 4) for i in range(10)] + [("g3", 1), ("g5", 2)]
+    for weighting in ("uniform", "normal", "linear"):
+        a = plan(keys, replayable, 0.5, weighting=weighting, seed=[7, 3])
+        b = plan(list(keys), list(replayable), 0.5, weighting=weighting, seed=[7, 3])
+        assert a == b and a.num_tasks == 4
+
+
+def test_different_seeds_give_different_plans():
+    keys = [f"g{i}" for i in range(8)]
+    replayable = [(f"p{i}", i % 4) for i in range(10)]
+    plans = {tuple(plan(keys, replayable, 0.5, seed=[0, step]).replay_groups.items()) for step in range(20)}
+    assert len(plans) > 5
+    drawn = {t for p in plans for _, t in p}
+    assert len(drawn) == 10  # over 20 steps every task gets drawn at least once
+
+
+@pytest.mark.parametrize(
+    "weighting, expected_c",
+    [
+        ("uniform", 1 / 3),  # every task alike
+        ("linear", 0.25),  # bucket 1: 3 shared by a and b (1.5 each); bucket 3: 1 -> 1 / 4
+        ("normal", 0.5),  # both buckets exp(-0.5), bucket 1 shared by two tasks -> 1 / 2
+    ],
+)
+def test_draw_frequencies_follow_bucket_weights(weighting, expected_c):
+    replayable = [("a", 1), ("b", 1), ("c", 3)]
+    n = 4000
+    counts = {"a": 0, "b": 0, "c": 0}
+    for seed in range(n):
+        p = plan(["q", "r"], replayable, 0.5, weighting=weighting, seed=seed)  # target 1
+        (task,) = p.replay_groups.values()
+        counts[task] += 1
+    assert abs(counts["c"] / n - expected_c) < 0.03
+    assert abs(counts["a"] / n - (1 - expected_c) / 2) < 0.03
+
+
+def test_linear_weighting_prefers_hard_tasks():
+    n = 3000
+    hits = sum(
+        plan(["q"], [("hard", 0), ("easy", 3)], 1.0, weighting="linear", seed=s).replay_groups == {0: "hard"}
+        for s in range(n)
+    )
+    assert abs(hits / n - 0.8) < 0.03  # weights 4 and 1

@@ -1,0 +1,156 @@
+"""ExReplayGRPOTrainer end to end on a tiny local model (CPU, single process)."""
+
+from __future__ import annotations
+
+import torch
+from helpers import losses, make_args, make_trainer
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_exreplay import ExperiencePool, ExReplayGRPOTrainer
+from trl_exreplay.examples import said_target
+
+
+def test_disabled_replay_is_grpo_trainer(tmp_path):
+    """enable_experience_replay=False: same losses and same weights as GRPOTrainer from the same seed."""
+    common = dict(max_steps=3, learning_rate=1e-2)
+    ours = make_trainer(tmp_path / "ours", enable_experience_replay=False, **common)
+    ours.train()
+    theirs = make_trainer(
+        tmp_path / "theirs", trainer_cls=GRPOTrainer, args=make_args(tmp_path / "theirs", GRPOConfig, **common)
+    )
+    theirs.train()
+    assert len(losses(ours)) == 3
+    assert losses(ours) == losses(theirs)
+    for (name, ours_param), (_, their_param) in zip(ours.model.named_parameters(), theirs.model.named_parameters()):
+        assert torch.equal(ours_param, their_param), name
+    assert ours.pool.num_trajectories == 0
+
+
+class RecordingTrainer(ExReplayGRPOTrainer):
+    """Keeps every generation batch as the trainer builds it (before TRL shuffles it)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches = []
+        self.generated_rows = []
+        generate = self.model.generate
+
+        def counting_generate(*a, **kw):
+            self.generated_rows.append(kw["input_ids"].size(0))
+            return generate(*a, **kw)
+
+        self.model.generate = counting_generate
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            # the pool as the plan saw it: pending outcomes are flushed before planning, the new ones only queued
+            self.batches.append((output, {t: self.pool.trajectories(t) for t in list(self.pool._store)}))
+        return output
+
+
+def test_replay_group_layout_and_generated_rows(tmp_path):
+    trainer = make_trainer(tmp_path, trainer_cls=RecordingTrainer, max_steps=8, offpolicy_trajectories_per_task=2)
+    trainer.train()
+    num_generations, k = 4, 2
+    tokenizer = trainer.processing_class
+    steps_with_replay = 0
+    assert len(trainer.batches) == len(trainer.generated_rows) == 8
+    for (output, pool_before), generated in zip(trainer.batches, trainer.generated_rows):
+        exp_mask, completion_mask = output["exp_mask"], output["completion_mask"]
+        assert exp_mask.size(0) == 16  # rows per batch unchanged
+        replayed = exp_mask.bool().any(dim=1)
+        replay_tasks = 0
+        for group in range(16 // num_generations):
+            rows = slice(group * num_generations, (group + 1) * num_generations)
+            prompts = output["prompt_ids"][rows]
+            assert (prompts == prompts[0]).all()  # one task per group
+            flags = replayed[rows].tolist()
+            if any(flags):
+                replay_tasks += 1
+                assert flags == [False] * (num_generations - k) + [True] * k
+                task_prompt = tokenizer.decode(prompts[0], skip_special_tokens=True)
+                word = task_prompt.split()[-1]
+                # replayed completions are stored trajectories of that task, and were successes
+                for row in range(group * num_generations + num_generations - k, (group + 1) * num_generations):
+                    n = int(completion_mask[row].sum())
+                    completion = output["completion_ids"][row, :n].tolist()
+                    stored = [t.completion_ids for ts in pool_before.values() for t in ts]
+                    assert completion in stored
+                    assert word in tokenizer.decode(completion, skip_special_tokens=True).split()
+        # exp_mask is exactly the model tokens of replayed rows, zero elsewhere
+        assert torch.equal(exp_mask[replayed], completion_mask[replayed])
+        assert not exp_mask[~replayed].any()
+        assert generated == 16 - replay_tasks * k  # counted at the model's generate
+        steps_with_replay += replay_tasks > 0
+    assert steps_with_replay >= 3
+
+
+def test_replayed_rewards_enter_the_group_baseline(tmp_path):
+    trainer = make_trainer(tmp_path, trainer_cls=RecordingTrainer, max_steps=8, scale_rewards="group")
+    trainer.train()
+    tokenizer = trainer.processing_class
+    checked = 0
+    for output, _ in trainer.batches:
+        replayed = output["exp_mask"].bool().any(dim=1)
+        for group in range(4):
+            rows = range(group * 4, group * 4 + 4)
+            if not replayed[rows[-1]]:
+                continue
+            word = tokenizer.decode(output["prompt_ids"][rows[0]], skip_special_tokens=True).split()[-1]
+            texts = [
+                tokenizer.decode(output["completion_ids"][r, : int(output["completion_mask"][r].sum())]) for r in rows
+            ]
+            rewards = torch.tensor(said_target([[{"content": t}] for t in texts], [word] * 4))
+            assert rewards[-1] == 1.0  # the replayed trajectory was a success
+            expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+            torch.testing.assert_close(output["advantages"][list(rows)], expected, atol=1e-5, rtol=0)
+            checked += 1
+    assert checked >= 3
+
+
+class SnapshotCallback(TrainerCallback):
+    def __init__(self):
+        self.weights = {}
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.weights[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_recorded_logps_are_the_generating_policy(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=5, temperature=0.7, replay_start_ratio=1.0)
+    snapshots = SnapshotCallback()
+    trainer.add_callback(snapshots)
+    trainer.train()
+    trajectories = [t for task in list(trainer.pool._store) for t in trainer.pool.trajectories(task)]
+    assert len(trajectories) >= 3
+    model = trainer.model
+    checked_versions = set()
+    for trajectory in trajectories:
+        model.load_state_dict(snapshots.weights[trajectory.policy_version])
+        ids = torch.tensor([trajectory.prompt_ids + trajectory.completion_ids])
+        with torch.no_grad():
+            logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+                model, ids, torch.ones_like(ids), len(trajectory.completion_ids), compute_entropy=True
+            )
+        torch.testing.assert_close(torch.tensor(trajectory.logps), logps[0], atol=1e-5, rtol=0)
+        assert abs(trajectory.entropy - entropies[0].mean().item()) < 1e-5
+        checked_versions.add(trajectory.policy_version)
+    assert len(checked_versions) >= 2  # trajectories from several policy versions, each matched its own
+
+
+def test_resume_gives_the_same_next_losses(tmp_path):
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, replay_start_ratio=0.25)
+    full = make_trainer(tmp_path / "full", **common)
+    full.train()
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-2"
+    saved = ExperiencePool.load(str(checkpoint / "exreplay_pool"))
+    assert saved.num_trajectories > 0
+
+    resumed = make_trainer(tmp_path / "resumed", **common)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert losses(resumed)[-2:] == losses(full)[-2:]
+    assert resumed.pool.content_hash() == full.pool.content_hash()
+    replay_rows = [e["replay/rows_fraction"] for e in resumed.state.log_history if "replay/rows_fraction" in e]
+    assert max(replay_rows) > 0  # the resumed steps did replay

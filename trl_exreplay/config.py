@@ -1,0 +1,234 @@
+"""`ExReplayGRPOConfig`: TRL's `GRPOConfig` plus the experience-replay fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from trl import GRPOConfig
+
+SELECT_MODES = ("argmin", "argmax", "random")
+SHAPING_MODES = ("clip", "exgrpo")
+BUCKET_WEIGHTINGS = ("uniform", "normal", "linear")
+STORE_MODES = ("all", "best")
+# Loss types whose aggregation `trl_exreplay.loss.compute_exreplay_loss` reproduces exactly.
+REPLAY_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class ExReplayGRPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`ExReplayGRPOTrainer`]: every [`trl.GRPOConfig`] field plus the experience-replay fields below
+    (ExGRPO, arXiv 2510.02245; AgentEvolver). With `enable_experience_replay=False` the trainer is `GRPOTrainer`.
+
+    How replay works, in the terms of these fields: after each generation step, a task's difficulty is its number of
+    successes (total reward >= `success_threshold`) among its fresh rollouts. Tasks solved by every fresh rollout go to
+    a skip set and leave the pool; successful rollouts of tasks with `experience_lbound < successes <
+    experience_rbound` enter the pool (at most `max_trajectories_per_task` per task). From `replay_start_ratio` of
+    training on, `int(exp_ratio * tasks_per_batch)` groups of each generation batch are pool tasks: each gets
+    `num_generations - offpolicy_trajectories_per_task` fresh rollouts plus `offpolicy_trajectories_per_task`
+    replayed trajectories in the same GRPO group. Replayed tokens are trained with their recorded log-probs as the
+    behaviour policy.
+
+    Example:
+
+    ```python
+    from trl_exreplay import ExReplayGRPOConfig
+
+    config = ExReplayGRPOConfig(
+        output_dir="out",
+        num_generations=8,
+        exp_ratio=0.5,
+        replay_start_ratio=0.35,
+        offpolicy_trajectories_per_task=1,
+        off_policy_shaping="exgrpo",
+    )
+    ```
+    """
+
+    enable_experience_replay: bool = field(
+        default=True,
+        metadata={"help": "Turn experience replay on. When False the trainer behaves exactly as `GRPOTrainer`."},
+    )
+    exp_ratio: float = field(
+        default=0.5,
+        metadata={
+            "help": "Fraction of the tasks of each generation batch drawn from the replay pool once replay has "
+            "started (batch size unchanged). In [0, 1]."
+        },
+    )
+    replay_start_ratio: float = field(
+        default=0.35,
+        metadata={
+            "help": "Fraction of total training steps after which replay starts; before it the pool only fills. "
+            "In [0, 1]."
+        },
+    )
+    offpolicy_trajectories_per_task: int = field(
+        default=1,
+        metadata={
+            "help": "k: replayed trajectories per replay task; the task's group gets num_generations - k fresh "
+            "rollouts. 1 <= k < num_generations."
+        },
+    )
+    max_trajectories_per_task: int = field(
+        default=5,
+        metadata={"help": "Capacity of the pool per task; beyond it a trajectory is evicted (see exp_select_mode)."},
+    )
+    experience_lbound: int = field(
+        default=0,
+        metadata={
+            "help": "A task's successes s must satisfy experience_lbound < s < experience_rbound to enter the pool."
+        },
+    )
+    experience_rbound: int | None = field(
+        default=None,
+        metadata={"help": "Upper (exclusive) bound on successes for entering the pool. None means num_generations."},
+    )
+    success_threshold: float = field(
+        default=1.0,
+        metadata={"help": "A rollout is a success when its total (weighted) reward is >= this value."},
+    )
+    exp_select_mode: str = field(
+        default="argmin",
+        metadata={
+            "help": "Which stored trajectory to replay, and which to evict at capacity: 'argmin' (lowest entropy), "
+            "'argmax' (highest entropy) or 'random' (random replay, FIFO eviction)."
+        },
+    )
+    use_current_policy_entropy: bool = field(
+        default=True,
+        metadata={
+            "help": "Rank candidate trajectories by their entropy under the current policy (one extra no-grad "
+            "forward over the candidates, sharded over processes) instead of the entropy saved when stored."
+        },
+    )
+    exp_is_correct: bool = field(
+        default=True,
+        metadata={
+            "help": "Use the recorded behaviour log-probs as the old log-probs of replayed tokens (importance "
+            "sampling). When False, the current log-probs are used (ratio 1, plain policy gradient on replay)."
+        },
+    )
+    off_cliprange_high: float = field(
+        default=1.0,
+        metadata={"help": "Upper clip of the replayed tokens' ratio: clamp(ratio, 1 - epsilon_low, 1 + this). >= 0."},
+    )
+    off_clip_ratio_c: float = field(
+        default=3.0,
+        metadata={"help": "Dual-clip constant c bounding the replayed tokens' loss for negative advantages. >= 1."},
+    )
+    off_policy_shaping: str = field(
+        default="clip",
+        metadata={
+            "help": "Objective on replayed tokens: 'clip' (dual-clip PPO with off_cliprange_high and off_clip_ratio_c) "
+            "or 'exgrpo' (-A * w / (w + off_policy_shaping_beta), w the importance ratio, no clip)."
+        },
+    )
+    off_policy_shaping_beta: float = field(
+        default=0.1,
+        metadata={"help": "beta of the 'exgrpo' shaping w / (w + beta). > 0."},
+    )
+    replay_bucket_weighting: str = field(
+        default="uniform",
+        metadata={
+            "help": "How replay tasks are drawn over difficulty buckets: 'uniform' (every pool task alike), "
+            "'normal' (buckets weighted by a Gaussian around num_generations / 2, as ExGRPO), 'linear' (bucket "
+            "weight grows linearly as tasks get harder, i.e. fewer successes)."
+        },
+    )
+    max_policy_age: int | None = field(
+        default=None,
+        metadata={"help": "Replay only trajectories generated at most this many optimizer steps ago. None: no limit."},
+    )
+    task_id_column: str = field(
+        default="task_id",
+        metadata={
+            "help": "Dataset column that identifies a task. Rows without it are keyed by a stable hash of the prompt."
+        },
+    )
+    pool_store_mode: str = field(
+        default="all",
+        metadata={
+            "help": "'all': store every success of a qualifying task; 'best': only its best one by entropy "
+            "(per exp_select_mode)."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate_replay_options(replay_options(self), self.num_generations)
+
+
+def replay_options(args: Any) -> dict[str, Any]:
+    """The replay fields of `args`; a plain `GRPOConfig` gets the defaults of `ExReplayGRPOConfig`."""
+    options = {}
+    for f in fields(ExReplayGRPOConfig):
+        if f.name in _REPLAY_FIELD_NAMES:
+            options[f.name] = getattr(args, f.name, f.default)
+    return options
+
+
+def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
+    if not condition:
+        raise ValueError(f"Invalid value {value!r} for `{name}`: allowed values are {allowed}.")
+
+
+def validate_replay_options(options: dict[str, Any], num_generations: int | None) -> None:
+    """Raise `ValueError` naming the field and its allowed values for the first invalid replay option."""
+    o = options
+    for name in ("exp_ratio", "replay_start_ratio"):
+        value = o[name]
+        _check(isinstance(value, (int, float)) and 0.0 <= value <= 1.0, name, value, "numbers in [0, 1]")
+    k = o["offpolicy_trajectories_per_task"]
+    upper = f"num_generations - 1 = {num_generations - 1}" if num_generations else "num_generations - 1"
+    _check(isinstance(k, int) and k >= 1, "offpolicy_trajectories_per_task", k, f"integers 1 .. {upper}")
+    if num_generations is not None:
+        _check(k < num_generations, "offpolicy_trajectories_per_task", k, f"integers 1 .. {upper}")
+    cap = o["max_trajectories_per_task"]
+    _check(
+        isinstance(cap, int) and cap >= k,
+        "max_trajectories_per_task",
+        cap,
+        f"integers >= offpolicy_trajectories_per_task ({k})",
+    )
+    lbound = o["experience_lbound"]
+    _check(isinstance(lbound, int) and lbound >= 0, "experience_lbound", lbound, "integers >= 0")
+    rbound = o["experience_rbound"]
+    effective_rbound = num_generations if rbound is None else rbound
+    if rbound is not None:
+        _check(isinstance(rbound, int), "experience_rbound", rbound, "None or an integer > experience_lbound")
+    if effective_rbound is not None:
+        _check(
+            lbound < effective_rbound,
+            "experience_lbound",
+            lbound,
+            f"integers below experience_rbound ({effective_rbound}; lbound < successes < rbound must be satisfiable)",
+        )
+    _check(o["exp_select_mode"] in SELECT_MODES, "exp_select_mode", o["exp_select_mode"], _names(SELECT_MODES))
+    _check(
+        o["off_policy_shaping"] in SHAPING_MODES, "off_policy_shaping", o["off_policy_shaping"], _names(SHAPING_MODES)
+    )
+    _check(
+        o["replay_bucket_weighting"] in BUCKET_WEIGHTINGS,
+        "replay_bucket_weighting",
+        o["replay_bucket_weighting"],
+        _names(BUCKET_WEIGHTINGS),
+    )
+    _check(o["pool_store_mode"] in STORE_MODES, "pool_store_mode", o["pool_store_mode"], _names(STORE_MODES))
+    _check(o["off_cliprange_high"] >= 0, "off_cliprange_high", o["off_cliprange_high"], "numbers >= 0")
+    _check(o["off_clip_ratio_c"] >= 1, "off_clip_ratio_c", o["off_clip_ratio_c"], "numbers >= 1")
+    _check(o["off_policy_shaping_beta"] > 0, "off_policy_shaping_beta", o["off_policy_shaping_beta"], "numbers > 0")
+    age = o["max_policy_age"]
+    _check(age is None or (isinstance(age, int) and age >= 0), "max_policy_age", age, "None or integers >= 0")
+    column = o["task_id_column"]
+    _check(isinstance(column, str) and column != "", "task_id_column", column, "a non-empty column name")
+
+
+def _names(values: tuple[str, ...]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+_REPLAY_FIELD_NAMES = frozenset(
+    name for name in ExReplayGRPOConfig.__dataclass_fields__ if name not in GRPOConfig.__dataclass_fields__
+)

@@ -1,0 +1,78 @@
+"""Tiny causal LMs with word-level tokenizers, built locally (no Hub access needed).
+
+Used by the tests, the examples and the CPU recipe: a randomly initialised Llama with a few thousand parameters and a
+`tokenizers` word-level tokenizer over a given vocabulary, with a chat template, pad and eos set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>", "<user>", "<assistant>", "<system>", "<tool>"]
+
+# Each message is rendered as "<role> words <eos>"; the generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<' + message['role'] + '> ' + message['content'] + ' <eos> ' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<assistant> ' }}{% endif %}"
+)
+
+
+def build_tiny_tokenizer(words: Iterable[str]):
+    """A `PreTrainedTokenizerFast` over `SPECIAL_TOKENS` + `words` (whitespace split, word level)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {}
+    for token in [*SPECIAL_TOKENS, *words]:
+        vocab.setdefault(token, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[4:]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    # Word-level tokens are whole words: decode with single spaces and no cleanup surprises.
+    tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
+
+
+def build_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 2, seed: int = 0):
+    """A randomly initialised `LlamaForCausalLM` sized for `tokenizer`, deterministic for a given `seed`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def save_tiny_model(path: str, words: Iterable[str], seed: int = 0, **model_kwargs) -> str:
+    """Build a tiny model and tokenizer and `save_pretrained` both to `path` (returns `path`)."""
+    tokenizer = build_tiny_tokenizer(words)
+    model = build_tiny_model(tokenizer, seed=seed, **model_kwargs)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,565 @@
+"""`ExReplayGRPOTrainer`: TRL's `GRPOTrainer` with experience replay. Thin glue over small overrides.
+
+Overrides (each calls `super()` and post-processes; no TRL method body is copied):
+
+* `_generate_and_score_completions`: plan the replay groups on global rows (identical on every rank), swap replay
+  tasks into their groups, call `super()`, then attach `exp_mask` and the recorded log-probs to the batch and queue
+  the step's outcomes for the pool;
+* `_generate_single_turn`: generate the fresh rows only and splice in the replayed completions;
+* `_calculate_rewards`: replayed rows keep their recorded rewards (they still count in their group's mean and std);
+* `_compute_loss`: forward, then `compute_exreplay_loss` (on/off-policy split) plus TRL's KL and entropy terms;
+* `_save_checkpoint` / `_load_optimizer_and_scheduler`: the pool travels with every checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections import Counter
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+from trl.trainer.utils import pad
+
+from .config import REPLAY_LOSS_TYPES, replay_options, validate_replay_options
+from .loss import aggregate_loss, compute_exreplay_loss
+from .planner import ReplayPlan, plan_replay
+from .pool import ExperiencePool, TaskOutcome, Trajectory, task_key
+
+logger = logging.getLogger(__name__)
+
+POOL_DIR = "exreplay_pool"
+
+
+class ExReplayGRPOTrainer(GRPOTrainer):
+    r"""
+    `GRPOTrainer` with experience replay (ExGRPO / AgentEvolver). Same arguments as [`trl.GRPOTrainer`], plus
+    `experience_pool` to start from an existing pool. Replay is configured by [`ExReplayGRPOConfig`]; a plain
+    `GRPOConfig` replays with the default settings, and `enable_experience_replay=False` gives `GRPOTrainer` exactly.
+
+    Example:
+
+    ```python
+    from datasets import Dataset
+    from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
+    from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(["say", "yes", "no", "maybe"])
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "say yes"}]] * 8, "task_id": list("ab") * 4})
+
+
+    def said_yes(completions, **kwargs):
+        return [float("yes" in c[0]["content"]) for c in completions]
+
+
+    trainer = ExReplayGRPOTrainer(
+        model=build_tiny_model(tokenizer),
+        reward_funcs=said_yes,
+        args=ExReplayGRPOConfig(output_dir="out", num_generations=4, per_device_train_batch_size=8, max_steps=4,
+                                max_completion_length=4, replay_start_ratio=0.5, use_cpu=True, report_to="none"),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    print(trainer.pool.stats())
+    ```
+    """
+
+    def __init__(self, *args, experience_pool: ExperiencePool | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.replay = replay_options(self.args)
+        validate_replay_options(self.replay, self.num_generations)
+        self._replay_enabled = bool(self.replay["enable_experience_replay"])
+        if self._replay_enabled:
+            self._check_supported()
+        rbound = self.replay["experience_rbound"]
+        self.pool = experience_pool or ExperiencePool(
+            max_trajectories_per_task=self.replay["max_trajectories_per_task"],
+            experience_lbound=self.replay["experience_lbound"],
+            experience_rbound=self.num_generations if rbound is None else rbound,
+            exp_select_mode=self.replay["exp_select_mode"],
+            pool_store_mode=self.replay["pool_store_mode"],
+            seed=self.args.seed,
+        )
+        self._pending: dict | None = None  # outcomes of the last generation step, flushed into the pool later
+        self._active: dict | None = None  # the replay plan of the generation step in progress
+        self._generation_replay: dict[int, Trajectory] | None = None  # local row -> replayed trajectory
+        self._replay_counts: Counter = Counter()  # faults and mismatches, logged once per kind
+        self._warned: set[str] = set()
+        if self._replay_enabled:
+            self.add_callback(_FlushPoolAtTrainEnd(self))
+
+    # ------------------------------------------------------------------------------------------------ checks
+    def _check_supported(self) -> None:
+        def reject(name, value, allowed):
+            raise ValueError(
+                f"Experience replay does not support `{name}={value!r}`; use {allowed}, or set "
+                "`enable_experience_replay=False`."
+            )
+
+        if self.loss_type not in REPLAY_LOSS_TYPES:
+            reject("loss_type", self.loss_type, "one of " + ", ".join(repr(t) for t in REPLAY_LOSS_TYPES))
+        if self.importance_sampling_level != "token":
+            reject("importance_sampling_level", self.importance_sampling_level, "'token'")
+        if self.top_entropy_quantile < 1.0:
+            reject("top_entropy_quantile", self.top_entropy_quantile, "1.0")
+        if self.off_policy_mask_threshold is not None:
+            reject("off_policy_mask_threshold", self.off_policy_mask_threshold, "None")
+        if self.args.delta is not None:
+            reject("delta", self.args.delta, "None")
+        if self.use_adaptive_entropy:
+            reject("use_adaptive_entropy", True, "a static entropy_coef")
+        if self.tools or self.rollout_func is not None or self.environment_factories is not None:
+            raise ValueError(
+                "Experience replay of tool calls, `rollout_func` or `environment_factory` rollouts is not supported "
+                "by this trainer version; set `enable_experience_replay=False`."
+            )
+
+    # -------------------------------------------------------------------------------------------- generation
+    def _generate_and_score_completions(self, inputs):
+        if not self._replay_enabled or not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        self._flush_pending()
+        num_generations = self.num_generations
+        rank, local_rows = self.accelerator.process_index, len(inputs)
+        offset = rank * local_rows
+        column = self.replay["task_id_column"]
+        row_keys = gather_object([task_key(x, column) for x in inputs])
+        group_keys = row_keys[::num_generations]
+        step = self.state.global_step
+
+        plan = ReplayPlan(num_generations, self.replay["offpolicy_trajectories_per_task"], {})
+        if self._replay_started():
+            plan = plan_replay(
+                group_keys,
+                self.pool.replayable_tasks(plan.num_replayed, step, self.replay["max_policy_age"]),
+                exp_ratio=self.replay["exp_ratio"],
+                num_generations=num_generations,
+                num_replayed=plan.num_replayed,
+                weighting=self.replay["replay_bucket_weighting"],
+                seed=[self.args.seed, step],
+            )
+        selected = self._select_trajectories(plan, step)
+
+        new_inputs, replayed_local = [], {}
+        for i, row in enumerate(inputs):
+            global_row = offset + i
+            group, position = divmod(global_row, num_generations)
+            task_id = plan.replay_groups.get(group)
+            if task_id is not None and task_id != group_keys[group]:
+                row = self.pool.task_row(task_id)
+            if plan.is_replayed(global_row):
+                replayed_local[i] = selected[task_id][position - (num_generations - plan.num_replayed)]
+            new_inputs.append(row)
+        row_tasks = [plan.task_of_row(r, group_keys) for r in range(len(row_keys))]
+        fresh_per_rank = [
+            sum(not plan.is_replayed(r) for r in range(start, start + local_rows))
+            for start in range(0, len(row_keys), local_rows)
+        ]
+
+        # Every rank takes the replay path of `_generate_single_turn` when any rank replays (its calls stay aligned).
+        self._generation_replay = replayed_local if plan.replay_groups else None
+        self._active = {"plan": plan, "selected": selected, "rewards": None, "fresh_per_rank": fresh_per_rank}
+        try:
+            output = super()._generate_and_score_completions(new_inputs)
+            rewards_per_func = self._active["rewards"]
+            self._attach_replay_tensors(output, replayed_local)
+            self._queue_outcomes(output, new_inputs, row_tasks, plan, rewards_per_func, offset)
+            self._log_generation_metrics(plan, len(row_keys), step)
+        finally:
+            self._generation_replay = None
+            self._active = None
+        return output
+
+    def _replay_started(self) -> bool:
+        max_steps = max(self.state.max_steps, 1)
+        return self.state.global_step / max_steps >= self.replay["replay_start_ratio"]
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        replayed = self._generation_replay
+        if replayed is None:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        self._generation_replay = None  # one-shot: later calls (if any) generate normally
+        if images is not None or multimodal_fields:
+            raise NotImplementedError("Experience replay with multimodal prompts is not supported yet.")
+        fresh = [i for i in range(len(prompt_ids)) if i not in replayed]
+        num_padding = self._padding_rows(len(fresh))
+        to_generate = [prompt_ids[i] for i in fresh] + [prompt_ids[0]] * num_padding
+        generated, generated_logps = [], None
+        if to_generate:
+            generated, generated_logps = super()._generate_single_turn(
+                to_generate, None, multimodal_fields, 1 if self.use_vllm else num_generations, has_tool_images
+            )
+        self._replay_counts["padding_rows"] += num_padding
+        completion_ids = [None] * len(prompt_ids)
+        logprobs = None if generated_logps is None else [None] * len(prompt_ids)
+        for j, i in enumerate(fresh):
+            completion_ids[i] = generated[j]
+            if logprobs is not None:
+                logprobs[i] = generated_logps[j]
+        for i, trajectory in replayed.items():
+            completion_ids[i] = self._fit_completion(trajectory.completion_ids)
+            if logprobs is not None:
+                logprobs[i] = trajectory.logps[: len(completion_ids[i])]
+            if list(prompt_ids[i]) != trajectory.prompt_ids:
+                self._count("prompt_mismatch", "a replayed trajectory's prompt tokenizes differently now")
+        return completion_ids, logprobs
+
+    def _padding_rows(self, num_fresh: int) -> int:
+        """Rows to generate and discard so every rank makes the same generation calls (vLLM server / TP, ZeRO-3)."""
+        most = max(self._active["fresh_per_rank"])
+        if self.use_vllm and (self.vllm_mode == "server" or self.vllm_tensor_parallel_size > 1):
+            return most - num_fresh  # vLLM slices its output by equal per-rank shares
+        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        return 1 if (zero3 and num_fresh == 0 and most > 0) else 0
+
+    def _fit_completion(self, completion_ids: list[int]) -> list[int]:
+        limit = self.max_completion_length
+        if limit is not None and len(completion_ids) > limit:
+            self._count("truncated_replays", "a replayed completion is longer than max_completion_length")
+            return completion_ids[:limit]
+        return completion_ids
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        active = self._active
+        if active is None:
+            return rewards_per_func
+        plan, selected = active["plan"], active["selected"]
+        k = plan.num_replayed
+        for group, task_id in plan.replay_groups.items():
+            for j, trajectory in enumerate(selected[task_id]):
+                row = group * plan.num_generations + plan.num_generations - k + j
+                recorded = torch.tensor(trajectory.rewards, dtype=rewards_per_func.dtype)
+                if recorded.numel() != rewards_per_func.size(1):
+                    self._count("reward_arity_mismatch", "recorded rewards do not match the reward functions")
+                    continue
+                recorded = recorded.to(rewards_per_func.device)
+                if not torch.allclose(rewards_per_func[row], recorded, equal_nan=True, atol=1e-4):
+                    self._replay_counts["reward_mismatch"] += 1
+                rewards_per_func[row] = recorded
+        active["rewards"] = rewards_per_func
+        return rewards_per_func
+
+    def _select_trajectories(self, plan: ReplayPlan, step: int) -> dict[str, list[Trajectory]]:
+        k, age = plan.num_replayed, self.replay["max_policy_age"]
+        candidates = {t: self.pool.candidates(t, step, age) for t in plan.replay_groups.values()}
+        entropies: dict[str, list[float]] = {}
+        mode = self.replay["exp_select_mode"]
+        if self.replay["use_current_policy_entropy"] and mode != "random":
+            ranked = [t for t in candidates if len(candidates[t]) > k]
+            flat = [trajectory for t in ranked for trajectory in candidates[t]]
+            values = self._current_policy_entropies(flat)
+            start = 0
+            for t in ranked:
+                entropies[t] = values[start : start + len(candidates[t])]
+                start += len(candidates[t])
+        rng = np.random.default_rng([self.args.seed, step, 1])
+        return {t: self.pool.select(c, k, entropies.get(t), rng) for t, c in candidates.items()}
+
+    @torch.no_grad()
+    def _current_policy_entropies(self, trajectories: list[Trajectory]) -> list[float]:
+        """Mean entropy of each trajectory's model tokens under the current policy.
+
+        Sharded over processes (rank r scores trajectories r, r+W, ...), every rank making the same number of forward
+        calls (short shards are padded), then gathered, so all ranks see identical values and ZeRO-3 cannot deadlock.
+        """
+        total = len(trajectories)
+        if total == 0:
+            return []
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        per_rank = math.ceil(total / world)
+        mine = [trajectories[i] for i in range(rank, total, world)]
+        mine += [trajectories[0]] * (per_rank - len(mine))
+        device = self.accelerator.device
+        pad_id = self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id") else 0
+        prompts = [torch.tensor(t.prompt_ids) for t in mine]
+        completions = [torch.tensor(t.completion_ids) for t in mine]
+        prompt_ids = pad(prompts, padding_value=pad_id, padding_side="left").to(device)
+        prompt_mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device)
+        completion_ids = pad(completions, padding_value=pad_id, padding_side="right").to(device)
+        completion_mask = pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right")
+        model_mask = pad([torch.tensor(t.completion_mask) for t in mine], padding_value=0, padding_side="right")
+        model_mask = (model_mask * completion_mask).to(device)
+        _, entropies, _ = self._get_per_token_logps_and_entropies(
+            self.model,
+            torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([prompt_mask, completion_mask.to(device)], dim=1),
+            completion_ids.size(1),
+            batch_size=self.args.per_device_train_batch_size,
+            compute_entropy=True,
+        )
+        means = (entropies * model_mask).sum(-1) / model_mask.sum(-1).clamp(min=1)
+        gathered = self.accelerator.gather(means.float()).view(world, per_rank).cpu()
+        return [float(gathered[i % world, i // world]) for i in range(total)]
+
+    # ---------------------------------------------------------------------------------- batch post-processing
+    def _attach_replay_tensors(self, output: dict, replayed_local: dict[int, Trajectory]) -> None:
+        completion_ids = output["completion_ids"]
+        batch, length = completion_ids.shape
+        device = completion_ids.device
+        exp_mask = torch.zeros(batch, length, dtype=torch.long, device=device)
+        recorded = torch.zeros(batch, length, dtype=torch.float32, device=device)
+        for i, trajectory in replayed_local.items():
+            n = min(len(trajectory.completion_ids), length)
+            exp_mask[i, :n] = torch.tensor(trajectory.completion_mask[:n], device=device)
+            recorded[i, :n] = torch.tensor(trajectory.logps[:n], device=device)
+        exp_mask = exp_mask * output["completion_mask"]
+        output["exp_mask"] = exp_mask
+        output["recorded_per_token_logps"] = recorded
+        output["exreplay_row"] = torch.arange(batch, device=device)
+        if "importance_sampling_ratio" in output and replayed_local:
+            # The vLLM sampler correction does not apply to replayed rows: their ratio is taken against the
+            # recorded behaviour log-probs in the loss.
+            rows = torch.tensor(sorted(replayed_local), device=device)
+            output["importance_sampling_ratio"][rows] = 1.0
+
+    def _queue_outcomes(self, output, inputs, row_tasks, plan, rewards_per_func, offset) -> None:
+        """Compute each task's outcome from the gathered rewards; keep this rank's successful fresh rows."""
+        weights = self.reward_weights.to(rewards_per_func.device)
+        totals = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        success = (totals >= self.replay["success_threshold"]).cpu().tolist()
+        num_generations = self.num_generations
+        outcomes = []
+        for group in range(len(row_tasks) // num_generations):
+            rows = range(group * num_generations, (group + 1) * num_generations)
+            fresh = [r for r in rows if not plan.is_replayed(r)]
+            winners = [r for r in fresh if success[r]]
+            outcomes.append((row_tasks[group * num_generations], len(winners), len(fresh), winners))
+
+        local_rows = len(inputs)
+        wanted = {r - offset for _, _, _, winners in outcomes for r in winners if 0 <= r - offset < local_rows}
+        old = output.get("old_per_token_logps")
+        model_mask = output["completion_mask"] * output.get("tool_mask", 1)
+        records = {}
+        for i in sorted(wanted):
+            n = int(output["completion_mask"][i].sum())
+            if int(model_mask[i, :n].sum()) == 0:
+                continue  # nothing trainable (e.g. a truncated completion masked by mask_truncated_completions)
+            try:
+                task_row = json.dumps(inputs[i], sort_keys=True)
+            except (TypeError, ValueError):
+                task_row = None
+                self._count("unserializable_task_rows", "a dataset row is not JSON-serializable, so it cannot replay")
+            records[offset + i] = {
+                "task_id": row_tasks[offset + i],
+                "prompt_ids": output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist(),
+                "completion_ids": output["completion_ids"][i, :n].tolist(),
+                "completion_mask": model_mask[i, :n].tolist(),
+                "logps": None if old is None else (old[i, :n] * model_mask[i, :n]).tolist(),
+                "entropy": None,
+                "rewards": rewards_per_func[offset + i].tolist(),
+                "reward": float(totals[offset + i]),
+                "policy_version": self.state.global_step,
+                "task_row": task_row,
+            }
+        self._pending = {"outcomes": outcomes, "records": records, "offset": offset}
+
+    def _capture(self, inputs, per_token_logps, entropies, mask) -> None:
+        """Fill the pending records with the log-probs and entropies of the loss forward (no extra forward)."""
+        if self._pending is None or not self.model.training:
+            return
+        records, offset = self._pending["records"], self._pending["offset"]
+        entropies = entropies.detach()
+        for j, local_row in enumerate(inputs["exreplay_row"].tolist()):
+            record = records.get(offset + local_row)
+            if record is None or record["entropy"] is not None:
+                continue
+            n = len(record["completion_ids"])
+            row_mask = mask[j, :n].float()
+            record["entropy"] = float((entropies[j, :n] * row_mask).sum() / row_mask.sum().clamp(min=1))
+            if record["logps"] is None:
+                record["logps"] = (per_token_logps[j, :n].detach().float() * row_mask).tolist()
+
+    def _flush_pending(self) -> None:
+        """Insert the queued outcomes into the pool. Collective: every rank calls it at the same points."""
+        pending, self._pending = self._pending, None
+        local = []
+        if pending is not None:
+            for row, record in pending["records"].items():
+                if record["entropy"] is None:
+                    self._count("uncaptured_rows", "a successful row was never seen by the loss; not stored")
+                    continue
+                local.append((row, record))
+        merged = dict(gather_object(local)) if self.accelerator.num_processes > 1 else dict(local)
+        if pending is None:
+            return
+        for task_id, successes, num_fresh, winners in pending["outcomes"]:
+            trajectories, task_row = [], None
+            for row in winners:
+                record = merged.get(row)
+                if record is None:
+                    continue
+                record = dict(record)
+                task_row = record.pop("task_row") or task_row
+                trajectories.append(Trajectory(**record))
+            self.pool.record_outcome(TaskOutcome(task_id, successes, num_fresh, trajectories, task_row))
+
+    # --------------------------------------------------------------------------------------------------- loss
+    def _compute_loss(self, model, inputs):
+        if not self._replay_enabled:
+            return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            inputs["completion_ids"].size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+        )
+        if "exreplay_row" in inputs:
+            self._capture(inputs, per_token_logps, entropies, mask)
+
+        exp_mask = inputs.get("exp_mask", torch.zeros_like(mask)) * mask
+        old = inputs.get("old_per_token_logps")
+        old = per_token_logps.detach() if old is None else old
+        if "recorded_per_token_logps" in inputs:
+            replay_old = (
+                inputs["recorded_per_token_logps"] if self.replay["exp_is_correct"] else per_token_logps.detach()
+            )
+            old = torch.where(exp_mask.bool(), replay_old, old)
+
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        normalizer = None
+        if self.loss_type == "dapo":
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * accumulation / self.args.steps_per_generation
+        loss_kwargs = {
+            "loss_type": self.loss_type,
+            "max_completion_length": self.max_completion_length,
+            "loss_normalizer": normalizer,
+        }
+        is_ratio = inputs.get("importance_sampling_ratio") if self.use_vllm else None
+        loss, metrics = compute_exreplay_loss(
+            per_token_logps,
+            old,
+            inputs["advantages"],
+            mask,
+            exp_mask,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            off_cliprange_high=self.replay["off_cliprange_high"],
+            off_clip_ratio_c=self.replay["off_clip_ratio_c"],
+            off_policy_shaping=self.replay["off_policy_shaping"],
+            off_policy_shaping_beta=self.replay["off_policy_shaping_beta"],
+            importance_sampling_ratio=is_ratio,
+            **loss_kwargs,
+        )
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+            if self.args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * torch.exp(per_token_logps - old).detach()
+            loss = loss + self.beta * aggregate_loss(per_token_kl, mask, **loss_kwargs)
+            self._metrics[mode]["kl"].append(self._global_mean(per_token_kl, mask))
+        if self.loss_type != "dapo":
+            loss = loss / accumulation
+        if self._entropy_bonus_enabled:
+            mean_entropy = (entropies * mask).sum() / mask.sum().clamp(min=1.0)
+            loss = loss - self.entropy_coef * mean_entropy / accumulation
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+        self._metrics[mode]["entropy"].append(self._global_mean(entropies, mask))
+        self._log_loss_metrics(mode, metrics)
+        return loss
+
+    def _global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
+        totals = torch.stack([(values.detach() * mask).sum(), mask.sum().float()])
+        totals = self.accelerator.reduce(totals, reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    def _log_loss_metrics(self, mode: str, m: dict) -> None:
+        fresh, replayed = m["fresh_tokens"].float(), m["replayed_tokens"].float()
+        sums = torch.stack(
+            [
+                fresh,
+                replayed,
+                m["on_policy_loss"] * fresh,
+                m["off_policy_loss"] * replayed,
+                m["on_clip_fraction"] * fresh,
+                m["off_clip_fraction"] * replayed,
+                m["importance_ratio_mean"] * replayed,
+                m["logp_drift"] * replayed,
+            ]
+        ).to(self.accelerator.device)
+        sums = self.accelerator.reduce(sums, reduction="sum").tolist()
+        extremes = torch.stack([m["importance_ratio_min"], -m["importance_ratio_max"]]).to(self.accelerator.device)
+        extremes = self.accelerator.gather(extremes.view(1, 2)).view(-1, 2).min(dim=0).values.tolist()
+        n_fresh, n_replayed = sums[0], sums[1]
+        metrics = self._metrics[mode]
+        if n_fresh > 0:
+            metrics["replay/on_policy_loss"].append(sums[2] / n_fresh)
+            metrics["replay/on_clip_fraction"].append(sums[4] / n_fresh)
+        if n_replayed > 0:
+            metrics["replay/off_policy_loss"].append(sums[3] / n_replayed)
+            metrics["replay/off_clip_fraction"].append(sums[5] / n_replayed)
+            metrics["replay/importance_ratio_mean"].append(sums[6] / n_replayed)
+            metrics["replay/logp_drift"].append(sums[7] / n_replayed)
+            metrics["replay/importance_ratio_min"].append(extremes[0])
+            metrics["replay/importance_ratio_max"].append(-extremes[1])
+
+    # ---------------------------------------------------------------------------------------------- metrics
+    def _log_generation_metrics(self, plan: ReplayPlan, total_rows: int, step: int) -> None:
+        metrics = self._metrics["train"]
+        replayed_rows = len(plan.replayed_rows())
+        metrics["replay/rows_fraction"].append(replayed_rows / total_rows)
+        metrics["replay/tasks"].append(float(plan.num_tasks))
+        metrics["replay/generated_rows"].append(float(total_rows - replayed_rows))
+        ages = [step - t.policy_version for ts in self._active["selected"].values() for t in ts]
+        if ages:
+            metrics["replay/policy_age"].append(float(np.mean(ages)))
+        for name, value in self.pool.stats().items():
+            metrics[f"replay/{name}"].append(value)
+        for name, count in self._replay_counts.items():
+            metrics[f"replay/{name}"].append(float(count))
+
+    def _count(self, kind: str, message: str) -> None:
+        self._replay_counts[kind] += 1
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning("trl_exreplay: %s (counted in replay/%s; logged once).", message, kind)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def _save_checkpoint(self, model, trial):
+        if self._replay_enabled:
+            self._flush_pending()
+        super()._save_checkpoint(model, trial)
+        if self._replay_enabled and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            self.pool.save(os.path.join(folder, POOL_DIR))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Save the model as `GRPOTrainer` does, and the pool beside it in `exreplay_pool/` (call on every rank)."""
+        super().save_model(output_dir, _internal_call)
+        if self._replay_enabled and not _internal_call:
+            self._flush_pending()
+            if self.args.should_save:
+                self.pool.save(os.path.join(output_dir or self.args.output_dir, POOL_DIR))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self._replay_enabled and checkpoint is not None and os.path.isdir(os.path.join(checkpoint, POOL_DIR)):
+            self.pool = ExperiencePool.load(os.path.join(checkpoint, POOL_DIR))
+            self._pending = None
+
+
+class _FlushPoolAtTrainEnd(TrainerCallback):
+    """The last step's outcomes would otherwise wait for a next generation step that never comes."""
+
+    def __init__(self, trainer: ExReplayGRPOTrainer):
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._flush_pending()
