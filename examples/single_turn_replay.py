@@ -1,7 +1,7 @@
 """Single-turn GRPO with experience replay on a tiny local model (CPU, no download, about a minute).
 
     python examples/single_turn_replay.py                      # one process
-    accelerate launch --config_file examples/accelerate_ddp_cpu.yaml examples/single_turn_replay.py
+    accelerate launch --config_file recipes/accelerate/ddp_cpu.yaml examples/single_turn_replay.py
 
 The task: "say the word X"; reward 1 when the completion contains X. The swap from TRL is one line:
 `GRPOTrainer` -> `ExReplayGRPOTrainer` (and `GRPOConfig` -> `ExReplayGRPOConfig` for the replay knobs).

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 from helpers import losses, make_args, make_trainer
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_exreplay import ExperiencePool, ExReplayGRPOTrainer
+from trl_exreplay import ExperiencePool, ExReplayGRPOTrainer, Trajectory
 from trl_exreplay.examples import said_target
+from trl_exreplay.planner import ReplayPlan
 
 
 def test_disabled_replay_is_grpo_trainer(tmp_path):
@@ -154,3 +157,99 @@ def test_resume_gives_the_same_next_losses(tmp_path):
     assert resumed.pool.content_hash() == full.pool.content_hash()
     replay_rows = [e["replay/rows_fraction"] for e in resumed.state.log_history if "replay/rows_fraction" in e]
     assert max(replay_rows) > 0  # the resumed steps did replay
+
+
+def _stored_trajectories(trainer, task_id, completions, saved_entropies):
+    tokenizer = trainer.processing_class
+    prompt = [{"role": "user", "content": "say the word red"}]
+    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    prompt_ids = prompt_ids["input_ids"]
+    out = []
+    for words, entropy in zip(completions, saved_entropies):
+        ids = tokenizer(words)["input_ids"]
+        out.append(Trajectory(task_id, prompt_ids, ids, [1] * len(ids), [-1.0] * len(ids), [1.0], 1.0, entropy, 0))
+    return out
+
+
+def _entropy_alone(trainer, trajectory):
+    ids = torch.tensor([trajectory.prompt_ids + trajectory.completion_ids])
+    with torch.no_grad():
+        _, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, torch.ones_like(ids), len(trajectory.completion_ids), compute_entropy=True
+        )
+    return entropies[0].mean().item()
+
+
+@pytest.mark.parametrize("use_current", [True, False])
+def test_selection_by_current_or_saved_entropy(tmp_path, use_current):
+    trainer = make_trainer(tmp_path, use_current_policy_entropy=use_current, exp_select_mode="argmin")
+    completions = ["red red", "cat dog sun moon", "blue", "tree rock fish"]
+    current = [_entropy_alone(trainer, t) for t in _stored_trajectories(trainer, "task-0", completions, [0] * 4)]
+    saved = [-c for c in current]  # saved order is the reverse of the current one
+    for trajectory in _stored_trajectories(trainer, "task-0", completions, saved):
+        trainer.pool.add(trajectory)
+    plan = ReplayPlan(num_generations=4, num_replayed=1, replay_groups={0: "task-0"})
+    (chosen,) = trainer._select_trajectories(plan, step=0)["task-0"]
+    expected = int(np.argmin(current)) if use_current else int(np.argmin(saved))
+    assert chosen.completion_ids == trainer.pool.trajectories("task-0")[expected].completion_ids
+    assert int(np.argmin(current)) != int(np.argmin(saved))
+
+
+def test_sharded_entropy_forward_matches_unpadded(tmp_path):
+    trainer = make_trainer(tmp_path)
+    trajectories = _stored_trajectories(trainer, "t", ["red", "cat dog sun moon", "blue green", "a"], [0] * 4)
+    batched = trainer._current_policy_entropies(trajectories)
+    alone = [_entropy_alone(trainer, t) for t in trajectories]
+    assert batched == pytest.approx(alone, abs=1e-5)
+
+
+def test_replay_metrics_are_logged(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=6)
+    trainer.train()
+    logged = set().union(*(entry.keys() for entry in trainer.state.log_history))
+    expected = {
+        "replay/rows_fraction",
+        "replay/tasks",
+        "replay/pool_tasks",
+        "replay/pool_trajectories",
+        "replay/skip_set",
+        "replay/on_policy_loss",
+        "replay/off_policy_loss",
+        "replay/on_clip_fraction",
+        "replay/off_clip_fraction",
+        "replay/importance_ratio_min",
+        "replay/importance_ratio_mean",
+        "replay/importance_ratio_max",
+        "replay/logp_drift",
+        "replay/policy_age",
+        "replay/generated_rows",
+    }
+    assert expected <= logged, expected - logged
+    assert any(key.startswith("replay/bucket_") for key in logged)
+
+
+def test_exp_is_correct_off_uses_current_logps(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=6, exp_is_correct=False)
+    trainer.train()
+    replay_entries = [e for e in trainer.state.log_history if "replay/importance_ratio_mean" in e]
+    assert replay_entries
+    for entry in replay_entries:
+        assert entry["replay/importance_ratio_min"] == entry["replay/importance_ratio_max"] == 1.0
+        assert entry["replay/logp_drift"] == 0.0
+
+
+def test_plain_grpo_config_replays_with_defaults(tmp_path):
+    args = make_args(tmp_path, GRPOConfig, max_steps=6)
+    trainer = make_trainer(tmp_path, args=args)
+    assert trainer.replay["exp_ratio"] == 0.5 and trainer.replay["enable_experience_replay"]
+    trainer.train()
+    assert max(e.get("replay/tasks", 0) for e in trainer.state.log_history) > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("loss_type", "cispo"), ("importance_sampling_level", "sequence"), ("top_entropy_quantile", 0.5)],
+)
+def test_unsupported_grpo_options_are_refused_with_replay(tmp_path, field, value):
+    with pytest.raises(ValueError, match=field):
+        make_trainer(tmp_path, **{field: value})

@@ -1,0 +1,53 @@
+"""Two real processes (gloo) under `accelerate launch`: DDP and DeepSpeed ZeRO-3 on CPU, replay active."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "replay_multiprocess.py"
+
+
+def launch(config: str, out_dir: Path, timeout: int = 600) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, str(SCRIPT), str(out_dir)]
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as error:  # a hang (e.g. a collective mismatch) fails the test, bounded
+        pytest.fail(f"{config}: no exit within {timeout}s\n{error.stdout}\n{error.stderr}")
+    assert result.returncode == 0, f"{config} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def check_rank_identical_replay(ranks: list[dict]) -> None:
+    rank0, rank1 = ranks
+    assert rank0["world_size"] == rank1["world_size"] == 2
+    assert rank0["pool_hash"] == rank1["pool_hash"]
+    assert rank0["pool_trajectories"] > 0
+    assert rank0["plans"] == rank1["plans"]
+    assert rank0["losses"] == rank1["losses"]
+    # 3 tasks per batch, exp_ratio 1: every replay step replays all 3 groups, one row each (k = 1)
+    assert rank0["replay_tasks"][:2] == [0.0, 0.0]
+    assert rank0["replay_tasks"][2:] == [3.0] * 4
+    assert [len(plan) for plan in rank0["plans"]] == [3] * 4
+    # 12 rows per step over both ranks; only the fresh ones reach generate (rank 0: row 3; rank 1: rows 7, 11)
+    generated = [a + b for a, b in zip(rank0["generated_rows"], rank1["generated_rows"])]
+    assert generated == [12, 12] + [12 - 3] * 4
+    assert rank0["generated_rows"][2:] == [5] * 4 and rank1["generated_rows"][2:] == [4] * 4
+
+
+def test_ddp_two_processes_rank_identical_pools(tmp_path):
+    check_rank_identical_replay(launch("recipes/accelerate/ddp_cpu.yaml", tmp_path))
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
+    ranks = launch("recipes/accelerate/zero3_cpu.yaml", tmp_path, timeout=900)
+    check_rank_identical_replay(ranks)
+    assert (tmp_path / "run" / "checkpoint-3" / "exreplay_pool" / "state.json").exists()
