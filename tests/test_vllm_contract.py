@@ -1,0 +1,80 @@
+"""The vLLM generation path, with a stand-in for vLLM (no GPU here) that keeps TRL 1.16's server-mode contract.
+
+TRL's server mode gathers all prompts, generates `num_generations` completions per `prompts[::num_generations]` and
+slices the result in equal per-process shares. The stand-in does the same in one process, so the test checks that
+only fresh rows are sent (as single generations), that vLLM's sampling log-probs of replayed rows are the recorded
+ones, and that TRL's vLLM importance-sampling correction is neutral (1) on replayed rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from helpers import make_trainer
+from test_trainer import RecordingTrainer
+
+
+class ServerModeStandIn:
+    """Generates uniform random words; logprob of each token is log(1 / vocab)."""
+
+    def __init__(self, vocab_ids: list[int], length: int = 4, seed: int = 0):
+        self.vocab_ids = vocab_ids
+        self.length = length
+        self.generator = torch.Generator().manual_seed(seed)
+        self.calls: list[tuple[int, int]] = []
+        self.syncs = 0
+
+    def sync_weights(self):
+        self.syncs += 1
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        self.calls.append((len(prompts), num_generations))
+        unique = prompts[::num_generations]
+        completions = []
+        for _ in unique:
+            for _ in range(num_generations):
+                picks = torch.randint(len(self.vocab_ids), (self.length,), generator=self.generator).tolist()
+                completions.append([self.vocab_ids[p] for p in picks])
+        prompt_ids = [p for p in unique for _ in range(num_generations)]
+        logprob = -math.log(len(self.vocab_ids))
+        logprobs = [[[logprob] for _ in c] for c in completions]
+        return prompt_ids, completions, logprobs, None
+
+
+def test_vllm_server_contract(tmp_path):
+    trainer = make_trainer(
+        tmp_path, trainer_cls=RecordingTrainer, max_steps=8, vllm_importance_sampling_correction=True
+    )
+    tokenizer = trainer.processing_class
+    words = [tokenizer.convert_tokens_to_ids(w) for w in ("red", "green", "blue", "cat", "dog", "sun", "say")]
+    stand_in = ServerModeStandIn(words)
+    trainer.use_vllm, trainer.vllm_mode, trainer.vllm_generation = True, "server", stand_in
+    trainer.vllm_importance_sampling_correction, trainer._last_loaded_step = True, -1
+    trainer.train()
+
+    assert len(stand_in.calls) == len(trainer.batches) == 8
+    replay_steps = 0
+    for (rows_sent, num_generations), (output, _) in zip(stand_in.calls, trainer.batches):
+        replayed = output["exp_mask"].bool().any(dim=1)
+        assert rows_sent == 16 - int(replayed.sum())  # fresh rows only
+        if replayed.any():
+            replay_steps += 1
+            assert num_generations == 1  # groups are partial: one generation per sent row
+            # the vLLM correction is neutral on replayed rows; the sampling log-probs there are the recorded ones
+            assert torch.equal(
+                output["importance_sampling_ratio"][replayed],
+                torch.ones_like(output["importance_sampling_ratio"][replayed]),
+            )
+            mask = output["exp_mask"][replayed].bool()
+            recorded = output["recorded_per_token_logps"][replayed]
+            torch.testing.assert_close(output["sampling_per_token_logps"][replayed][mask], recorded[mask])
+            # recorded log-probs are the training model's (TRL computed old log-probs), not vLLM's uniform ones
+            assert not torch.allclose(recorded[mask], torch.full_like(recorded[mask], -math.log(len(words))))
+        fresh = ~replayed
+        fresh_mask = output["completion_mask"][fresh].bool()
+        assert torch.allclose(
+            output["sampling_per_token_logps"][fresh][fresh_mask], torch.tensor(-math.log(len(words)))
+        )
+    assert replay_steps >= 3
+    assert stand_in.syncs == 8  # weights pushed once per step
