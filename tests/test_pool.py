@@ -659,3 +659,26 @@ def test_row_with_null_field_is_rejected(tmp_path, column):
     assert loaded.num_trajectories == pool.num_trajectories - 1
     loaded.save(str(tmp_path / "again"))  # what was accepted can be saved again
     assert ExperiencePool.load(str(tmp_path / "again")).content_hash() == loaded.content_hash()
+
+
+def test_stale_trajectories_are_evicted_first_under_max_policy_age():
+    pool = ExperiencePool(max_trajectories_per_task=2, exp_select_mode="argmin", max_policy_age=5)
+    pool.add(traj("t", entropy=0.1, version=0))
+    pool.add(traj("t", entropy=0.2, version=0))
+    # a higher-entropy but young trajectory would be refused by argmin; the stale ones make room instead
+    assert pool.add(traj("t", entropy=0.9, version=10))
+    assert sorted(t.policy_version for t in pool.trajectories("t")) == [0, 10]
+    assert [t.entropy for t in pool.trajectories("t")] == [f32(0.2), f32(0.9)]
+    assert pool.add(traj("t", entropy=0.8, version=11))
+    assert sorted(t.policy_version for t in pool.trajectories("t")) == [10, 11]
+    # nothing stale left: back to argmin eviction (0.95 > max entropy 0.9: dropped)
+    assert not pool.add(traj("t", entropy=0.95, version=12))
+    assert [len(pool.candidates("t", current_step=12, max_policy_age=5))] == [2]
+
+
+def test_configure_reports_changed_settings_and_refuses_unknown_ones():
+    pool = ExperiencePool(max_trajectories_per_task=5, exp_select_mode="argmin")
+    assert pool.configure(max_trajectories_per_task=5, exp_select_mode="argmax") == ["exp_select_mode"]
+    assert pool.exp_select_mode == "argmax"
+    with pytest.raises(ValueError, match="capacity"):
+        pool.configure(capacity=3)

@@ -10,8 +10,9 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_exreplay import ExperiencePool, ExReplayGRPOTrainer, Trajectory
-from trl_exreplay.examples import said_target
+from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.planner import ReplayPlan
+from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 def test_disabled_replay_is_grpo_trainer(tmp_path):
@@ -121,8 +122,18 @@ class SnapshotCallback(TrainerCallback):
         self.weights[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_recorded_logps_are_the_generating_policy(tmp_path):
-    trainer = make_trainer(tmp_path, max_steps=5, temperature=0.7, replay_start_ratio=1.0)
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {},  # aligned: log-probs and entropies come from the loss forward before the optimizer step
+        {"gradient_accumulation_steps": 2, "steps_per_generation": 4, "per_device_train_batch_size": 8},
+        {"steps_per_generation": 2, "per_device_train_batch_size": 8},  # TRL computes old log-probs
+        {"num_iterations": 2, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 8},
+    ],
+    ids=["aligned", "ga2-spg4", "spg2", "iterations2"],
+)
+def test_recorded_logps_are_the_generating_policy(tmp_path, schedule):
+    trainer = make_trainer(tmp_path, max_steps=5, temperature=0.7, replay_start_ratio=1.0, **schedule)
     snapshots = SnapshotCallback()
     trainer.add_callback(snapshots)
     trainer.train()
@@ -223,6 +234,7 @@ def test_replay_metrics_are_logged(tmp_path):
         "replay/logp_drift",
         "replay/policy_age",
         "replay/generated_rows",
+        "replay/fresh_reward",
     }
     assert expected <= logged, expected - logged
     assert any(key.startswith("replay/bucket_") for key in logged)
@@ -253,3 +265,57 @@ def test_plain_grpo_config_replays_with_defaults(tmp_path):
 def test_unsupported_grpo_options_are_refused_with_replay(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         make_trainer(tmp_path, **{field: value})
+
+
+def test_saving_mid_generation_batch_loses_no_trajectory(tmp_path):
+    """steps_per_generation 2 and GA 1: a save falls between the two halves of a generation batch."""
+    common = dict(max_steps=6, steps_per_generation=2, per_device_train_batch_size=8, replay_start_ratio=0.5)
+    unsaved = make_trainer(tmp_path / "a", **common)
+    unsaved.train()
+    saved = make_trainer(tmp_path / "b", save_strategy="steps", save_steps=1, **common)
+    saved.train()
+    assert unsaved.pool.num_trajectories > 0
+    assert saved.pool.content_hash() == unsaved.pool.content_hash()
+    assert saved._replay_counts["uncaptured_rows"] == 0
+
+
+class OutcomeRecordingTrainer(RecordingTrainer):
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.outcomes = getattr(self, "outcomes", []) + [self._pending["outcomes"]]
+        return output
+
+
+def test_a_task_in_several_groups_has_one_outcome(tmp_path):
+    trainer = make_trainer(tmp_path, trainer_cls=OutcomeRecordingTrainer, num_tasks=1, max_steps=4)
+    trainer.train()
+    tokenizer = trainer.processing_class
+    for (output, _), outcomes in zip(trainer.batches, trainer.outcomes):
+        replayed = output["exp_mask"].bool().any(dim=1)
+        texts = [
+            tokenizer.decode(output["completion_ids"][r, : int(output["completion_mask"][r].sum())]) for r in range(16)
+        ]
+        success = said_target([[{"content": t}] for t in texts], ["red"] * 16)
+        fresh = [r for r in range(16) if not replayed[r]]
+        ((task_id, successes, num_fresh, winners),) = outcomes  # four groups, one task, one outcome
+        assert task_id == "task-0"
+        assert num_fresh == len(fresh)
+        assert winners == [r for r in fresh if success[r] == 1.0]
+        assert successes == len(winners)
+
+
+def test_given_pool_takes_the_run_configuration(tmp_path, caplog):
+    given = ExperiencePool(max_trajectories_per_task=9, exp_select_mode="argmax", experience_rbound=4)
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    trainer = ExReplayGRPOTrainer(
+        model=build_tiny_model(tokenizer),
+        reward_funcs=said_target,
+        args=make_args(tmp_path, max_trajectories_per_task=3),
+        train_dataset=say_word_dataset(4),
+        processing_class=tokenizer,
+        experience_pool=given,
+    )
+    assert trainer.pool is given
+    assert (given.max_trajectories_per_task, given.exp_select_mode, given.experience_rbound) == (3, "argmin", 4)
+    assert "max_trajectories_per_task" in caplog.text and "exp_select_mode" in caplog.text

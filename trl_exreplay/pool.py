@@ -112,6 +112,7 @@ class ExperiencePool:
         experience_rbound: int = 8,
         exp_select_mode: str = "argmin",
         pool_store_mode: str = "all",
+        max_policy_age: int | None = None,
         seed: int = 0,
     ):
         self.max_trajectories_per_task = max_trajectories_per_task
@@ -119,6 +120,7 @@ class ExperiencePool:
         self.experience_rbound = experience_rbound
         self.exp_select_mode = exp_select_mode
         self.pool_store_mode = pool_store_mode
+        self.max_policy_age = max_policy_age
         self.seed = seed
         self._difficulty: dict[str, int] = {}  # task -> latest difficulty (its bucket), insertion ordered
         self._skip: dict[str, None] = {}  # ordered set
@@ -159,6 +161,16 @@ class ExperiencePool:
         if len(stored) < self.max_trajectories_per_task:
             stored.append(trajectory)
             return True
+        if self.max_policy_age is not None:
+            # Trajectories too old to replay would otherwise hold their slots forever: they go first.
+            stale = [
+                i for i, t in enumerate(stored) if trajectory.policy_version - t.policy_version > self.max_policy_age
+            ]
+            if stale:
+                oldest = min(stale, key=lambda i: (stored[i].policy_version, stored[i].traj_id))
+                stored.pop(oldest)
+                stored.append(trajectory)
+                return True
         if self.exp_select_mode == "argmin":
             worst = max(range(len(stored)), key=lambda i: (stored[i].entropy, stored[i].traj_id))
             if trajectory.entropy < stored[worst].entropy:
@@ -174,6 +186,17 @@ class ExperiencePool:
         stored.pop(0)  # FIFO
         stored.append(trajectory)
         return True
+
+    def configure(self, **settings) -> list[str]:
+        """Apply settings (the constructor's keyword arguments); returns the names whose value changed."""
+        changed = []
+        for name, value in settings.items():
+            if name not in _SETTINGS:
+                raise ValueError(f"Unknown ExperiencePool setting {name!r}: allowed {', '.join(_SETTINGS)}.")
+            if getattr(self, name) != value:
+                changed.append(name)
+                setattr(self, name, value)
+        return changed
 
     def _best(self, trajectories: Sequence[Trajectory]) -> Trajectory:
         if self.exp_select_mode == "argmin":
@@ -274,6 +297,7 @@ class ExperiencePool:
                 "experience_rbound": self.experience_rbound,
                 "exp_select_mode": self.exp_select_mode,
                 "pool_store_mode": self.pool_store_mode,
+                "max_policy_age": self.max_policy_age,
                 "seed": self.seed,
             },
             "difficulty": list(self._difficulty.items()),
@@ -363,6 +387,17 @@ class ExperiencePool:
         for task_id, traj_ids in state["store_order"]:
             pool._store[task_id] = [by_id[i] for i in traj_ids if i in by_id]
         return pool
+
+
+_SETTINGS = (
+    "max_trajectories_per_task",
+    "experience_lbound",
+    "experience_rbound",
+    "exp_select_mode",
+    "pool_store_mode",
+    "max_policy_age",
+    "seed",
+)
 
 
 def _features():

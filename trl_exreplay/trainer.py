@@ -8,7 +8,7 @@ Overrides (each calls `super()` and post-processes; no TRL method body is copied
 * `_generate_single_turn`: generate the fresh rows only and splice in the replayed completions;
 * `_calculate_rewards`: replayed rows keep their recorded rewards (they still count in their group's mean and std);
 * `_compute_loss`: forward, then `compute_exreplay_loss` (on/off-policy split) plus TRL's KL and entropy terms;
-* `_save_checkpoint` / `_load_optimizer_and_scheduler`: the pool travels with every checkpoint.
+* `save_model` / `_load_optimizer_and_scheduler`: the pool travels with every checkpoint.
 """
 
 from __future__ import annotations
@@ -78,15 +78,20 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if self._replay_enabled:
             self._check_supported()
         rbound = self.replay["experience_rbound"]
-        self.pool = experience_pool or ExperiencePool(
-            max_trajectories_per_task=self.replay["max_trajectories_per_task"],
-            experience_lbound=self.replay["experience_lbound"],
-            experience_rbound=self.num_generations if rbound is None else rbound,
-            exp_select_mode=self.replay["exp_select_mode"],
-            pool_store_mode=self.replay["pool_store_mode"],
-            seed=self.args.seed,
-        )
+        self._pool_settings = {
+            "max_trajectories_per_task": self.replay["max_trajectories_per_task"],
+            "experience_lbound": self.replay["experience_lbound"],
+            "experience_rbound": self.num_generations if rbound is None else rbound,
+            "exp_select_mode": self.replay["exp_select_mode"],
+            "pool_store_mode": self.replay["pool_store_mode"],
+            "max_policy_age": self.replay["max_policy_age"],
+            "seed": self.args.seed,
+        }
+        self.pool = ExperiencePool(**self._pool_settings)
+        if experience_pool is not None:
+            self._adopt_pool(experience_pool, "the given experience_pool")
         self._pending: dict | None = None  # outcomes of the last generation step, flushed into the pool later
+        self._entropy_stash = None  # "armed", then the entropies of TRL's old-log-probs forward
         self._active: dict | None = None  # the replay plan of the generation step in progress
         self._generation_replay: dict[int, Trajectory] | None = None  # local row -> replayed trajectory
         self._replay_counts: Counter = Counter()  # faults and mismatches, logged once per kind
@@ -114,6 +119,11 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             reject("delta", self.args.delta, "None")
         if self.use_adaptive_entropy:
             reject("use_adaptive_entropy", True, "a static entropy_coef")
+        if self._is_vlm:
+            raise ValueError(
+                "Experience replay with vision-language models is not supported yet; set `enable_experience_replay="
+                "False`."
+            )
         if self.tools or self.rollout_func is not None or self.environment_factories is not None:
             raise ValueError(
                 "Experience replay of tool calls, `rollout_func` or `environment_factory` rollouts is not supported "
@@ -132,6 +142,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         row_keys = gather_object([task_key(x, column) for x in inputs])
         group_keys = row_keys[::num_generations]
         step = self.state.global_step
+        # Several generation batches share a global step when steps_per_generation < gradient_accumulation_steps;
+        # the micro-step index (identical on every rank, 0 at every step boundary, so resume-safe) tells them apart.
+        draw_seed = [self.args.seed, step, self._step % self.args.gradient_accumulation_steps]
 
         plan = ReplayPlan(num_generations, self.replay["offpolicy_trajectories_per_task"], {})
         if self._replay_started():
@@ -142,9 +155,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 num_generations=num_generations,
                 num_replayed=plan.num_replayed,
                 weighting=self.replay["replay_bucket_weighting"],
-                seed=[self.args.seed, step],
+                seed=draw_seed,
             )
-        selected = self._select_trajectories(plan, step)
+        selected = self._select_trajectories(plan, step, draw_seed)
 
         new_inputs, replayed_local = [], {}
         for i, row in enumerate(inputs):
@@ -165,6 +178,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         # Every rank takes the replay path of `_generate_single_turn` when any rank replays (its calls stay aligned).
         self._generation_replay = replayed_local if plan.replay_groups else None
         self._active = {"plan": plan, "selected": selected, "rewards": None, "fresh_per_rank": fresh_per_rank}
+        # When TRL runs its old-log-probs forward (right after generation), its entropies are the generating policy's.
+        self._entropy_stash = "armed" if self._trl_computes_old_logps() else None
         try:
             output = super()._generate_and_score_completions(new_inputs)
             rewards_per_func = self._active["rewards"]
@@ -174,7 +189,24 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         finally:
             self._generation_replay = None
             self._active = None
+            self._entropy_stash = None
         return output
+
+    def _trl_computes_old_logps(self) -> bool:
+        """TRL's own condition for computing `old_per_token_logps` in `_generate_and_score_completions`."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        misaligned = self.args.gradient_accumulation_steps % generate_every != 0
+        return misaligned or (self.use_vllm and self.vllm_importance_sampling_correction)
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        if self._entropy_stash != "armed" or model is not self.model:
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        # TRL's first policy forward of a generation step is the old-log-probs one (the reference forward follows).
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+            model, *args, **{**kwargs, "compute_entropy": True}
+        )
+        self._entropy_stash = entropies.detach()
+        return logps, (entropies if kwargs.get("compute_entropy") else None), aux
 
     def _replay_started(self) -> bool:
         max_steps = max(self.state.max_steps, 1)
@@ -217,8 +249,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         most = max(self._active["fresh_per_rank"])
         if self.use_vllm and (self.vllm_mode == "server" or self.vllm_tensor_parallel_size > 1):
             return most - num_fresh  # vLLM slices its output by equal per-rank shares
-        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        return 1 if (zero3 and num_fresh == 0 and most > 0) else 0
+        # Sharded models (ZeRO-3, FSDP) gather parameters collectively inside generation: a rank whose rows are all
+        # replayed still generates one row. Cheap, so done for every multi-process run.
+        return 1 if (self.accelerator.num_processes > 1 and num_fresh == 0 and most > 0) else 0
 
     def _fit_completion(self, completion_ids: list[int]) -> list[int]:
         limit = self.max_completion_length
@@ -248,7 +281,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         active["rewards"] = rewards_per_func
         return rewards_per_func
 
-    def _select_trajectories(self, plan: ReplayPlan, step: int) -> dict[str, list[Trajectory]]:
+    def _select_trajectories(self, plan: ReplayPlan, step: int, seed=None) -> dict[str, list[Trajectory]]:
         k, age = plan.num_replayed, self.replay["max_policy_age"]
         candidates = {t: self.pool.candidates(t, step, age) for t in plan.replay_groups.values()}
         entropies: dict[str, list[float]] = {}
@@ -261,7 +294,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             for t in ranked:
                 entropies[t] = values[start : start + len(candidates[t])]
                 start += len(candidates[t])
-        rng = np.random.default_rng([self.args.seed, step, 1])
+        rng = np.random.default_rng([*(seed or [self.args.seed, step]), 1])
         return {t: self.pool.select(c, k, entropies.get(t), rng) for t, c in candidates.items()}
 
     @torch.no_grad()
@@ -326,18 +359,23 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         weights = self.reward_weights.to(rewards_per_func.device)
         totals = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
         success = (totals >= self.replay["success_threshold"]).cpu().tolist()
-        num_generations = self.num_generations
-        outcomes = []
-        for group in range(len(row_tasks) // num_generations):
-            rows = range(group * num_generations, (group + 1) * num_generations)
-            fresh = [r for r in rows if not plan.is_replayed(r)]
-            winners = [r for r in fresh if success[r]]
-            outcomes.append((row_tasks[group * num_generations], len(winners), len(fresh), winners))
+        # One outcome per task, over all its groups in the batch (a dataset may repeat a task), fresh rows only.
+        outcomes: dict[str, list] = {}  # task -> [successes, fresh rows, winning rows]
+        fresh_rows = [r for r in range(len(row_tasks)) if not plan.is_replayed(r)]
+        for row in fresh_rows:
+            outcome = outcomes.setdefault(row_tasks[row], [0, 0, []])
+            outcome[1] += 1
+            if success[row]:
+                outcome[0] += 1
+                outcome[2].append(row)
+        fresh_totals = totals[fresh_rows]
+        self._metrics["train"]["replay/fresh_reward"].append(fresh_totals.nanmean().item())
 
         local_rows = len(inputs)
-        wanted = {r - offset for _, _, _, winners in outcomes for r in winners if 0 <= r - offset < local_rows}
+        wanted = {r - offset for _, _, winners in outcomes.values() for r in winners if 0 <= r - offset < local_rows}
         old = output.get("old_per_token_logps")
         model_mask = output["completion_mask"] * output.get("tool_mask", 1)
+        stash = self._entropy_stash if isinstance(self._entropy_stash, torch.Tensor) else None
         records = {}
         for i in sorted(wanted):
             n = int(output["completion_mask"][i].sum())
@@ -354,12 +392,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 "completion_ids": output["completion_ids"][i, :n].tolist(),
                 "completion_mask": model_mask[i, :n].tolist(),
                 "logps": None if old is None else (old[i, :n] * model_mask[i, :n]).tolist(),
-                "entropy": None,
+                "entropy": None if stash is None else _masked_mean(stash[i, :n], model_mask[i, :n]),
                 "rewards": rewards_per_func[offset + i].tolist(),
                 "reward": float(totals[offset + i]),
                 "policy_version": self.state.global_step,
                 "task_row": task_row,
             }
+        outcomes = [(task_id, *outcome) for task_id, outcome in outcomes.items()]
         self._pending = {"outcomes": outcomes, "records": records, "offset": offset}
 
     def _capture(self, inputs, per_token_logps, entropies, mask) -> None:
@@ -374,7 +413,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 continue
             n = len(record["completion_ids"])
             row_mask = mask[j, :n].float()
-            record["entropy"] = float((entropies[j, :n] * row_mask).sum() / row_mask.sum().clamp(min=1))
+            record["entropy"] = _masked_mean(entropies[j, :n], row_mask)
             if record["logps"] is None:
                 record["logps"] = (per_token_logps[j, :n].detach().float() * row_mask).tolist()
 
@@ -460,8 +499,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
             per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
-            if self.args.use_bias_correction_kl:
-                per_token_kl = per_token_kl * torch.exp(per_token_logps - old).detach()
+            if self.args.use_bias_correction_kl:  # TRL's correction on fresh tokens; replayed ones use ratio 1
+                fresh_log_ratio = torch.where(exp_mask.bool(), torch.zeros_like(old), per_token_logps - old)
+                per_token_kl = per_token_kl * torch.exp(fresh_log_ratio)
             loss = loss + self.beta * aggregate_loss(per_token_kl, mask, **loss_kwargs)
             self._metrics[mode]["kl"].append(self._global_mean(per_token_kl, mask))
         if self.loss_type != "dapo":
@@ -532,18 +572,14 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             logger.warning("trl_exreplay: %s (counted in replay/%s; logged once).", message, kind)
 
     # ------------------------------------------------------------------------------------------- checkpoints
-    def _save_checkpoint(self, model, trial):
-        if self._replay_enabled:
-            self._flush_pending()
-        super()._save_checkpoint(model, trial)
-        if self._replay_enabled and self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            self.pool.save(os.path.join(folder, POOL_DIR))
-
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the model as `GRPOTrainer` does, and the pool beside it in `exreplay_pool/` (call on every rank)."""
+        """Save the model as `GRPOTrainer` does, and the pool beside it in `exreplay_pool/` (call on every rank).
+
+        Checkpoints get the pool this way too: `Trainer._save_checkpoint` calls this first, with the checkpoint
+        folder, before it pushes or rotates checkpoints.
+        """
         super().save_model(output_dir, _internal_call)
-        if self._replay_enabled and not _internal_call:
+        if self._replay_enabled:
             self._flush_pending()
             if self.args.should_save:
                 self.pool.save(os.path.join(output_dir or self.args.output_dir, POOL_DIR))
@@ -551,8 +587,15 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._replay_enabled and checkpoint is not None and os.path.isdir(os.path.join(checkpoint, POOL_DIR)):
-            self.pool = ExperiencePool.load(os.path.join(checkpoint, POOL_DIR))
+            self._adopt_pool(ExperiencePool.load(os.path.join(checkpoint, POOL_DIR)), checkpoint)
             self._pending = None
+
+    def _adopt_pool(self, pool: ExperiencePool, source: str) -> None:
+        """Use `pool` under this run's configuration (the config wins over the settings the pool was saved with)."""
+        changed = pool.configure(**self._pool_settings)
+        if changed:
+            logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, changed)
+        self.pool = pool
 
 
 class _FlushPoolAtTrainEnd(TrainerCallback):
@@ -563,3 +606,8 @@ class _FlushPoolAtTrainEnd(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer._flush_pending()
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    mask = mask.to(values.dtype)
+    return float((values * mask).sum() / mask.sum().clamp(min=1))
