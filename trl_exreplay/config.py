@@ -155,6 +155,33 @@ class ExReplayGRPOConfig(GRPOConfig):
         },
     )
 
+    # ---- multi-turn rollouts (used when the trainer gets an `env_factory`)
+    max_turns: int = field(
+        default=10,
+        metadata={"help": "Multi-turn: model turns per episode at most (the episode then ends unsuccessful)."},
+    )
+    max_tokens_per_turn: int | None = field(
+        default=None,
+        metadata={"help": "Multi-turn: tokens of one model turn at most. None: max_completion_length."},
+    )
+    env_step_timeout: float | None = field(
+        default=60.0,
+        metadata={
+            "help": "Multi-turn: seconds an environment reset or step may take; a slower one ends its episode as a "
+            "failure (counted in env/errors). None: no limit."
+        },
+    )
+    env_workers: int = field(
+        default=16,
+        metadata={
+            "help": "Multi-turn: environment calls running at once (threads), so a slow one does not serialise."
+        },
+    )
+    system_prompt_column: str = field(
+        default="system_prompt",
+        metadata={"help": "Multi-turn: dataset column with an optional system prompt for the episode."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         validate_replay_options(replay_options(self), self.num_generations)
@@ -223,6 +250,14 @@ def validate_replay_options(options: dict[str, Any], num_generations: int | None
     _check(age is None or (isinstance(age, int) and age >= 0), "max_policy_age", age, "None or integers >= 0")
     column = o["task_id_column"]
     _check(isinstance(column, str) and column != "", "task_id_column", column, "a non-empty column name")
+    _check(isinstance(o["max_turns"], int) and o["max_turns"] >= 1, "max_turns", o["max_turns"], "integers >= 1")
+    per_turn = o["max_tokens_per_turn"]
+    _check(per_turn is None or (isinstance(per_turn, int) and per_turn >= 1), "max_tokens_per_turn", per_turn,
+           "None or integers >= 1")  # fmt: skip
+    timeout = o["env_step_timeout"]
+    _check(timeout is None or timeout > 0, "env_step_timeout", timeout, "None or numbers > 0")
+    workers = o["env_workers"]
+    _check(isinstance(workers, int) and workers >= 1, "env_workers", workers, "integers >= 1")
 
 
 def _names(values: tuple[str, ...]) -> str:

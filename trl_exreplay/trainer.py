@@ -13,23 +13,28 @@ Overrides (each calls `super()` and post-processes; no TRL method body is copied
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import os
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from trl import GRPOTrainer
+from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from .config import REPLAY_LOSS_TYPES, replay_options, validate_replay_options
+from .envs import env_reward
 from .loss import aggregate_loss, compute_exreplay_loss
 from .planner import ReplayPlan, plan_replay
 from .pool import ExperiencePool, TaskOutcome, Trajectory, task_key
+from .rollout import MultiTurnRollout
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +75,25 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     ```
     """
 
-    def __init__(self, *args, experience_pool: ExperiencePool | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        experience_pool: ExperiencePool | None = None,
+        env_factory: Callable[[], object] | None = None,
+        **kwargs,
+    ):
+        if env_factory is not None and len(args) < 2 and kwargs.get("reward_funcs") is None:
+            kwargs["reward_funcs"] = env_reward  # the environment's reward, unless the user scores rollouts
         super().__init__(*args, **kwargs)
         self.replay = replay_options(self.args)
         validate_replay_options(self.replay, self.num_generations)
         self._replay_enabled = bool(self.replay["enable_experience_replay"])
         if self._replay_enabled:
             self._check_supported()
+        self.env_factory = env_factory
+        self._rollout_rows: list[dict] | None = None
+        if env_factory is not None:
+            self._setup_multi_turn(env_factory)
         rbound = self.replay["experience_rbound"]
         self._pool_settings = {
             "max_trajectories_per_task": self.replay["max_trajectories_per_task"],
@@ -126,12 +143,16 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             )
         if self.tools or self.rollout_func is not None or self.environment_factories is not None:
             raise ValueError(
-                "Experience replay of tool calls, `rollout_func` or `environment_factory` rollouts is not supported "
-                "by this trainer version; set `enable_experience_replay=False`."
+                "Experience replay of TRL tool calls, a custom `rollout_func` or TRL's `environment_factory` is not "
+                "supported: use `env_factory` (a `trl_exreplay.envs.TextEnv`) for multi-turn replay, or set "
+                "`enable_experience_replay=False`."
             )
 
     # -------------------------------------------------------------------------------------------- generation
     def _generate_and_score_completions(self, inputs):
+        if self.env_factory is not None:
+            inputs = [row if "prompt" in row else {**row, "prompt": self._placeholder_prompt(row)} for row in inputs]
+        self._rollout_rows = inputs
         if not self._replay_enabled or not self.model.training:
             return super()._generate_and_score_completions(inputs)
         self._flush_pending()
@@ -178,6 +199,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         # Every rank takes the replay path of `_generate_single_turn` when any rank replays (its calls stay aligned).
         self._generation_replay = replayed_local if plan.replay_groups else None
         self._active = {"plan": plan, "selected": selected, "rewards": None, "fresh_per_rank": fresh_per_rank}
+        self._rollout_rows = new_inputs
         # When TRL runs its old-log-probs forward (right after generation), its entropies are the generating policy's.
         self._entropy_stash = "armed" if self._trl_computes_old_logps() else None
         try:
@@ -190,6 +212,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             self._generation_replay = None
             self._active = None
             self._entropy_stash = None
+            self._rollout_rows = None
         return output
 
     def _trl_computes_old_logps(self) -> bool:
@@ -440,6 +463,123 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 task_row = record.pop("task_row") or task_row
                 trajectories.append(Trajectory(**record))
             self.pool.record_outcome(TaskOutcome(task_id, successes, num_fresh, trajectories, task_row))
+
+    # ------------------------------------------------------------------------------------------- multi-turn
+    def _setup_multi_turn(self, env_factory) -> None:
+        if self.use_vllm:
+            raise NotImplementedError(
+                "Multi-turn rollouts (`env_factory`) use transformers generation; set use_vllm=False."
+            )
+        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        if zero3 and not self.args.ds3_gather_for_generation:
+            raise ValueError(
+                "Multi-turn rollouts under ZeRO-3 need `ds3_gather_for_generation=True`: parameters are gathered once "
+                "per rollout so that ranks with different numbers of turns make the same collective calls."
+            )
+        self._rollout_engine = MultiTurnRollout(
+            env_factory,
+            self.processing_class,
+            max_turns=self.replay["max_turns"],
+            max_completion_length=self.max_completion_length,
+            max_tokens_per_turn=self.replay["max_tokens_per_turn"],
+            step_timeout=self.replay["env_step_timeout"],
+            workers=self.replay["env_workers"],
+            system_prompt_column=self.replay["system_prompt_column"],
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+        self.rollout_func = self._multi_turn_rollout
+
+    def _placeholder_prompt(self, row: dict) -> list[dict]:
+        # TRL requires a prompt column; the real prompt is built from the environment's first observation.
+        return [{"role": "user", "content": f"task {task_key(row, self.replay['task_id_column'])}"}]
+
+    def _multi_turn_rollout(self, prompts, trainer) -> dict:
+        """TRL `rollout_func`: episodes for the fresh rows, stored trajectories for the replayed ones."""
+        rows = self._rollout_rows
+        replayed, self._generation_replay = self._generation_replay or {}, None
+        fresh = [i for i in range(len(rows)) if i not in replayed]
+        # One gather context for all turns: the only collective calls are its enter and exit (ZeRO-3), made by every
+        # rank once per rollout, whatever its number of episodes, turns or tokens.
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            episodes = self._rollout_engine.run(
+                [rows[i] for i in fresh], lambda contexts, n: self._generate_turn(unwrapped_model, contexts, n)
+            )
+        by_row = dict(zip(fresh, episodes))
+        output = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [], "env_reward": []}
+        for i in range(len(rows)):
+            if i in replayed:
+                trajectory = replayed[i]
+                completion = self._fit_completion(trajectory.completion_ids)
+                output["prompt_ids"].append(trajectory.prompt_ids)
+                output["completion_ids"].append(completion)
+                output["env_mask"].append(trajectory.completion_mask[: len(completion)])
+                output["env_reward"].append(trajectory.reward)
+            else:
+                episode = by_row[i]
+                output["prompt_ids"].append(episode.prompt_ids)
+                output["completion_ids"].append(episode.completion_ids)
+                output["env_mask"].append(episode.env_mask)
+                output["env_reward"].append(episode.reward)
+        self._log_env_metrics(episodes)
+        return output
+
+    def _generate_turn(self, model, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """One batched generation over the active episodes; each result stops after its first eos."""
+        if not contexts:
+            return []
+        device = self.accelerator.device
+        pad_id = self.processing_class.pad_token_id
+        tensors = [torch.tensor(c) for c in contexts]
+        input_ids = pad(tensors, padding_value=pad_id, padding_side="left").to(device)
+        attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(device)
+        config = copy.deepcopy(self.generation_config)
+        config.max_new_tokens = max_new_tokens
+        generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        out = []
+        for row in generated[:, input_ids.size(1) :].tolist():
+            ends = [j for j, token in enumerate(row) if token in self.eos_token_ids]
+            out.append(row[: ends[0] + 1] if ends else row)
+        return out
+
+    def _log_env_metrics(self, episodes) -> None:
+        mode = "train" if self.model.training else "eval"
+        threshold = self.replay["success_threshold"]
+        steps = [s for e in episodes for s in e.step_seconds]
+        local = torch.tensor(
+            [
+                len(episodes),
+                sum(e.turns for e in episodes),
+                sum(e.reward >= threshold for e in episodes),
+                sum(e.truncated for e in episodes),
+                sum(e.invalid_actions for e in episodes),
+                sum(steps),
+                len(steps),
+                sum(self._rollout_engine.errors.values()),
+            ],
+            dtype=torch.float64,
+            device=self.accelerator.device,
+        )
+        totals = self.accelerator.gather(local.view(1, -1)).view(-1, local.numel()).sum(dim=0).tolist()
+        count, turns, wins, truncated, invalid, seconds, num_steps, errors = totals
+        metrics = self._metrics[mode]
+        if count > 0:
+            metrics["env/turns_mean"].append(turns / count)
+            metrics["env/success_rate"].append(wins / count)
+            metrics["env/truncated_fraction"].append(truncated / count)
+            metrics["env/invalid_actions"].append(invalid / count)
+        if num_steps > 0:
+            metrics["env/step_seconds"].append(seconds / num_steps)
+        metrics["env/errors"].append(errors)
 
     # --------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):

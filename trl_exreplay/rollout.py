@@ -1,0 +1,274 @@
+"""Multi-turn rollouts: all episodes of a batch advance together, one batched generation per turn.
+
+A trajectory is one sequence. The prompt is the chat template applied to (optional system prompt +) the first
+observation; the completion is the model's turns and the environment's turns in order. `env_mask` is 1 on tokens the
+model generated and 0 on environment and template tokens, so only the model's tokens are trained (or, when replayed,
+marked in `exp_mask`).
+
+The engine itself makes no collective call: the trainer wraps a whole rollout in one parameter-gather context, so
+ranks with different numbers of episodes or turns (or none at all) stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class ChatTurns:
+    """Token pieces of a chat template, derived once by rendering small conversations and taking differences.
+
+    Requires an incremental template: rendering a longer conversation must extend the shorter one token for token.
+    """
+
+    _PROBE_USER, _PROBE_ASSISTANT = "hello", "ok"
+
+    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
+        self.tokenizer = tokenizer
+        self.kwargs = chat_template_kwargs or {}
+        user = [{"role": "user", "content": self._PROBE_USER}]
+        assistant = [{"role": "assistant", "content": self._PROBE_ASSISTANT}]
+        opened = self._render(user, generation_prompt=True)
+        closed = self._render(user + assistant, generation_prompt=False)
+        self._check_prefix(opened, closed, "an assistant turn")
+        content = tokenizer(self._PROBE_ASSISTANT, add_special_tokens=False)["input_ids"]
+        turn = closed[len(opened) :]
+        if turn[: len(content)] != content:
+            raise ValueError("The chat template does not render an assistant message as its own tokens.")
+        self.close_ids = turn[len(content) :]  # what ends an assistant turn (e.g. <|im_end|> and a newline)
+        self._closed_probe = closed
+        self._probe = user + assistant
+
+    def _render(self, messages, generation_prompt: bool) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True, **self.kwargs
+        )
+        return list(rendered["input_ids"])
+
+    @staticmethod
+    def _check_prefix(shorter, longer, what):
+        if longer[: len(shorter)] != shorter:
+            raise ValueError(
+                f"The chat template is not incremental around {what}: multi-turn rollouts need a template whose "
+                "rendering of a conversation extends the rendering of its first messages."
+            )
+
+    def prompt_ids(self, observation: str, system_prompt: str | None = None) -> list[int]:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        return self._render(messages + [{"role": "user", "content": observation}], generation_prompt=True)
+
+    def env_turn_ids(self, observation: str) -> list[int]:
+        """Tokens that follow a closed assistant turn: the observation as a user message, then the next turn's opening."""
+        full = self._render(self._probe + [{"role": "user", "content": observation}], generation_prompt=True)
+        self._check_prefix(self._closed_probe, full, "a user turn")
+        return full[len(self._closed_probe) :]
+
+    def closing_ids(self, action_ids: Sequence[int]) -> list[int]:
+        """Template tokens still needed to close a model turn (the model may have generated the first of them)."""
+        close = self.close_ids
+        if close and list(action_ids[-1:]) == close[:1]:
+            return close[1:]
+        return close
+
+
+@dataclass
+class Episode:
+    task: dict
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    finished: bool = False
+    truncated: bool = False
+    error: str | None = None
+    invalid_actions: int = 0
+    step_seconds: list[float] = field(default_factory=list)
+
+    def extend(self, ids: Sequence[int], trained: bool) -> None:
+        self.completion_ids.extend(ids)
+        self.env_mask.extend([1 if trained else 0] * len(ids))
+
+
+def call_with_timeout(fn: Callable, timeout: float | None) -> tuple[Any, BaseException | None, float]:
+    """Run `fn` in a daemon thread; (result, error, seconds). A call past `timeout` returns a TimeoutError and is
+    abandoned (a daemon thread never blocks the interpreter's exit)."""
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as error:  # noqa: BLE001 - any fault of the environment ends only its episode
+            box["error"] = error
+
+    start = time.perf_counter()
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    seconds = time.perf_counter() - start
+    if thread.is_alive():
+        return None, TimeoutError(f"no answer within {timeout}s"), seconds
+    return box.get("result"), box.get("error"), seconds
+
+
+def run_concurrently(calls: Sequence[Callable], timeout: float | None, workers: int) -> list[tuple]:
+    """`call_with_timeout` for each call, at most `workers` at a time; results in order."""
+    results: list[tuple | None] = [None] * len(calls)
+    gate = threading.Semaphore(max(1, workers))
+
+    def run(i):
+        with gate:
+            results[i] = call_with_timeout(calls[i], timeout)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+class MultiTurnRollout:
+    """Runs the episodes of one rank's fresh rows.
+
+    Args:
+        env_factory: builds a `TextEnv`; instances are pooled and reused, faulted ones are discarded.
+        tokenizer: the policy's tokenizer (chat template, eos).
+        max_turns: model turns per episode at most.
+        max_completion_length: tokens of a whole completion (model and environment turns) at most.
+        max_tokens_per_turn: tokens of one model turn at most.
+        step_timeout: seconds an environment `reset` or `step` may take.
+        workers: environment calls running at once.
+        system_prompt_column: dataset column holding an optional system prompt.
+    """
+
+    def __init__(
+        self,
+        env_factory: Callable[[], Any],
+        tokenizer,
+        *,
+        max_turns: int,
+        max_completion_length: int,
+        max_tokens_per_turn: int | None = None,
+        step_timeout: float | None = 60.0,
+        workers: int = 16,
+        system_prompt_column: str = "system_prompt",
+        chat_template_kwargs: dict | None = None,
+    ):
+        self.env_factory = env_factory
+        self.tokenizer = tokenizer
+        self.turns = ChatTurns(tokenizer, chat_template_kwargs)
+        self.max_turns = max_turns
+        self.max_completion_length = max_completion_length
+        self.max_tokens_per_turn = max_tokens_per_turn or max_completion_length
+        self.step_timeout = step_timeout
+        self.workers = workers
+        self.system_prompt_column = system_prompt_column
+        self.errors: Counter = Counter()
+        self._idle_envs: list = []
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------------------------------------ envs
+    def _take_env(self):
+        return self._idle_envs.pop() if self._idle_envs else self.env_factory()
+
+    def _fault(self, episode: Episode, env, kind: str, error: BaseException) -> None:
+        episode.error, episode.finished, episode.reward = kind, True, 0.0
+        self.errors[kind] += 1
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning("trl_exreplay: environment %s (%r); episode failed, counted in env/errors.", kind, error)
+        threading.Thread(target=_close_quietly, args=(env,), daemon=True).start()  # never reused
+
+    # ------------------------------------------------------------------------------------------------- run
+    def run(self, tasks: Sequence[dict], generate: Callable[[list[list[int]], int], list[list[int]]]) -> list[Episode]:
+        """Play one episode per task. `generate(contexts, max_new_tokens)` returns each context's new tokens."""
+        episodes = [Episode(task=dict(task)) for task in tasks]
+        envs = [self._take_env() for _ in episodes]
+        resets = run_concurrently(
+            [(lambda env=env, task=task: env.reset(task)) for env, task in zip(envs, tasks)],
+            self.step_timeout,
+            self.workers,
+        )
+        for episode, env, (observation, error, _seconds) in zip(episodes, envs, resets):
+            system = episode.task.get(self.system_prompt_column)
+            if error is not None:
+                self._fault(episode, env, "timeout" if isinstance(error, TimeoutError) else "reset_error", error)
+                observation = ""
+            episode.prompt_ids = self.turns.prompt_ids(str(observation), system)
+
+        for turn in range(self.max_turns):
+            active = [i for i, e in enumerate(episodes) if not e.finished]
+            if not active:
+                break
+            budgets = {i: self.max_completion_length - len(episodes[i].completion_ids) for i in active}
+            new_tokens = min(self.max_tokens_per_turn, max(budgets.values()))
+            outputs = generate([episodes[i].prompt_ids + episodes[i].completion_ids for i in active], new_tokens)
+            actions = {}
+            for i, action_ids in zip(active, outputs):
+                episode = episodes[i]
+                actions[i] = list(action_ids)[: budgets[i]]
+                episode.extend(actions[i], trained=True)
+                episode.turns += 1
+                if len(episode.completion_ids) >= self.max_completion_length:
+                    episode.finished = episode.truncated = True
+                    del actions[i]
+            stepping = list(actions)
+            texts = [self.tokenizer.decode(actions[i], skip_special_tokens=True) for i in stepping]
+            results = run_concurrently(
+                [(lambda env=envs[i], text=text: env.step(text)) for i, text in zip(stepping, texts)],
+                self.step_timeout,
+                self.workers,
+            )
+            for i, (result, error, seconds) in zip(stepping, results):
+                episode = episodes[i]
+                episode.step_seconds.append(seconds)
+                if error is None:
+                    try:
+                        observation, reward, done, info = result
+                        reward = float(reward)
+                    except (TypeError, ValueError) as bad:
+                        error = bad
+                if error is not None:
+                    kind = "timeout" if isinstance(error, TimeoutError) else "step_error"
+                    self._fault(episode, envs[i], kind, error)
+                    continue
+                episode.reward += reward
+                episode.invalid_actions += int(bool((info or {}).get("invalid_action", False)))
+                if done or turn == self.max_turns - 1:
+                    episode.finished = True
+                    continue
+                env_ids = self.turns.closing_ids(actions[i]) + self.turns.env_turn_ids(str(observation))
+                room = self.max_completion_length - len(episode.completion_ids)
+                if len(env_ids) >= room:  # no room left for another model turn
+                    episode.extend(env_ids[:room], trained=False)
+                    episode.finished = episode.truncated = True
+                    continue
+                episode.extend(env_ids, trained=False)
+
+        for episode, env in zip(episodes, envs):
+            episode.finished = True
+            if not episode.completion_ids:  # TRL needs a non-empty completion; an untrained eos stands in
+                episode.extend([self.tokenizer.eos_token_id], trained=False)
+            if episode.error is None:
+                self._idle_envs.append(env)
+        return episodes
+
+    def close(self) -> None:
+        for env in self._idle_envs:
+            _close_quietly(env)
+        self._idle_envs.clear()
+
+
+def _close_quietly(env) -> None:
+    try:
+        env.close()
+    except Exception:  # noqa: BLE001 - closing a faulted environment must not raise
+        pass
