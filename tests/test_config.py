@@ -27,6 +27,11 @@ REPLAY_FIELDS = {
     "max_policy_age",
     "task_id_column",
     "pool_store_mode",
+    "max_turns",
+    "max_tokens_per_turn",
+    "env_step_timeout",
+    "env_workers",
+    "system_prompt_column",
 }
 
 
@@ -106,6 +111,10 @@ INVALID = [
     ("off_policy_shaping_beta", dict(off_policy_shaping_beta=-1.0), "numbers > 0"),
     ("max_policy_age", dict(max_policy_age=-1), "None or integers >= 0"),
     ("task_id_column", dict(task_id_column=""), "a non-empty column name"),
+    ("max_turns", dict(max_turns=0), "integers >= 1"),
+    ("max_tokens_per_turn", dict(max_tokens_per_turn=0), "None or integers >= 1"),
+    ("env_step_timeout", dict(env_step_timeout=0.0), "None or numbers > 0"),
+    ("env_workers", dict(env_workers=0), "integers >= 1"),
 ]
 
 
