@@ -1,4 +1,4 @@
-"""Two real processes (gloo) under `accelerate launch`: DDP and DeepSpeed ZeRO-3 on CPU, replay active."""
+"""Two real processes (gloo) under `accelerate launch`: DDP and DeepSpeed ZeRO-2/3 on CPU, replay active."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "replay_multiprocess.py"
 
 
-def launch(config: str, out_dir: Path, timeout: int = 600) -> list[dict]:
+def launch(config: str, out_dir: Path, *script_args: str, timeout: int = 600) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, str(SCRIPT), str(out_dir)]
+    command += list(script_args)
     try:
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as error:  # a hang (e.g. a collective mismatch) fails the test, bounded
@@ -51,3 +52,22 @@ def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
     ranks = launch("recipes/accelerate/zero3_cpu.yaml", tmp_path, timeout=900)
     check_rank_identical_replay(ranks)
     assert (tmp_path / "run" / "checkpoint-3" / "exreplay_pool" / "state.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp_cpu", "zero2_cpu", "zero3_cpu"])
+def test_multi_turn_lockstep_with_a_rank_that_plays_no_episode(tmp_path, config):
+    """One group of 4 rows over 2 ranks, k=2: on replay steps rank 1 has no fresh row and plays no episode while rank 0
+    plays two multi-turn episodes. Under ZeRO-3 (parameters really partitioned) a collective mismatch would hang: the
+    launch is bounded and fails instead."""
+    rank0, rank1 = launch(f"recipes/accelerate/{config}.yaml", tmp_path, "multi-turn", timeout=900)
+    assert rank0["pool_hash"] == rank1["pool_hash"]
+    assert rank0["plans"] == rank1["plans"] and rank0["losses"] == rank1["losses"]
+    replay_steps = [i for i, tasks in enumerate(rank0["replay_tasks"]) if tasks > 0]
+    assert len(replay_steps) >= 2
+    for step in replay_steps:
+        assert rank1["episode_lengths"][step] == []  # both of rank 1's rows replayed
+        assert len(rank0["episode_lengths"][step]) == 2
+    played = [i for i in range(len(rank0["episode_lengths"])) if i not in replay_steps]
+    assert any(rank0["episode_lengths"][i] != rank1["episode_lengths"][i] for i in played)  # unequal episodes
+    assert rank0["env_errors"][-1] == 0.0

@@ -5,8 +5,9 @@ observation; the completion is the model's turns and the environment's turns in 
 model generated and 0 on environment and template tokens, so only the model's tokens are trained (or, when replayed,
 marked in `exp_mask`).
 
-The engine itself makes no collective call: the trainer wraps a whole rollout in one parameter-gather context, so
-ranks with different numbers of episodes or turns (or none at all) stay in lockstep.
+Lockstep: with a `sync` callback (multi-process), every rank runs the same number of turns, the largest any rank
+needs, and makes exactly one `generate` call per turn (a dummy one when it has no active episode left), so ranks with
+different numbers of episodes or turns (or none at all) make the same collective calls inside generation.
 """
 
 from __future__ import annotations
@@ -188,8 +189,14 @@ class MultiTurnRollout:
         threading.Thread(target=_close_quietly, args=(env,), daemon=True).start()  # never reused
 
     # ------------------------------------------------------------------------------------------------- run
-    def run(self, tasks: Sequence[dict], generate: Callable[[list[list[int]], int], list[list[int]]]) -> list[Episode]:
-        """Play one episode per task. `generate(contexts, max_new_tokens)` returns each context's new tokens."""
+    def run(
+        self,
+        tasks: Sequence[dict],
+        generate: Callable[[list[list[int]], int], list[list[int]]],
+        sync: Callable[[bool], bool] | None = None,
+    ) -> list[Episode]:
+        """Play one episode per task. `generate(contexts, max_new_tokens)` returns each context's new tokens;
+        `sync(has_active_episodes)` returns whether any rank still has one (collective; None for one process)."""
         episodes = [Episode(task=dict(task)) for task in tasks]
         envs = [self._take_env() for _ in episodes]
         resets = run_concurrently(
@@ -206,8 +213,11 @@ class MultiTurnRollout:
 
         for turn in range(self.max_turns):
             active = [i for i, e in enumerate(episodes) if not e.finished]
-            if not active:
+            if not (sync(bool(active)) if sync is not None else active):
                 break
+            if not active:  # another rank still plays: keep this rank's generate calls in step with it
+                generate([[self.tokenizer.eos_token_id]], self.max_tokens_per_turn)
+                continue
             budgets = {i: self.max_completion_length - len(episodes[i].completion_ids) for i in active}
             new_tokens = min(self.max_tokens_per_turn, max(budgets.values()))
             outputs = generate([episodes[i].prompt_ids + episodes[i].completion_ids for i in active], new_tokens)
@@ -217,7 +227,7 @@ class MultiTurnRollout:
                 actions[i] = list(action_ids)[: budgets[i]]
                 episode.extend(actions[i], trained=True)
                 episode.turns += 1
-                if len(episode.completion_ids) >= self.max_completion_length:
+                if len(action_ids) > budgets[i]:  # cut by the completion budget: not a whole action, not played
                     episode.finished = episode.truncated = True
                     del actions[i]
             stepping = list(actions)
@@ -233,7 +243,9 @@ class MultiTurnRollout:
                 if error is None:
                     try:
                         observation, reward, done, info = result
-                        reward = float(reward)
+                        reward, info = float(reward), {} if info is None else info
+                        if not isinstance(info, dict):
+                            raise TypeError(f"step() info must be a dict, got {type(info).__name__}")
                     except (TypeError, ValueError) as bad:
                         error = bad
                 if error is not None:
@@ -241,7 +253,7 @@ class MultiTurnRollout:
                     self._fault(episode, envs[i], kind, error)
                     continue
                 episode.reward += reward
-                episode.invalid_actions += int(bool((info or {}).get("invalid_action", False)))
+                episode.invalid_actions += int(bool(info.get("invalid_action", False)))
                 if done or turn == self.max_turns - 1:
                     episode.finished = True
                     continue

@@ -470,12 +470,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             raise NotImplementedError(
                 "Multi-turn rollouts (`env_factory`) use transformers generation; set use_vllm=False."
             )
-        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        if zero3 and not self.args.ds3_gather_for_generation:
-            raise ValueError(
-                "Multi-turn rollouts under ZeRO-3 need `ds3_gather_for_generation=True`: parameters are gathered once "
-                "per rollout so that ranks with different numbers of turns make the same collective calls."
-            )
+        if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:
+            # Not ours to fix: GRPOTrainer alone fails its first backward this way (TRL 1.16, DeepSpeed 0.19.8, CPU).
+            raise ValueError("Multi-turn rollouts under ZeRO-3 need `ds3_gather_for_generation=True`.")
         self._rollout_engine = MultiTurnRollout(
             env_factory,
             self.processing_class,
@@ -498,8 +495,10 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         rows = self._rollout_rows
         replayed, self._generation_replay = self._generation_replay or {}, None
         fresh = [i for i in range(len(rows)) if i not in replayed]
-        # One gather context for all turns: the only collective calls are its enter and exit (ZeRO-3), made by every
-        # rank once per rollout, whatever its number of episodes, turns or tokens.
+        # One gather context for all turns (entered and left once by every rank). Inside it, a forward of a sharded
+        # model is still collective (ZeRO-3's start-of-forward hook; FSDP), so ranks agree on the number of turns
+        # (`sync`) and a rank with nothing left to play generates a dummy row: every rank calls generate as often.
+        sync = self._any_rank_active if self.accelerator.num_processes > 1 else None
         with (
             unwrap_model_for_generation(
                 self.model_wrapped,
@@ -512,7 +511,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
         ):
             episodes = self._rollout_engine.run(
-                [rows[i] for i in fresh], lambda contexts, n: self._generate_turn(unwrapped_model, contexts, n)
+                [rows[i] for i in fresh], lambda contexts, n: self._generate_turn(unwrapped_model, contexts, n), sync
             )
         by_row = dict(zip(fresh, episodes))
         output = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [], "env_reward": []}
@@ -532,6 +531,10 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 output["env_reward"].append(episode.reward)
         self._log_env_metrics(episodes)
         return output
+
+    def _any_rank_active(self, active: bool) -> bool:
+        flag = torch.tensor([1.0 if active else 0.0], device=self.accelerator.device)
+        return self.accelerator.reduce(flag, reduction="sum").item() > 0
 
     def _generate_turn(self, model, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """One batched generation over the active episodes; each result stops after its first eos."""

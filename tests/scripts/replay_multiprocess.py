@@ -1,7 +1,12 @@
 """Launched by tests/test_multiprocess.py with `accelerate launch`: train with replay active, dump what each rank saw.
 
-Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR
-Each rank writes OUT_DIR/rank{r}.json with its pool hash, the replay plans it made, losses and generated rows.
+Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR [multi-turn]
+Each rank writes OUT_DIR/rank{r}.json with its pool hash, the replay plans it made, losses and generated rows (and,
+multi-turn, the episodes it played per step).
+
+single-turn: 12 rows per step over 2 ranks, G=4, so group 1 spans both ranks.
+multi-turn: 4 rows per step, one group of G=4 over both ranks, k=2: once replay starts, rank 1's rows are both
+replayed and it plays no episode at all while rank 0 plays two, with turns of their own length.
 """
 
 import json
@@ -14,10 +19,13 @@ import torch  # noqa: E402
 
 import trl_exreplay.trainer as trainer_module  # noqa: E402
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer  # noqa: E402
+from trl_exreplay.envs import KeyDoorEnv  # noqa: E402
+from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset  # noqa: E402
 from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset  # noqa: E402
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 out_dir = sys.argv[1]
+multi_turn = len(sys.argv) > 2 and sys.argv[2] == "multi-turn"
 plans = []
 original_plan_replay = trainer_module.plan_replay
 
@@ -44,19 +52,37 @@ class CountingTrainer(ExReplayGRPOTrainer):
             return generate(*a, **kw)
 
         model.generate = counting_generate
+        if multi_turn:
+            run = self._rollout_engine.run
+
+            def recording_run(tasks, generate, sync=None):
+                episodes_played = run(tasks, generate, sync)
+                episodes.append([len(e.completion_ids) for e in episodes_played])
+                return episodes_played
+
+            self._rollout_engine.run = recording_run
 
 
-tokenizer = build_tiny_tokenizer(VOCABULARY)
+episodes = []
+tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY if multi_turn else VOCABULARY)
+single_turn_settings = dict(
+    per_device_train_batch_size=6, offpolicy_trajectories_per_task=1, max_steps=6, max_completion_length=4
+)
+multi_turn_settings = dict(
+    per_device_train_batch_size=2,
+    offpolicy_trajectories_per_task=2,
+    max_steps=10,
+    max_completion_length=48,
+    max_tokens_per_turn=4,
+    max_turns=5,
+)
 config = ExReplayGRPOConfig(
     output_dir=os.path.join(out_dir, "run"),
     use_cpu=True,
     bf16=False,
     seed=0,
-    max_steps=6,
     learning_rate=5e-2,
-    per_device_train_batch_size=6,  # 12 rows over 2 ranks, G=4: group 1 spans both ranks
     num_generations=4,
-    max_completion_length=4,
     beta=0.0,
     logging_steps=1,
     save_strategy="steps",
@@ -65,14 +91,15 @@ config = ExReplayGRPOConfig(
     disable_tqdm=True,
     exp_ratio=1.0,
     replay_start_ratio=0.3,
-    offpolicy_trajectories_per_task=1,
+    ds3_gather_for_generation=os.environ.get("EXREPLAY_TEST_DS3_GATHER", "1") == "1",
+    **(multi_turn_settings if multi_turn else single_turn_settings),
 )
+if multi_turn:
+    task_setup = dict(env_factory=KeyDoorEnv, train_dataset=key_door_dataset(num_tasks=1, repeats=40))
+else:
+    task_setup = dict(reward_funcs=said_target, train_dataset=say_word_dataset(num_tasks=3, repeats=20))
 trainer = CountingTrainer(
-    model=build_tiny_model(tokenizer, seed=0),
-    reward_funcs=said_target,
-    args=config,
-    train_dataset=say_word_dataset(num_tasks=3, repeats=20),
-    processing_class=tokenizer,
+    model=build_tiny_model(tokenizer, seed=0), args=config, processing_class=tokenizer, **task_setup
 )
 trainer.train()
 
@@ -90,6 +117,8 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             "losses": losses,
             "replay_tasks": replay_tasks,
             "generated_rows": generated_rows,
+            "episode_lengths": episodes,
+            "env_errors": [e["env/errors"] for e in trainer.state.log_history if "env/errors" in e],
         },
         f,
     )

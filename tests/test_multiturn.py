@@ -1,0 +1,146 @@
+"""Multi-turn replay through the trainer: KeyDoorEnv (the real engine code), a tiny model, CPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from helpers import TRAINER_DEFAULTS
+
+from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
+from trl_exreplay.envs import KeyDoorEnv
+from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
+from trl_exreplay.loss import compute_exreplay_loss
+from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+
+MULTI_TURN = dict(max_completion_length=48, max_tokens_per_turn=4, max_turns=5, learning_rate=5e-2)
+
+
+class RecordingMultiTurnTrainer(ExReplayGRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches, self.episodes_played = [], []
+        run = self._rollout_engine.run
+
+        def recording_run(tasks, generate, sync=None):
+            self.episodes_played.append(len(tasks))
+            return run(tasks, generate, sync)
+
+        self._rollout_engine.run = recording_run
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.batches.append(output)
+        return output
+
+
+def make_multi_turn_trainer(tmp_path, env_factory=KeyDoorEnv, trainer_cls=RecordingMultiTurnTrainer, **overrides):
+    tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
+    kwargs = {**TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path / "out"), **overrides}
+    return trainer_cls(
+        model=build_tiny_model(tokenizer, seed=0),
+        args=ExReplayGRPOConfig(**kwargs),
+        train_dataset=key_door_dataset(num_tasks=2, repeats=40),
+        processing_class=tokenizer,
+        env_factory=env_factory,
+    )
+
+
+def test_multi_turn_replay_groups(tmp_path):
+    trainer = make_multi_turn_trainer(
+        tmp_path, max_steps=8, offpolicy_trajectories_per_task=2, replay_start_ratio=0.25
+    )
+    trainer.train()
+    num_generations, k = 4, 2
+    replay_steps = 0
+    for output, played in zip(trainer.batches, trainer.episodes_played):
+        exp_mask, completion_mask, env_mask = output["exp_mask"], output["completion_mask"], output["tool_mask"]
+        assert exp_mask.size(0) == 16
+        model_tokens = completion_mask * env_mask
+        assert ((completion_mask == 1) & (env_mask == 0)).any()  # environment tokens really are in the batch
+        replayed = exp_mask.bool().any(dim=1)
+        for group in range(16 // num_generations):
+            rows = slice(group * num_generations, (group + 1) * num_generations)
+            prompts = output["prompt_ids"][rows]
+            assert (prompts == prompts[0]).all()  # one task per group
+            flags = replayed[rows].tolist()
+            assert flags in ([False] * num_generations, [False] * (num_generations - k) + [True] * k)
+        # replayed rows: exp_mask is exactly their env mask (model tokens); environment tokens never marked
+        assert torch.equal(exp_mask[replayed], model_tokens[replayed])
+        assert not exp_mask[~replayed].any()
+        assert played == 16 - int(replayed.sum())  # only fresh rows are played
+        replay_steps += bool(replayed.any())
+    assert replay_steps >= 3
+
+
+def test_environment_tokens_get_no_gradient(tmp_path):
+    trainer = make_multi_turn_trainer(tmp_path, max_steps=6, replay_start_ratio=0.3)
+    trainer.train()
+    output = next(b for b in trainer.batches if b["exp_mask"].any())
+    mask = output["completion_mask"] * output["tool_mask"]
+    env_tokens = (output["completion_mask"] == 1) & (output["tool_mask"] == 0)
+    replayed = output["exp_mask"].bool().any(dim=1)
+    assert env_tokens[replayed].any() and env_tokens[~replayed].any()  # in fresh and replayed rows
+    torch.manual_seed(0)
+    logps = (-torch.rand(mask.shape)).requires_grad_()
+    old = logps.detach() + 0.3 * torch.randn(mask.shape)
+    old = torch.where(output["exp_mask"].bool(), output["recorded_per_token_logps"], old)
+    kwargs = dict(loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2)
+    loss, _ = compute_exreplay_loss(logps, old, output["advantages"], mask, output["exp_mask"], **kwargs)
+    loss.backward()
+    assert logps.grad[env_tokens].abs().max() == 0
+    assert logps.grad[mask.bool()].abs().max() > 0
+    perturbed = (logps.detach() + 5.0 * env_tokens).requires_grad_()
+    perturbed_loss, _ = compute_exreplay_loss(perturbed, old, output["advantages"], mask, output["exp_mask"], **kwargs)
+    assert perturbed_loss.item() == loss.item()
+
+
+class FaultyKeyDoorEnv(KeyDoorEnv):
+    """KeyDoorEnv that raises on the 3rd and 10th step calls, hangs on the 6th and raises on the 5th reset."""
+
+    lock = threading.Lock()
+    steps = 0
+    resets = 0
+
+    def reset(self, task):
+        with self.lock:
+            FaultyKeyDoorEnv.resets += 1
+            number = FaultyKeyDoorEnv.resets
+        if number == 5:
+            raise RuntimeError("injected reset fault")
+        return super().reset(task)
+
+    def step(self, action):
+        with self.lock:
+            FaultyKeyDoorEnv.steps += 1
+            number = FaultyKeyDoorEnv.steps
+        if number in (3, 10):
+            raise RuntimeError("injected step fault")
+        if number == 6:
+            time.sleep(5)
+        return super().step(action)
+
+
+def test_environment_faults_are_counted_and_training_completes(tmp_path):
+    FaultyKeyDoorEnv.steps = FaultyKeyDoorEnv.resets = 0
+    trainer = make_multi_turn_trainer(tmp_path, env_factory=FaultyKeyDoorEnv, max_steps=3, env_step_timeout=0.5)
+    start = time.perf_counter()
+    trainer.train()
+    assert time.perf_counter() - start < 60
+    errors = [e["env/errors"] for e in trainer.state.log_history if "env/errors" in e]
+    assert len(errors) == 3 and errors[-1] == 4.0  # 2 step faults + 1 timeout + 1 reset fault
+    assert dict(trainer._rollout_engine.errors) == {"step_error": 2, "timeout": 1, "reset_error": 1}
+    assert FaultyKeyDoorEnv.steps > 10
+
+
+def test_env_metrics_are_logged(tmp_path):
+    trainer = make_multi_turn_trainer(tmp_path, max_steps=2)
+    trainer.train()
+    logged = set().union(*(entry.keys() for entry in trainer.state.log_history))
+    expected = {"env/turns_mean", "env/success_rate", "env/truncated_fraction", "env/invalid_actions"}
+    assert expected | {"env/step_seconds", "env/errors"} <= logged
+    first = next(e for e in trainer.state.log_history if "env/turns_mean" in e)
+    assert 1.0 <= first["env/turns_mean"] <= 5.0
+    assert 0.0 <= first["env/success_rate"] <= 1.0
