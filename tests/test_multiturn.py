@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from helpers import TRAINER_DEFAULTS
 
@@ -144,3 +145,36 @@ def test_env_metrics_are_logged(tmp_path):
     first = next(e for e in trainer.state.log_history if "env/turns_mean" in e)
     assert 1.0 <= first["env/turns_mean"] <= 5.0
     assert 0.0 <= first["env/success_rate"] <= 1.0
+
+
+def test_trl_sees_the_same_truncations_as_the_engine(tmp_path):
+    """TRL calls a completion truncated when it does not end on eos; the engine ends every completed episode on one."""
+    trainer = make_multi_turn_trainer(tmp_path, max_steps=4, replay_start_ratio=1.0, max_completion_length=24)
+    trainer.train()
+    entries = [e for e in trainer.state.log_history if "env/truncated_fraction" in e]
+    assert len(entries) == 4 and any(e["env/truncated_fraction"] > 0 for e in entries)
+    for entry in entries:
+        assert entry["completions/clipped_ratio"] == entry["env/truncated_fraction"]
+
+
+def test_reward_functions_see_the_real_prompt_and_rows_need_a_task_id(tmp_path):
+    seen = []
+
+    def spy(prompts, completions, env_reward, **kwargs):
+        seen.extend(p[-1]["content"] for p in prompts)
+        return [float(r) for r in env_reward]
+
+    tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
+    args = ExReplayGRPOConfig(**{**TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path), "max_steps": 1})
+    dataset = key_door_dataset(num_tasks=2, repeats=8)
+    trainer = ExReplayGRPOTrainer(
+        model=build_tiny_model(tokenizer), reward_funcs=spy, args=args, train_dataset=dataset,
+        processing_class=tokenizer, env_factory=KeyDoorEnv,
+    )  # fmt: skip
+    trainer.train()
+    assert len(seen) == 16 and all(text.startswith("you see a ") and text.endswith(" door and a key") for text in seen)
+    with pytest.raises(ValueError, match="task_id_column"):
+        ExReplayGRPOTrainer(
+            model=build_tiny_model(tokenizer), args=args, train_dataset=dataset.remove_columns("task_id"),
+            processing_class=tokenizer, env_factory=KeyDoorEnv,
+        )  # fmt: skip

@@ -239,9 +239,9 @@ def test_template_not_incremental_around_assistant_turn_is_rejected():
 
 
 def test_template_not_incremental_around_user_turn_is_rejected():
-    turns = ChatTurns(_with_template(NOT_INCREMENTAL_USER))
-    with pytest.raises(ValueError, match="incremental"):
-        turns.env_turn_ids("you have the key")
+    # probed at construction, so a bad template fails before any rollout rather than in the middle of one
+    with pytest.raises(ValueError, match="incremental around a user turn"):
+        ChatTurns(_with_template(NOT_INCREMENTAL_USER))
 
 
 def test_template_dropping_assistant_content_is_rejected():
@@ -467,11 +467,14 @@ def test_errors_are_counted_by_kind_and_faulted_envs_are_not_reused(tok, release
     assert engine.errors == Counter({"reset_error": 1, "step_error": 2, "timeout": 1})
     assert len(factory.created) == 6
     healthy = {id(env) for env in factory.created if env.resets[0] in ("ok", "ok2")}
+    (hung,) = [env for env in factory.created if env.resets[0] == "slow"]
     for env in factory.created:
-        if id(env) not in healthy:
-            assert env.closed.wait(2.0), env.resets
+        if id(env) in healthy or env is hung:
+            assert not env.closed.is_set()  # the hung one is still inside step(): never closed under its feet
         else:
-            assert not env.closed.is_set()
+            assert env.closed.wait(2.0), env.resets
+    release.set()  # its step returns: its own thread closes it
+    assert hung.closed.wait(2.0)
 
     # Second run: the 2 healthy instances are reused, 4 new ones are built; none of the faulted is reset again.
     second = engine.run(

@@ -46,6 +46,7 @@ class ChatTurns:
         self.close_ids = turn[len(content) :]  # what ends an assistant turn (e.g. <|im_end|> and a newline)
         self._closed_probe = closed
         self._probe = user + assistant
+        self.env_turn_ids(self._PROBE_USER)  # fail now, not mid-rollout, if the template cannot continue
 
     def _render(self, messages, generation_prompt: bool) -> list[int]:
         rendered = self.tokenizer.apply_chat_template(
@@ -92,41 +93,55 @@ class Episode:
     error: str | None = None
     invalid_actions: int = 0
     step_seconds: list[float] = field(default_factory=list)
+    observation: str = ""  # the first observation (the prompt's user message)
 
     def extend(self, ids: Sequence[int], trained: bool) -> None:
         self.completion_ids.extend(ids)
         self.env_mask.extend([1 if trained else 0] * len(ids))
 
 
-def call_with_timeout(fn: Callable, timeout: float | None) -> tuple[Any, BaseException | None, float]:
+def call_with_timeout(
+    fn: Callable, timeout: float | None, on_late: Callable[[], None] | None = None
+) -> tuple[Any, BaseException | None, float]:
     """Run `fn` in a daemon thread; (result, error, seconds). A call past `timeout` returns a TimeoutError and is
-    abandoned (a daemon thread never blocks the interpreter's exit)."""
+    abandoned (a daemon thread never blocks the interpreter's exit); `on_late` then runs in that thread once (if
+    ever) `fn` returns, e.g. to close the environment it was using."""
     box: dict[str, Any] = {}
+    lock = threading.Lock()
 
     def target():
         try:
             box["result"] = fn()
         except BaseException as error:  # noqa: BLE001 - any fault of the environment ends only its episode
             box["error"] = error
+        with lock:
+            box["returned"] = True
+            late = box.get("abandoned", False)
+        if late and on_late is not None:
+            on_late()
 
     start = time.perf_counter()
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     thread.join(timeout)
     seconds = time.perf_counter() - start
-    if thread.is_alive():
-        return None, TimeoutError(f"no answer within {timeout}s"), seconds
+    with lock:
+        if not box.get("returned"):
+            box["abandoned"] = True
+            return None, TimeoutError(f"no answer within {timeout}s"), seconds
     return box.get("result"), box.get("error"), seconds
 
 
-def run_concurrently(calls: Sequence[Callable], timeout: float | None, workers: int) -> list[tuple]:
+def run_concurrently(
+    calls: Sequence[Callable], timeout: float | None, workers: int, on_late: Sequence[Callable] | None = None
+) -> list[tuple]:
     """`call_with_timeout` for each call, at most `workers` at a time; results in order."""
     results: list[tuple | None] = [None] * len(calls)
     gate = threading.Semaphore(max(1, workers))
 
     def run(i):
         with gate:
-            results[i] = call_with_timeout(calls[i], timeout)
+            results[i] = call_with_timeout(calls[i], timeout, None if on_late is None else on_late[i])
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
     for thread in threads:
@@ -178,7 +193,13 @@ class MultiTurnRollout:
 
     # ------------------------------------------------------------------------------------------------ envs
     def _take_env(self):
-        return self._idle_envs.pop() if self._idle_envs else self.env_factory()
+        """An idle instance, or a new one; a factory that fails gives None (the episode then fails)."""
+        if self._idle_envs:
+            return self._idle_envs.pop(), None
+        try:
+            return self.env_factory(), None
+        except Exception as error:  # noqa: BLE001 - a broken factory fails its episode, not the run
+            return None, error
 
     def _fault(self, episode: Episode, env, kind: str, error: BaseException) -> None:
         episode.error, episode.finished, episode.reward = kind, True, 0.0
@@ -186,7 +207,8 @@ class MultiTurnRollout:
         if kind not in self._warned:
             self._warned.add(kind)
             logger.warning("trl_exreplay: environment %s (%r); episode failed, counted in env/errors.", kind, error)
-        threading.Thread(target=_close_quietly, args=(env,), daemon=True).start()  # never reused
+        if env is not None and kind != "timeout":  # a timed-out env is closed by its own thread, once it returns
+            threading.Thread(target=_close_quietly, args=(env,), daemon=True).start()  # never reused
 
     # ------------------------------------------------------------------------------------------------- run
     def run(
@@ -198,25 +220,31 @@ class MultiTurnRollout:
         """Play one episode per task. `generate(contexts, max_new_tokens)` returns each context's new tokens;
         `sync(has_active_episodes)` returns whether any rank still has one (collective; None for one process)."""
         episodes = [Episode(task=dict(task)) for task in tasks]
-        envs = [self._take_env() for _ in episodes]
+        taken = [self._take_env() for _ in episodes]
+        envs = [env for env, _ in taken]
         resets = run_concurrently(
-            [(lambda env=env, task=task: env.reset(task)) for env, task in zip(envs, tasks)],
+            [(lambda env=env, task=task: env.reset(task)) for env, task in zip(envs, tasks) if env is not None],
             self.step_timeout,
             self.workers,
+            [(lambda env=env: _close_quietly(env)) for env in envs if env is not None],
         )
-        for episode, env, (observation, error, _seconds) in zip(episodes, envs, resets):
+        resets = iter(resets)
+        for episode, (env, factory_error) in zip(episodes, taken):
             system = episode.task.get(self.system_prompt_column)
+            observation, error, _ = (None, factory_error, 0.0) if env is None else next(resets)
             if error is not None:
-                self._fault(episode, env, "timeout" if isinstance(error, TimeoutError) else "reset_error", error)
+                kind = "factory_error" if env is None else _fault_kind(error, "reset_error")
+                self._fault(episode, env, kind, error)
                 observation = ""
-            episode.prompt_ids = self.turns.prompt_ids(str(observation), system)
+            episode.observation = str(observation)
+            episode.prompt_ids = self.turns.prompt_ids(episode.observation, system)
 
         for turn in range(self.max_turns):
             active = [i for i, e in enumerate(episodes) if not e.finished]
             if not (sync(bool(active)) if sync is not None else active):
                 break
             if not active:  # another rank still plays: keep this rank's generate calls in step with it
-                generate([[self.tokenizer.eos_token_id]], self.max_tokens_per_turn)
+                generate([[self.tokenizer.eos_token_id]], 1)
                 continue
             budgets = {i: self.max_completion_length - len(episodes[i].completion_ids) for i in active}
             new_tokens = min(self.max_tokens_per_turn, max(budgets.values()))
@@ -236,28 +264,31 @@ class MultiTurnRollout:
                 [(lambda env=envs[i], text=text: env.step(text)) for i, text in zip(stepping, texts)],
                 self.step_timeout,
                 self.workers,
+                [(lambda env=envs[i]: _close_quietly(env)) for i in stepping],
             )
             for i, (result, error, seconds) in zip(stepping, results):
                 episode = episodes[i]
                 episode.step_seconds.append(seconds)
                 if error is None:
-                    try:
+                    try:  # everything that depends on what the environment returned
                         observation, reward, done, info = result
-                        reward, info = float(reward), {} if info is None else info
+                        reward, done, info = float(reward), bool(done), {} if info is None else info
                         if not isinstance(info, dict):
                             raise TypeError(f"step() info must be a dict, got {type(info).__name__}")
-                    except (TypeError, ValueError) as bad:
+                        invalid = bool(info.get("invalid_action", False))
+                        last = done or turn == self.max_turns - 1
+                        env_ids = [] if last else self.turns.env_turn_ids(str(observation))
+                    except Exception as bad:  # noqa: BLE001 - a malformed answer fails its episode only
                         error = bad
                 if error is not None:
-                    kind = "timeout" if isinstance(error, TimeoutError) else "step_error"
-                    self._fault(episode, envs[i], kind, error)
+                    self._fault(episode, envs[i], _fault_kind(error, "step_error"), error)
                     continue
                 episode.reward += reward
-                episode.invalid_actions += int(bool(info.get("invalid_action", False)))
-                if done or turn == self.max_turns - 1:
+                episode.invalid_actions += int(invalid)
+                if last:
                     episode.finished = True
                     continue
-                env_ids = self.turns.closing_ids(actions[i]) + self.turns.env_turn_ids(str(observation))
+                env_ids = self.turns.closing_ids(actions[i]) + env_ids
                 room = self.max_completion_length - len(episode.completion_ids)
                 if len(env_ids) >= room:  # no room left for another model turn
                     episode.extend(env_ids[:room], trained=False)
@@ -265,18 +296,32 @@ class MultiTurnRollout:
                     continue
                 episode.extend(env_ids, trained=False)
 
+        eos = self.tokenizer.eos_token_id
+        terminators = {eos, self.tokenizer.pad_token_id}
         for episode, env in zip(episodes, envs):
             episode.finished = True
-            if not episode.completion_ids:  # TRL needs a non-empty completion; an untrained eos stands in
-                episode.extend([self.tokenizer.eos_token_id], trained=False)
+            # TRL calls a completion truncated when it does not end on eos or pad: end every completed episode on
+            # an (untrained) eos, and no truncated one on either.
+            while episode.truncated and len(episode.completion_ids) > 1 and episode.completion_ids[-1] in terminators:
+                episode.completion_ids.pop()
+                episode.env_mask.pop()
+            ends_on_eos = bool(episode.completion_ids) and episode.completion_ids[-1] == eos
+            if not episode.truncated and not ends_on_eos:
+                if len(episode.completion_ids) < self.max_completion_length or not episode.completion_ids:
+                    episode.extend([eos], trained=False)
             if episode.error is None:
                 self._idle_envs.append(env)
         return episodes
 
     def close(self) -> None:
+        """Close the idle environments (the trainer calls this at the end of training)."""
         for env in self._idle_envs:
             _close_quietly(env)
         self._idle_envs.clear()
+
+
+def _fault_kind(error: BaseException, default: str) -> str:
+    return "timeout" if isinstance(error, TimeoutError) else default
 
 
 def _close_quietly(env) -> None:

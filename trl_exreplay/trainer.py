@@ -107,14 +107,14 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         self.pool = ExperiencePool(**self._pool_settings)
         if experience_pool is not None:
             self._adopt_pool(experience_pool, "the given experience_pool")
+        if self._replay_enabled or env_factory is not None:
+            self.add_callback(_AtTrainEnd(self))
         self._pending: dict | None = None  # outcomes of the last generation step, flushed into the pool later
         self._entropy_stash = None  # "armed", then the entropies of TRL's old-log-probs forward
         self._active: dict | None = None  # the replay plan of the generation step in progress
         self._generation_replay: dict[int, Trajectory] | None = None  # local row -> replayed trajectory
         self._replay_counts: Counter = Counter()  # faults and mismatches, logged once per kind
         self._warned: set[str] = set()
-        if self._replay_enabled:
-            self.add_callback(_FlushPoolAtTrainEnd(self))
 
     # ------------------------------------------------------------------------------------------------ checks
     def _check_supported(self) -> None:
@@ -150,11 +150,12 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     # -------------------------------------------------------------------------------------------- generation
     def _generate_and_score_completions(self, inputs):
-        if self.env_factory is not None:
-            inputs = [row if "prompt" in row else {**row, "prompt": self._placeholder_prompt(row)} for row in inputs]
-        self._rollout_rows = inputs
         if not self._replay_enabled or not self.model.training:
-            return super()._generate_and_score_completions(inputs)
+            self._rollout_rows = [self._with_prompt(row) for row in inputs]
+            try:
+                return super()._generate_and_score_completions(self._rollout_rows)
+            finally:
+                self._rollout_rows = None
         self._flush_pending()
         num_generations = self.num_generations
         rank, local_rows = self.accelerator.process_index, len(inputs)
@@ -180,7 +181,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             )
         selected = self._select_trajectories(plan, step, draw_seed)
 
-        new_inputs, replayed_local = [], {}
+        task_rows, replayed_local = [], {}  # the dataset rows as they are (stored with trajectories)
         for i, row in enumerate(inputs):
             global_row = offset + i
             group, position = divmod(global_row, num_generations)
@@ -189,7 +190,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 row = self.pool.task_row(task_id)
             if plan.is_replayed(global_row):
                 replayed_local[i] = selected[task_id][position - (num_generations - plan.num_replayed)]
-            new_inputs.append(row)
+            task_rows.append(row)
+        new_inputs = [self._with_prompt(row) for row in task_rows]
         row_tasks = [plan.task_of_row(r, group_keys) for r in range(len(row_keys))]
         fresh_per_rank = [
             sum(not plan.is_replayed(r) for r in range(start, start + local_rows))
@@ -206,7 +208,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             output = super()._generate_and_score_completions(new_inputs)
             rewards_per_func = self._active["rewards"]
             self._attach_replay_tensors(output, replayed_local)
-            self._queue_outcomes(output, new_inputs, row_tasks, plan, rewards_per_func, offset)
+            self._queue_outcomes(output, task_rows, row_tasks, plan, rewards_per_func, offset)
             self._log_generation_metrics(plan, len(row_keys), step)
         finally:
             self._generation_replay = None
@@ -466,6 +468,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------- multi-turn
     def _setup_multi_turn(self, env_factory) -> None:
+        column = self.replay["task_id_column"]
+        names = getattr(self.train_dataset, "column_names", None)
+        if names is not None and column not in names:
+            raise ValueError(
+                f"Multi-turn rollouts need a task id column: the train dataset has no `{column}` column "
+                f"(`task_id_column`; columns: {names}). Tasks without prompts cannot be told apart otherwise."
+            )
         if self.use_vllm:
             raise NotImplementedError(
                 "Multi-turn rollouts (`env_factory`) use transformers generation; set use_vllm=False."
@@ -486,9 +495,12 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         )
         self.rollout_func = self._multi_turn_rollout
 
-    def _placeholder_prompt(self, row: dict) -> list[dict]:
-        # TRL requires a prompt column; the real prompt is built from the environment's first observation.
-        return [{"role": "user", "content": f"task {task_key(row, self.replay['task_id_column'])}"}]
+    def _with_prompt(self, row: dict) -> dict:
+        """Multi-turn: a copy of the row with a placeholder prompt (TRL requires one); the rollout replaces it in place
+        with the real one, the environment's first observation, which is what reward functions and logs then see."""
+        if self.env_factory is None:
+            return row
+        return {**row, "prompt": [{"role": "user", "content": f"task {task_key(row, self.replay['task_id_column'])}"}]}
 
     def _multi_turn_rollout(self, prompts, trainer) -> dict:
         """TRL `rollout_func`: episodes for the fresh rows, stored trajectories for the replayed ones."""
@@ -498,7 +510,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         # One gather context for all turns (entered and left once by every rank). Inside it, a forward of a sharded
         # model is still collective (ZeRO-3's start-of-forward hook; FSDP), so ranks agree on the number of turns
         # (`sync`) and a rank with nothing left to play generates a dummy row: every rank calls generate as often.
-        sync = self._any_rank_active if self.accelerator.num_processes > 1 else None
+        sharded = self._dist.is_zero3 or self._dist.is_fsdp
+        sync = self._any_rank_active if sharded and self.accelerator.num_processes > 1 else None
         with (
             unwrap_model_for_generation(
                 self.model_wrapped,
@@ -514,6 +527,16 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 [rows[i] for i in fresh], lambda contexts, n: self._generate_turn(unwrapped_model, contexts, n), sync
             )
         by_row = dict(zip(fresh, episodes))
+        column = self.replay["task_id_column"]
+        real_prompts = {}
+        for i, episode in by_row.items():
+            system = episode.task.get(self.replay["system_prompt_column"])
+            messages = [{"role": "system", "content": system}] if system else []
+            real_prompts[i] = messages + [{"role": "user", "content": episode.observation}]
+            real_prompts.setdefault(task_key(rows[i], column), real_prompts[i])
+        for i, row in enumerate(rows):  # in place: the very lists TRL hands to reward functions and logs
+            row["prompt"][:] = real_prompts.get(i, real_prompts.get(task_key(row, column), row["prompt"]))
+        env_index = next((j for j, f in enumerate(self.reward_funcs) if f is env_reward), None)
         output = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [], "env_reward": []}
         for i in range(len(rows)):
             if i in replayed:
@@ -522,7 +545,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 output["prompt_ids"].append(trajectory.prompt_ids)
                 output["completion_ids"].append(completion)
                 output["env_mask"].append(trajectory.completion_mask[: len(completion)])
-                output["env_reward"].append(trajectory.reward)
+                recorded = trajectory.rewards
+                has_env_reward = env_index is not None and env_index < len(recorded)
+                output["env_reward"].append(recorded[env_index] if has_env_reward else trajectory.reward)
             else:
                 episode = by_row[i]
                 output["prompt_ids"].append(episode.prompt_ids)
@@ -582,7 +607,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             metrics["env/invalid_actions"].append(invalid / count)
         if num_steps > 0:
             metrics["env/step_seconds"].append(seconds / num_steps)
-        metrics["env/errors"].append(errors)
+        metrics["env/errors"] = [errors]  # a running total: the latest value, not a mean over the logging window
 
     # --------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
@@ -706,7 +731,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         for name, value in self.pool.stats().items():
             metrics[f"replay/{name}"].append(value)
         for name, count in self._replay_counts.items():
-            metrics[f"replay/{name}"].append(float(count))
+            metrics[f"replay/{name}"] = [float(count)]  # running totals
 
     def _count(self, kind: str, message: str) -> None:
         self._replay_counts[kind] += 1
@@ -741,14 +766,17 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         self.pool = pool
 
 
-class _FlushPoolAtTrainEnd(TrainerCallback):
-    """The last step's outcomes would otherwise wait for a next generation step that never comes."""
+class _AtTrainEnd(TrainerCallback):
+    """Flush the last step's outcomes (no further generation step would) and close idle environments."""
 
     def __init__(self, trainer: ExReplayGRPOTrainer):
         self.trainer = trainer
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._flush_pending()
+        if self.trainer._replay_enabled:
+            self.trainer._flush_pending()
+        if self.trainer.env_factory is not None:
+            self.trainer._rollout_engine.close()
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
