@@ -178,3 +178,31 @@ def test_reward_functions_see_the_real_prompt_and_rows_need_a_task_id(tmp_path):
             model=build_tiny_model(tokenizer), args=args, train_dataset=dataset.remove_columns("task_id"),
             processing_class=tokenizer, env_factory=KeyDoorEnv,
         )  # fmt: skip
+
+
+def test_trainer_loss_with_kl_and_entropy_ignores_environment_tokens(tmp_path):
+    """The trainer's whole loss (policy + KL to the reference + entropy bonus) does not see environment tokens."""
+    tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
+    build_tiny_model(tokenizer, seed=0).save_pretrained(tmp_path / "model")  # beta > 0: TRL loads the reference
+    kwargs = {**TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path / "out"), "max_steps": 4}
+    kwargs.update(replay_start_ratio=0.25, beta=0.1, entropy_coef=0.01)
+    trainer = RecordingMultiTurnTrainer(
+        model=str(tmp_path / "model"),
+        args=ExReplayGRPOConfig(**kwargs),
+        train_dataset=key_door_dataset(num_tasks=2, repeats=40),
+        processing_class=tokenizer,
+        env_factory=KeyDoorEnv,
+    )
+    trainer.train()
+    batch = next(b for b in trainer.batches if b["exp_mask"].any())
+    env_tokens = (batch["completion_mask"] == 1) & (batch["tool_mask"] == 0)
+    assert env_tokens.any()
+    trainer.model.train()
+    with torch.no_grad():
+        loss = trainer._compute_loss(trainer.model, dict(batch))
+        moved = dict(batch, ref_per_token_logps=batch["ref_per_token_logps"] + 3.0 * env_tokens)
+        moved = dict(moved, recorded_per_token_logps=batch["recorded_per_token_logps"] - 2.0 * env_tokens)
+        assert trainer._compute_loss(trainer.model, moved).item() == loss.item()
+        model_tokens = (batch["completion_mask"] * batch["tool_mask"]).bool()
+        shifted = dict(batch, ref_per_token_logps=batch["ref_per_token_logps"] + 3.0 * model_tokens)
+        assert trainer._compute_loss(trainer.model, shifted).item() != loss.item()  # the KL term is live
