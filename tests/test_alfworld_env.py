@@ -1,0 +1,82 @@
+"""AlfWorldEnv (TextEnv adapter) on the real ALFWorld engine, over generated games laid out like json_2.1.1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trl_exreplay.envs.alfworld.textenv import parse_action, strip_welcome
+
+pytest.importorskip("alfworld", reason="needs the [alfworld] extra")
+
+
+def test_parse_action_takes_one_command():
+    assert parse_action("Action: Go to Cabinet 1.\nThought: then open it") == "go to cabinet 1"
+    assert parse_action("\n\n> take apple 1 from countertop 2") == "take apple 1 from countertop 2"
+    assert parse_action("  put   mug 1  in/on  coffeemachine 1 ") == "put mug 1 in/on coffeemachine 1"
+    assert parse_action("") == ""
+
+
+def test_strip_welcome():
+    assert strip_welcome("-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle") == "You are in the middle"
+
+
+@pytest.fixture(scope="module")
+def games(tmp_path_factory):
+    from trl_exreplay.envs.alfworld import generate_games
+
+    root = tmp_path_factory.mktemp("alfworld")
+    report = generate_games(str(root), split="valid_unseen", num_games=2, seed=3, task_types=["pick_and_place_simple"])
+    assert report.written == 2
+    return root / "json_2.1.1" / "valid_unseen"
+
+
+def test_tasks_dataset_reads_the_json_2_1_1_layout(games):
+    from trl_exreplay.envs.alfworld import alfworld_tasks
+
+    tasks = alfworld_tasks(str(games))
+    assert len(tasks) == 2
+    assert set(tasks["task_type"]) == {"pick_and_place_simple"}
+    for row in tasks:
+        assert row["game_file"].endswith("game.tw-pddl") and row["task_id"].count("/") == 1
+        assert row["task_id"].startswith("pick_and_place_simple-")
+    assert alfworld_tasks(str(games))["task_id"] == tasks["task_id"]  # stable order
+
+
+def test_adapter_opening_valid_invalid_and_win(games):
+    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+
+    row = alfworld_tasks(str(games))[0]
+    walkthrough = json.loads(open(row["game_file"]).read())["walkthrough"]
+    env = AlfWorldEnv(max_steps=50)
+    opening = env.reset(row)
+    assert opening.startswith("You are in the middle of a room. Looking quickly around you, you see ")
+    assert "\n\nYour task is to: put " in opening
+    assert "Admissible actions: " in opening and walkthrough[0] in env.admissible_actions()
+
+    observation, reward, done, info = env.step("fly to the moon")
+    assert observation.startswith("Nothing happens.") and info["invalid_action"] and (reward, done) == (0.0, False)
+
+    before = env.admissible_actions()
+    observation, reward, done, info = env.step(f"Action: {walkthrough[0]}")
+    assert observation.startswith("You arrive at ") and not info["invalid_action"]
+    assert env.admissible_actions() != before  # the state changed
+    for command in walkthrough[1:]:
+        observation, reward, done, info = env.step(command)
+    assert (reward, done, info["won"]) == (1.0, True, True)
+
+    again = env.reset(row)  # same game: no reload, same opening
+    assert again == opening and env.steps == 0
+    env.close()
+
+
+def test_max_steps_ends_the_episode(games):
+    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+
+    env = AlfWorldEnv(max_steps=2, show_admissible=False)
+    opening = env.reset(alfworld_tasks(str(games))[1])
+    assert "Admissible actions" not in opening
+    assert env.step("look")[2] is False
+    assert env.step("look")[2] is True
+    env.close()

@@ -1,0 +1,147 @@
+"""Offline ALFWorld game generator: reproducibility, walkthroughs winning on the real engine, splits, CLI.
+
+Needs alfworld 0.4.2 + textworld[pddl]; skipped without them. Engine work is slow (1-9 s per game on one core),
+so few games are generated and verification runs on two processes.
+"""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("alfworld")
+pytest.importorskip("fast_downward")
+
+from trl_exreplay.envs.alfworld import (  # noqa: E402
+    ALL_TASK_TYPES,
+    SPLIT_SCENES,
+    TRAIN_SCENES,
+    VALID_UNSEEN_SCENES,
+    generate_games,
+    play_walkthroughs,
+)
+from trl_exreplay.envs.alfworld.__main__ import main  # noqa: E402
+
+SEED = 3
+WORKERS = 2
+
+
+def _tree(root):
+    """{relative path: bytes} of every file under root."""
+    files = {}
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, root)] = f.read()
+    return files
+
+
+def _traj(game_file):
+    with open(os.path.join(os.path.dirname(game_file), "traj_data.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def train_games(tmp_path_factory):
+    out = tmp_path_factory.mktemp("alfworld_train")
+    report = generate_games(out, "train", len(ALL_TASK_TYPES), SEED, workers=WORKERS)
+    return out, report
+
+
+def test_one_verified_game_per_task_type(train_games):
+    out, report = train_games
+    assert report.written == report.requested == 6 and report.failed == 0
+    assert report.by_task_type == {t: 1 for t in ALL_TASK_TYPES}
+    assert sorted(_traj(f)["task_type"] for f in report.game_files) == sorted(ALL_TASK_TYPES)
+    for f in report.game_files:
+        assert f.startswith(os.path.join(str(out), "json_2.1.1", "train") + os.sep)
+        with open(f) as fh:
+            game = json.load(fh)
+        assert set(game) == {"pddl_domain", "grammar", "pddl_problem", "solvable", "walkthrough"}
+        assert game["solvable"] is True and game["walkthrough"]
+        assert "UNKNOWN GOAL" not in game["grammar"]
+        traj = _traj(f)
+        assert set(traj["pddl_params"]) >= {
+            "object_target",
+            "parent_target",
+            "toggle_target",
+            "mrecep_target",
+            "object_sliced",
+        }
+        assert traj["scene"]["scene_num"] in TRAIN_SCENES
+    # classic wording by default
+    pick = next(f for f in report.game_files if _traj(f)["task_type"] == "pick_and_place_simple")
+    with open(pick) as fh:
+        assert json.load(fh)["walkthrough"][-1].startswith("put ")
+
+
+def test_generation_is_byte_identical(train_games, tmp_path):
+    out, _ = train_games
+    again = generate_games(tmp_path, "train", len(ALL_TASK_TYPES), SEED, workers=WORKERS)
+    assert again.written == 6
+    first, second = _tree(out), _tree(tmp_path)
+    assert len(first) == 12 and first == second
+    # another seed, or another split on the same scenes, gives other games
+    other = generate_games(tmp_path / "other", "train", 2, SEED + 1, verify=False)
+    seen = generate_games(tmp_path / "seen", "valid_seen", 2, SEED, verify=False)
+    for report in (other, seen):
+        for f in report.game_files:
+            with open(f, "rb") as fh:
+                assert fh.read() not in first.values()
+
+
+def test_walkthroughs_win_and_games_do_not_start_won(train_games):
+    out, _ = train_games
+    results = play_walkthroughs(out, workers=WORKERS)
+    assert len(results) == 6
+    for r in results:
+        assert r.won_at_start is False, r
+        assert r.won and r.error is None, r
+
+
+def test_valid_unseen_scenes_are_never_used_in_train(tmp_path):
+    assert set(SPLIT_SCENES["valid_unseen"]) == set(VALID_UNSEEN_SCENES) == {10, 219, 308, 424}
+    assert not set(SPLIT_SCENES["train"]) & set(SPLIT_SCENES["valid_unseen"])
+    assert set(SPLIT_SCENES["valid_seen"]) == set(SPLIT_SCENES["train"])
+    unseen = generate_games(tmp_path / "u", "valid_unseen", 12, 0, verify=False)
+    train = generate_games(tmp_path / "t", "train", 24, 0, verify=False)
+    unseen_scenes = {_traj(f)["scene"]["scene_num"] for f in unseen.game_files}
+    train_scenes = {_traj(f)["scene"]["scene_num"] for f in train.game_files}
+    assert unseen.written == 12 and unseen_scenes <= set(VALID_UNSEEN_SCENES)
+    assert train.written == 24 and train_scenes <= set(TRAIN_SCENES)
+    assert not unseen_scenes & train_scenes
+
+
+def test_cli_generate_and_play_walkthroughs(tmp_path, capsys):
+    out = str(tmp_path / "cli")
+    rc = main(
+        [
+            "generate",
+            "--out",
+            out,
+            "--split",
+            "valid_unseen",
+            "--num-games",
+            "2",
+            "--seed",
+            "1",
+            "--task-types",
+            "look_at_obj_in_light",
+            "pick_two_obj_and_place",
+            "--workers",
+            str(WORKERS),
+        ]
+    )
+    assert rc == 0
+    assert "wrote 2 of 2 valid_unseen games" in capsys.readouterr().out
+    rc = main(["play-walkthroughs", out, "--workers", str(WORKERS)])
+    assert rc == 0
+    assert "2 won of 2" in capsys.readouterr().out
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError):
+        generate_games(tmp_path, "test", 1, 0)
+    with pytest.raises(ValueError):
+        generate_games(tmp_path, "train", 1, 0, task_types=["pick_and_place_with_movable_recep"])

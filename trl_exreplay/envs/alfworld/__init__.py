@@ -1,0 +1,47 @@
+"""ALFWorld on the real text engine: an offline game generator and walkthrough player.
+
+Needs `alfworld==0.4.2` and `textworld[pddl]==1.7.0` (imported lazily: importing this package does not need them).
+
+```python
+from trl_exreplay.envs.alfworld import generate_games, play_walkthroughs
+
+report = generate_games("data/alfworld", split="train", num_games=100, seed=0)
+print(report.summary())
+results = play_walkthroughs("data/alfworld")
+print(sum(r.won for r in results), "won of", len(results))
+```
+
+CLI: `python -m trl_exreplay.envs.alfworld generate --out DIR --split train --num-games N --seed S` and
+`python -m trl_exreplay.envs.alfworld play-walkthroughs DIR`.
+"""
+
+from __future__ import annotations
+
+from .splits import ALL_TASK_TYPES, SPLIT_SCENES, SPLITS, TASK_TYPES, TRAIN_SCENES, VALID_UNSEEN_SCENES
+
+_LAZY = {
+    "GenerationReport": "generate",
+    "generate_games": "generate",
+    "build_game": "generate",
+    "alfworld_version": "generate",
+    "PlayResult": "engine",
+    "make_env": "engine",
+    "play_walkthrough": "engine",
+    "play_walkthroughs": "engine",
+    "find_game_files": "engine",
+    "AlfWorldEnv": "textenv",
+    "alfworld_tasks": "textenv",
+    "parse_action": "textenv",
+    "INSTRUCTIONS": "textenv",
+}
+
+__all__ = [*_LAZY, "ALL_TASK_TYPES", "SPLIT_SCENES", "SPLITS", "TASK_TYPES", "TRAIN_SCENES", "VALID_UNSEEN_SCENES"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,177 @@
+"""The real ALFWorld text engine: textworld's PDDL environment wrapped as `AlfredTWEnv.init_env` wraps it.
+
+`make_env()` builds `AlfredInfos(AlfredDemangler(PddlEnv(infos)))` with the infos AlfredTWEnv requests
+(`won`, `admissible_commands`, `extras=["gamefile"]`). `play_walkthrough()` plays a game's stored walkthrough
+on it and reports whether it wins (and whether the game was already won after reset).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_IMPORT_HINT = "the ALFWorld environment needs `pip install alfworld==0.4.2 'textworld[pddl]==1.7.0'`"
+
+
+def make_env():
+    """A fresh engine instance (loads its own copy of fast-downward's library: create few, reuse them)."""
+    try:
+        import textworld
+        from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+        from textworld.envs import PddlEnv
+    except ImportError as e:  # pragma: no cover - depends on the installation
+        raise ImportError(_IMPORT_HINT) from e
+    infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+    return AlfredInfos(AlfredDemangler(PddlEnv(infos), shuffle=False))
+
+
+@contextlib.contextmanager
+def translation_cache(max_entries: int = 4) -> Iterator[None]:
+    """Memoize fast-downward's PDDL->SAS translation while the block runs.
+
+    textworld translates the same (domain, problem) pair twice on `load` and twice again on `reset`; the result
+    only depends on the two texts, so `load` + `reset` of one game costs half as much with the cache. The cache
+    holds the last `max_entries` translations and the original function is restored on exit.
+    """
+    import fast_downward
+
+    original = fast_downward.pddl2sas
+    cache: dict[tuple[str, str, bool], Any] = {}
+
+    def cached(domain, problem, verbose=False, optimize=False):
+        key = (domain, problem, bool(optimize))
+        if key not in cache:
+            if len(cache) >= max_entries:
+                cache.pop(next(iter(cache)))
+            cache[key] = original(domain, problem, verbose=verbose, optimize=optimize)
+        return cache[key]
+
+    fast_downward.pddl2sas = cached
+    try:
+        yield
+    finally:
+        fast_downward.pddl2sas = original
+
+
+@dataclass
+class PlayResult:
+    """Outcome of playing one walkthrough on the engine."""
+
+    game: str  # the game file, or "<in-memory>"
+    won: bool  # the walkthrough won the game
+    won_at_start: bool  # the game was already won right after reset (a broken game)
+    steps: int  # commands played
+    error: str | None = None  # why the walkthrough failed, if it did
+
+    @property
+    def ok(self) -> bool:
+        return self.won and not self.won_at_start and self.error is None
+
+
+_ENV = None  # one engine per process
+
+
+def _process_env():
+    global _ENV
+    if _ENV is None:
+        _ENV = make_env()
+    return _ENV
+
+
+def play_walkthrough(
+    game: str | os.PathLike | Mapping[str, Any],
+    walkthrough: Sequence[str] | None = None,
+    *,
+    env=None,
+    cache_translation: bool = True,
+) -> PlayResult:
+    """Play `walkthrough` (default: the game's stored one) on the real engine.
+
+    `game` is a `game.tw-pddl` path or its parsed JSON. Every command must be admissible when it is played (a
+    command outside the admissible list makes the walkthrough fail). Engine exceptions are reported in `error`.
+    """
+    name = os.fspath(game) if isinstance(game, (str, os.PathLike)) else "<in-memory>"
+    data = game
+    if walkthrough is None:
+        if not isinstance(game, Mapping):
+            with open(game) as f:
+                data = json.load(f)
+        walkthrough = data.get("walkthrough")
+        if not walkthrough:
+            return PlayResult(name, False, False, 0, "no walkthrough in the game file")
+    env = env if env is not None else _process_env()
+    steps = 0
+    try:
+        with translation_cache() if cache_translation else contextlib.nullcontext():
+            env.load(name if isinstance(game, (str, os.PathLike)) else dict(game))
+            state = env.reset()
+        won_at_start = bool(state["won"])
+        if won_at_start:
+            return PlayResult(name, False, True, 0, "game is already won after reset")
+        done = False
+        for cmd in walkthrough:
+            if done:
+                return PlayResult(name, False, False, steps, "episode ended before the walkthrough did")
+            if cmd not in state["admissible_commands"]:
+                return PlayResult(name, False, False, steps, f"command not admissible: {cmd!r}")
+            state, _, done = env.step(cmd)
+            steps += 1
+        won = bool(state["won"])
+        return PlayResult(name, won, False, steps, None if won else "walkthrough ended without winning")
+    except Exception as e:  # the engine raises assorted errors on malformed games
+        return PlayResult(name, False, False, steps, f"engine error: {type(e).__name__}: {e}")
+
+
+def find_game_files(root: str | os.PathLike) -> list[str]:
+    """All `game.tw-pddl` files under `root` (or `root` itself if it is one), sorted."""
+    root = os.fspath(root)
+    if os.path.isfile(root):
+        return [root]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        if "game.tw-pddl" in filenames:
+            found.append(os.path.join(dirpath, "game.tw-pddl"))
+    return sorted(found)
+
+
+def _play_file(path: str) -> PlayResult:
+    return play_walkthrough(path)
+
+
+def map_in_pool(fn, items: Sequence, workers: int | None, progress: bool = False, desc: str = "") -> Iterator:
+    """`fn` over `items` in order: in this process (workers <= 1) or in a process pool (fork where available)."""
+    import multiprocessing as mp
+
+    workers = min(workers if workers is not None else (os.cpu_count() or 1), len(items))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(items), desc=desc, unit="game")
+    try:
+        if workers <= 1:
+            for item in items:
+                yield fn(item)
+                if bar is not None:
+                    bar.update(1)
+            return
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        with mp.get_context(method).Pool(workers) as pool:
+            for result in pool.imap(fn, items):
+                yield result
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def play_walkthroughs(root: str | os.PathLike, workers: int | None = None, progress: bool = False) -> list[PlayResult]:
+    """Play the stored walkthrough of every game under `root` (sorted), `workers` processes in parallel."""
+    files = find_game_files(root)
+    return list(map_in_pool(_play_file, files, workers, progress=progress, desc="playing walkthroughs"))
