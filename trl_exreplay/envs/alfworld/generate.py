@@ -572,9 +572,11 @@ def generate_games(
             continue
         game_dir = os.path.join(out_dir, files.rel_dir)
         os.makedirs(game_dir, exist_ok=True)
-        for fname, text in (("game.tw-pddl", files.game_json), ("traj_data.json", files.traj_json)):
-            with open(os.path.join(game_dir, fname), "w", encoding="utf-8", newline="\n") as f:
+        for fname, text in (("traj_data.json", files.traj_json), ("game.tw-pddl", files.game_json)):
+            path = os.path.join(game_dir, fname)
+            with open(path + ".tmp", "w", encoding="utf-8", newline="\n") as f:  # never a half-written game
                 f.write(text)
+            os.replace(path + ".tmp", path)
         report.game_files.append(os.path.join(game_dir, "game.tw-pddl"))
         by_type[files.task_type] += 1
     report.by_task_type = {t: by_type[t] for t in types}
