@@ -80,3 +80,20 @@ def test_max_steps_ends_the_episode(games):
     assert env.step("look")[2] is False
     assert env.step("look")[2] is True
     env.close()
+
+
+def test_evaluation_walkthrough_scores_100_and_random_is_a_seeded_baseline(games):
+    from trl_exreplay.envs.alfworld import evaluate, random_agent
+    from trl_exreplay.envs.alfworld.generate import alfworld_version
+
+    expert = evaluate(str(games), None, max_steps=50)
+    assert (expert.won, expert.games) == (2, 2)
+    assert expert.per_task_type == {"pick_and_place_simple": [2, 2]}
+    assert expert.alfworld_version == alfworld_version() == "0.4.2"
+    assert "alfworld 0.4.2" in expert.summary() and '"alfworld_version": "0.4.2"' in expert.to_json()
+
+    baseline = evaluate(str(games), random_agent, max_steps=5, seed=0, workers=2)
+    again = evaluate(str(games), random_agent, max_steps=5, seed=0, workers=1)
+    assert baseline.games == 2 and baseline.success_rate < 1.0  # 5 random steps cannot reach and place an object
+    assert (baseline.won, baseline.mean_steps) == (again.won, again.mean_steps)  # seeded, independent of workers
+    assert baseline.mean_steps == 5.0

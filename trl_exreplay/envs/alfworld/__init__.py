@@ -33,6 +33,9 @@ _LAZY = {
     "alfworld_tasks": "textenv",
     "parse_action": "textenv",
     "INSTRUCTIONS": "textenv",
+    "evaluate": "evaluation",
+    "random_agent": "evaluation",
+    "EvaluationResult": "evaluation",
 }
 
 __all__ = [*_LAZY, "ALL_TASK_TYPES", "SPLIT_SCENES", "SPLITS", "TASK_TYPES", "TRAIN_SCENES", "VALID_UNSEEN_SCENES"]

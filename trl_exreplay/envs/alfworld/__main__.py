@@ -1,4 +1,4 @@
-"""CLI: `python -m trl_exreplay.envs.alfworld {generate,play-walkthroughs} ...`."""
+"""CLI: `python -m trl_exreplay.envs.alfworld {generate,play-walkthroughs,evaluate} ...`."""
 
 from __future__ import annotations
 
@@ -37,11 +37,31 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("dir", help="directory searched recursively for game.tw-pddl files")
     w.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU)")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    e = sub.add_parser("evaluate", help="success rate of the walkthrough or a random agent, per task type")
+    e.add_argument("dir", help="directory searched recursively for game.tw-pddl files")
+    e.add_argument("--agent", default="random", choices=("random", "walkthrough"))
+    e.add_argument("--max-steps", type=int, default=50)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU)")
+    e.add_argument("--json", default=None, help="also write the result (with the alfworld version) to this file")
     return p
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "evaluate":
+        from .evaluation import evaluate, random_agent
+
+        agent = None if args.agent == "walkthrough" else random_agent
+        result = evaluate(
+            args.dir, agent, max_steps=args.max_steps, seed=args.seed, workers=args.workers, progress=True
+        )
+        print(result.summary())
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(result.to_json())
+        return 0
     if args.command == "generate":
         from .generate import generate_games
 
