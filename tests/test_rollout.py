@@ -506,12 +506,14 @@ def test_healthy_envs_are_reused_across_runs(tok):
 
 def test_engine_respects_env_workers(tok):
     active, peak, lock = [0], [0], threading.Lock()
+    pair = threading.Barrier(2, timeout=10)  # calls meet in pairs: the peak is 2 whatever the machine's load
 
     class Counting(FakeEnv):
         def step(self, action):
             with lock:
                 active[0] += 1
                 peak[0] = max(peak[0], active[0])
+            pair.wait()
             time.sleep(0.05)
             with lock:
                 active[0] -= 1
@@ -584,11 +586,13 @@ def test_run_concurrently_keeps_order_and_captures_errors():
 
 def test_run_concurrently_respects_the_worker_cap():
     active, peak, lock = [0], [0], threading.Lock()
+    pair = threading.Barrier(2, timeout=10)  # calls meet in pairs: the peak is 2 whatever the machine's load
 
     def call():
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
+        pair.wait()
         time.sleep(0.05)
         with lock:
             active[0] -= 1
