@@ -13,7 +13,7 @@ from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 from trl_exreplay.envs import KeyDoorEnv
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
 from trl_exreplay.loss import compute_exreplay_loss
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model
 
 MULTI_TURN = dict(max_completion_length=48, max_tokens_per_turn=4, max_turns=5, learning_rate=5e-2)
 
@@ -182,8 +182,8 @@ def test_reward_functions_see_the_real_prompt_and_rows_need_a_task_id(tmp_path):
 
 def test_trainer_loss_with_kl_and_entropy_ignores_environment_tokens(tmp_path):
     """The trainer's whole loss (policy + KL to the reference + entropy bonus) does not see environment tokens."""
+    save_tiny_model(str(tmp_path / "model"), KEY_DOOR_VOCABULARY, seed=0)  # beta > 0: TRL loads the reference
     tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
-    build_tiny_model(tokenizer, seed=0).save_pretrained(tmp_path / "model")  # beta > 0: TRL loads the reference
     kwargs = {**TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path / "out"), "max_steps": 4}
     kwargs.update(replay_start_ratio=0.25, beta=0.1, entropy_coef=0.01)
     trainer = RecordingMultiTurnTrainer(
