@@ -145,3 +145,118 @@ def test_bad_arguments(tmp_path):
         generate_games(tmp_path, "test", 1, 0)
     with pytest.raises(ValueError):
         generate_games(tmp_path, "train", 1, 0, task_types=["pick_and_place_with_movable_recep"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Task choice weighted by ALFRED's (object, receptacle) pair counts
+# ------------------------------------------------------------------------------------------------------------------
+def _alfred_table():
+    """The package's pair table, read here directly (not through the code under test)."""
+    from trl_exreplay.envs.alfworld import generate
+
+    with open(os.path.join(os.path.dirname(generate.__file__), "alfred_pairs.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_alfred_pair_table_is_well_formed():
+    table = _alfred_table()
+    assert "oct21.json" in table["source"] and "train" in table["source"]
+    counts = table["counts"]
+    assert sorted(counts) == sorted(ALL_TASK_TYPES)
+    for task_type, pairs in counts.items():
+        assert sum(pairs.values()) > 500, task_type  # hundreds of ALFRED train trials per task type
+        for pair, n in pairs.items():
+            obj, parent = pair.split("|")
+            assert "Sliced" not in obj and isinstance(n, int) and n > 0
+            if task_type == "look_at_obj_in_light":
+                assert parent in ("DeskLamp", "FloorLamp")
+            else:
+                assert parent not in ("DeskLamp", "FloorLamp")
+    # deterministic bytes: sorted keys, as tools/alfred_pair_counts.py writes it
+    assert list(counts) == sorted(counts) and all(list(p) == sorted(p) for p in counts.values())
+
+
+def test_pair_weights_are_alfred_counts_plus_prior():
+    import alfworld.gen.constants as C
+
+    from trl_exreplay.envs.alfworld.generate import _UNSEEN_PAIR_WEIGHT, pair_weights
+
+    assert 0 < _UNSEEN_PAIR_WEIGHT < 1
+    counts = _alfred_table()["counts"]
+    for task_type in ALL_TASK_TYPES:
+        table = counts[task_type]
+        frequent = max(sorted(table), key=lambda p: table[p])
+        if task_type == "look_at_obj_in_light":
+            hosts = {lamp: set(C.VAL_RECEPTACLE_OBJECTS["Desk"]) for lamp in ("DeskLamp", "FloorLamp")}
+        else:
+            hosts = C.VAL_RECEPTACLE_OBJECTS
+        unseen = next(
+            f"{o}|{r}"
+            for r in sorted(hosts)
+            for o in sorted(hosts[r])
+            if f"{o}|{r}" not in table and "Sliced" not in o
+        )
+        pairs = [tuple(frequent.split("|")), tuple(unseen.split("|"))]
+        w_frequent, w_unseen = pair_weights(task_type, pairs)
+        assert w_frequent == table[frequent] + _UNSEEN_PAIR_WEIGHT
+        assert w_unseen == _UNSEEN_PAIR_WEIGHT
+        assert w_frequent > 10 * w_unseen
+        assert pair_weights(task_type, []) == []
+    with pytest.raises(ValueError):
+        pair_weights("pick_and_place_with_movable_recep", [("Apple", "Plate")])
+
+
+def _sampled_pairs(task_type, scenes, seeds):
+    """Counter of "Object|Parent" drawn by the generator's task sampler on fixed scenes (no engine)."""
+    import random
+    from collections import Counter
+
+    from trl_exreplay.envs.alfworld import generate
+
+    drawn = Counter()
+    for scene_num in scenes:
+        scene = generate._load_scene(scene_num, random.Random(scene_num))
+        for seed in range(seeds):
+            obj, parent, lamp = generate._sample_task(task_type, scene, random.Random(seed))
+            drawn[f"{obj}|{parent or lamp}"] += 1
+    return drawn
+
+
+def test_sampled_pairs_follow_alfred_counts(monkeypatch):
+    import alfworld.gen.constants as C
+
+    from trl_exreplay.envs.alfworld import generate
+    from trl_exreplay.envs.alfworld.splits import room_type
+
+    counts = _alfred_table()["counts"]
+    lamp_scenes = {s for s in TRAIN_SCENES if {"DeskLamp", "FloorLamp"} & generate._layout(s)[1]}
+    for task_type in ALL_TASK_TYPES:
+        table = counts[task_type]
+        scenes = [s for s in sorted(TRAIN_SCENES) if room_type(s) in C.GOALS_VALID[task_type]]
+        if task_type == "look_at_obj_in_light":
+            scenes = [s for s in scenes if s in lamp_scenes]
+        scenes = scenes[:: max(1, len(scenes) // 4)][:4]
+        weighted = _sampled_pairs(task_type, scenes, 100)
+        with monkeypatch.context() as m:  # control: the same valid pairs, drawn uniformly
+            m.setattr(generate, "pair_weights", lambda _t, pairs: [1.0] * len(pairs))
+            uniform = _sampled_pairs(task_type, scenes, 100)
+        n = sum(weighted.values())
+        top_alfred = sorted(table, key=lambda p: (-table[p], p))[:10]
+        assert weighted.most_common(1)[0][0] in top_alfred, (task_type, weighted.most_common(3))
+        for pair in weighted:  # weighting never leaves the valid pairs
+            obj, parent = pair.split("|")
+            if task_type == "look_at_obj_in_light":
+                assert parent in ("DeskLamp", "FloorLamp"), pair
+            else:
+                assert obj in C.VAL_RECEPTACLE_OBJECTS[parent], pair
+        unseen = sum(k for p, k in weighted.items() if p not in table) / n
+        unseen_uniform = sum(k for p, k in uniform.items() if p not in table) / n
+        assert unseen < 0.2 and (unseen_uniform == 0 or unseen < 0.5 * unseen_uniform), (
+            task_type,
+            unseen,
+            unseen_uniform,
+        )
+        # frequent ALFRED pairs are drawn more often than under the uniform control
+        alfred_mass = sum(k * table.get(p, 0) for p, k in weighted.items()) / n
+        alfred_mass_uniform = sum(k * table.get(p, 0) for p, k in uniform.items()) / n
+        assert alfred_mass > 1.3 * alfred_mass_uniform, (task_type, alfred_mass, alfred_mass_uniform)

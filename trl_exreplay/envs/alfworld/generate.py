@@ -14,6 +14,11 @@ for each game, the two files `AlfredTWEnv` reads, laid out like the official dat
 everything is) and played on the real engine before the game is written; games whose walkthrough does not win,
 or that are already won at the start, are rejected and counted.
 
+Task choice: among the (object, receptacle) pairs a scene allows (for look_at_obj_in_light, (object, lamp)), a
+pair is drawn with weight = the number of ALFRED train trials that use it (`alfred_pairs.json`, derived from
+ALFRED's `oct21.json` by `tools/alfred_pair_counts.py`) + `_UNSEEN_PAIR_WEIGHT`, so the games follow ALFRED's
+task distribution ("put a mug in the coffee machine" is common, "put a mug in the garbage can" rare).
+
 Reproducibility: game `i` of `(split, seed)` depends only on `(split, seed, i, task type, wording)`, drawn from
 its own random stream (so the first N games of a run of M > N games are the N games of a run of N); nothing
 depends on dict/set iteration order, hashing or time, so the same arguments give byte-identical files.
@@ -26,8 +31,10 @@ import json
 import os
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
+from importlib import resources
 from importlib.metadata import PackageNotFoundError, version
 
 from .engine import _IMPORT_HINT, map_in_pool, play_walkthrough
@@ -41,7 +48,15 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(_IMPORT_HINT) from e
 
-__all__ = ["GenerationReport", "WORDINGS", "alfworld_version", "build_game", "generate_games", "pddl_name"]
+__all__ = [
+    "GenerationReport",
+    "WORDINGS",
+    "alfworld_version",
+    "build_game",
+    "generate_games",
+    "pair_weights",
+    "pddl_name",
+]
 
 _ALFWORLD_DIR = os.path.dirname(alfworld.__file__)
 _LAYOUTS = os.path.join(_ALFWORLD_DIR, "gen", "layouts")
@@ -73,6 +88,12 @@ _OBJECT_FLAGS = (
 _MAX_ATTEMPTS = 64
 # Instances per pickupable type (1, 2, 3): mostly one, as in ALFRED scenes; fewer objects also load faster.
 _INSTANCE_WEIGHTS = (5, 3, 2)
+# Package data: {"source", "counts": {task_type: {"Object|Parent": ALFRED train trials}}} (Parent is the lamp
+# for look_at_obj_in_light), written by tools/alfred_pair_counts.py.
+_PAIR_TABLE = "alfred_pairs.json"
+# Weight added to every valid pair's ALFRED count: valid pairs ALFRED never used (count 0) stay possible but rare
+# (an unused pair is drawn half as often as a pair ALFRED used once, 1/2k as often as one used k times).
+_UNSEEN_PAIR_WEIGHT = 0.5
 
 
 class _Reject(Exception):
@@ -107,6 +128,29 @@ def _loc_name(x: float, z: float, rot: int, horizon: int) -> str:
 def _game_rng(split: str, seed: int, index: int, attempt: int) -> random.Random:
     key = f"trl_exreplay.envs.alfworld|{split}|{seed}|{index}|{attempt}".encode()
     return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
+
+
+@cache
+def _alfred_pair_counts() -> dict[str, dict[tuple[str, str], int]]:
+    """{task_type: {(object, parent or lamp): ALFRED train trials}} from the package data (read once)."""
+    text = resources.files(__package__).joinpath(_PAIR_TABLE).read_text(encoding="utf-8")
+    return {
+        task_type: {tuple(pair.split("|")): int(n) for pair, n in counts.items()}
+        for task_type, counts in json.loads(text)["counts"].items()
+    }
+
+
+def pair_weights(task_type: str, pairs: Sequence[tuple[str, str]]) -> list[float]:
+    """Sampling weight of each (object type, parent receptacle type or lamp type) pair for `task_type`.
+
+    The weight is the number of ALFRED train trials of `task_type` with that pair (sliced objects counted as
+    their base object) plus `_UNSEEN_PAIR_WEIGHT`, so pairs ALFRED never used stay possible but rare.
+    """
+    table = _alfred_pair_counts()
+    if task_type not in table:
+        raise ValueError(f"no ALFRED pair counts for task type {task_type!r}")
+    counts = table[task_type]
+    return [counts.get((obj, parent), 0) + _UNSEEN_PAIR_WEIGHT for obj, parent in pairs]
 
 
 @cache
@@ -207,7 +251,7 @@ def _target_exclusions(task_type: str, parent: str) -> set[str]:
 
 
 def _sample_task(task_type: str, scene: _Scene, rng: random.Random) -> tuple[str, str, str]:
-    """(object type, parent receptacle type or "", lamp type or "")."""
+    """(object type, parent receptacle type or "", lamp type or ""), weighted by ALFRED's pair counts."""
     receps, objtypes = scene.receps, scene.objtypes
     rtypes = {d["type"] for d in receps.values()}
     cands = sorted(t for t in objtypes & _PICKUPABLE if _hosts(t, receps))
@@ -216,23 +260,26 @@ def _sample_task(task_type: str, scene: _Scene, rng: random.Random) -> tuple[str
         if appliance not in rtypes:
             raise _Reject(f"scene has no {appliance}")
         cands = [t for t in cands if t in C.VAL_ACTION_OBJECTS[flag]]
+    pairs: list[tuple[str, str]] = []  # (object, parent or lamp)
     if task_type == "look_at_obj_in_light":
         lamps = sorted(objtypes & set(_LAMPS))
         if not lamps:
             raise _Reject("scene has no lamp")
         if not cands:
             raise _Reject("no object for the task")
-        return rng.choice(cands), "", rng.choice(lamps)
-    rng.shuffle(cands)
-    for obj in cands:
-        parents = sorted({receps[r]["type"] for r in _hosts(obj, receps)})
-        if task_type in _APPLIANCE:  # the appliance itself is not the destination
-            parents = [p for p in parents if p != _APPLIANCE[task_type][1]]
-        # the object must be able to start somewhere other than the destination
-        parents = [p for p in parents if _hosts(obj, receps, exclude=_target_exclusions(task_type, p))]
-        if parents:
-            return obj, rng.choice(parents), ""
-    raise _Reject("no (object, receptacle) pair for the task")
+        pairs = [(obj, lamp) for obj in cands for lamp in lamps]
+    else:
+        for obj in cands:
+            parents = sorted({receps[r]["type"] for r in _hosts(obj, receps)})
+            if task_type in _APPLIANCE:  # the appliance itself is not the destination
+                parents = [p for p in parents if p != _APPLIANCE[task_type][1]]
+            # the object must be able to start somewhere other than the destination
+            pairs += [(obj, p) for p in parents if _hosts(obj, receps, exclude=_target_exclusions(task_type, p))]
+        if not pairs:
+            raise _Reject("no (object, receptacle) pair for the task")
+    pairs.sort()  # a fixed order: the draw depends only on the random stream
+    obj, other = rng.choices(pairs, weights=pair_weights(task_type, pairs))[0]
+    return (obj, "", other) if task_type == "look_at_obj_in_light" else (obj, other, "")
 
 
 def _place_objects(task_type: str, obj_t: str, parent_t: str, toggle_t: str, scene: _Scene, rng) -> dict[str, dict]:
