@@ -16,6 +16,10 @@ def test_parse_action_takes_one_command():
     assert parse_action("\n\n> take apple 1 from countertop 2") == "take apple 1 from countertop 2"
     assert parse_action("  put   mug 1  in/on  coffeemachine 1 ") == "put mug 1 in/on coffeemachine 1"
     assert parse_action("") == ""
+    # ReAct style: the "Action:" line wins wherever it is; "Think:" lines are never actions
+    assert parse_action("Think: the mug may be in the cabinet.\nAction: open cabinet 2") == "open cabinet 2"
+    assert parse_action("Thought: first look\n> look") == "look"
+    assert parse_action("Think: nothing to do") == ""
 
 
 def test_strip_welcome():
@@ -41,6 +45,8 @@ def test_tasks_dataset_reads_the_json_2_1_1_layout(games):
     for row in tasks:
         assert row["game_file"].endswith("game.tw-pddl") and row["task_id"].count("/") == 1
         assert row["task_id"].startswith("pick_and_place_simple-")
+        traj = json.loads(open(row["game_file"].replace("game.tw-pddl", "traj_data.json")).read())
+        assert row["goal"] == traj["turk_annotations"]["anns"][0]["task_desc"].rstrip(".")  # what the game states
     assert alfworld_tasks(str(games))["task_id"] == tasks["task_id"]  # stable order
 
 
@@ -97,3 +103,61 @@ def test_evaluation_walkthrough_scores_100_and_random_is_a_seeded_baseline(games
     assert baseline.games == 2 and baseline.success_rate < 1.0  # 5 random steps cannot reach and place an object
     assert (baseline.won, baseline.mean_steps) == (again.won, again.mean_steps)  # seeded, independent of workers
     assert baseline.mean_steps == 5.0
+
+
+def test_prompt_history_is_bounded(games):
+    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+
+    row = alfworld_tasks(str(games))[0]
+    env = AlfWorldEnv(history_length=2, show_admissible=False)
+    env.reset(row)
+    actions = ["look", "inventory", "fly", "look"]
+    for action in actions:
+        observation, *_ = env.step(action)
+    assert observation.startswith(f"Your task is to: {row['goal']}.\nYou have taken 4 step(s).\n")
+    assert "Your last 2 step(s) before this one:\n> inventory\n" in observation
+    assert "\n> fly\nNothing happens.\nNow, after > look:\n" in observation
+    assert observation.count("\n> ") == 2 and "Admissible" not in observation  # step 1 fell out of the window
+    chat = AlfWorldEnv(show_admissible=False)  # history_length=0: the chat transcript is the history
+    chat.reset(row)
+    assert chat.step("fly")[0] == "Nothing happens."
+    with pytest.raises(ValueError, match="history_length"):
+        AlfWorldEnv(history_length=-1)
+    env.close()
+    chat.close()
+
+
+def test_translation_memo_is_bounded_and_keyed_on_inputs():
+    from trl_exreplay.envs.alfworld.engine import _TranslationMemo
+
+    calls = []
+
+    def translate(domain, problem, verbose=False, optimize=False):
+        calls.append((domain, problem, optimize))
+        return object()
+
+    memo = _TranslationMemo(translate, max_entries=2)
+    first = memo("d", "p1")
+    assert memo("d", "p1") is first and memo("d", "p1", optimize=True) is not first
+    memo("d", "p2")  # evicts the oldest entry, ("d", "p1", False)
+    assert memo("d", "p1") is not first
+    assert calls == [("d", "p1", False), ("d", "p1", True), ("d", "p2", False), ("d", "p1", False)]
+
+
+def test_engines_sharing_a_cached_game_play_independently(games):
+    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+
+    row = alfworld_tasks(str(games))[0]
+    walkthrough = json.loads(open(row["game_file"]).read())["walkthrough"]
+    alone = AlfWorldEnv(game_cache=8)
+    transcript = [alone.reset(row)] + [alone.step(c)[:3] for c in walkthrough]
+    first, second = AlfWorldEnv(game_cache=8), AlfWorldEnv(game_cache=8)  # the game's translation is shared now
+    assert first.reset(row) == second.reset(row) == transcript[0]
+    played = [[], []]
+    for command in walkthrough:  # interleaved, with a wasted move in between on the second engine
+        played[0].append(first.step(command)[:3])
+        second.step("look")
+        played[1].append(second.step(command)[:3])
+    assert played[0] == transcript[1:] and played[1][-1][1:] == (1.0, True)
+    for env in (alone, first, second):
+        env.close()

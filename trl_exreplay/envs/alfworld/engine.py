@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,28 +31,55 @@ def make_env():
     return AlfredInfos(AlfredDemangler(PddlEnv(infos), shuffle=False))
 
 
-@contextlib.contextmanager
-def translation_cache(max_entries: int = 4) -> Iterator[None]:
-    """Memoize fast-downward's PDDL->SAS translation while the block runs.
+class _TranslationMemo:
+    """fast-downward's PDDL->SAS translation, memoized on its inputs (last `max_entries` kept, thread-safe).
 
     textworld translates the same (domain, problem) pair twice on `load` and twice again on `reset`; the result
-    only depends on the two texts, so `load` + `reset` of one game costs half as much with the cache. The cache
-    holds the last `max_entries` translations and the original function is restored on exit.
+    only depends on the two texts and textworld only reads it, so every later `load` or `reset` of a cached game
+    skips the translation (about 0.5 s of a 0.6 s reset).
     """
+
+    def __init__(self, original, max_entries: int):
+        self.original, self.max_entries = original, max_entries
+        self.entries: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def __call__(self, domain, problem, verbose=False, optimize=False):
+        key = (domain, problem, bool(optimize))
+        with self.lock:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                return self.entries[key]
+        result = self.original(domain, problem, verbose=verbose, optimize=optimize)
+        with self.lock:
+            self.entries[key] = result
+            while len(self.entries) > self.max_entries:
+                self.entries.popitem(last=False)
+        return result
+
+
+def install_game_cache(max_games: int) -> None:
+    """Keep the translations of the last `max_games` games loaded in this process (for good: every engine of the
+    process shares them). Calling it again only raises the bound; `max_games` <= 0 does nothing."""
+    import fast_downward
+
+    if max_games <= 0:
+        return
+    current = fast_downward.pddl2sas
+    if isinstance(current, _TranslationMemo):
+        current.max_entries = max(current.max_entries, 2 * max_games)
+    else:
+        fast_downward.pddl2sas = _TranslationMemo(current, 2 * max_games)  # two translations per game
+
+
+@contextlib.contextmanager
+def translation_cache(max_entries: int = 4) -> Iterator[None]:
+    """Memoize fast-downward's PDDL->SAS translation while the block runs (see `_TranslationMemo`); the function in
+    place before the block is restored on exit."""
     import fast_downward
 
     original = fast_downward.pddl2sas
-    cache: dict[tuple[str, str, bool], Any] = {}
-
-    def cached(domain, problem, verbose=False, optimize=False):
-        key = (domain, problem, bool(optimize))
-        if key not in cache:
-            if len(cache) >= max_entries:
-                cache.pop(next(iter(cache)))
-            cache[key] = original(domain, problem, verbose=verbose, optimize=optimize)
-        return cache[key]
-
-    fast_downward.pddl2sas = cached
+    fast_downward.pddl2sas = _TranslationMemo(original, max_entries)
     try:
         yield
     finally:
