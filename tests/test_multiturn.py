@@ -206,3 +206,20 @@ def test_trainer_loss_with_kl_and_entropy_ignores_environment_tokens(tmp_path):
         model_tokens = (batch["completion_mask"] * batch["tool_mask"]).bool()
         shifted = dict(batch, ref_per_token_logps=batch["ref_per_token_logps"] + 3.0 * model_tokens)
         assert trainer._compute_loss(trainer.model, shifted).item() != loss.item()  # the KL term is live
+
+
+def test_environments_in_worker_processes_train_like_in_process_ones(tmp_path):
+    from trl_exreplay.envs import EnvProcessPool
+
+    def history(trainer):
+        keys = ("loss", "reward", "env/turns_mean", "env/success_rate", "env/invalid_actions")
+        return [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
+
+    local = make_multi_turn_trainer(tmp_path / "local", max_steps=3, replay_start_ratio=0.3)
+    local.train()
+    with EnvProcessPool(KeyDoorEnv, workers=2, call_timeout=30) as pool:
+        remote = make_multi_turn_trainer(tmp_path / "remote", env_factory=pool, max_steps=3, replay_start_ratio=0.3)
+        remote.train()
+        stats = pool.stats()
+    assert stats["workers"] == 2 and stats["calls"] > 0 and stats["restarts"] == 0
+    assert history(remote) == history(local) and len(history(local)) == 3

@@ -1,0 +1,533 @@
+"""`EnvProcessPool`: run CPU-bound Python environments in worker processes behind thread-safe proxies.
+
+Multi-turn rollouts call `reset`/`step` from up to `env_workers` threads, which is enough for environments that wait
+(on I/O, a server, a subprocess) but not for ones that compute in Python (ALFWorld's textworld engine): those hold
+the GIL and use one core however many threads call them. Pass an `EnvProcessPool` as the trainer's `env_factory`
+and each environment lives in one of `workers` processes instead; the trainer gets `RemoteEnv` proxies with the
+same `reset`/`step`/`close` methods.
+
+```python
+import functools
+
+from trl_exreplay.envs.alfworld import AlfWorldEnv
+
+pool = EnvProcessPool(functools.partial(AlfWorldEnv, max_steps=50), workers=16)
+trainer = ExReplayGRPOTrainer(..., env_factory=pool)
+trainer.train()
+pool.close()
+```
+
+The environments' arguments and results travel between processes by pickling; the messages are our own and never
+come from a file.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait
+from typing import Any
+
+__all__ = ["EnvProcessPool", "RemoteEnv", "RemoteEnvError"]
+
+# Messages parent -> worker: (op, env_id, method, payload). Answers: (True, result) or (False, remote error).
+_CREATE, _CALL, _CLOSE, _STOP = "create", "call", "close", "stop"
+_READY, _START_ERROR = "ready", "start_error"  # a worker's first message
+
+
+class RemoteEnvError(RuntimeError):
+    """An environment call that failed in (or with) its worker process. For an exception raised by the environment,
+    `remote_type` and `remote_message` name it, `remote_traceback` is the worker's traceback (also chained as the
+    cause); they are None when the worker itself was lost."""
+
+    def __init__(self, message: str, remote_type=None, remote_message=None, remote_traceback=None):
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
+
+
+class _RemoteTraceback(Exception):
+    """The worker's traceback, chained as the cause of a `RemoteEnvError` so it is printed with it."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+# ------------------------------------------------------------------------------------------------------- worker
+def _describe(error: BaseException) -> tuple[str, str, str]:
+    kind = type(error)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return name, str(error), "".join(traceback.format_exception(kind, error, error.__traceback__))
+
+
+def _exit_when_orphaned(lifeline) -> None:
+    # Nothing is ever sent on the lifeline: reading it ends (EOF) when the pool closes it or its process dies. The
+    # command pipe says the same, but a worker stuck in a hung step never reads it. (The parent pid is no help: with
+    # forkserver it is the fork server's, which lives as long as any worker does.)
+    try:
+        lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    time.sleep(1.0)  # an idle worker sees its command pipe close too and exits cleanly (closing its envs) meanwhile
+    os._exit(1)
+
+
+def _worker_main(conn, lifeline, factory_bytes: bytes) -> None:
+    """Worker process: builds environments with the factory and serves calls on them until told to stop or until its
+    parent is gone. An exception of one environment is sent back and ends nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then closes the pool
+    threading.Thread(target=_exit_when_orphaned, args=(lifeline,), daemon=True).start()
+    envs: dict[int, Any] = {}
+    try:
+        try:
+            factory = pickle.loads(factory_bytes)  # here, not as a Process argument, so a failure is reported
+            first = (_READY, os.getpid())
+        except Exception as error:
+            factory, first = None, (_START_ERROR, _describe(error))
+        try:
+            conn.send_bytes(pickle.dumps(first))
+        except OSError:
+            return
+        if factory is None:
+            return
+        while True:
+            try:
+                op, env_id, method, payload = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return  # the parent is gone
+            if op == _STOP:
+                return
+            try:
+                if op == _CREATE:
+                    envs[env_id] = factory()
+                    result = None
+                elif op == _CALL:
+                    if method.startswith("_"):
+                        raise AttributeError(f"{method!r} is private: RemoteEnv forwards public methods only")
+                    args, kwargs = payload
+                    result = getattr(envs[env_id], method)(*args, **kwargs)
+                elif op == _CLOSE:
+                    env = envs.pop(env_id, None)  # removed even if its close() raises
+                    result = None if env is None else env.close()
+                else:
+                    raise ValueError(f"unknown operation {op!r}")
+                answer = (True, result)
+            except Exception as error:
+                answer = (False, _describe(error))
+            try:
+                data = pickle.dumps(answer)
+            except Exception as error:  # e.g. a result holding a lock or an open file
+                what = f"the result of {method}()" if op == _CALL else "the answer"
+                data = pickle.dumps((False, _describe(TypeError(f"{what} cannot be pickled: {error}"))))
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                return
+    finally:
+        for env in envs.values():
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - closing on the way out must not stop closing the others
+                pass
+
+
+# ------------------------------------------------------------------------------------------------------- parent
+class _Worker:
+    """One worker process as the parent sees it. Its lock serialises the request/answer exchanges on its pipe."""
+
+    def __init__(self, context, lifeline, factory_bytes: bytes, slot: int):
+        self.slot = slot
+        self.conn, child_conn = context.Pipe(duplex=True)
+        self.process = context.Process(
+            target=_worker_main,
+            args=(child_conn, lifeline, factory_bytes),
+            name=f"EnvProcessPool-worker-{slot}",
+            daemon=True,  # never outlives the parent's normal exit
+        )
+        self.process.start()
+        child_conn.close()  # only the worker holds its end now, so the worker's death reads as EOF here
+        self.pid = self.process.pid
+        self.lock = threading.Lock()
+        self.ready = False
+        self.lost: str | None = None  # why this worker was given up (then its environments are gone)
+        self.env_ids: set[int] = set()
+
+    def kill(self) -> None:
+        """Caller holds `lock` (or the worker is unused): nothing else reads the pipe that is closed here."""
+        try:
+            self.process.kill()
+            self.process.join(5.0)
+        except Exception:  # noqa: BLE001 - the process may be gone already
+            pass
+        self.conn.close()
+
+
+def _shutdown(slots: list, lifeline: tuple, timeout: float = 2.0) -> None:
+    """Stop the workers in `slots` (a stop message, then terminate and kill what is still running) and close the
+    lifeline pipe. Also the pool's finalizer, so it must not refer to the pool."""
+    workers = [worker for worker in slots if worker is not None]
+    slots[:] = [None] * len(slots)
+    idle = []
+    for worker in workers:
+        if worker.lost is None:
+            worker.lost = "the pool was closed"
+        # A worker busy with a call is not told to stop (its pipe is in use): it is terminated below.
+        if worker.lock.acquire(blocking=False):
+            idle.append(worker)
+            try:
+                worker.conn.send_bytes(pickle.dumps((_STOP, None, None, None)))
+            except Exception:  # noqa: BLE001 - a dead worker needs no stop message
+                pass
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        process = worker.process
+        process.join(max(0.0, deadline - time.monotonic()) if worker in idle else 0.0)
+        for end in (process.terminate, process.kill):
+            if process.exitcode is None:
+                end()
+                process.join(1.0)
+    for worker in idle:
+        worker.conn.close()
+        worker.lock.release()
+    for end in lifeline:
+        end.close()
+
+
+def _module_of(factory) -> str | None:
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    module = getattr(factory, "__module__", None) or type(factory).__module__
+    return None if module in (None, "__main__", "builtins") else module
+
+
+def _preload_in_forkserver(context, modules: Sequence[str]) -> None:
+    # The fork server imports these once; workers forked from it start in milliseconds and share those modules'
+    # memory instead of each importing torch and transformers again (importing this module imports the package).
+    # The list is process-wide and only read when the fork server starts: keep what is there (default ["__main__"]).
+    from multiprocessing import forkserver
+
+    current = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None)
+    names = list(current) if current else ["__main__"]
+    names += [name for name in modules if name not in names]
+    context.set_forkserver_preload(names)
+
+
+class EnvProcessPool:
+    """An environment factory whose environments live in worker processes: pass it as `env_factory`.
+
+    Calling the pool returns a `RemoteEnv`, a proxy whose `reset`, `step`, `close` and other public methods run on
+    an environment built by `env_factory()` inside one of `workers` processes. Each worker hosts many environments
+    and serves one call at a time, so calls on environments of different workers run in parallel (no GIL shared)
+    and calls on environments of the same worker wait for each other. Workers start when first needed: a new proxy
+    goes to a worker not started yet while fewer than `workers` run, else to the one with the fewest environments.
+    The environment itself is built on the proxy's first call, so creating proxies never waits for a worker to
+    start (an error of `env_factory` is raised by that first call).
+
+    Faults: a call taking longer than `call_timeout` seconds raises `TimeoutError`, a worker that dies makes its
+    call raise `RemoteEnvError`; either way the worker is killed (counted in `restarts`) and a fresh one starts for
+    later environments. The other environments of that worker are gone: their next call raises `RemoteEnvError`
+    ("environment lost"). An exception raised by an environment is re-raised as `RemoteEnvError` naming its type and
+    message, and that environment and its worker go on working. Keep `call_timeout` below the trainer's
+    `env_step_timeout`, so a hung worker is replaced before the rollout gives up on the call, and `env_workers` (the
+    threads making calls) at least `workers`, or some workers sit idle.
+
+    Args:
+        env_factory: builds one environment; it is pickled to the workers, so it must be picklable (a class, a
+            module-level function, or a `functools.partial` of one), and importable in a fresh interpreter.
+        workers: worker processes at most (None: `os.cpu_count()`). With several ranks, each rank has its own pool.
+        call_timeout: seconds one call may take (None: no limit); the default stays below the trainer's default
+            `env_step_timeout` (60).
+        start_method: "forkserver" (default where available) or "spawn". Never "fork": the trainer's process has
+            threads (torch, CUDA) that a forked child cannot rely on.
+        start_timeout: seconds a new worker may take to start (import modules and load `env_factory`).
+        preload: with "forkserver", have the fork server import this module and `env_factory`'s module once
+            (`multiprocessing.set_forkserver_preload`, process-wide; effective only if the fork server is not
+            running yet), plus the module names given if a sequence.
+
+    Example:
+
+    ```python
+    from trl_exreplay.envs import EnvProcessPool, KeyDoorEnv
+
+    if __name__ == "__main__":  # required by spawn and forkserver in a script
+        with EnvProcessPool(KeyDoorEnv, workers=2) as pool:
+            env = pool()
+            print(env.reset({"door": "red"}))  # you see a red door and a key
+            print(env.step("take the key"))  # ('you have the key', 0.0, False, {})
+            print(env.admissible_actions())  # ['open the red door']
+            env.close()
+    ```
+
+    Close the pool when done (`close()` or a `with` block); otherwise its workers stop when it is garbage collected
+    or the interpreter exits.
+    """
+
+    def __init__(
+        self,
+        env_factory: Callable[[], Any],
+        workers: int | None = None,
+        call_timeout: float | None = 50.0,
+        start_method: str | None = None,
+        *,
+        start_timeout: float | None = 300.0,
+        preload: bool | Sequence[str] = True,
+    ):
+        if not callable(env_factory):
+            raise TypeError(f"env_factory must be callable, got {type(env_factory).__name__}")
+        try:
+            self._factory_bytes = pickle.dumps(env_factory)
+        except Exception as error:
+            raise TypeError(
+                f"env_factory must be picklable to reach the worker processes (use a class, a module-level "
+                f"function or a functools.partial of one, not a lambda or a local function); got {env_factory!r}: "
+                f"{error}"
+            ) from error
+        workers = (os.cpu_count() or 1) if workers is None else workers
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1 or None, got {workers!r}")
+        for name, value in (("call_timeout", call_timeout), ("start_timeout", start_timeout)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+        methods = multiprocessing.get_all_start_methods()
+        if start_method is None:
+            start_method = "forkserver" if "forkserver" in methods else "spawn"
+        if start_method == "fork":
+            raise ValueError(
+                "start_method='fork' is not supported: the trainer's process has threads (torch, CUDA) that a forked "
+                "worker cannot rely on. Use 'forkserver' or 'spawn'."
+            )
+        if start_method not in methods:
+            raise ValueError(
+                f"start_method must be one of {[m for m in methods if m != 'fork']}, got {start_method!r}"
+            )
+        self.env_factory = env_factory
+        self.workers = workers
+        self.call_timeout = call_timeout
+        self.start_timeout = start_timeout
+        self.start_method = start_method
+        self._context = multiprocessing.get_context(start_method)
+        if start_method == "forkserver" and preload:
+            modules = [__name__, _module_of(env_factory)]
+            modules += [] if preload is True else list(preload)
+            _preload_in_forkserver(self._context, [name for name in modules if name])
+        self._lock = threading.Lock()  # guards the slots, counters and env id sets; taken after a worker's lock
+        self._slots: list[_Worker | None] = [None] * workers
+        self._ids = itertools.count()
+        self._restarts = 0
+        self._calls = 0
+        self._closed = False
+        # Each worker holds the read end; this process alone holds the write end, so the workers see it close when
+        # this process dies, however it dies.
+        self._lifeline = self._context.Pipe(duplex=False)
+        # Shares the slot list, not the pool: workers are stopped when the pool is collected or at exit.
+        self._finalizer = weakref.finalize(self, _shutdown, self._slots, self._lifeline)
+
+    # ------------------------------------------------------------------------------------------------ public
+    def __call__(self) -> RemoteEnv:
+        """A new environment (built in its worker on the proxy's first call)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("EnvProcessPool is closed")
+            free = [slot for slot, worker in enumerate(self._slots) if worker is None]
+            if free:
+                worker = self._slots[free[0]] = _Worker(self._context, self._lifeline[0], self._factory_bytes, free[0])
+            else:
+                worker = min(self._slots, key=lambda w: len(w.env_ids))
+            env_id = next(self._ids)
+            worker.env_ids.add(env_id)
+        return RemoteEnv(self, worker, env_id)
+
+    @property
+    def restarts(self) -> int:
+        """Workers killed after a timeout or found dead."""
+        return self._restarts
+
+    def stats(self) -> dict[str, Any]:
+        """`workers` running, `envs_per_worker` (live environments of each running worker), their `pids`,
+        `restarts`, and `calls` (environment method calls sent)."""
+        with self._lock:
+            running = [worker for worker in self._slots if worker is not None]
+            return {
+                "workers": len(running),
+                "envs_per_worker": [len(worker.env_ids) for worker in running],
+                "pids": [worker.pid for worker in running],
+                "restarts": self._restarts,
+                "calls": self._calls,
+            }
+
+    def close(self) -> None:
+        """Stop all workers (an idle one closes its environments, a busy one is terminated); idempotent. Proxies
+        then raise `RemoteEnvError`."""
+        with self._lock:
+            self._closed = True
+        self._finalizer()  # runs `_shutdown` once; later calls do nothing
+
+    def __enter__(self) -> EnvProcessPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"EnvProcessPool({self.env_factory!r}, workers={self.workers}, call_timeout={self.call_timeout}, "
+            f"start_method={self.start_method!r})"
+        )
+
+    # ------------------------------------------------------------------------------------------------ calls
+    def _call(self, proxy: RemoteEnv, method: str, args: tuple, kwargs: dict) -> Any:
+        worker = proxy._worker
+        with worker.lock:
+            self._check_alive(worker)
+            if not proxy._created:
+                self._exchange(worker, (_CREATE, proxy._env_id, None, None), "env_factory()")
+                proxy._created = True
+            with self._lock:
+                self._calls += 1
+            return self._exchange(worker, (_CALL, proxy._env_id, method, (args, kwargs)), f"{method}()")
+
+    def _close_env(self, proxy: RemoteEnv) -> None:
+        worker = proxy._worker
+        with self._lock:
+            worker.env_ids.discard(proxy._env_id)
+        with worker.lock:
+            if worker.lost is None and proxy._created:
+                self._exchange(worker, (_CLOSE, proxy._env_id, None, None), "close()")
+
+    @staticmethod
+    def _check_alive(worker: _Worker) -> None:
+        if worker.lost is not None:
+            raise RemoteEnvError(f"environment lost: its worker process was restarted or stopped ({worker.lost})")
+
+    def _exchange(self, worker: _Worker, message: tuple, what: str) -> Any:
+        """Send one request and wait for its answer; the caller holds `worker.lock`."""
+        try:
+            data = pickle.dumps(message)
+        except Exception as error:  # nothing was sent: the worker is fine
+            raise TypeError(
+                f"the arguments of {what} cannot be pickled to reach the worker process: {error}"
+            ) from error
+        try:
+            if not worker.ready:
+                kind, value = pickle.loads(self._receive(worker, self.start_timeout, "start-up"))
+                if kind == _START_ERROR:
+                    name, text, trace = value
+                    self._lose(worker, f"start-up failed: {name}: {text}")
+                    raise RemoteEnvError(
+                        f"the worker process could not load env_factory: {name}: {text}", name, text, trace
+                    ) from _RemoteTraceback(trace)
+                worker.ready = True
+            worker.conn.send_bytes(data)
+            answer = self._receive(worker, self.call_timeout, what)
+        except (TimeoutError, RemoteEnvError):
+            raise  # the worker was given up already
+        except (EOFError, OSError) as error:  # the worker died (BrokenPipeError and the like are OSErrors)
+            stopped = worker.lost  # set if the pool was closed meanwhile
+            code = self._lose(worker, f"worker process {worker.pid} died during {what}")
+            if stopped is not None:
+                raise RemoteEnvError(f"environment lost: {stopped}") from error
+            raise RemoteEnvError(
+                f"the worker process {worker.pid} died during {what} (exit code {code}); its environments are lost"
+            ) from error
+        except BaseException:
+            # Interrupted mid-exchange (e.g. KeyboardInterrupt): its answer may still come and would be read as the
+            # next call's. Give the worker up rather than risk that.
+            self._lose(worker, f"a call to {what} was interrupted")
+            raise
+        try:
+            ok, value = pickle.loads(answer)
+        except Exception as error:  # e.g. a result of a class this process cannot import; the worker is fine
+            raise RemoteEnvError(f"the answer of {what} cannot be unpickled here: {error!r}") from error
+        if ok:
+            return value
+        name, text, trace = value
+        raise RemoteEnvError(
+            f"{name}: {text} (raised by {what} in worker process {worker.pid})", name, text, trace
+        ) from _RemoteTraceback(trace)
+
+    def _receive(self, worker: _Worker, timeout: float | None, what: str) -> bytes:
+        # Waiting on the process sentinel too notices a dead worker even if its pipe end had leaked elsewhere.
+        ready = wait([worker.conn, worker.process.sentinel], timeout)
+        if not ready:
+            self._lose(worker, f"worker process {worker.pid} gave no answer to {what} within {timeout}s")
+            raise TimeoutError(
+                f"{what} took longer than {timeout}s in worker process {worker.pid}: the worker was killed and its "
+                "environments are lost"
+            )
+        if worker.conn not in ready:
+            raise EOFError("worker process exited")
+        return worker.conn.recv_bytes()
+
+    def _lose(self, worker: _Worker, reason: str) -> int | None:
+        """Give up a faulted worker (the caller holds its lock): kill it and free its slot. Returns its exit code."""
+        with self._lock:
+            if worker.lost is None:  # counted once; a worker stopped by close() is no restart
+                worker.lost = reason
+                self._restarts += 1
+            if self._slots[worker.slot] is worker:
+                self._slots[worker.slot] = None  # the next new environment starts a fresh worker here
+        worker.kill()
+        return worker.process.exitcode
+
+
+class RemoteEnv:
+    """Proxy of an environment living in an `EnvProcessPool` worker; thread-safe. `reset`, `step`, `close` and any
+    other public method (e.g. `admissible_actions()`) run remotely; arguments and results are pickled."""
+
+    def __init__(self, pool: EnvProcessPool, worker: _Worker, env_id: int):
+        self._pool = pool
+        self._worker = worker
+        self._env_id = env_id
+        self._created = False
+        self._closed = False
+
+    @property
+    def worker_pid(self) -> int:
+        """Process id of the worker hosting this environment."""
+        return self._worker.pid
+
+    def reset(self, task: dict[str, Any]) -> str:
+        return self._forward("reset", task)
+
+    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        return self._forward("step", action)
+
+    def close(self) -> None:
+        """Close the remote environment and forget it; never raises, idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._pool._close_env(self)
+        except Exception:  # noqa: BLE001 - closing a faulted or lost environment must not raise
+            pass
+
+    def __getattr__(self, name: str):
+        # Only called for names not found normally: forward public method calls, refuse private and dunder names
+        # (copy, pickle and hasattr probes must not reach the worker).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return functools.partial(self._forward, name)
+
+    def _forward(self, method: str, *args, **kwargs) -> Any:
+        if self._closed:
+            raise RemoteEnvError(f"{method}() on a closed environment")
+        return self._pool._call(self, method, args, kwargs)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"worker pid {self._worker.pid}"
+        return f"RemoteEnv(id={self._env_id}, {state})"
