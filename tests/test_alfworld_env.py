@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -71,6 +72,14 @@ def test_adapter_opening_valid_invalid_and_win(games):
     for command in walkthrough[1:]:
         observation, reward, done, info = env.step(command)
     assert (reward, done, info["won"]) == (1.0, True, True)
+
+    import fast_downward
+
+    game = json.loads(open(row["game_file"]).read())
+    argv = list(sys.argv)
+    # a problem text never translated before (so not cached): fast-downward's translator rewrites sys.argv ...
+    fast_downward.pddl2sas(game["pddl_domain"], game["pddl_problem"] + "\n; fresh")
+    assert sys.argv == argv  # ... and the caller's is given back (TrlParser and friends read it)
 
     again = env.reset(row)  # same game: no reload, same opening
     assert again == opening and env.steps == 0

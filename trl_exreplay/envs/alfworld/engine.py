@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+_ARGV_LOCK = threading.RLock()  # re-entrant: a translation_cache block wraps the process-wide memo
 _IMPORT_HINT = "the ALFWorld environment needs `pip install alfworld==0.4.2 'textworld[pddl]==1.7.0'`"
 
 
@@ -27,6 +29,7 @@ def make_env():
         from textworld.envs import PddlEnv
     except ImportError as e:  # pragma: no cover - depends on the installation
         raise ImportError(_IMPORT_HINT) from e
+    install_game_cache(0)  # at least: translations leave sys.argv alone
     infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
     return AlfredInfos(AlfredDemangler(PddlEnv(infos), shuffle=False))
 
@@ -50,9 +53,15 @@ class _TranslationMemo:
             if key in self.entries:
                 self.entries.move_to_end(key)
                 return self.entries[key]
-        result = self.original(domain, problem, verbose=verbose, optimize=optimize)
+        with _ARGV_LOCK:  # fast-downward's translator overwrites sys.argv: give the caller's back
+            argv = list(sys.argv)
+            try:
+                result = self.original(domain, problem, verbose=verbose, optimize=optimize)
+            finally:
+                sys.argv[:] = argv
         with self.lock:
-            self.entries[key] = result
+            if self.max_entries > 0:
+                self.entries[key] = result
             while len(self.entries) > self.max_entries:
                 self.entries.popitem(last=False)
         return result
@@ -60,16 +69,15 @@ class _TranslationMemo:
 
 def install_game_cache(max_games: int) -> None:
     """Keep the translations of the last `max_games` games loaded in this process (for good: every engine of the
-    process shares them). Calling it again only raises the bound; `max_games` <= 0 does nothing."""
+    process shares them); 0 keeps none. Calling it again only raises the bound. Either way translations no longer
+    overwrite `sys.argv`, which fast-downward's translator does (to `['translate.py', 'domain', 'task']`)."""
     import fast_downward
 
-    if max_games <= 0:
-        return
     current = fast_downward.pddl2sas
     if isinstance(current, _TranslationMemo):
         current.max_entries = max(current.max_entries, 2 * max_games)
     else:
-        fast_downward.pddl2sas = _TranslationMemo(current, 2 * max_games)  # two translations per game
+        fast_downward.pddl2sas = _TranslationMemo(current, 2 * max(0, max_games))  # two translations per game
 
 
 @contextlib.contextmanager
