@@ -19,16 +19,27 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer(words: Iterable[str]):
-    """A `PreTrainedTokenizerFast` over `SPECIAL_TOKENS` + `words` (whitespace split, word level)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def build_tiny_tokenizer(words: Iterable[str], lowercase: bool = False, isolate: str = ""):
+    """A `PreTrainedTokenizerFast` over `SPECIAL_TOKENS` + `words` (whitespace split, word level).
+
+    `lowercase` lower-cases text before the split; `isolate` lists characters that are tokens of their own even
+    inside a word ("," "." for prose: "drawer 1," is "drawer", "1", ","); they must be in `words` to be known.
+    """
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab: dict[str, int] = {}
     for token in [*SPECIAL_TOKENS, *words]:
         vocab.setdefault(token, len(vocab))
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    if lowercase:
+        backend.normalizer = normalizers.Lowercase()
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if isolate:
+        pattern = Regex("[" + "".join("\\" + c for c in isolate) + "]")
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(pattern, behavior="isolated")]
+        )
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",

@@ -1,0 +1,101 @@
+"""Warm start for ALFWorld: the searching expert on the real engine, the word-level vocabulary, and SFT rows laid
+out exactly like the trainer's multi-turn rollouts."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("alfworld", reason="needs the [alfworld] extra")
+
+from trl_exreplay.envs.alfworld import ALL_TASK_TYPES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    from trl_exreplay.envs.alfworld import alfworld_tasks, generate_games
+
+    root = tmp_path_factory.mktemp("alfworld")
+    for task_type in ALL_TASK_TYPES:
+        generate_games(str(root), split="valid_seen", num_games=1, seed=11, task_types=[task_type], workers=1)
+    rows = alfworld_tasks(str(root / "json_2.1.1" / "valid_seen"))
+    assert sorted(rows["task_type"]) == sorted(ALL_TASK_TYPES)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def episodes(tasks):
+    from trl_exreplay.envs.alfworld.warmstart import expert_episodes
+
+    return expert_episodes(tasks, workers=2, max_steps=50, show_admissible=False)
+
+
+def test_search_expert_wins_every_task_type_from_what_it_sees(tasks, episodes):
+    import json
+
+    for row, episode in zip(tasks, episodes):
+        assert episode.won, (row["task_type"], episode.actions)
+        walkthrough = json.loads(open(row["game_file"]).read())["walkthrough"]
+        # it searches: it never goes anywhere it was not told of (the opening or an observation) ...
+        told = episode.opening + " ".join(episode.observations)
+        assert all(a[len("go to ") :] in told for a in episode.actions if a.startswith("go to "))
+        # ... and ends with the walkthrough's decisive command (put / use), though its path may be longer
+        assert episode.actions[-1].split(" ")[0] == walkthrough[-1].split(" ")[0]
+        assert len(episode.actions) >= len(walkthrough) - 1
+
+
+def test_vocabulary_covers_the_games(episodes):
+    from trl_exreplay.envs.alfworld.textenv import INSTRUCTIONS
+    from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, alfworld_vocabulary
+
+    assert alfworld_vocabulary() == alfworld_vocabulary() == sorted(set(alfworld_vocabulary()))
+    tokenizer = alfworld_tokenizer()
+    texts = [INSTRUCTIONS] + [e.opening for e in episodes] + [t for e in episodes for t in e.observations]
+    for text in texts + [a for e in episodes for a in e.actions]:
+        assert tokenizer.unk_token_id not in tokenizer(text, add_special_tokens=False)["input_ids"], text
+    for action in (a for e in episodes for a in e.actions):  # what the policy says comes back as the same command
+        assert tokenizer.decode(tokenizer(action, add_special_tokens=False)["input_ids"]) == action
+
+
+def test_sft_rows_are_the_rollout_layout(tasks, episodes):
+    from trl_exreplay.envs.alfworld import AlfWorldEnv
+    from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, sft_dataset
+    from trl_exreplay.rollout import MultiTurnRollout
+
+    tokenizer = alfworld_tokenizer()
+    limits = dict(max_completion_length=4096, max_turns=50, max_tokens_per_turn=16)
+    dataset = sft_dataset(episodes, tokenizer, **limits)
+    assert dataset["task_id"] == list(tasks["task_id"])  # all won, all fit
+    eos = tokenizer.eos_token_id
+    for row, episode, task in zip(dataset, episodes, tasks):
+        ids, mask = row["input_ids"], row["assistant_masks"]
+        trained = [i for i, m in zip(ids, mask) if m]
+        expected = []
+        for action in episode.actions:
+            expected += tokenizer(action, add_special_tokens=False)["input_ids"] + [eos]
+        assert trained == expected  # exactly the expert's commands, each closed by the model's eos
+        # the same episode played live: the real engine and a policy that says the expert's commands
+        actions = iter(episode.actions)
+        live = MultiTurnRollout(lambda: AlfWorldEnv(show_admissible=False), tokenizer, step_timeout=None, **limits)
+
+        def say(contexts, max_new_tokens, actions=actions):
+            return [tokenizer(next(actions), add_special_tokens=False)["input_ids"] + [eos]]
+
+        (played,) = live.run([dict(task)], say)
+        assert played.reward == 1.0
+        assert ids == played.prompt_ids + played.completion_ids
+        assert mask == [0] * len(played.prompt_ids) + played.env_mask
+
+
+def test_sft_rows_leave_out_lost_and_oversized_episodes(episodes):
+    import dataclasses
+
+    from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, sft_dataset
+
+    tokenizer = alfworld_tokenizer()
+    lost = dataclasses.replace(episodes[0], won=False)
+    longest = max(episodes, key=lambda e: len(e.actions))
+    dataset = sft_dataset([lost, longest], tokenizer, max_completion_length=4096, max_turns=len(longest.actions) - 1)
+    assert len(dataset) == 0
+    tight = sft_dataset([longest], tokenizer, max_completion_length=64, max_turns=50)  # cut by the token budget
+    assert len(tight) == 0
+    assert len(sft_dataset([longest], tokenizer, max_completion_length=4096, max_turns=50)) == 1

@@ -1,0 +1,149 @@
+"""Warm-start data for ALFWorld: a word-level vocabulary for tiny models, expert episodes, and an SFT dataset laid out
+token for token like the trainer's multi-turn rollouts.
+
+RL from a random policy never wins an ALFWorld game, so there is nothing to reinforce or replay. A short SFT on
+`SearchExpert` episodes gives the policy partial success first. The SFT rows are built by replaying each expert
+episode through `MultiTurnRollout` itself (a scripted "model" and an environment that repeats the recorded
+observations), so the prompt, the chat-template pieces and which tokens are trained are exactly those of RL.
+
+```python
+from trl_exreplay.envs.alfworld import alfworld_tasks
+from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, expert_episodes, sft_dataset
+
+tokenizer = alfworld_tokenizer()
+episodes = expert_episodes(alfworld_tasks("data/alfworld/json_2.1.1/train"), workers=4)
+dataset = sft_dataset(episodes, tokenizer, max_completion_length=1024, max_turns=30)  # input_ids, assistant_masks
+```
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from .engine import map_in_pool
+from .expert import ExpertEpisode, play_expert
+
+PUNCTUATION = ",.:;!?()\"'>"
+_WORD = re.compile(r"[a-z]+(?:/[a-z]+)?|\d+")
+
+
+def alfworld_vocabulary() -> list[str]:
+    """Every word ALFWorld's texts can contain (the grammar, goal templates, ALFRED object and receptacle names, our
+    instructions), numbers 0-99 and `PUNCTUATION`, lower case, sorted: the same list on every machine."""
+    import os
+
+    import alfworld
+    import alfworld.gen.constants as C
+    import alfworld.gen.goal_library as glib
+
+    from .textenv import INSTRUCTIONS, REACT_INSTRUCTIONS
+
+    with open(os.path.join(os.path.dirname(alfworld.__file__), "data", "alfred.twl2")) as f:
+        texts = [f.read(), INSTRUCTIONS, REACT_INSTRUCTIONS]
+    texts += [" ".join(entry["templates"]) for entry in glib.gdict.values() if "templates" in entry]
+    texts += [name for name in (*C.OBJECTS, *C.RECEPTACLES)]
+    texts.append("Admissible actions Your task is to You have taken step steps last before this one Now after")
+    words = set()
+    for text in texts:
+        words.update(_WORD.findall(text.lower()))
+    words.update(str(n) for n in range(100))
+    words.update(PUNCTUATION)
+    return sorted(words)
+
+
+def alfworld_tokenizer():
+    """A word-level tokenizer over `alfworld_vocabulary()` (lower case, punctuation split off), with a chat template."""
+    from ...tiny import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(alfworld_vocabulary(), lowercase=True, isolate=PUNCTUATION)
+
+
+def _play(task: dict[str, Any], env_kwargs: dict[str, Any]) -> ExpertEpisode:
+    from .textenv import AlfWorldEnv
+
+    env = AlfWorldEnv(**env_kwargs)
+    try:
+        return play_expert(env, task)
+    finally:
+        env.close()
+
+
+def expert_episodes(tasks, *, workers: int | None = None, progress: bool = False, **env_kwargs) -> list[ExpertEpisode]:
+    """One `SearchExpert` episode per task row (in order), `workers` processes in parallel. `env_kwargs` go to
+    `AlfWorldEnv` and must match the environment used in training (e.g. `show_admissible`)."""
+    rows = [dict(row) for row in tasks]
+    play = functools.partial(_play, env_kwargs=env_kwargs)
+    return list(map_in_pool(play, rows, workers, progress=progress, desc="expert episodes"))
+
+
+class _Replay:
+    """Repeats a recorded episode as an environment."""
+
+    def __init__(self, episode: ExpertEpisode):
+        self.episode, self.turn = episode, 0
+
+    def reset(self, task):
+        self.turn = 0
+        return self.episode.opening
+
+    def step(self, action):
+        turn, self.turn = self.turn, self.turn + 1
+        last = turn == len(self.episode.actions) - 1
+        reward = 1.0 if last and self.episode.won else 0.0
+        return self.episode.observations[turn], reward, last, {}
+
+    def close(self):
+        pass
+
+
+def sft_dataset(
+    episodes: Sequence[ExpertEpisode],
+    tokenizer,
+    *,
+    max_completion_length: int,
+    max_turns: int,
+    max_tokens_per_turn: int | None = None,
+    system_prompt_column: str = "system_prompt",
+    chat_template_kwargs: dict | None = None,
+):
+    """A `datasets.Dataset` of the won episodes that fit the rollout limits: `input_ids` (prompt + completion, as
+    `MultiTurnRollout` lays them out) and `assistant_masks` (1 on the tokens the model generates, as `env_mask`), for
+    TRL's `SFTTrainer`. Episodes that lose, or need more turns or tokens than the limits allow, are left out."""
+    from datasets import Dataset
+
+    from ...rollout import MultiTurnRollout
+
+    rows: dict[str, list] = {"input_ids": [], "assistant_masks": [], "task_id": []}
+    for episode in episodes:
+        if not episode.won or len(episode.actions) > max_turns:
+            continue
+        rollout = MultiTurnRollout(
+            lambda episode=episode: _Replay(episode),
+            tokenizer,
+            max_turns=max_turns,
+            max_completion_length=max_completion_length,
+            max_tokens_per_turn=max_tokens_per_turn,
+            step_timeout=None,
+            workers=1,
+            system_prompt_column=system_prompt_column,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        actions = iter(episode.actions)
+        close = rollout.turns.close_ids[:1]  # what the model generates to end its turn (eos / <|im_end|>)
+        fits = [True]
+
+        def generate(contexts, max_new_tokens, actions=actions, close=close, fits=fits):
+            ids = tokenizer(next(actions), add_special_tokens=False)["input_ids"] + close
+            fits[0] = fits[0] and len(ids) <= max_new_tokens
+            return [ids[:max_new_tokens]]
+
+        (played,) = rollout.run([episode.task], generate)
+        if not fits[0] or played.truncated or played.error is not None or played.reward != 1.0:
+            continue
+        rows["input_ids"].append(played.prompt_ids + played.completion_ids)
+        rows["assistant_masks"].append([0] * len(played.prompt_ids) + played.env_mask)
+        rows["task_id"].append(str(episode.task.get("task_id", "")))
+    return Dataset.from_dict(rows)
