@@ -300,3 +300,22 @@ def test_multi_turn_rollout_through_the_pool_matches_in_process_envs():
         engine.close()
         assert pool.stats()["envs_per_worker"] == [0, 0]
         assert pool.restarts == 0
+
+
+def test_rollout_drops_idle_environments_lost_with_their_worker():
+    tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
+    tasks = [{"task_id": f"door-{i}", "door": "red"} for i in range(2)]
+    script = ["take the key <eos>", "open red door <eos>"]
+    with EnvProcessPool(KeyDoorEnv, workers=1) as pool:
+        engine = MultiTurnRollout(pool, tokenizer, max_turns=2, max_completion_length=64, workers=2)
+        assert [e.reward for e in engine.run(tasks, ScriptedGenerate(tokenizer, script))] == [1.0, 1.0]
+        idle = list(engine._idle_envs)
+        assert len(idle) == 2 and all(env.alive for env in idle)
+        os.kill(idle[0].worker_pid, signal.SIGKILL)
+        with pytest.raises(RemoteEnvError):  # the pool notices the death on the next call
+            idle[0].step("look")
+        assert not any(env.alive for env in idle)
+        # the next run builds fresh environments instead of failing two episodes on the lost ones
+        assert [e.reward for e in engine.run(tasks, ScriptedGenerate(tokenizer, script))] == [1.0, 1.0]
+        assert engine.errors == Counter() and pool.restarts == 1
+        engine.close()

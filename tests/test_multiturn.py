@@ -127,6 +127,9 @@ class FaultyKeyDoorEnv(KeyDoorEnv):
 def test_environment_faults_are_counted_and_training_completes(tmp_path):
     FaultyKeyDoorEnv.steps = FaultyKeyDoorEnv.resets = 0
     trainer = make_multi_turn_trainer(tmp_path, env_factory=FaultyKeyDoorEnv, max_steps=3, env_step_timeout=0.5)
+    outcomes = []
+    record = trainer.pool.record_outcome
+    trainer.pool.record_outcome = lambda outcome: (outcomes.append(outcome), record(outcome))[1]
     start = time.perf_counter()
     trainer.train()
     assert time.perf_counter() - start < 60
@@ -134,6 +137,10 @@ def test_environment_faults_are_counted_and_training_completes(tmp_path):
     assert len(errors) == 3 and errors[-1] == 4.0  # 2 step faults + 1 timeout + 1 reset fault
     assert dict(trainer._rollout_engine.errors) == {"step_error": 2, "timeout": 1, "reset_error": 1}
     assert FaultyKeyDoorEnv.steps > 10
+    # the 4 failed episodes train nothing (their model turns are masked) and count in no task's outcome
+    untrained = sum(int(((b["completion_mask"] * b["tool_mask"]).sum(dim=1) == 0).sum()) for b in trainer.batches)
+    assert untrained == 4
+    assert sum(o.num_fresh for o in outcomes) == sum(trainer.episodes_played) - 4
 
 
 def test_env_metrics_are_logged(tmp_path):

@@ -398,7 +398,7 @@ def test_step_error_ends_only_its_episode(tok):
     assert bad.reward == 0.0  # the 0.5 of its first step is void
     assert bad.turns == 2
     assert bad.completion_ids == action + env + action  # no env turn after the failed step
-    assert bad.env_mask == [1] * 4 + [0] * 7 + [1] * 4
+    assert bad.env_mask == [0] * 15  # the environment failed, not the model: no token of the episode is trained
     assert ok.error is None and ok.reward == 1.0 and ok.turns == 3
     assert ok.completion_ids == action + env + action + env + action
     # Turn 3 generated for the healthy episode only.
@@ -421,7 +421,7 @@ def test_step_timeout_returns_quickly(tok, release):
 
     assert elapsed < 5.0
     assert slow.error == "timeout" and slow.reward == 0.0 and slow.finished and slow.turns == 1
-    assert slow.completion_ids == ids(tok, "key <eos>") and slow.env_mask == [1, 1]
+    assert slow.completion_ids == ids(tok, "key <eos>") and slow.env_mask == [0, 0]  # faulted: nothing trained
     assert 0.4 <= slow.step_seconds[0] < 5.0
     assert ok.error is None and ok.reward == 1.0
     assert engine.errors == Counter({"timeout": 1})

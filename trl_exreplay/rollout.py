@@ -155,7 +155,8 @@ class MultiTurnRollout:
     """Runs the episodes of one rank's fresh rows.
 
     Args:
-        env_factory: builds a `TextEnv`; instances are pooled and reused, faulted ones are discarded.
+        env_factory: builds a `TextEnv`; instances are pooled and reused, faulted ones (and any whose `alive` is
+            False) are discarded. A faulted episode's `env_mask` is all 0: it trains nothing.
         tokenizer: the policy's tokenizer (chat template, eos).
         max_turns: model turns per episode at most.
         max_completion_length: tokens of a whole completion (model and environment turns) at most.
@@ -194,8 +195,11 @@ class MultiTurnRollout:
     # ------------------------------------------------------------------------------------------------ envs
     def _take_env(self):
         """An idle instance, or a new one; a factory that fails gives None (the episode then fails)."""
-        if self._idle_envs:
-            return self._idle_envs.pop(), None
+        while self._idle_envs:
+            env = self._idle_envs.pop()
+            if getattr(env, "alive", True):
+                return env, None
+            _close_quietly(env)  # e.g. a RemoteEnv whose worker process was replaced meanwhile
         try:
             return self.env_factory(), None
         except Exception as error:  # noqa: BLE001 - a broken factory fails its episode, not the run
@@ -311,6 +315,8 @@ class MultiTurnRollout:
                     episode.extend([eos], trained=False)
             if episode.error is None:
                 self._idle_envs.append(env)
+            else:  # the environment failed, not the model: none of its tokens are trained
+                episode.env_mask = [0] * len(episode.env_mask)
         return episodes
 
     def close(self) -> None:

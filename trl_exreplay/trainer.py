@@ -13,7 +13,6 @@ Overrides (each calls `super()` and post-processes; no TRL method body is copied
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -387,14 +386,17 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         # One outcome per task, over all its groups in the batch (a dataset may repeat a task), fresh rows only.
         outcomes: dict[str, list] = {}  # task -> [successes, fresh rows, winning rows]
         fresh_rows = [r for r in range(len(row_tasks)) if not plan.is_replayed(r)]
+        if self.env_factory is not None:  # an episode the environment failed says nothing about the task
+            faulted = self._gather_row_flags(self._faulted_rows, len(inputs))
+            fresh_rows = [r for r in fresh_rows if not faulted[r]]
         for row in fresh_rows:
             outcome = outcomes.setdefault(row_tasks[row], [0, 0, []])
             outcome[1] += 1
             if success[row]:
                 outcome[0] += 1
                 outcome[2].append(row)
-        fresh_totals = totals[fresh_rows]
-        self._metrics["train"]["replay/fresh_reward"].append(fresh_totals.nanmean().item())
+        if fresh_rows:
+            self._metrics["train"]["replay/fresh_reward"].append(totals[fresh_rows].nanmean().item())
 
         local_rows = len(inputs)
         wanted = {r - offset for _, _, winners in outcomes.values() for r in winners if 0 <= r - offset < local_rows}
@@ -482,6 +484,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:
             # Not ours to fix: GRPOTrainer alone fails its first backward this way (TRL 1.16, DeepSpeed 0.19.8, CPU).
             raise ValueError("Multi-turn rollouts under ZeRO-3 need `ds3_gather_for_generation=True`.")
+        self._faulted_rows: set[int] = set()  # this rank's rows whose episode the environment failed
         self._rollout_engine = MultiTurnRollout(
             env_factory,
             self.processing_class,
@@ -527,6 +530,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 [rows[i] for i in fresh], lambda contexts, n: self._generate_turn(unwrapped_model, contexts, n), sync
             )
         by_row = dict(zip(fresh, episodes))
+        self._faulted_rows = {i for i, episode in by_row.items() if episode.error is not None}
         column = self.replay["task_id_column"]
         real_prompts = {}
         for i, episode in by_row.items():
@@ -557,6 +561,12 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         self._log_env_metrics(episodes)
         return output
 
+    def _gather_row_flags(self, local_rows: set[int], num_local: int) -> list[bool]:
+        """This rank's flagged row indices -> a flag per row of the whole (gathered) batch; collective."""
+        flags = torch.zeros(num_local, device=self.accelerator.device)
+        flags[sorted(local_rows)] = 1.0
+        return self.accelerator.gather(flags).bool().tolist()
+
     def _any_rank_active(self, active: bool) -> bool:
         flag = torch.tensor([1.0 if active else 0.0], device=self.accelerator.device)
         return self.accelerator.reduce(flag, reduction="sum").item() > 0
@@ -570,14 +580,16 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         tensors = [torch.tensor(c) for c in contexts]
         input_ids = pad(tensors, padding_value=pad_id, padding_side="left").to(device)
         attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(device)
-        config = copy.deepcopy(self.generation_config)
-        config.max_new_tokens = max_new_tokens
-        generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        out = []
-        for row in generated[:, input_ids.size(1) :].tolist():
-            ends = [j for j, token in enumerate(row) if token in self.eos_token_ids]
-            out.append(row[: ends[0] + 1] if ends else row)
-        return out
+        generated = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=self.generation_config,
+            max_new_tokens=max_new_tokens,
+        )[:, input_ids.size(1) :]
+        # keep each row up to and including its first eos (a row without one keeps everything)
+        is_eos = torch.isin(generated, torch.tensor(list(self.eos_token_ids), device=generated.device))
+        lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, generated.size(1)).tolist()
+        return [row[:n] for row, n in zip(generated.tolist(), lengths)]
 
     def _log_env_metrics(self, episodes) -> None:
         mode = "train" if self.model.training else "eval"

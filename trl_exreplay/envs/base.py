@@ -17,8 +17,9 @@ class TextEnv(Protocol):
     * `close()`: release resources.
     * optional `admissible_actions()`: the actions valid now (for prompts or baselines).
 
-    An exception in `reset` or `step`, or a step slower than `env_step_timeout`, ends the episode as a failure
-    (reward 0), is counted in `env/errors` and the instance is discarded; training goes on.
+    An exception in `reset` or `step`, or a step slower than `env_step_timeout`, ends the episode (reward 0), is
+    counted in `env/errors` and the instance is discarded; training goes on. Such an episode trains none of its
+    tokens and does not count in its task's outcome: the environment failed, not the model.
 
     Example:
 

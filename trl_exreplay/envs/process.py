@@ -500,6 +500,11 @@ class RemoteEnv:
         """Process id of the worker hosting this environment."""
         return self._worker.pid
 
+    @property
+    def alive(self) -> bool:
+        """False once the environment is closed or lost with its worker (the rollout then drops it)."""
+        return not self._closed and self._worker.lost is None
+
     def reset(self, task: dict[str, Any]) -> str:
         return self._forward("reset", task)
 
