@@ -8,7 +8,7 @@ process pool runs the environments in worker processes. This script measures, in
   multi-turn rollout drives them.
 
 For each: cold resets (first load of a game), warm resets (the same game again, loaded and translated already) and
-steps (seeded uniform-random admissible actions). The ratios parallel/serial are printed with the machine and versions.
+steps (seeded uniform-random admissible actions). Serial warm resets are also measured with `game_cache=0`. The ratios parallel/serial are printed with the machine and versions.
 
     OMP_NUM_THREADS=1 python benchmarks/alfworld_env_throughput.py --workers 2 --envs 4
 """
@@ -27,7 +27,7 @@ import threading
 import time
 from importlib.metadata import version
 
-from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks, generate_games
+from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks, generate_games, install_game_cache
 from trl_exreplay.envs.process import EnvProcessPool
 
 _ADMISSIBLE = re.compile(r"\nAdmissible actions: (.*)\.$", re.DOTALL)
@@ -61,16 +61,37 @@ def play(env, tasks, steps: int, rng: random.Random) -> dict[str, float]:
     return {"seconds": seconds, "counts": counts}
 
 
+def uncached_warm_resets(tasks) -> float:
+    """Resets/s of the game already loaded, with the process's translation cache emptied and off: what `game_cache`
+    saves."""
+    import fast_downward
+
+    install_game_cache(0)
+    memo = fast_downward.pddl2sas
+    size, memo.max_entries = memo.max_entries, 0
+    memo.entries.clear()
+    env = AlfWorldEnv(max_steps=10_000, game_cache=0)
+    seconds = 0.0
+    for task in tasks:
+        env.reset(task)
+        start = time.perf_counter()
+        env.reset(task)
+        seconds += time.perf_counter() - start
+    env.close()
+    memo.max_entries = size
+    return len(tasks) / seconds
+
+
 def rates(result: dict) -> dict[str, float]:
     return {kind: result["counts"][kind] / result["seconds"][kind] for kind in result["counts"]}
 
 
-def parallel(pool_workers: int, num_envs: int, tasks, steps: int, seed: int) -> dict[str, float]:
+def parallel(pool_workers: int, num_envs: int, tasks, warmup, steps: int, seed: int) -> dict[str, float]:
     """Rounds of `num_envs` tasks, one per remote env, each env driven by its own thread. In each round the three
     phases (cold reset, steps, warm reset) are separated by barriers and timed on the wall clock."""
     factory = functools.partial(AlfWorldEnv, max_steps=10_000)
     rounds = [tasks[i : i + num_envs] for i in range(0, len(tasks), num_envs)]
-    barrier = threading.Barrier(num_envs + 1)
+    barrier = threading.Barrier(num_envs + 1, timeout=900)  # a failed thread breaks it rather than hanging all
     counts = dict.fromkeys(("cold_reset", "warm_reset", "step"), 0)
     wall = dict.fromkeys(counts, 0.0)
     lock = threading.Lock()
@@ -103,6 +124,8 @@ def parallel(pool_workers: int, num_envs: int, tasks, steps: int, seed: int) -> 
 
     with EnvProcessPool(factory, workers=pool_workers) as pool:
         envs = [pool() for _ in range(num_envs)]
+        for env in envs:  # untimed: start the worker and its engine, so cold resets time the game's first load only
+            env.reset(warmup)
         threads = [threading.Thread(target=drive, args=(i, env), daemon=True) for i, env in enumerate(envs)]
         for thread in threads:
             thread.start()
@@ -133,14 +156,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         games = args.games
         if games is None:
-            generate_games(tmp, split="train", num_games=args.num_games, seed=args.seed, workers=args.workers)
+            generate_games(tmp, split="train", num_games=args.num_games + 1, seed=args.seed, workers=args.workers)
             games = os.path.join(tmp, "json_2.1.1", "train")
-        tasks = list(alfworld_tasks(games))[: args.num_games]
+        tasks = list(alfworld_tasks(games))[: args.num_games + 1]
+        tasks, warmup = tasks[:-1], tasks[-1]  # a game outside the timed ones, to start engines with
 
+        no_cache = uncached_warm_resets(tasks)
         env = AlfWorldEnv(max_steps=10_000)
+        env.reset(warmup)
         serial = rates(play(env, tasks, args.steps, random.Random(args.seed)))
         env.close()
-        parallel_rates = parallel(args.workers, envs, tasks, args.steps, args.seed)
+        parallel_rates = parallel(args.workers, envs, tasks, warmup, args.steps, args.seed)
 
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
     print(f"versions: alfworld {version('alfworld')}, textworld {version('textworld')}")
@@ -149,6 +175,7 @@ def main() -> None:
     for kind, label in (("cold_reset", "cold resets/s"), ("warm_reset", "warm resets/s"), ("step", "steps/s")):
         s, p = serial[kind], parallel_rates[kind]
         print(f"{label:14s} {s:8.2f} {p:10.2f} {p / s:7.2f}x")
+    print(f"warm resets/s without the game cache (serial): {no_cache:.2f}")
 
 
 if __name__ == "__main__":

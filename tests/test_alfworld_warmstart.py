@@ -35,9 +35,10 @@ def test_search_expert_wins_every_task_type_from_what_it_sees(tasks, episodes):
     for row, episode in zip(tasks, episodes):
         assert episode.won, (row["task_type"], episode.actions)
         walkthrough = json.loads(open(row["game_file"]).read())["walkthrough"]
-        # it searches: it never goes anywhere it was not told of (the opening or an observation) ...
-        told = episode.opening + " ".join(episode.observations)
-        assert all(a[len("go to ") :] in told for a in episode.actions if a.startswith("go to "))
+        # it searches: it never goes anywhere it was not told of before (the opening or an earlier observation) ...
+        for i, action in enumerate(episode.actions):
+            if action.startswith("go to "):
+                assert action[len("go to ") :] in episode.opening + " ".join(episode.observations[:i]), action
         # ... and ends with the walkthrough's decisive command (put / use), though its path may be longer
         assert episode.actions[-1].split(" ")[0] == walkthrough[-1].split(" ")[0]
         assert len(episode.actions) >= len(walkthrough) - 1
@@ -99,3 +100,19 @@ def test_sft_rows_leave_out_lost_and_oversized_episodes(episodes):
     tight = sft_dataset([longest], tokenizer, max_completion_length=64, max_turns=50)  # cut by the token budget
     assert len(tight) == 0
     assert len(sft_dataset([longest], tokenizer, max_completion_length=4096, max_turns=50)) == 1
+
+
+def test_evaluate_plays_the_expert(tasks, episodes):
+    from trl_exreplay.envs.alfworld import evaluate
+    from trl_exreplay.envs.alfworld.__main__ import main
+    from trl_exreplay.envs.alfworld.evaluation import EXPERT
+
+    result = evaluate(list(tasks["game_file"]), EXPERT, max_steps=50, workers=1)
+    assert (result.agent, result.won, result.games) == ("expert", 6, 6)
+    assert result.mean_steps == sum(len(e.actions) for e in episodes) / len(episodes)
+    assert result.per_task_type == {task_type: [1, 1] for task_type in ALL_TASK_TYPES}
+    with pytest.raises(ValueError, match="agent must be"):
+        evaluate(list(tasks["game_file"]), "oracle")
+    short = evaluate(list(tasks["game_file"])[:1], EXPERT, max_steps=1)  # one step cannot win any task
+    assert (short.won, short.mean_steps) == (0, 1.0)
+    assert main(["evaluate", str(tasks["game_file"][0]), "--agent", "expert", "--workers", "1"]) == 0

@@ -28,14 +28,9 @@ import os
 import sys
 from collections import Counter
 
-TASK_TYPES = (
-    "pick_and_place_simple",
-    "look_at_obj_in_light",
-    "pick_clean_then_place_in_recep",
-    "pick_heat_then_place_in_recep",
-    "pick_cool_then_place_in_recep",
-    "pick_two_obj_and_place",
-)
+from trl_exreplay.envs.alfworld.splits import ALL_TASK_TYPES
+
+TASK_TYPES = ALL_TASK_TYPES
 SOURCE = (
     "ALFRED data/splits/oct21.json (askforalfred/alfred, MIT), train split, unique trials; "
     "sliced objects counted as their base object"

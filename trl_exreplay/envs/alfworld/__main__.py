@@ -38,9 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU)")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    e = sub.add_parser("evaluate", help="success rate of the walkthrough or a random agent, per task type")
+    e = sub.add_parser(
+        "evaluate", help="success rate of the walkthrough, the searching expert or a random agent, per task type"
+    )
     e.add_argument("dir", help="directory searched recursively for game.tw-pddl files")
-    e.add_argument("--agent", default="random", choices=("random", "walkthrough"))
+    e.add_argument("--agent", default="random", choices=("random", "walkthrough", "expert"))
     e.add_argument("--max-steps", type=int, default=50)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU)")
@@ -51,9 +53,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "evaluate":
-        from .evaluation import evaluate, random_agent
+        from .evaluation import EXPERT, evaluate, random_agent
 
-        agent = None if args.agent == "walkthrough" else random_agent
+        agent = {"walkthrough": None, "expert": EXPERT, "random": random_agent}[args.agent]
         result = evaluate(
             args.dir, agent, max_steps=args.max_steps, seed=args.seed, workers=args.workers, progress=True
         )

@@ -7,7 +7,6 @@ on it and reports whether it wins (and whether the game was already won after re
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -17,7 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-_ARGV_LOCK = threading.RLock()  # re-entrant: a translation_cache block wraps the process-wide memo
+_ARGV_LOCK = threading.Lock()
 _IMPORT_HINT = "the ALFWorld environment needs `pip install alfworld==0.4.2 'textworld[pddl]==1.7.0'`"
 
 
@@ -39,7 +38,7 @@ class _TranslationMemo:
 
     textworld translates the same (domain, problem) pair twice on `load` and twice again on `reset`; the result
     only depends on the two texts and textworld only reads it, so every later `load` or `reset` of a cached game
-    skips the translation (about 0.5 s of a 0.6 s reset).
+    skips the translation, most of a reset's time (`benchmarks/alfworld_env_throughput.py` measures both).
     """
 
     def __init__(self, original, max_entries: int):
@@ -80,20 +79,6 @@ def install_game_cache(max_games: int) -> None:
         fast_downward.pddl2sas = _TranslationMemo(current, 2 * max(0, max_games))  # two translations per game
 
 
-@contextlib.contextmanager
-def translation_cache(max_entries: int = 4) -> Iterator[None]:
-    """Memoize fast-downward's PDDL->SAS translation while the block runs (see `_TranslationMemo`); the function in
-    place before the block is restored on exit."""
-    import fast_downward
-
-    original = fast_downward.pddl2sas
-    fast_downward.pddl2sas = _TranslationMemo(original, max_entries)
-    try:
-        yield
-    finally:
-        fast_downward.pddl2sas = original
-
-
 @dataclass
 class PlayResult:
     """Outcome of playing one walkthrough on the engine."""
@@ -124,7 +109,6 @@ def play_walkthrough(
     walkthrough: Sequence[str] | None = None,
     *,
     env=None,
-    cache_translation: bool = True,
 ) -> PlayResult:
     """Play `walkthrough` (default: the game's stored one) on the real engine.
 
@@ -143,9 +127,9 @@ def play_walkthrough(
     env = env if env is not None else _process_env()
     steps = 0
     try:
-        with translation_cache() if cache_translation else contextlib.nullcontext():
-            env.load(name if isinstance(game, (str, os.PathLike)) else dict(game))
-            state = env.reset()
+        install_game_cache(1)  # load and reset share the game's translation
+        env.load(name if isinstance(game, (str, os.PathLike)) else dict(game))
+        state = env.reset()
         won_at_start = bool(state["won"])
         if won_at_start:
             return PlayResult(name, False, True, 0, "game is already won after reset")

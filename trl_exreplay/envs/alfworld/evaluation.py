@@ -1,7 +1,8 @@
 """Success rate of an agent on ALFWorld games, overall and per task type, with the alfworld version recorded.
 
-An agent is a callable `(observation, admissible_actions, rng) -> action`, or `None` for the game's stored
-walkthrough (which must score 100% on generated games). `random_agent` picks uniformly among admissible commands: the
+An agent is a callable `(observation, admissible_actions, rng) -> action`, `None` for the game's stored
+walkthrough (which must score 100% on generated games), or `EXPERT` for `SearchExpert` (it finds the objects by
+looking, as a policy must). `random_agent` picks uniformly among admissible commands: the
 floor any trained policy must clear.
 
 ```python
@@ -21,10 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from .engine import find_game_files, map_in_pool
+from .expert import play_expert
 from .generate import alfworld_version
 from .textenv import AlfWorldEnv
 
 Agent = Callable[[str, Sequence[str], random.Random], str]
+EXPERT = "expert"  # pass as `agent` to play `SearchExpert`, which searches from what it sees
 
 
 def random_agent(observation: str, admissible: Sequence[str], rng: random.Random) -> str:
@@ -66,6 +69,9 @@ def _play(job: tuple) -> tuple[str, bool, int]:
         task_type = json.load(f)["task_type"]
     env = AlfWorldEnv(max_steps=max_steps, show_admissible=False)
     try:
+        if agent == EXPERT:
+            episode = play_expert(env, {"game_file": game_file}, max_steps)
+            return task_type, episode.won, len(episode.actions)
         observation = env.reset({"game_file": game_file})
         rng = random.Random(f"{seed}|{game_file}")
         walkthrough = None
@@ -73,6 +79,8 @@ def _play(job: tuple) -> tuple[str, bool, int]:
             with open(game_file) as f:
                 walkthrough = list(json.load(f)["walkthrough"])
         for step in range(max_steps):
+            if walkthrough is not None and step == len(walkthrough):
+                return task_type, False, step  # a walkthrough that ends before the game does
             action = (
                 walkthrough[step] if walkthrough is not None else agent(observation, env.admissible_actions(), rng)
             )
@@ -86,7 +94,7 @@ def _play(job: tuple) -> tuple[str, bool, int]:
 
 def evaluate(
     games: str | os.PathLike | Sequence[str],
-    agent: Agent | None = None,
+    agent: Agent | str | None = None,
     *,
     max_steps: int = 50,
     seed: int = 0,
@@ -95,8 +103,16 @@ def evaluate(
 ) -> EvaluationResult:
     """Play `agent` (None: the stored walkthrough) once on each game (a folder searched for game.tw-pddl, or a list
     of game files); episodes run in `workers` processes (None: one per CPU). Seeded: the same call, the same result."""
+    if isinstance(agent, str) and agent != EXPERT:
+        raise ValueError(f"agent must be a callable, None (walkthrough) or {EXPERT!r}, got {agent!r}")
     files = find_game_files(games) if isinstance(games, (str, os.PathLike)) else sorted(games)
-    name = "walkthrough" if agent is None else getattr(agent, "__name__", type(agent).__name__)
+    name = (
+        "walkthrough"
+        if agent is None
+        else agent
+        if agent == EXPERT
+        else getattr(agent, "__name__", type(agent).__name__)
+    )
     result = EvaluationResult(alfworld_version=alfworld_version(), agent=name, max_steps=max_steps)
     jobs = [(game, agent, max_steps, seed) for game in files]
     steps = 0

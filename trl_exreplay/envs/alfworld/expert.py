@@ -26,14 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .splits import APPLIANCE_TASKS
+
 _SEEN = re.compile(r"\ban? ([a-z]+ \d+)")
 # Receptacle kinds that are closed until opened (ALFRED's openable receptacles).
 _OPENABLE = frozenset({"box", "cabinet", "drawer", "fridge", "microwave", "safe"})
-_APPLIANCE = {
-    "pick_clean_then_place_in_recep": ("clean", "sinkbasin"),
-    "pick_heat_then_place_in_recep": ("heat", "microwave"),
-    "pick_cool_then_place_in_recep": ("cool", "fridge"),
-}
+_APPLIANCE = {task: (verb, appliance.lower()) for task, (_, appliance, verb) in APPLIANCE_TASKS.items()}
 
 
 def _kind(name: str) -> str:
@@ -59,7 +57,6 @@ class SearchExpert:
 
     def __init__(self, task_type: str, object: str, destination: str = "", lamp: str = ""):
         self.task_type, self.object, self.destination, self.lamp = task_type, object, destination, lamp
-        self.needed = 2 if task_type == "pick_two_obj_and_place" else 1
 
     def reset(self, opening: str) -> None:
         seen_part = opening.split("you see ", 1)[1].split("\n")[0] if "you see " in opening else ""
@@ -75,7 +72,7 @@ class SearchExpert:
         self.seen: dict[str, str] = {}  # object or lamp -> receptacle where it was last seen
 
     def observe(self, command: str, observation: str) -> None:
-        """Update what the expert knows after `command` gave `observation`."""
+        """Update what the expert knows after `command` gave `observation` (the engine's text, not a prompt)."""
         if command.startswith("go to ") and not observation.startswith("Nothing happens"):
             self.location = command[len("go to ") :]
             self.visited.add(self.location)
@@ -169,7 +166,7 @@ def play_expert(env, task: dict[str, Any], max_steps: int | None = None) -> Expe
     for _ in range(limit):
         command = expert.act(env.admissible_actions())
         observation, reward, done, info = env.step(command)
-        expert.observe(info.get("command", command), observation)
+        expert.observe(info.get("command", command), info.get("feedback", observation))
         episode.actions.append(command)
         episode.observations.append(observation)
         if done:

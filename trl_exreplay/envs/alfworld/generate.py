@@ -38,7 +38,7 @@ from importlib import resources
 from importlib.metadata import PackageNotFoundError, version
 
 from .engine import _IMPORT_HINT, map_in_pool, play_walkthrough
-from .splits import ALL_TASK_TYPES, SPLIT_SCENES, normalize_task_types, room_type
+from .splits import ALL_TASK_TYPES, APPLIANCE_TASKS, SPLIT_SCENES, normalize_task_types, room_type
 
 try:
     import alfworld
@@ -73,12 +73,7 @@ _LAMP_HOSTS = ("Desk", "SideTable", "Dresser", "DiningTable", "CoffeeTable", "Sh
 _CREATED_COUNT = {"CoffeeMachine": 1, "Toaster": 1, "GarbageCan": 1, "SinkBasin": 1}
 # Layout receptacle ids of these types get the ALFRED basin suffix (they demangle to "sinkbasin N").
 _BASINS = {"Sink": "SinkBasin", "Bathtub": "BathtubBasin"}
-# Task types that pass through an appliance: (object flag in VAL_ACTION_OBJECTS, appliance type, verb).
-_APPLIANCE = {
-    "pick_clean_then_place_in_recep": ("Cleanable", "SinkBasin", "clean"),
-    "pick_heat_then_place_in_recep": ("Heatable", "Microwave", "heat"),
-    "pick_cool_then_place_in_recep": ("Coolable", "Fridge", "cool"),
-}
+_APPLIANCE = APPLIANCE_TASKS  # (object flag, appliance type, verb) of the tasks that pass through an appliance
 _OBJECT_FLAGS = (
     ("Cleanable", "cleanable"),
     ("Heatable", "heatable"),

@@ -18,6 +18,12 @@ TASK_TYPES: dict[int, str] = {
     6: "pick_two_obj_and_place",
 }
 ALL_TASK_TYPES: tuple[str, ...] = tuple(TASK_TYPES[i] for i in sorted(TASK_TYPES))
+# Task types that pass through an appliance: (object flag in ALFRED's VAL_ACTION_OBJECTS, appliance type, verb).
+APPLIANCE_TASKS: dict[str, tuple[str, str, str]] = {
+    "pick_clean_then_place_in_recep": ("Cleanable", "SinkBasin", "clean"),
+    "pick_heat_then_place_in_recep": ("Heatable", "Microwave", "heat"),
+    "pick_cool_then_place_in_recep": ("Coolable", "Fridge", "cool"),
+}
 
 VALID_UNSEEN_SCENES: tuple[int, ...] = (10, 219, 308, 424)
 TRAIN_SCENES: tuple[int, ...] = tuple(

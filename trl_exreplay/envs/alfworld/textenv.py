@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import install_game_cache, make_env
+from .engine import find_game_files, install_game_cache, make_env
 
 WELCOME = "-= Welcome to TextWorld, ALFRED! =-"
 NOTHING_HAPPENS = "Nothing happens."
@@ -124,10 +124,11 @@ class AlfWorldEnv:
         show_admissible: append the admissible commands to every observation.
         history_length: steps of history restated in every observation (see `AlfWorldPrompt`; 0 for chat).
         game_cache: games whose parsed form (PDDL->SAS translation) is kept in this process, shared by its engines;
-            a cached game resets in about 0.08 s instead of 0.6 s. 0 turns the cache off.
+            a cached game resets several times faster (`benchmarks/alfworld_env_throughput.py`). The process keeps
+            the largest size any engine asked for, so 0 only means this engine asks for none.
 
     The reward is 1 on a win, else 0. An action the engine cannot apply gets "Nothing happens." and
-    `info["invalid_action"] = True`. Resetting the game already loaded skips the load.
+    `info["invalid_action"] = True`; `info["feedback"]` is the engine's text of the step (without the prompt). Resetting the game already loaded skips the load.
     """
 
     def __init__(
@@ -176,7 +177,7 @@ class AlfWorldEnv:
         feedback = state.feedback.strip()
         self.history.append((command, feedback))
         done = bool(done) or won or self.steps >= self.max_steps
-        info = {"invalid_action": feedback == NOTHING_HAPPENS, "won": won, "command": command}
+        info = {"invalid_action": feedback == NOTHING_HAPPENS, "won": won, "command": command, "feedback": feedback}
         observation = self.prompt.turn(feedback, self.admissible_actions(), self.goal, self.history)
         return observation, float(won), done, info
 
@@ -197,14 +198,15 @@ def alfworld_tasks(data_dir: str, system_prompt: str | None = INSTRUCTIONS):
     from datasets import Dataset
 
     rows = {"task_id": [], "game_file": [], "task_type": [], "goal": [], "system_prompt": []}
-    for root, _, files in sorted(os.walk(data_dir)):
-        if "game.tw-pddl" not in files or "traj_data.json" not in files:
+    for game_file in find_game_files(data_dir):
+        root = os.path.dirname(game_file)
+        if not os.path.isfile(os.path.join(root, "traj_data.json")):
             continue
         with open(os.path.join(root, "traj_data.json")) as f:
             traj = json.load(f)
         rows["task_id"].append(os.path.relpath(root, data_dir))
-        rows["game_file"].append(os.path.join(root, "game.tw-pddl"))
-        rows["goal"].append(goal_of(rows["game_file"][-1]))
+        rows["game_file"].append(game_file)
+        rows["goal"].append(goal_of(game_file))
         rows["task_type"].append(traj["task_type"])
         rows["system_prompt"].append(system_prompt)
     if not rows["task_id"]:

@@ -117,22 +117,24 @@ def sft_dataset(
     from ...rollout import MultiTurnRollout
 
     rows: dict[str, list] = {"input_ids": [], "assistant_masks": [], "task_id": []}
+    replay = _Replay(None)
+    rollout = MultiTurnRollout(
+        lambda: replay,  # the one replay environment, pointed at each episode in turn
+        tokenizer,
+        max_turns=max_turns,
+        max_completion_length=max_completion_length,
+        max_tokens_per_turn=max_tokens_per_turn,
+        step_timeout=None,
+        workers=1,
+        system_prompt_column=system_prompt_column,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    close = rollout.turns.close_ids[:1]  # what the model generates to end its turn (eos / <|im_end|>)
     for episode in episodes:
         if not episode.won or len(episode.actions) > max_turns:
             continue
-        rollout = MultiTurnRollout(
-            lambda episode=episode: _Replay(episode),
-            tokenizer,
-            max_turns=max_turns,
-            max_completion_length=max_completion_length,
-            max_tokens_per_turn=max_tokens_per_turn,
-            step_timeout=None,
-            workers=1,
-            system_prompt_column=system_prompt_column,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+        replay.episode = episode
         actions = iter(episode.actions)
-        close = rollout.turns.close_ids[:1]  # what the model generates to end its turn (eos / <|im_end|>)
         fits = [True]
 
         def generate(contexts, max_new_tokens, actions=actions, close=close, fits=fits):
