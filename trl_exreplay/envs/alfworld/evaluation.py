@@ -53,7 +53,7 @@ class EvaluationResult:
     def summary(self) -> str:
         lines = [
             f"{self.agent}: {self.won} won of {self.games} ({100 * self.success_rate:.1f}%), "
-            f"max_steps {self.max_steps}, alfworld {self.alfworld_version}"
+            f"mean steps {self.mean_steps:.1f}, max_steps {self.max_steps}, alfworld {self.alfworld_version}"
         ]
         for task_type, (won, games) in sorted(self.per_task_type.items()):
             lines.append(f"  {task_type}: {won}/{games} ({100 * won / games:.1f}%)")
