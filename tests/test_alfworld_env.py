@@ -170,3 +170,22 @@ def test_engines_sharing_a_cached_game_play_independently(games):
     assert played[0] == transcript[1:] and played[1][-1][1:] == (1.0, True)
     for env in (alone, first, second):
         env.close()
+
+
+def test_engines_in_threads_of_one_process_take_turns(games):
+    """textworld's game parser is module-global and not thread-safe: without the engine lock, two threads loading
+    games at once fail with IndexError inside tatsu (as `MultiTurnRollout` with several env workers did)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+
+    rows = [dict(row) for row in alfworld_tasks(str(games))]
+    alone = [AlfWorldEnv(game_cache=0).reset(row) for row in rows]
+    envs = [AlfWorldEnv(game_cache=0) for _ in range(4)]
+    with ThreadPoolExecutor(4) as threads:
+        openings = list(threads.map(lambda i: envs[i].reset(rows[i % 2]), range(4)))
+        steps = list(threads.map(lambda env: env.step("look")[1:3], envs))
+    assert openings == [alone[0], alone[1], alone[0], alone[1]]
+    assert steps == [(0.0, False)] * 4
+    for env in envs:
+        env.close()

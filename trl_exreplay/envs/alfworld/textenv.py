@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,9 @@ _ACTION_LINE = re.compile(r"^\s*action\s*:\s*", re.IGNORECASE)
 _ACTION_PREFIX = re.compile(r"^\s*(?:>\s*|act\s*:\s*)", re.IGNORECASE)
 _THOUGHT_LINE = re.compile(r"^\s*(?:think|thought)\s*:", re.IGNORECASE)
 _GOAL_RULE = re.compile(r'"rhs":\s*"Your task is to: ([^"]*)"')
+# textworld parses games with one module-level parser that is not thread-safe, so the engines of a process take turns
+# (the engine is pure Python: threads would not run it in parallel anyway; `EnvProcessPool` does).
+_ENGINE_LOCK = threading.RLock()
 
 
 def parse_action(text: str) -> str:
@@ -153,6 +157,10 @@ class AlfWorldEnv:
         return self._env
 
     def reset(self, task: dict[str, Any]) -> str:
+        with _ENGINE_LOCK:
+            return self._reset(task)
+
+    def _reset(self, task: dict[str, Any]) -> str:
         env = self._engine()
         game_file = task["game_file"]
         if self._loaded != game_file:
@@ -170,7 +178,8 @@ class AlfWorldEnv:
         if self._state is None:
             raise RuntimeError("AlfWorldEnv.step() before reset().")
         command = parse_action(action)
-        state, _, done = self._engine().step(command)
+        with _ENGINE_LOCK:
+            state, _, done = self._engine().step(command)
         self._state = state
         self.steps += 1
         won = bool(state["won"])
@@ -186,7 +195,8 @@ class AlfWorldEnv:
 
     def close(self) -> None:
         if self._env is not None:
-            self._env.close()
+            with _ENGINE_LOCK:
+                self._env.close()
             self._env = None
             self._loaded = None
 
