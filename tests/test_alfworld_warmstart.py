@@ -44,13 +44,19 @@ def test_search_expert_wins_every_task_type_from_what_it_sees(tasks, episodes):
         assert len(episode.actions) >= len(walkthrough) - 1
 
 
-def test_vocabulary_covers_the_games(episodes):
+def test_vocabulary_covers_the_games(tasks, episodes):
+    from trl_exreplay.envs.alfworld import AlfWorldEnv
     from trl_exreplay.envs.alfworld.textenv import INSTRUCTIONS
     from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, alfworld_vocabulary
 
     assert alfworld_vocabulary() == alfworld_vocabulary() == sorted(set(alfworld_vocabulary()))
     tokenizer = alfworld_tokenizer()
     texts = [INSTRUCTIONS] + [e.opening for e in episodes] + [t for e in episodes for t in e.observations]
+    env = AlfWorldEnv()  # what a policy that is not the expert reads too: the engine's help and its refusal
+    env.reset(dict(tasks[0]))
+    texts += [env.step("help")[0], env.step("fly to the moon")[0]]
+    env.close()
+    assert "Available commands" in texts[-2] and "Nothing happens." in texts[-1]
     for text in texts + [a for e in episodes for a in e.actions]:
         assert tokenizer.unk_token_id not in tokenizer(text, add_special_tokens=False)["input_ids"], text
     for action in (a for e in episodes for a in e.actions):  # what the policy says comes back as the same command

@@ -39,10 +39,11 @@ def alfworld_vocabulary() -> list[str]:
     import alfworld.gen.constants as C
     import alfworld.gen.goal_library as glib
 
-    from .textenv import INSTRUCTIONS, REACT_INSTRUCTIONS
+    from .textenv import INSTRUCTIONS, NOTHING_HAPPENS, REACT_INSTRUCTIONS
 
     with open(os.path.join(os.path.dirname(alfworld.__file__), "data", "alfred.twl2")) as f:
-        texts = [f.read(), INSTRUCTIONS, REACT_INSTRUCTIONS]
+        grammar = re.sub(r"\\[nt]", " ", f.read())  # JSON escapes: "\nAvailable" is the word "available"
+    texts = [grammar, INSTRUCTIONS, REACT_INSTRUCTIONS, NOTHING_HAPPENS]
     texts += [" ".join(entry["templates"]) for entry in glib.gdict.values() if "templates" in entry]
     texts += [name for name in (*C.OBJECTS, *C.RECEPTACLES)]
     texts.append("Admissible actions Your task is to You have taken step steps last before this one Now after")
