@@ -94,10 +94,13 @@ class Episode:
     invalid_actions: int = 0
     step_seconds: list[float] = field(default_factory=list)
     observation: str = ""  # the first observation (the prompt's user message)
+    logprobs: list[float | None] = field(default_factory=list)  # sampling log-prob per completion token, if known
 
-    def extend(self, ids: Sequence[int], trained: bool) -> None:
+    def extend(self, ids: Sequence[int], trained: bool, logprobs: Sequence[float | None] | None = None) -> None:
         self.completion_ids.extend(ids)
         self.env_mask.extend([1 if trained else 0] * len(ids))
+        self.logprobs.extend(list(logprobs)[: len(ids)] if logprobs is not None else [None] * len(ids))
+        self.logprobs.extend([None] * (len(self.completion_ids) - len(self.logprobs)))
 
 
 def call_with_timeout(
@@ -221,8 +224,10 @@ class MultiTurnRollout:
         generate: Callable[[list[list[int]], int], list[list[int]]],
         sync: Callable[[bool], bool] | None = None,
     ) -> list[Episode]:
-        """Play one episode per task. `generate(contexts, max_new_tokens)` returns each context's new tokens;
-        `sync(has_active_episodes)` returns whether any rank still has one (collective; None for one process)."""
+        """Play one episode per task. `generate(contexts, max_new_tokens)` returns each context's new tokens, or a
+        pair (new tokens, their sampling log-probs) that then lands in `Episode.logprobs` (None on tokens the model did
+        not generate). `sync(has_active_episodes)` returns whether any rank still has one (collective; None for one
+        process)."""
         episodes = [Episode(task=dict(task)) for task in tasks]
         taken = [self._take_env() for _ in episodes]
         envs = [env for env, _ in taken]
@@ -253,11 +258,12 @@ class MultiTurnRollout:
             budgets = {i: self.max_completion_length - len(episodes[i].completion_ids) for i in active}
             new_tokens = min(self.max_tokens_per_turn, max(budgets.values()))
             outputs = generate([episodes[i].prompt_ids + episodes[i].completion_ids for i in active], new_tokens)
+            outputs, sampled_logps = outputs if isinstance(outputs, tuple) else (outputs, [None] * len(active))
             actions = {}
-            for i, action_ids in zip(active, outputs):
+            for i, action_ids, logps in zip(active, outputs, sampled_logps):
                 episode = episodes[i]
                 actions[i] = list(action_ids)[: budgets[i]]
-                episode.extend(actions[i], trained=True)
+                episode.extend(actions[i], trained=True, logprobs=logps)
                 episode.turns += 1
                 if len(action_ids) > budgets[i]:  # cut by the completion budget: not a whole action, not played
                     episode.finished = episode.truncated = True
@@ -309,6 +315,7 @@ class MultiTurnRollout:
             while episode.truncated and len(episode.completion_ids) > 1 and episode.completion_ids[-1] in terminators:
                 episode.completion_ids.pop()
                 episode.env_mask.pop()
+                episode.logprobs.pop()
             ends_on_eos = bool(episode.completion_ids) and episode.completion_ids[-1] == eos
             if not episode.truncated and not ends_on_eos:
                 if len(episode.completion_ids) < self.max_completion_length or not episode.completion_ids:
@@ -317,6 +324,7 @@ class MultiTurnRollout:
                 self._idle_envs.append(env)
             else:  # the environment failed, not the model: none of its tokens are trained
                 episode.env_mask = [0] * len(episode.env_mask)
+                episode.logprobs = [None] * len(episode.logprobs)
         return episodes
 
     def close(self) -> None:
@@ -324,6 +332,35 @@ class MultiTurnRollout:
         for env in self._idle_envs:
             _close_quietly(env)
         self._idle_envs.clear()
+
+
+def generate_batch(
+    model,
+    contexts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    pad_token_id: int,
+    eos_token_ids,
+    **generate_kwargs,
+) -> list[list[int]]:
+    """One left-padded `model.generate` over `contexts`; each row's new tokens up to and including its first eos (a
+    row without one keeps everything). `generate_kwargs` go to `generate` (e.g. `generation_config`, `do_sample`)."""
+    import torch
+    from trl.trainer.utils import pad
+
+    if not contexts:
+        return []
+    device = next(model.parameters()).device
+    tensors = [torch.tensor(list(c)) for c in contexts]
+    input_ids = pad(tensors, padding_value=pad_token_id, padding_side="left").to(device)
+    attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(device)
+    generate_kwargs = {"pad_token_id": pad_token_id, **generate_kwargs}
+    generated = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, **generate_kwargs
+    )[:, input_ids.size(1) :]
+    is_eos = torch.isin(generated, torch.tensor(sorted(eos_token_ids), device=generated.device))
+    lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, generated.size(1)).tolist()
+    return [row[:n] for row, n in zip(generated.tolist(), lengths)]
 
 
 def _fault_kind(error: BaseException, default: str) -> str:

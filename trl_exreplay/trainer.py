@@ -33,7 +33,7 @@ from .envs import env_reward
 from .loss import aggregate_loss, compute_exreplay_loss
 from .planner import ReplayPlan, plan_replay
 from .pool import ExperiencePool, TaskOutcome, Trajectory, task_key
-from .rollout import MultiTurnRollout
+from .rollout import MultiTurnRollout, generate_batch
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     ):
         if env_factory is not None and len(args) < 2 and kwargs.get("reward_funcs") is None:
             kwargs["reward_funcs"] = env_reward  # the environment's reward, unless the user scores rollouts
+        config = args[2] if len(args) > 2 else kwargs.get("args")
+        if env_factory is not None and getattr(config, "use_vllm", False):  # before TRL starts vLLM or waits for it
+            _check_multi_turn_vllm(config.vllm_mode, config.vllm_tensor_parallel_size, config.vllm_enable_sleep_mode)
         super().__init__(*args, **kwargs)
         self.replay = replay_options(self.args)
         validate_replay_options(self.replay, self.num_generations)
@@ -478,9 +481,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 f"(`task_id_column`; columns: {names}). Tasks without prompts cannot be told apart otherwise."
             )
         if self.use_vllm:
-            raise NotImplementedError(
-                "Multi-turn rollouts (`env_factory`) use transformers generation; set use_vllm=False."
-            )
+            args = self.args
+            _check_multi_turn_vllm(self.vllm_mode, args.vllm_tensor_parallel_size, args.vllm_enable_sleep_mode)
         if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:
             # Not ours to fix: GRPOTrainer alone fails its first backward this way (TRL 1.16, DeepSpeed 0.19.8, CPU).
             raise ValueError("Multi-turn rollouts under ZeRO-3 need `ds3_gather_for_generation=True`.")
@@ -515,20 +517,11 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         # (`sync`) and a rank with nothing left to play generates a dummy row: every rank calls generate as often.
         sharded = self._dist.is_zero3 or self._dist.is_fsdp
         sync = self._any_rank_active if sharded and self.accelerator.num_processes > 1 else None
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                generation_kwargs=self.generation_kwargs,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped_model,
-            torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-        ):
-            episodes = self._rollout_engine.run(
-                [rows[i] for i in fresh], lambda contexts, n: self._generate_turn(unwrapped_model, contexts, n), sync
-            )
+        tasks = [rows[i] for i in fresh]
+        if self.use_vllm:  # TRL synced vLLM's weights for this step before calling us
+            episodes = self._rollout_engine.run(tasks, self._generate_turn_vllm, sync)
+        else:
+            episodes = self._generate_episodes_hf(tasks, sync)
         by_row = dict(zip(fresh, episodes))
         self._faulted_rows = {i for i, episode in by_row.items() if episode.error is not None}
         column = self.replay["task_id_column"]
@@ -541,7 +534,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         for i, row in enumerate(rows):  # in place: the very lists TRL hands to reward functions and logs
             row["prompt"][:] = real_prompts.get(i, real_prompts.get(task_key(row, column), row["prompt"]))
         env_index = next((j for j, f in enumerate(self.reward_funcs) if f is env_reward), None)
-        output = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [], "env_reward": []}
+        # vLLM's sampling log-probs feed TRL's importance-sampling correction; tokens without one (environment
+        # tokens, replayed rows: their correction is our off-policy loss) get None, i.e. no correction.
+        output = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "env_reward": []}
         for i in range(len(rows)):
             if i in replayed:
                 trajectory = replayed[i]
@@ -549,6 +544,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 output["prompt_ids"].append(trajectory.prompt_ids)
                 output["completion_ids"].append(completion)
                 output["env_mask"].append(trajectory.completion_mask[: len(completion)])
+                output["logprobs"].append([None] * len(completion))
                 recorded = trajectory.rewards
                 has_env_reward = env_index is not None and env_index < len(recorded)
                 output["env_reward"].append(recorded[env_index] if has_env_reward else trajectory.reward)
@@ -557,9 +553,45 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 output["prompt_ids"].append(episode.prompt_ids)
                 output["completion_ids"].append(episode.completion_ids)
                 output["env_mask"].append(episode.env_mask)
+                output["logprobs"].append(episode.logprobs)
                 output["env_reward"].append(episode.reward)
+        if not self.use_vllm:
+            output["logprobs"] = None  # TRL computes the behaviour log-probs itself
         self._log_env_metrics(episodes)
         return output
+
+    def _generate_episodes_hf(self, tasks: list[dict], sync) -> list:
+        """Episodes generated by the training model itself (transformers `generate`)."""
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            episodes = self._rollout_engine.run(
+                tasks, lambda contexts, n: self._generate_turn(unwrapped_model, contexts, n), sync
+            )
+        return episodes
+
+    def _generate_turn_vllm(self, contexts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:
+        """One turn through TRL's colocated vLLM engine (its weights were synced for this step by TRL)."""
+        if not contexts:
+            return [], []
+        engine = self.vllm_generation
+        # TRL's engine reads its token limit on every call; a turn has its own.
+        limit, engine.max_completion_length = engine.max_completion_length, max_new_tokens
+        try:
+            _, completion_ids, logprobs, _ = engine.generate([list(c) for c in contexts], None, num_generations=1)
+        finally:
+            engine.max_completion_length = limit
+        # one log-prob per token: TRL asks vLLM for the sampled token's only (`logprobs=0`), first in each list
+        logprobs = [[lp[0] if lp else None for lp in row] for row in logprobs]
+        return [list(ids)[:max_new_tokens] for ids in completion_ids], [row[:max_new_tokens] for row in logprobs]
 
     def _gather_row_flags(self, local_rows: set[int], num_local: int) -> list[bool]:
         """This rank's flagged row indices -> a flag per row of the whole (gathered) batch; collective."""
@@ -573,23 +605,14 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     def _generate_turn(self, model, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """One batched generation over the active episodes; each result stops after its first eos."""
-        if not contexts:
-            return []
-        device = self.accelerator.device
-        pad_id = self.processing_class.pad_token_id
-        tensors = [torch.tensor(c) for c in contexts]
-        input_ids = pad(tensors, padding_value=pad_id, padding_side="left").to(device)
-        attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(device)
-        generated = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+        return generate_batch(
+            model,
+            contexts,
+            max_new_tokens,
+            pad_token_id=self.processing_class.pad_token_id,
+            eos_token_ids=self.eos_token_ids,
             generation_config=self.generation_config,
-            max_new_tokens=max_new_tokens,
-        )[:, input_ids.size(1) :]
-        # keep each row up to and including its first eos (a row without one keeps everything)
-        is_eos = torch.isin(generated, torch.tensor(list(self.eos_token_ids), device=generated.device))
-        lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, generated.size(1)).tolist()
-        return [row[:n] for row, n in zip(generated.tolist(), lengths)]
+        )
 
     def _log_env_metrics(self, episodes) -> None:
         mode = "train" if self.model.training else "eval"
@@ -789,6 +812,22 @@ class _AtTrainEnd(TrainerCallback):
             self.trainer._flush_pending()
         if self.trainer.env_factory is not None:
             self.trainer._rollout_engine.close()
+
+
+def _check_multi_turn_vllm(vllm_mode: str, tensor_parallel_size: int, sleep_mode: bool) -> None:
+    """Multi-turn rollouts generate through TRL's colocated vLLM engine, one call per turn. Server mode and tensor
+    parallelism gather equal-sized prompt lists across ranks on every call, but the episodes still playing differ in
+    number between ranks."""
+    if vllm_mode != "colocate" or tensor_parallel_size != 1:
+        raise NotImplementedError(
+            "Multi-turn rollouts (`env_factory`) with vLLM need vllm_mode='colocate' and vllm_tensor_parallel_size=1 "
+            f"(got vllm_mode={vllm_mode!r}, vllm_tensor_parallel_size={tensor_parallel_size}); or set use_vllm=False."
+        )
+    if sleep_mode:
+        logger.warning(
+            "trl_exreplay: vllm_enable_sleep_mode with multi-turn rollouts reloads vLLM's weights before every turn "
+            "(TRL's engine sleeps after each generate call); it is correct but slow."
+        )
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
