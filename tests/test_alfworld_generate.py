@@ -260,3 +260,15 @@ def test_sampled_pairs_follow_alfred_counts(monkeypatch):
         alfred_mass = sum(k * table.get(p, 0) for p, k in weighted.items()) / n
         alfred_mass_uniform = sum(k * table.get(p, 0) for p, k in uniform.items()) / n
         assert alfred_mass > 1.3 * alfred_mass_uniform, (task_type, alfred_mass, alfred_mass_uniform)
+
+
+def test_scenes_restrict_the_floor_plans(tmp_path):
+    from trl_exreplay.envs.alfworld.splits import room_type
+
+    bedrooms = [s for s in TRAIN_SCENES if room_type(s) == "Bedroom"][:2]
+    report = generate_games(tmp_path, "train", 8, 0, ["pick_and_place_simple"], verify=False, scenes=bedrooms)
+    assert report.written == 8 and {_traj(f)["scene"]["scene_num"] for f in report.game_files} == set(bedrooms)
+    with pytest.raises(ValueError, match=r"`scenes`.*valid_unseen floor plans \[10, 219, 308, 424\]"):
+        generate_games(tmp_path, "valid_unseen", 1, 0, scenes=bedrooms)
+    with pytest.raises(ValueError, match="pick_heat_then_place_in_recep"):  # no microwave in a bedroom
+        generate_games(tmp_path, "train", 1, 0, ["pick_heat_then_place_in_recep"], scenes=bedrooms)

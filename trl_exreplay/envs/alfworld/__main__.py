@@ -30,6 +30,10 @@ def _parser() -> argparse.ArgumentParser:
         choices=("put", "move"),
         help='"put X in/on Y" (classic ALFWorld, default) or "move X to Y" (alfworld 0.4.2 grammar)',
     )
+    g.add_argument(
+        "--scenes", nargs="+", type=int, default=None, metavar="N",
+        help="floor plans to use, a subset of the split's (default: all of them)",
+    )  # fmt: skip
     g.add_argument("--workers", type=int, default=None, help="verification processes (default: one per CPU)")
     g.add_argument("--no-verify", action="store_true", help="skip playing walkthroughs on the engine (debugging only)")
 
@@ -77,6 +81,7 @@ def main(argv=None) -> int:
             verify=not args.no_verify,
             workers=args.workers,
             progress=True,
+            scenes=args.scenes,
         )
         print(report.summary())
         return 0 if report.written == report.requested else 1

@@ -446,13 +446,21 @@ class _GameFiles:
 
 
 def build_game(
-    split: str, seed: int, index: int, task_type: str, attempt: int = 0, wording: str = "put"
+    split: str,
+    seed: int,
+    index: int,
+    task_type: str,
+    attempt: int = 0,
+    wording: str = "put",
+    scenes: Sequence[int] | None = None,
 ) -> _GameFiles:
-    """Build (without verifying) candidate `attempt` of game `index`; raises `_Reject` when it cannot be built."""
+    """Build (without verifying) candidate `attempt` of game `index` in one of `scenes` (default: all of the split's
+    floor plans); raises `_Reject` when it cannot be built."""
     if wording not in WORDINGS:
         raise ValueError(f"wording must be one of {WORDINGS}, got {wording!r}")
     rng = _game_rng(split, seed, index, attempt)
-    scenes = [s for s in SPLIT_SCENES[split] if room_type(s) in C.GOALS_VALID[task_type]]
+    allowed = SPLIT_SCENES[split] if scenes is None else scenes
+    scenes = [s for s in allowed if room_type(s) in C.GOALS_VALID[task_type]]
     if not scenes:
         raise _Reject(f"no {split} scene allows {task_type}")
     scene_num = rng.choice(scenes)
@@ -509,11 +517,11 @@ def _reason_key(error: str) -> str:
 
 
 def _generate_one(job: tuple) -> tuple[_GameFiles | None, dict[str, int]]:
-    split, seed, index, task_type, wording, verify = job
+    split, seed, index, task_type, wording, verify, scenes = job
     rejected: Counter = Counter()
     for attempt in range(_MAX_ATTEMPTS):
         try:
-            files = build_game(split, seed, index, task_type, attempt, wording)
+            files = build_game(split, seed, index, task_type, attempt, wording, scenes)
         except _Reject as r:
             rejected[f"sample: {r}"] += 1
             continue
@@ -576,6 +584,7 @@ def generate_games(
     verify: bool = True,
     workers: int | None = 1,
     progress: bool = False,
+    scenes: Sequence[int] | None = None,
 ) -> GenerationReport:
     """Generate `num_games` ALFWorld games of `split` ("train", "valid_seen", "valid_unseen") under `out_dir`.
 
@@ -583,8 +592,10 @@ def generate_games(
     `task_types[i % len(task_types)]` in canonical order. Each game's walkthrough is played on the real engine
     (`verify=True`) and candidates that fail are rejected, counted in the report and replaced by the next
     candidate of the same game index. `workers` processes verify games in parallel (None: one per CPU); the files
-    do not depend on it. Files are written to `<out_dir>/json_2.1.1/<split>/...` (existing files of the same
-    games are overwritten, other files are left alone).
+    do not depend on it. `scenes` restricts the floor plans (a subset of the split's; default all of them): fewer
+    rooms make a smaller world, e.g. for a tiny model that must learn the rooms by heart. Files are written to
+    `<out_dir>/json_2.1.1/<split>/...` (existing files of the same games are overwritten, other files are left
+    alone).
     """
     if split not in SPLIT_SCENES:
         raise ValueError(f"split must be one of {sorted(SPLIT_SCENES)}, got {split!r}")
@@ -604,7 +615,19 @@ def generate_games(
         verified=verify,
         alfworld_version=alfworld_version(),
     )
-    jobs = [(split, seed, i, types[i % len(types)], wording, verify) for i in range(num_games)]
+    if scenes is not None:
+        scenes = sorted({int(s) for s in scenes})
+        foreign = [s for s in scenes if s not in SPLIT_SCENES[split]]
+        if foreign or not scenes:
+            raise ValueError(
+                f"Invalid value {foreign or scenes!r} for `scenes`: allowed values are {split} floor plans "
+                f"{list(SPLIT_SCENES[split])}."
+            )
+        hosts = {t: [s for s in scenes if room_type(s) in C.GOALS_VALID[t]] for t in types}
+        if not all(hosts.values()):
+            missing = [t for t, h in hosts.items() if not h]
+            raise ValueError(f"`scenes` {scenes} have no room where these task types can happen: {missing}.")
+    jobs = [(split, seed, i, types[i % len(types)], wording, verify, scenes) for i in range(num_games)]
     by_type: Counter = Counter()
     rejected: Counter = Counter()
     for files, rej in map_in_pool(_generate_one, jobs, workers, progress=progress, desc=f"generating {split}"):
