@@ -130,6 +130,10 @@ def test_prompt_history_is_bounded(games):
     chat = AlfWorldEnv(show_admissible=False)  # history_length=0: the chat transcript is the history
     chat.reset(row)
     assert chat.step("fly")[0] == "Nothing happens."
+    reminded = AlfWorldEnv(show_admissible=False, restate_goal=True)
+    assert "Your task is to:" in reminded.reset(row)  # the opening states it anyway
+    assert reminded.step("fly")[0] == f"Your task is to: {row['goal']}.\nNothing happens."
+    reminded.close()
     with pytest.raises(ValueError, match="history_length"):
         AlfWorldEnv(history_length=-1)
     env.close()

@@ -54,7 +54,14 @@ def build_tiny_tokenizer(words: Iterable[str], lowercase: bool = False, isolate:
     return tokenizer
 
 
-def build_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 2, seed: int = 0):
+def build_tiny_model(
+    tokenizer,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    seed: int = 0,
+    max_position_embeddings: int = 512,
+):
     """A randomly initialised `LlamaForCausalLM` sized for `tokenizer`, deterministic for a given `seed`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -66,7 +73,7 @@ def build_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, num_
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -94,6 +94,7 @@ class AlfWorldPrompt:
 
     show_admissible: bool = True
     history_length: int = 0
+    restate_goal: bool = False  # start every turn's message with the task (history_length > 0 always does)
 
     def __post_init__(self):
         if self.history_length < 0:
@@ -105,7 +106,8 @@ class AlfWorldPrompt:
     def turn(self, feedback: str, admissible: Sequence[str], goal: str, history: Sequence[tuple[str, str]]) -> str:
         """`history`: the episode's (action, feedback) pairs so far, the current step's last."""
         if not self.history_length:
-            return self._with_admissible(feedback, admissible)
+            text = f"{TASK_PREFIX}{goal}.\n{feedback}" if self.restate_goal else feedback
+            return self._with_admissible(text, admissible)
         shown = history[:-1][-self.history_length :]
         lines = [f"{TASK_PREFIX}{goal}.", f"You have taken {len(history)} step(s)."]
         if shown:
@@ -127,6 +129,8 @@ class AlfWorldEnv:
         max_steps: episode length limit (ALFWorld's usual 50); the episode then ends without reward.
         show_admissible: append the admissible commands to every observation.
         history_length: steps of history restated in every observation (see `AlfWorldPrompt`; 0 for chat).
+        restate_goal: start every observation after the first with the task: a small model then sees what it looks
+            for next to what it sees, instead of many turns back.
         game_cache: games whose parsed form (PDDL->SAS translation) is kept in this process, shared by its engines;
             a cached game resets several times faster (`benchmarks/alfworld_env_throughput.py`). The process keeps
             the largest size any engine asked for, so 0 only means this engine asks for none.
@@ -136,12 +140,17 @@ class AlfWorldEnv:
     """
 
     def __init__(
-        self, max_steps: int = 50, show_admissible: bool = True, history_length: int = 0, game_cache: int = 64
+        self,
+        max_steps: int = 50,
+        show_admissible: bool = True,
+        history_length: int = 0,
+        game_cache: int = 64,
+        restate_goal: bool = False,
     ):
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}.")
         self.max_steps = max_steps
-        self.prompt = AlfWorldPrompt(show_admissible=show_admissible, history_length=history_length)
+        self.prompt = AlfWorldPrompt(show_admissible, history_length, restate_goal)
         self.game_cache = game_cache
         self._env = None
         self._loaded = None

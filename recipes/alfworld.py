@@ -1,0 +1,491 @@
+"""ALFWorld with ExReplay GRPO, end to end: games -> tasks -> model -> warm start -> trainer -> evaluation -> save/push.
+
+    accelerate launch recipes/alfworld.py                 # default: recipes/configs/alfworld_tiny_cpu.yaml
+    accelerate launch --config_file recipes/accelerate/zero3_gpu.yaml recipes/alfworld.py \
+        --config recipes/configs/alfworld_qwen2.5-1.5b.yaml --push_to_hub --hub_model_id you/alfworld-exreplay
+
+Every option is a field of `AlfWorldArguments` below, of `ExReplayGRPOConfig` or of `trl.ModelConfig`; a YAML config
+sets them and the command line overrides it. Games come from `data_dir` (official ALFWorld `json_2.1.1` data or
+games generated offline when missing); with no `model_name_or_path` the model is a tiny causal LM with a word-level
+tokenizer over the ALFWorld vocabulary, built locally. The warm start (SFT on the searching expert's episodes) is
+cached under `data_dir/warmstart/` and reused by later runs with the same settings.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CONFIG = os.path.join(HERE, "configs", "alfworld_tiny_cpu.yaml")
+# Python puts this script's folder first on sys.path, where this file would shadow the `alfworld` package.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+
+
+@dataclass
+class AlfWorldArguments:
+    """Recipe options that are not training or model options."""
+
+    data_dir: str = field(
+        default="data/alfworld",
+        metadata={
+            "help": "Folder holding json_2.1.1/<split>/ (official ALFWorld data, or where games are generated)."
+        },
+    )
+    generate_missing_games: bool = field(
+        default=True,
+        metadata={"help": "Generate a split offline (verified on the engine) when data_dir has no games for it."},
+    )
+    num_train_games: int = field(default=60, metadata={"help": "Train games to generate when generating."})
+    num_eval_games: int = field(default=20, metadata={"help": "Games per evaluation split to generate."})
+    game_seed: int = field(default=0, metadata={"help": "Seed of the game generator."})
+    task_types: list[str] | None = field(
+        default=None,
+        metadata={"help": "ALFWorld task types (names or ids 1-6) to generate and train on; all if None."},
+    )
+    scenes: list[int] | None = field(
+        default=None,
+        metadata={"help": "Floor plans of generated train and valid_seen games (a subset of ALFWorld's train floor "
+                          "plans); None: all. valid_unseen always uses its own unseen floor plans."},
+    )  # fmt: skip
+    train_split: str = field(default="train", metadata={"help": "Split whose games are the training tasks."})
+    eval_splits: list[str] = field(
+        default_factory=lambda: ["valid_seen", "valid_unseen"],
+        metadata={"help": "Splits evaluated before and after RL (greedy, one episode per game)."},
+    )
+    max_eval_games: int | None = field(
+        default=None, metadata={"help": "Evaluate on at most this many games of each split (None: all)."}
+    )
+    show_admissible: bool = field(
+        default=False, metadata={"help": "Append the admissible actions to every observation."}
+    )
+    restate_goal: bool = field(
+        default=False, metadata={"help": "Start every observation after the first with the task (helps small models)."}
+    )
+    prompt_style: str = field(
+        default="plain",
+        metadata={"help": "System prompt: 'plain' (answer with an action), 'react' (Think:/Action:) or 'none'."},
+    )
+    env_processes: int | None = field(
+        default=None,
+        metadata={"help": "Environment worker processes per rank (the engine is CPU-bound); None: CPUs / ranks."},
+    )
+    tiny_hidden_size: int = field(default=128, metadata={"help": "Tiny model (no model_name_or_path): hidden size."})
+    tiny_num_layers: int = field(default=4, metadata={"help": "Tiny model: transformer layers."})
+    tiny_num_heads: int = field(default=4, metadata={"help": "Tiny model: attention heads."})
+    warm_start: bool = field(
+        default=True, metadata={"help": "SFT on the searching expert's episodes of the train games before RL."}
+    )
+    warm_start_epochs: float = field(default=3.0, metadata={"help": "Warm start: SFT epochs."})
+    warm_start_learning_rate: float = field(default=3e-3, metadata={"help": "Warm start: SFT learning rate."})
+    warm_start_batch_size: int = field(default=8, metadata={"help": "Warm start: SFT batch size per device."})
+    warm_start_max_episodes: int | None = field(
+        default=None, metadata={"help": "Warm start: use at most this many expert episodes (None: all)."}
+    )
+    push_pool_to_hub: bool = field(
+        default=False, metadata={"help": "Also upload the final experience pool as a dataset (with --push_to_hub)."}
+    )
+    hub_pool_id: str | None = field(
+        default=None, metadata={"help": "Dataset repo for the pool; default '<hub_model_id>-pool'."}
+    )
+
+    def __post_init__(self):
+        if self.prompt_style not in PROMPT_STYLES:
+            raise ValueError(f"Invalid value {self.prompt_style!r} for `prompt_style`: allowed values are "
+                             f"{', '.join(map(repr, PROMPT_STYLES))}.")  # fmt: skip
+
+
+PROMPT_STYLES = ("plain", "react", "none")
+
+
+def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import get_peft_config
+
+    from trl_exreplay import ExReplayGRPOTrainer
+    from trl_exreplay.envs import EnvProcessPool
+    from trl_exreplay.envs.alfworld import INSTRUCTIONS, REACT_INSTRUCTIONS, AlfWorldEnv, alfworld_tasks
+    from trl_exreplay.evaluation import evaluate_policy
+
+    state = PartialState()
+    log = print if state.is_main_process else (lambda *a, **k: None)
+    started = time.time()
+    if training_args.use_vllm and importlib.util.find_spec("vllm") is None:
+        log("vllm is not installed: episodes are generated with transformers (pip install vllm to use it).")
+        training_args.use_vllm = False
+
+    # ---- games ------------------------------------------------------------------------------------------------
+    splits = [script_args.train_split, *script_args.eval_splits]
+    with state.main_process_first():  # the main process generates what is missing; the others then read it
+        if state.is_main_process:
+            ensure_games(script_args, splits)
+    system_prompt = {"plain": INSTRUCTIONS, "react": REACT_INSTRUCTIONS, "none": None}[script_args.prompt_style]
+    tasks = {split: load_tasks(script_args, split, system_prompt, alfworld_tasks) for split in splits}
+    train_tasks = tasks[script_args.train_split]
+    log(f"games: {', '.join(f'{split} {len(t)}' for split, t in tasks.items())} under {script_args.data_dir}")
+
+    env_kwargs = {
+        "max_steps": training_args.max_turns,
+        "show_admissible": script_args.show_admissible,
+        "restate_goal": script_args.restate_goal,
+    }
+    processes = script_args.env_processes or max(1, (os.cpu_count() or 1) // state.num_processes)
+    env_pool = EnvProcessPool(functools.partial(AlfWorldEnv, **env_kwargs), workers=processes)
+
+    # ---- model ------------------------------------------------------------------------------------------------
+    base_model = model_args.model_name_or_path
+    if base_model is None:  # the embedded default: a tiny model built here, no download
+        from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer
+
+        tokenizer = alfworld_tokenizer()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(base_model, revision=model_args.model_revision)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+
+    # ---- warm start -------------------------------------------------------------------------------------------
+    policy = base_model
+    if script_args.warm_start:
+        policy = warm_start(script_args, training_args, model_args, tokenizer, train_tasks, env_kwargs, state)
+    elif base_model is None:
+        policy = build_tiny(
+            script_args, tokenizer, training_args, os.path.join(training_args.output_dir, "init"), state
+        )
+
+    # ---- evaluation before RL ---------------------------------------------------------------------------------
+    eval_rows = {
+        split: tasks[split].select(range(min(len(tasks[split]), script_args.max_eval_games or len(tasks[split]))))
+        for split in script_args.eval_splits
+    }
+
+    def evaluate(model_path: str, when: str) -> dict:
+        model = load_policy(model_path, model_args, AutoModelForCausalLM).to(state.device)
+        out = {}
+        for split, rows in eval_rows.items():
+            with state.split_between_processes(list(rows)) as mine:
+                result = evaluate_policy(
+                    model,
+                    tokenizer,
+                    mine,
+                    env_pool,
+                    max_turns=training_args.max_turns,
+                    max_completion_length=training_args.max_completion_length,
+                    max_tokens_per_turn=training_args.max_tokens_per_turn,
+                    step_timeout=training_args.env_step_timeout,
+                    workers=training_args.env_workers,
+                    chat_template_kwargs=training_args.chat_template_kwargs,
+                    progress=state.is_main_process,
+                    desc=f"eval {when} RL: {split}",
+                )
+            won = gather_object([[result.successes, len(result.episodes)]])
+            successes, games = sum(w for w, _ in won), sum(n for _, n in won)
+            out[split] = successes / games if games else 0.0
+            log(f"{when} RL, {split}: {successes}/{games} won ({100 * out[split]:.1f}%)")
+        del model
+        return out
+
+    before = evaluate(policy, "before") if eval_rows else {}
+
+    # ---- ExReplay GRPO ----------------------------------------------------------------------------------------
+    training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), **model_init_kwargs(model_args)}
+    push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False  # pushed once, below, with our card
+    trainer = ExReplayGRPOTrainer(
+        model=policy,
+        args=training_args,
+        processing_class=tokenizer,
+        train_dataset=train_tasks,
+        env_factory=env_pool,  # reward: the environment's (1 on a win)
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train()
+    trainer.save_model(training_args.output_dir)
+    if state.is_main_process:
+        tokenizer.save_pretrained(training_args.output_dir)
+    state.wait_for_everyone()
+
+    # ---- evaluation after RL, summary, push -------------------------------------------------------------------
+    after = evaluate(training_args.output_dir, "after") if eval_rows else {}
+    env_pool.close()
+    results = {split: {"before": before[split], "after": after[split]} for split in eval_rows}
+    summary = {
+        "base_model": base_model or "tiny (built locally)",
+        "results": results,
+        "pool": trainer.pool.stats() if trainer.pool is not None else {},
+        "minutes": (time.time() - started) / 60,
+        "output_dir": training_args.output_dir,
+    }
+    if state.is_main_process:
+        print_summary(summary, len(train_tasks))
+        with open(os.path.join(training_args.output_dir, "alfworld_results.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        if push_to_hub:
+            push(script_args, training_args, base_model, tasks, results, trainer)
+    state.wait_for_everyone()
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------- steps
+def ensure_games(script_args: AlfWorldArguments, splits: list[str]) -> None:
+    """Generate the splits that have no games yet (cached: later runs find them)."""
+    from trl_exreplay.envs.alfworld import generate_games
+    from trl_exreplay.envs.alfworld.engine import find_game_files
+
+    for split in dict.fromkeys(splits):
+        folder = os.path.join(script_args.data_dir, "json_2.1.1", split)
+        if os.path.isdir(folder) and find_game_files(folder):
+            continue
+        if not script_args.generate_missing_games:
+            raise FileNotFoundError(f"No ALFWorld games in {folder} and generate_missing_games is False.")
+        count = script_args.num_train_games if split == script_args.train_split else script_args.num_eval_games
+        scenes = None if split == "valid_unseen" else script_args.scenes
+        report = generate_games(
+            script_args.data_dir, split, count, script_args.game_seed, script_args.task_types, workers=None,
+            progress=True, scenes=scenes,
+        )  # fmt: skip
+        print(report.summary())
+
+
+def load_tasks(script_args: AlfWorldArguments, split: str, system_prompt, alfworld_tasks):
+    tasks = alfworld_tasks(os.path.join(script_args.data_dir, "json_2.1.1", split), system_prompt=system_prompt)
+    if script_args.task_types:
+        from trl_exreplay.envs.alfworld.splits import normalize_task_types
+
+        wanted = set(normalize_task_types(script_args.task_types))
+        tasks = tasks.filter(lambda row: row["task_type"] in wanted)
+    return tasks
+
+
+def model_init_kwargs(model_args) -> dict:
+    import torch
+
+    kwargs = {"revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation}
+    if model_args.dtype not in (None, "auto"):
+        kwargs["dtype"] = getattr(torch, model_args.dtype)
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def build_tiny(script_args, tokenizer, training_args, path: str, state) -> str:
+    """The embedded default model, saved to `path` so every rank and every later step loads the same weights."""
+    from trl_exreplay.tiny import build_tiny_model
+
+    if state.is_main_process and not os.path.isfile(os.path.join(path, "config.json")):
+        model = build_tiny_model(
+            tokenizer,
+            hidden_size=script_args.tiny_hidden_size,
+            num_layers=script_args.tiny_num_layers,
+            num_heads=script_args.tiny_num_heads,
+            seed=training_args.seed,
+            max_position_embeddings=max(512, training_args.max_completion_length + 256),
+        )
+        save_atomically(path, model, tokenizer)
+    state.wait_for_everyone()
+    return path
+
+
+def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, env_kwargs, state) -> str:
+    """SFT with TRL's `SFTTrainer` on the searching expert's won episodes of the train games, laid out token for
+    token as the RL rollouts; returns the folder of the warm-started model (cached by its settings)."""
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from trl_exreplay.envs.alfworld.warmstart import expert_episodes, sft_dataset
+
+    key = {
+        "base": model_args.model_name_or_path,
+        "tiny": [script_args.tiny_hidden_size, script_args.tiny_num_layers, script_args.tiny_num_heads],
+        "tokenizer": [sorted(tokenizer.get_vocab().items()), tokenizer.chat_template],
+        "games": sorted(train_tasks["game_file"]),
+        "system_prompt": train_tasks[0]["system_prompt"] if len(train_tasks) else None,
+        "env": env_kwargs,
+        "limits": [training_args.max_turns, training_args.max_completion_length, training_args.max_tokens_per_turn],
+        "sft": [
+            script_args.warm_start_epochs,
+            script_args.warm_start_learning_rate,
+            script_args.warm_start_batch_size,
+            script_args.warm_start_max_episodes,
+            training_args.seed,
+            state.num_processes,
+        ],  # fmt: skip
+        "peft": model_args.use_peft,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    path = os.path.abspath(os.path.join(script_args.data_dir, "warmstart", digest))
+    if os.path.isfile(os.path.join(path, "config.json")):
+        if state.is_main_process:
+            print(f"warm start: reusing {path}")
+        return path
+
+    with state.main_process_first():
+        if state.is_main_process:
+            episodes = expert_episodes(train_tasks, workers=None, progress=True, **env_kwargs)
+            dataset = sft_dataset(
+                episodes[: script_args.warm_start_max_episodes],
+                tokenizer,
+                max_completion_length=training_args.max_completion_length,
+                max_turns=training_args.max_turns,
+                max_tokens_per_turn=training_args.max_tokens_per_turn,
+                chat_template_kwargs=training_args.chat_template_kwargs,
+            )
+            dataset.save_to_disk(path + ".sft-data")
+            print(f"warm start: {len(dataset)} expert episodes won of {len(episodes)} games")
+    import datasets
+
+    dataset = datasets.load_from_disk(path + ".sft-data").remove_columns("task_id")
+    if model_args.model_name_or_path is None:
+        model = AutoModelForCausalLM.from_pretrained(build_tiny(script_args, tokenizer, training_args,
+                                                                path + ".init", state))  # fmt: skip
+    else:
+        model = model_args.model_name_or_path
+    sft_args = SFTConfig(
+        output_dir=path + ".sft",
+        num_train_epochs=script_args.warm_start_epochs,
+        per_device_train_batch_size=script_args.warm_start_batch_size,
+        learning_rate=script_args.warm_start_learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=10,
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        max_length=None,
+        seed=training_args.seed,
+        use_cpu=training_args.use_cpu,
+        bf16=training_args.bf16,
+        gradient_checkpointing=training_args.gradient_checkpointing,
+        model_init_kwargs=model_init_kwargs(model_args) if isinstance(model, str) else None,
+    )
+    from trl import get_peft_config
+
+    sft = SFTTrainer(
+        model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )  # fmt: skip
+    sft.train()
+    tmp = path + ".tmp"
+    sft.save_model(tmp)  # every rank: under ZeRO-3 saving gathers the shards
+    if state.is_main_process:
+        if model_args.use_peft:  # RL trains a fresh adapter on top of the merged warm start
+            from peft import AutoPeftModelForCausalLM
+
+            AutoPeftModelForCausalLM.from_pretrained(tmp).merge_and_unload().save_pretrained(tmp + ".merged")
+            shutil.rmtree(tmp)
+            os.replace(tmp + ".merged", tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, path)  # atomic: a crash never leaves a half-written warm start behind
+    state.wait_for_everyone()
+    del sft
+    gc.collect()
+    # Under DeepSpeed, accelerate refuses a second Accelerator (the RL trainer's) while the first one's state lives.
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    return path
+
+
+def save_atomically(path: str, model, tokenizer) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, path)
+
+
+def load_policy(path: str, model_args, auto_model):
+    """The model in `path` (full weights, or a PEFT adapter on its base model), whole on this rank: evaluation runs
+    each rank's share of the games with plain `generate`, whatever the training's distribution."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    # A ZeRO-3 trainer registers its config globally; transformers would then partition the model as it loads it.
+    registered = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):
+            from peft import AutoPeftModelForCausalLM
+
+            return AutoPeftModelForCausalLM.from_pretrained(path, **model_init_kwargs(model_args))
+        return auto_model.from_pretrained(path, **model_init_kwargs(model_args))
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+
+
+def print_summary(summary: dict, num_train_games: int) -> None:
+    print("\n" + "=" * 64)
+    print(f"ALFWorld, {num_train_games} train games, model: {summary['base_model']}")
+    print(f"{'split':<16}{'before RL':>12}{'after RL':>12}{'change':>12}")
+    for split, r in summary["results"].items():
+        change = 100 * (r["after"] - r["before"])
+        print(f"{split:<16}{100 * r['before']:>11.1f}%{100 * r['after']:>11.1f}%{change:>+11.1f}pt")
+    pool = summary["pool"]
+    if pool:
+        print(f"pool: {pool.get('pool_tasks', 0):.0f} tasks, {pool.get('pool_trajectories', 0):.0f} trajectories, "
+              f"skip set {pool.get('skip_set', 0):.0f}")  # fmt: skip
+    print(f"total time: {summary['minutes']:.1f} min; saved to {summary['output_dir']}")
+    print("=" * 64)
+
+
+def push(script_args, training_args, base_model, tasks, results, trainer) -> None:
+    import torch
+    import transformers
+    import trl
+
+    from trl_exreplay import __version__
+    from trl_exreplay.config import replay_options
+    from trl_exreplay.envs.alfworld import alfworld_version
+    from trl_exreplay.hub import model_card, push_model, push_pool
+    from trl_exreplay.trainer import POOL_DIR
+
+    repo_id = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
+    card = model_card(
+        repo_id=repo_id,
+        base_model=base_model,
+        environment=f"ALFWorld (text engine, alfworld {alfworld_version()}), games from {script_args.data_dir}",
+        splits={split: len(t) for split, t in tasks.items()},
+        replay_config=replay_options(training_args),
+        results=results,
+        versions={
+            "trl_exreplay": __version__,
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "alfworld": alfworld_version(),
+        },
+        tags=["alfworld"],
+    )
+    private, token = training_args.hub_private_repo, training_args.hub_token
+    print("pushed model:", push_model(training_args.output_dir, repo_id, card, private=private, token=token))
+    if script_args.push_pool_to_hub:
+        pool_dir = os.path.join(training_args.output_dir, POOL_DIR)
+        pool_id = script_args.hub_pool_id or f"{repo_id}-pool"
+        print("pushed pool:", push_pool(pool_dir, pool_id, private=private, token=token))
+
+
+def parse_args(argv=None):
+    from trl import ModelConfig, TrlParser
+
+    from trl_exreplay import ExReplayGRPOConfig
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        argv = ["--config", DEFAULT_CONFIG, *argv]
+    parser = TrlParser((AlfWorldArguments, ExReplayGRPOConfig, ModelConfig))
+    return parser.parse_args_and_config(argv)
+
+
+if __name__ == "__main__":
+    if "OMP_NUM_THREADS" not in os.environ:  # torch's threads share the CPUs with the other ranks
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
+    main(*parse_args())
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,193 @@
+"""`recipes/alfworld.py` end to end on small settings: real generated games, the real engine in worker processes, the
+tiny model warm-started by SFTTrainer, ExReplay GRPO, greedy evaluation before and after, saved artifacts, logging
+(tensorboard, trackio), the Hub upload (network intercepted), LoRA, and 2-process runs under DDP and ZeRO-2/3."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "alfworld.py"
+
+# Small but complete: 4 train games, 2 per evaluation split, 2 GRPO steps.
+SMALL = [
+    "--task_types", "pick_and_place_simple",
+    "--tiny_hidden_size", "32", "--tiny_num_layers", "2", "--tiny_num_heads", "2",
+    "--warm_start_epochs", "2", "--warm_start_batch_size", "2",
+    "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
+    "--max_turns", "6", "--max_completion_length", "256", "--max_tokens_per_turn", "10",
+    "--replay_start_ratio", "0.0", "--env_processes", "1", "--logging_steps", "1",
+]  # fmt: skip
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("alfworld_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from trl_exreplay.envs.alfworld import generate_games
+
+    root = tmp_path_factory.mktemp("alfworld_recipe")
+    for split, count in (("train", 4), ("valid_seen", 2), ("valid_unseen", 2)):
+        report = generate_games(str(root), split, count, seed=0, task_types=["pick_and_place_simple"], workers=2)
+        assert report.written == count
+    return root
+
+
+def run_recipe(data_dir, output_dir, *extra):
+    recipe = load_recipe()
+    args = recipe.parse_args([*SMALL, "--data_dir", str(data_dir), "--output_dir", str(output_dir), *extra])
+    return recipe.main(*args)
+
+
+def scalars(event_dir: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values: dict[str, list[float]] = {}
+    for event_file in event_dir.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(event_file))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            values.setdefault(tag, []).extend(e.value for e in accumulator.Scalars(tag))
+    return values
+
+
+class HubRecorder:
+    """Stands in for the Hub's network: records what would be created and uploaded."""
+
+    def __init__(self, monkeypatch):
+        import huggingface_hub
+
+        self.repos, self.commits = [], []
+
+        def create_repo(api, repo_id, **kwargs):
+            self.repos.append((repo_id, kwargs.get("repo_type")))
+            return f"https://huggingface.co/{repo_id}"
+
+        def create_commit(api, repo_id, operations, **kwargs):
+            files = {}
+            for op in operations:
+                source = op.path_or_fileobj
+                files[op.path_in_repo] = Path(source).read_bytes() if isinstance(source, (str, Path)) else source
+            self.commits.append({"repo_id": repo_id, "repo_type": kwargs.get("repo_type"), "files": files})
+            return type("CommitInfo", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/0"})()
+
+        monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+        monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", create_commit)
+
+
+def test_recipe_end_to_end_with_tensorboard_and_hub_push(data_dir, tmp_path, monkeypatch, capsys):
+    hub = HubRecorder(monkeypatch)
+    out = tmp_path / "run"
+    summary = run_recipe(
+        data_dir, out, "--report_to", "tensorboard", "--push_to_hub", "true", "--hub_model_id", "me/alfworld-tiny",
+        "--push_pool_to_hub", "true",
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+
+    # evaluation before and after, on both splits, in the summary table and the saved results
+    assert set(summary["results"]) == {"valid_seen", "valid_unseen"}
+    for rates in summary["results"].values():
+        assert set(rates) == {"before", "after"} and all(0.0 <= r <= 1.0 for r in rates.values())
+    assert "before RL" in printed and "after RL" in printed and "valid_unseen" in printed
+    assert json.loads((out / "alfworld_results.json").read_text())["results"] == summary["results"]
+
+    # saved: model, tokenizer, pool
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "exreplay_pool/state.json"):
+        assert (out / name).exists(), name
+    from trl_exreplay.pool import ExperiencePool
+
+    pool = ExperiencePool.load(str(out / "exreplay_pool"))
+    assert summary["pool"]["pool_tasks"] == pool.num_tasks
+
+    # tensorboard: the replay and environment metrics of every step
+    logged = scalars(out)
+    for tag in ("train/env/success_rate", "train/env/turns_mean", "train/replay/pool_trajectories",
+                "train/replay/rows_fraction", "train/loss"):  # fmt: skip
+        assert len(logged.get(tag, [])) == 2, (tag, sorted(logged))
+
+    # the Hub: exactly the model files and the card; the pool as a dataset
+    assert hub.repos == [("me/alfworld-tiny", None), ("me/alfworld-tiny-pool", "dataset")]
+    model_commit, pool_commit = hub.commits
+    from trl_exreplay.hub import model_files
+
+    assert sorted(model_commit["files"]) == model_files(str(out))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(model_commit["files"])
+    assert not any(p.startswith(("exreplay_pool", "checkpoint-", "runs")) for p in model_commit["files"])
+    card = model_commit["files"]["README.md"].decode()
+    from trl_exreplay.envs.alfworld import alfworld_version
+
+    for text in ("trl", "grpo", "exreplay", "alfworld", alfworld_version(), "2510.02245", "2511.10395",
+                 "2010.03768", "2402.03300", "exp_ratio", "valid_seen", "valid_unseen"):  # fmt: skip
+        assert text in card, text
+    for rates in summary["results"].values():
+        assert f"{100 * rates['before']:.1f}%" in card and f"{100 * rates['after']:.1f}%" in card
+    assert pool_commit["repo_type"] == "dataset"
+    expected = {str(p.relative_to(out / "exreplay_pool")) for p in (out / "exreplay_pool").rglob("*") if p.is_file()}
+    assert set(pool_commit["files"]) == expected | {"README.md"}
+
+
+def test_recipe_reuses_games_and_warm_start(data_dir, tmp_path, capsys):
+    """A second run with the same settings reuses the cached warm start: same starting policy, same greedy result."""
+    first = run_recipe(data_dir, tmp_path / "a", "--max_steps", "1", "--eval_splits", "valid_seen")
+    capsys.readouterr()
+    second = run_recipe(data_dir, tmp_path / "b", "--max_steps", "1", "--eval_splits", "valid_seen")
+    assert "warm start: reusing" in capsys.readouterr().out
+    assert second["results"]["valid_seen"]["before"] == first["results"]["valid_seen"]["before"]
+    assert len(list((data_dir / "warmstart").glob("*/config.json"))) >= 1
+
+
+def test_recipe_lora_with_trackio(data_dir, tmp_path):
+    from trackio.sqlite_storage import SQLiteStorage
+
+    out, project = tmp_path / "lora", f"exreplay-test-{tmp_path.name}"
+    summary = run_recipe(
+        data_dir, out, "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8",
+        "--lora_target_modules", "q_proj", "v_proj", "--report_to", "trackio", "--project", project,
+        "--run_name", "lora", "--eval_splits", "valid_seen",
+    )  # fmt: skip
+    assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
+    assert not (out / "model.safetensors").exists()  # the adapter only; its base is the warm start
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert Path(adapter["base_model_name_or_path"]).parent.name == "warmstart"
+    assert "valid_seen" in summary["results"]
+    logs = SQLiteStorage.get_logs(project=project, run="lora")  # trackio's local store
+    SQLiteStorage.get_project_db_path(project).unlink()
+    keys = {key for entry in logs for key in entry}
+    assert {"train/env/success_rate", "train/replay/pool_trajectories"} <= keys, sorted(keys)
+    assert len([entry for entry in logs if "train/env/success_rate" in entry]) == 2
+
+
+def launch(config: str, data_dir: Path, output_dir: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, str(RECIPE), *SMALL]
+    command += ["--data_dir", str(data_dir), "--output_dir", str(output_dir)]
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"{config}: no exit within {timeout}s\n{error.stdout}\n{error.stderr}")
+    assert result.returncode == 0, f"{config} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["single_cpu", "ddp_cpu", "zero2_cpu", "zero3_cpu"])
+def test_recipe_two_processes(data_dir, tmp_path, config):
+    out = tmp_path / config
+    result = launch(f"recipes/accelerate/{config}.yaml", data_dir, out)
+    summary = json.loads((out / "alfworld_results.json").read_text())
+    assert set(summary["results"]) == {"valid_seen", "valid_unseen"}
+    assert (out / "model.safetensors").exists() and (out / "exreplay_pool" / "state.json").exists()
+    assert result.stdout.count("after RL, valid_seen") == 1  # printed by the main process only

@@ -1,0 +1,134 @@
+"""Success rate of a policy on multi-turn tasks: greedy episodes through the same `MultiTurnRollout` the trainer uses,
+so the evaluated prompts, turn layout and limits are exactly those of training.
+
+```python
+from trl_exreplay.evaluation import evaluate_policy
+from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+
+result = evaluate_policy(model, tokenizer, alfworld_tasks("data/alfworld/json_2.1.1/valid_seen"), AlfWorldEnv,
+                         max_turns=30, max_completion_length=2048, max_tokens_per_turn=24)
+print(result.success_rate, result.per_group)  # overall, and {task_type: [successes, episodes]}
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .rollout import Episode, MultiTurnRollout, generate_batch
+
+
+@dataclass
+class PolicyEvaluation:
+    """Outcome of `evaluate_policy`: one episode per task, in task order."""
+
+    episodes: list[Episode]
+    success_threshold: float = 1.0
+    group_column: str | None = "task_type"
+    per_group: dict[str, list[int]] = field(default_factory=dict)  # group -> [successes, episodes]
+
+    def __post_init__(self):
+        for episode in self.episodes:
+            group = str(episode.task.get(self.group_column, "all")) if self.group_column else "all"
+            tally = self.per_group.setdefault(group, [0, 0])
+            tally[0] += int(self.succeeded(episode))
+            tally[1] += 1
+
+    def succeeded(self, episode: Episode) -> bool:
+        return episode.error is None and episode.reward >= self.success_threshold
+
+    @property
+    def successes(self) -> int:
+        return sum(self.succeeded(e) for e in self.episodes)
+
+    @property
+    def success_rate(self) -> float:
+        return self.successes / len(self.episodes) if self.episodes else 0.0
+
+    @property
+    def errors(self) -> int:
+        """Episodes the environment failed (counted as failures, never dropped)."""
+        return sum(e.error is not None for e in self.episodes)
+
+    @property
+    def mean_turns(self) -> float:
+        return sum(e.turns for e in self.episodes) / len(self.episodes) if self.episodes else 0.0
+
+
+def evaluate_policy(
+    model,
+    tokenizer,
+    tasks: Iterable[dict[str, Any]],
+    env_factory: Callable[[], Any],
+    *,
+    max_turns: int,
+    max_completion_length: int,
+    max_tokens_per_turn: int | None = None,
+    batch_size: int = 64,
+    success_threshold: float = 1.0,
+    group_column: str | None = "task_type",
+    step_timeout: float | None = 60.0,
+    workers: int = 16,
+    system_prompt_column: str = "system_prompt",
+    chat_template_kwargs: dict | None = None,
+    progress: bool = False,
+    desc: str = "evaluating",
+    **generate_kwargs,
+) -> PolicyEvaluation:
+    """Play one episode per task (greedy unless `generate_kwargs` say otherwise), `batch_size` episodes at a time.
+
+    An episode succeeds when its total reward reaches `success_threshold`; an environment fault counts as a failure
+    (and in `errors`). The model is put in eval mode and gradients are off; its training mode is restored after.
+    """
+    import torch
+
+    rows = [dict(task) for task in tasks]
+    rollout = MultiTurnRollout(
+        env_factory,
+        tokenizer,
+        max_turns=max_turns,
+        max_completion_length=max_completion_length,
+        max_tokens_per_turn=max_tokens_per_turn,
+        step_timeout=step_timeout,
+        workers=workers,
+        system_prompt_column=system_prompt_column,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    eos = model.generation_config.eos_token_id
+    eos_token_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])}
+    generate_kwargs = {"do_sample": False, **generate_kwargs}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(rows), desc=desc, unit="episode")
+
+    def generate(contexts, max_new_tokens):
+        return generate_batch(
+            model,
+            contexts,
+            max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=eos_token_ids,
+            eos_token_id=sorted(eos_token_ids),
+            **generate_kwargs,
+        )
+
+    was_training = model.training
+    model.eval()
+    episodes: list[Episode] = []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(rows), batch_size):
+                chunk = rows[start : start + batch_size]
+                episodes += rollout.run(chunk, generate)
+                if bar is not None:
+                    bar.update(len(chunk))
+    finally:
+        rollout.close()
+        model.train(was_training)
+        if bar is not None:
+            bar.close()
+    return PolicyEvaluation(episodes, success_threshold=success_threshold, group_column=group_column)
