@@ -13,6 +13,7 @@ cached under `data_dir/warmstart/` and reused by later runs with the same settin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -22,10 +23,12 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "configs", "alfworld_tiny_cpu.yaml")
+# Imported once by every environment worker process (forkserver), not once per worker start.
+ENGINE_MODULES = ("textworld", "fast_downward", "alfworld.agents.environment.alfred_tw_env")
 # Python puts this script's folder first on sys.path, where this file would shadow the `alfworld` package.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
@@ -126,9 +129,9 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
 
     # ---- games ------------------------------------------------------------------------------------------------
     splits = [script_args.train_split, *script_args.eval_splits]
-    with state.main_process_first():  # the main process generates what is missing; the others then read it
-        if state.is_main_process:
-            ensure_games(script_args, splits)
+    if state.is_main_process:  # the main process generates what is missing; the others then read it
+        ensure_games(script_args, splits)
+    state.wait_for_everyone()
     system_prompt = {"plain": INSTRUCTIONS, "react": REACT_INSTRUCTIONS, "none": None}[script_args.prompt_style]
     tasks = {split: load_tasks(script_args, split, system_prompt, alfworld_tasks) for split in splits}
     train_tasks = tasks[script_args.train_split]
@@ -140,7 +143,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         "restate_goal": script_args.restate_goal,
     }
     processes = script_args.env_processes or max(1, (os.cpu_count() or 1) // state.num_processes)
-    env_pool = EnvProcessPool(functools.partial(AlfWorldEnv, **env_kwargs), workers=processes)
+    env_pool = EnvProcessPool(functools.partial(AlfWorldEnv, **env_kwargs), workers=processes, preload=ENGINE_MODULES)
 
     # ---- model ------------------------------------------------------------------------------------------------
     base_model = model_args.model_name_or_path
@@ -208,9 +211,10 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         peft_config=get_peft_config(model_args),
     )
     trainer.train()
-    trainer.save_model(training_args.output_dir)
-    if state.is_main_process:
-        tokenizer.save_pretrained(training_args.output_dir)
+    trainer.save_model(training_args.output_dir)  # model (or adapter), tokenizer and pool
+    pool_stats = trainer.pool.stats()
+    del trainer  # its model and optimizer, before evaluation loads the trained model
+    gc.collect()
     state.wait_for_everyone()
 
     # ---- evaluation after RL, summary, push -------------------------------------------------------------------
@@ -220,7 +224,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     summary = {
         "base_model": base_model or "tiny (built locally)",
         "results": results,
-        "pool": trainer.pool.stats() if trainer.pool is not None else {},
+        "pool": pool_stats,
         "minutes": (time.time() - started) / 60,
         "output_dir": training_args.output_dir,
     }
@@ -229,7 +233,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         with open(os.path.join(training_args.output_dir, "alfworld_results.json"), "w") as f:
             json.dump(summary, f, indent=2)
         if push_to_hub:
-            push(script_args, training_args, base_model, tasks, results, trainer)
+            push(script_args, training_args, model_args, base_model, tasks, results)
     state.wait_for_everyone()
     return summary
 
@@ -295,13 +299,15 @@ def build_tiny(script_args, tokenizer, training_args, path: str, state) -> str:
 def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, env_kwargs, state) -> str:
     """SFT with TRL's `SFTTrainer` on the searching expert's won episodes of the train games, laid out token for
     token as the RL rollouts; returns the folder of the warm-started model (cached by its settings)."""
+    import datasets
+    from accelerate.utils import broadcast_object_list
     from transformers import AutoModelForCausalLM
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig, SFTTrainer, get_peft_config
 
     from trl_exreplay.envs.alfworld.warmstart import expert_episodes, sft_dataset
 
     key = {
-        "base": model_args.model_name_or_path,
+        "model": asdict(model_args),  # base, revision, dtype, LoRA settings
         "tiny": [script_args.tiny_hidden_size, script_args.tiny_num_layers, script_args.tiny_num_heads],
         "tokenizer": [sorted(tokenizer.get_vocab().items()), tokenizer.chat_template],
         "games": sorted(train_tasks["game_file"]),
@@ -315,39 +321,45 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
             script_args.warm_start_max_episodes,
             training_args.seed,
             state.num_processes,
-        ],  # fmt: skip
-        "peft": model_args.use_peft,
+        ],
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
     path = os.path.abspath(os.path.join(script_args.data_dir, "warmstart", digest))
-    if os.path.isfile(os.path.join(path, "config.json")):
+    # The main process decides for all ranks (a job finishing the same warm start meanwhile must not split them),
+    # and names this run's own temporary folders.
+    decision = [os.path.isfile(os.path.join(path, "config.json")), f"{path}.tmp-{os.getpid()}"]
+    cached, tmp = broadcast_object_list(decision) if state.num_processes > 1 else decision
+    if cached:
         if state.is_main_process:
             print(f"warm start: reusing {path}")
         return path
 
-    with state.main_process_first():
-        if state.is_main_process:
-            episodes = expert_episodes(train_tasks, workers=None, progress=True, **env_kwargs)
-            dataset = sft_dataset(
-                episodes[: script_args.warm_start_max_episodes],
-                tokenizer,
-                max_completion_length=training_args.max_completion_length,
-                max_turns=training_args.max_turns,
-                max_tokens_per_turn=training_args.max_tokens_per_turn,
-                chat_template_kwargs=training_args.chat_template_kwargs,
-            )
-            dataset.save_to_disk(path + ".sft-data")
-            print(f"warm start: {len(dataset)} expert episodes won of {len(episodes)} games")
-    import datasets
-
-    dataset = datasets.load_from_disk(path + ".sft-data").remove_columns("task_id")
+    if state.is_main_process:
+        episodes = expert_episodes(train_tasks, workers=None, progress=True, **env_kwargs)
+        dataset = sft_dataset(
+            episodes[: script_args.warm_start_max_episodes],
+            tokenizer,
+            max_completion_length=training_args.max_completion_length,
+            max_turns=training_args.max_turns,
+            max_tokens_per_turn=training_args.max_tokens_per_turn,
+            chat_template_kwargs=training_args.chat_template_kwargs,
+        )
+        dataset.save_to_disk(tmp + ".sft-data")
+        print(f"warm start: {len(dataset)} expert episodes won of {len(episodes)} games")
+    state.wait_for_everyone()
+    dataset = datasets.load_from_disk(tmp + ".sft-data").remove_columns("task_id")
+    if len(dataset) == 0:  # every rank reads the same data, so every rank stops here
+        raise ValueError(
+            f"Warm start: the expert won no train game within max_turns={training_args.max_turns} and "
+            f"max_completion_length={training_args.max_completion_length}; raise them, or set warm_start false."
+        )
     if model_args.model_name_or_path is None:
         model = AutoModelForCausalLM.from_pretrained(build_tiny(script_args, tokenizer, training_args,
-                                                                path + ".init", state))  # fmt: skip
+                                                                tmp + ".init", state))  # fmt: skip
     else:
         model = model_args.model_name_or_path
     sft_args = SFTConfig(
-        output_dir=path + ".sft",
+        output_dir=tmp + ".sft",
         num_train_epochs=script_args.warm_start_epochs,
         per_device_train_batch_size=script_args.warm_start_batch_size,
         learning_rate=script_args.warm_start_learning_rate,
@@ -363,27 +375,26 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
         gradient_checkpointing=training_args.gradient_checkpointing,
         model_init_kwargs=model_init_kwargs(model_args) if isinstance(model, str) else None,
     )
-    from trl import get_peft_config
-
     sft = SFTTrainer(
         model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )  # fmt: skip
     sft.train()
-    tmp = path + ".tmp"
-    sft.save_model(tmp)  # every rank: under ZeRO-3 saving gathers the shards
-    if state.is_main_process:
-        if model_args.use_peft:  # RL trains a fresh adapter on top of the merged warm start
-            from peft import AutoPeftModelForCausalLM
-
-            AutoPeftModelForCausalLM.from_pretrained(tmp).merge_and_unload().save_pretrained(tmp + ".merged")
-            shutil.rmtree(tmp)
-            os.replace(tmp + ".merged", tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, path)  # atomic: a crash never leaves a half-written warm start behind
-    state.wait_for_everyone()
+    sft.save_model(tmp)  # every rank: under ZeRO-3 saving gathers the shards; the tokenizer is saved with it
     del sft
     gc.collect()
+    if state.is_main_process:
+        if model_args.use_peft:  # RL trains a fresh adapter on top of the merged warm start
+            merge_adapter(tmp, model_args)
+        for leftover in (".sft-data", ".init", ".sft"):
+            shutil.rmtree(tmp + leftover, ignore_errors=True)
+        try:
+            os.replace(tmp, path)  # atomic: a crash never leaves a half-written warm start behind
+        except OSError:  # another job finished the same warm start first: use theirs
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    state.wait_for_everyone()
     # Under DeepSpeed, accelerate refuses a second Accelerator (the RL trainer's) while the first one's state lives.
     from accelerate.state import AcceleratorState
 
@@ -398,22 +409,48 @@ def save_atomically(path: str, model, tokenizer) -> None:
     os.replace(tmp, path)
 
 
-def load_policy(path: str, model_args, auto_model):
-    """The model in `path` (full weights, or a PEFT adapter on its base model), whole on this rank: evaluation runs
-    each rank's share of the games with plain `generate`, whatever the training's distribution."""
+@contextlib.contextmanager
+def whole_model_loading():
+    """Load models whole on this rank. A ZeRO-3 trainer registers its config globally, and transformers would then
+    partition every model it loads with collective calls, which hang when one rank loads alone."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    # A ZeRO-3 trainer registers its config globally; transformers would then partition the model as it loads it.
     registered = hf_deepspeed._hf_deepspeed_config_weak_ref
     hf_deepspeed.unset_hf_deepspeed_config()
     try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+
+
+def merge_adapter(path: str, model_args, into: str | None = None) -> str:
+    """Merge the PEFT adapter saved in `path` into its base model; write the whole model (and the tokenizer) to
+    `into` (default: replace `path`). Returns the folder written."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    into = into or path
+    with whole_model_loading():
+        merged = AutoPeftModelForCausalLM.from_pretrained(path, **model_init_kwargs(model_args)).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    staging = f"{into}.merging-{os.getpid()}"
+    merged.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    if os.path.isdir(into):
+        shutil.rmtree(into)
+    os.replace(staging, into)
+    return into
+
+
+def load_policy(path: str, model_args, auto_model):
+    """The model in `path` (full weights, or a PEFT adapter on its base model), whole on this rank: evaluation runs
+    each rank's share of the games with plain `generate`, whatever the training's distribution."""
+    with whole_model_loading():
         if os.path.isfile(os.path.join(path, "adapter_config.json")):
             from peft import AutoPeftModelForCausalLM
 
             return AutoPeftModelForCausalLM.from_pretrained(path, **model_init_kwargs(model_args))
         return auto_model.from_pretrained(path, **model_init_kwargs(model_args))
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
 
 
 def print_summary(summary: dict, num_train_games: int) -> None:
@@ -431,10 +468,11 @@ def print_summary(summary: dict, num_train_games: int) -> None:
     print("=" * 64)
 
 
-def push(script_args, training_args, base_model, tasks, results, trainer) -> None:
+def push(script_args, training_args, model_args, base_model, tasks, results) -> None:
     import torch
     import transformers
     import trl
+    from huggingface_hub import HfApi
 
     from trl_exreplay import __version__
     from trl_exreplay.config import replay_options
@@ -442,7 +480,16 @@ def push(script_args, training_args, base_model, tasks, results, trainer) -> Non
     from trl_exreplay.hub import model_card, push_model, push_pool
     from trl_exreplay.trainer import POOL_DIR
 
-    repo_id = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
+    private, token, revision = training_args.hub_private_repo, training_args.hub_token, training_args.hub_revision
+    name = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
+    repo_id = HfApi(token=token).create_repo(name, private=private, exist_ok=True).repo_id  # with its owner
+    folder = training_args.output_dir
+    adapter_config = os.path.join(folder, "adapter_config.json")
+    if os.path.isfile(adapter_config):
+        with open(adapter_config) as f:
+            adapter_base = json.load(f).get("base_model_name_or_path", "")
+        if os.path.isdir(adapter_base):  # the warm start, a local folder: nobody could load the adapter alone
+            folder = merge_adapter(folder, model_args, into=os.path.join(folder, "merged"))
     card = model_card(
         repo_id=repo_id,
         base_model=base_model,
@@ -459,12 +506,11 @@ def push(script_args, training_args, base_model, tasks, results, trainer) -> Non
         },
         tags=["alfworld"],
     )
-    private, token = training_args.hub_private_repo, training_args.hub_token
-    print("pushed model:", push_model(training_args.output_dir, repo_id, card, private=private, token=token))
+    print("pushed model:", push_model(folder, repo_id, card, private=private, token=token, revision=revision))
     if script_args.push_pool_to_hub:
         pool_dir = os.path.join(training_args.output_dir, POOL_DIR)
         pool_id = script_args.hub_pool_id or f"{repo_id}-pool"
-        print("pushed pool:", push_pool(pool_dir, pool_id, private=private, token=token))
+        print("pushed pool:", push_pool(pool_dir, pool_id, private=private, token=token, revision=revision))
 
 
 def parse_args(argv=None):
@@ -473,7 +519,10 @@ def parse_args(argv=None):
     from trl_exreplay import ExReplayGRPOConfig
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+    # The tiny CPU default applies when the command names neither a config nor a model: its values (use_cpu, the
+    # tiny model's rooms and limits) are wrong for any other model.
+    named = {a.split("=")[0] for a in argv}
+    if not named & {"--config", "--model_name_or_path"}:
         argv = ["--config", DEFAULT_CONFIG, *argv]
     parser = TrlParser((AlfWorldArguments, ExReplayGRPOConfig, ModelConfig))
     return parser.parse_args_and_config(argv)

@@ -74,7 +74,8 @@ class HubRecorder:
 
         def create_repo(api, repo_id, **kwargs):
             self.repos.append((repo_id, kwargs.get("repo_type")))
-            return f"https://huggingface.co/{repo_id}"
+            prefix = "datasets/" if kwargs.get("repo_type") == "dataset" else ""
+            return huggingface_hub.RepoUrl(f"https://huggingface.co/{prefix}{repo_id}")
 
         def create_commit(api, repo_id, operations, **kwargs):
             files = {}
@@ -109,8 +110,7 @@ def test_recipe_end_to_end_with_tensorboard_and_hub_push(data_dir, tmp_path, mon
         assert (out / name).exists(), name
     from trl_exreplay.pool import ExperiencePool
 
-    pool = ExperiencePool.load(str(out / "exreplay_pool"))
-    assert summary["pool"]["pool_tasks"] == pool.num_tasks
+    assert summary["pool"] == ExperiencePool.load(str(out / "exreplay_pool")).stats()  # the trained pool, saved
 
     # tensorboard: the replay and environment metrics of every step
     logged = scalars(out)
@@ -119,50 +119,94 @@ def test_recipe_end_to_end_with_tensorboard_and_hub_push(data_dir, tmp_path, mon
         assert len(logged.get(tag, [])) == 2, (tag, sorted(logged))
 
     # the Hub: exactly the model files and the card; the pool as a dataset
-    assert hub.repos == [("me/alfworld-tiny", None), ("me/alfworld-tiny-pool", "dataset")]
+    assert set(hub.repos) == {("me/alfworld-tiny", None), ("me/alfworld-tiny-pool", "dataset")}
     model_commit, pool_commit = hub.commits
-    from trl_exreplay.hub import model_files
-
-    assert sorted(model_commit["files"]) == model_files(str(out))
-    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(model_commit["files"])
-    assert not any(p.startswith(("exreplay_pool", "checkpoint-", "runs")) for p in model_commit["files"])
+    assert sorted(model_commit["files"]) == [
+        "README.md", "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+        "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+    assert {"training_args.bin", "alfworld_results.json", "exreplay_pool", "runs"} <= {p.name for p in out.iterdir()}
     card = model_commit["files"]["README.md"].decode()
     from trl_exreplay.envs.alfworld import alfworld_version
 
     for text in ("trl", "grpo", "exreplay", "alfworld", alfworld_version(), "2510.02245", "2511.10395",
                  "2010.03768", "2402.03300", "exp_ratio", "valid_seen", "valid_unseen"):  # fmt: skip
         assert text in card, text
-    for rates in summary["results"].values():
-        assert f"{100 * rates['before']:.1f}%" in card and f"{100 * rates['after']:.1f}%" in card
+    for split, rates in summary["results"].items():  # the results table's row of each split
+        assert f"| {split} | {100 * rates['before']:.1f}% | {100 * rates['after']:.1f}% |" in card
     assert pool_commit["repo_type"] == "dataset"
     expected = {str(p.relative_to(out / "exreplay_pool")) for p in (out / "exreplay_pool").rglob("*") if p.is_file()}
     assert set(pool_commit["files"]) == expected | {"README.md"}
 
 
-def test_recipe_reuses_games_and_warm_start(data_dir, tmp_path, capsys):
-    """A second run with the same settings reuses the cached warm start: same starting policy, same greedy result."""
-    first = run_recipe(data_dir, tmp_path / "a", "--max_steps", "1", "--eval_splits", "valid_seen")
+def test_recipe_generates_games_then_reuses_them_and_the_warm_start(tmp_path, monkeypatch, capsys):
+    """A first run generates the missing splits (train and valid_seen in the chosen rooms) and trains a warm start;
+    a second run with the same settings generates nothing and trains no SFT step, and starts from the same policy."""
+    from trl import SFTTrainer
+
+    from trl_exreplay.envs.alfworld import generate
+
+    data = tmp_path / "data"
+    settings = ["--num_train_games", "3", "--num_eval_games", "1", "--scenes", "309", "310", "--max_steps", "1",
+                "--max_turns", "14", "--max_completion_length", "640"]  # fmt: skip
+    first = run_recipe(data, tmp_path / "a", *settings)
+    for split, rooms in (("train", {309, 310}), ("valid_seen", {309, 310}), ("valid_unseen", {10, 219, 308, 424})):
+        trajs = list((data / "json_2.1.1" / split).rglob("traj_data.json"))
+        assert len(trajs) == (3 if split == "train" else 1)
+        assert {json.loads(t.read_text())["scene"]["scene_num"] for t in trajs} <= rooms
     capsys.readouterr()
-    second = run_recipe(data_dir, tmp_path / "b", "--max_steps", "1", "--eval_splits", "valid_seen")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached run generated games or trained SFT again")
+
+    monkeypatch.setattr(generate, "generate_games", refuse)
+    monkeypatch.setattr(SFTTrainer, "train", refuse)
+    second = run_recipe(data, tmp_path / "b", *settings)
     assert "warm start: reusing" in capsys.readouterr().out
-    assert second["results"]["valid_seen"]["before"] == first["results"]["valid_seen"]["before"]
-    assert len(list((data_dir / "warmstart").glob("*/config.json"))) >= 1
+    for split in ("valid_seen", "valid_unseen"):  # greedy, from the same warm start
+        assert second["results"][split]["before"] == first["results"][split]["before"]
+    (warm,) = (data / "warmstart").iterdir()  # one warm start, no temporary folders left behind
+    assert (warm / "config.json").exists() and (warm / "tokenizer.json").exists()
 
 
-def test_recipe_lora_with_trackio(data_dir, tmp_path):
+def test_default_config_only_without_a_config_or_a_model():
+    recipe = load_recipe()
+    script_args, training_args, _ = recipe.parse_args(["--max_steps", "3"])
+    assert script_args.scenes == [309, 310, 311] and training_args.use_cpu and training_args.max_steps == 3
+    model = ["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct", "--bf16", "false"]  # bf16: no GPU here
+    script_args, training_args, model_args = recipe.parse_args(model)
+    assert script_args.scenes is None and not training_args.use_cpu and training_args.max_steps == -1
+    assert model_args.model_name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_recipe_lora_with_trackio_and_a_merged_upload(data_dir, tmp_path, monkeypatch):
     from trackio.sqlite_storage import SQLiteStorage
 
+    hub = HubRecorder(monkeypatch)
     out, project = tmp_path / "lora", f"exreplay-test-{tmp_path.name}"
     summary = run_recipe(
         data_dir, out, "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8",
         "--lora_target_modules", "q_proj", "v_proj", "--report_to", "trackio", "--project", project,
-        "--run_name", "lora", "--eval_splits", "valid_seen",
+        "--run_name", "lora", "--eval_splits", "valid_seen", "--push_to_hub", "true", "--hub_model_id", "me/lora",
     )  # fmt: skip
     assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
     assert not (out / "model.safetensors").exists()  # the adapter only; its base is the warm start
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert Path(adapter["base_model_name_or_path"]).parent.name == "warmstart"
     assert "valid_seen" in summary["results"]
+
+    # The adapter's base is a local folder, so the Hub gets the merged model, which loads alone.
+    (commit,) = hub.commits
+    assert "model.safetensors" in commit["files"] and not any(p.startswith("adapter") for p in commit["files"])
+    import torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    adapted = AutoPeftModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
+
     logs = SQLiteStorage.get_logs(project=project, run="lora")  # trackio's local store
     SQLiteStorage.get_project_db_path(project).unlink()
     keys = {key for entry in logs for key in entry}
@@ -184,7 +228,7 @@ def launch(config: str, data_dir: Path, output_dir: Path, timeout: int = 900) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["single_cpu", "ddp_cpu", "zero2_cpu", "zero3_cpu"])
-def test_recipe_two_processes(data_dir, tmp_path, config):
+def test_recipe_under_each_cpu_accelerate_config(data_dir, tmp_path, config):
     out = tmp_path / config
     result = launch(f"recipes/accelerate/{config}.yaml", data_dir, out)
     summary = json.loads((out / "alfworld_results.json").read_text())

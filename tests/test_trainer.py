@@ -319,3 +319,12 @@ def test_given_pool_takes_the_run_configuration(tmp_path, caplog):
     assert trainer.pool is given
     assert (given.max_trajectories_per_task, given.exp_select_mode, given.experience_rbound) == (3, "argmin", 4)
     assert "max_trajectories_per_task" in caplog.text and "exp_select_mode" in caplog.text
+
+
+def test_trls_model_card_names_exreplay(tmp_path):
+    """TRL writes a model card with every checkpoint and push; it must name our trainer, tag it and cite ExGRPO."""
+    trainer = make_trainer(tmp_path, max_steps=1)
+    trainer.create_model_card(model_name="tiny-exreplay")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "- exreplay" in card and "- grpo" in card and "- trl" in card
+    assert "ExReplay GRPO" in card and "2510.02245" in card and "zhan2025exgrpo" in card

@@ -27,7 +27,7 @@ class PolicyEvaluation:
     episodes: list[Episode]
     success_threshold: float = 1.0
     group_column: str | None = "task_type"
-    per_group: dict[str, list[int]] = field(default_factory=dict)  # group -> [successes, episodes]
+    per_group: dict[str, list[int]] = field(default_factory=dict, init=False)  # group -> [successes, episodes]
 
     def __post_init__(self):
         for episode in self.episodes:

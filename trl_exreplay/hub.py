@@ -12,6 +12,8 @@ import os
 import uuid
 from collections.abc import Sequence
 
+from trl import GRPOTrainer
+
 from .pool import FORMAT_VERSION, STATE_FILE, TRAJECTORIES_DIR
 
 CITATIONS: dict[str, str] = {
@@ -44,16 +46,9 @@ CITATIONS: dict[str, str] = {
   archivePrefix = {arXiv},
   url           = {https://arxiv.org/abs/2010.03768}
 }""",
-    "GRPO": """@misc{shao2024deepseekmath,
-  title         = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},
-  author        = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and Xiao Bi and
-                   Haowei Zhang and Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},
-  year          = {2024},
-  eprint        = {2402.03300},
-  archivePrefix = {arXiv},
-  url           = {https://arxiv.org/abs/2402.03300}
-}""",
 }
+# GRPO's citation as TRL writes it in its own model cards.
+CITATIONS["GRPO"] = GRPOTrainer._paper["citation"]
 
 # An allow-list, not a deny-list: whatever else a run leaves in its output folder (checkpoints, the pool, logs,
 # `training_args.bin` and other pickles) is never published by accident.
@@ -70,8 +65,7 @@ MODEL_FILE_PATTERNS: tuple[str, ...] = (
     "merges.txt",
     "added_tokens.json",
     "tokenizer.model",
-    "adapter_config.json",
-    "adapter_model.safetensors",
+    "adapter_config.json",  # a PEFT adapter's weights are `adapter_model.safetensors`
     "README.md",
 )
 
@@ -234,15 +228,15 @@ def push_model(
     output_dir = os.path.abspath(output_dir)
     if not os.path.isdir(output_dir):
         raise FileNotFoundError(f"No model folder at {output_dir}.")
-    if not any(name.endswith(".safetensors") for name in model_files(output_dir)):
+    files = sorted({*model_files(output_dir), "README.md"})
+    if not any(name.endswith(".safetensors") for name in files):
         raise FileNotFoundError(
             f"No model weights in {output_dir}: expected *.safetensors at its top level (save_pretrained with "
             "safetensors; pickled *.bin weights are not uploaded)."
         )
     _write_atomic(os.path.join(output_dir, "README.md"), card)
     operations = [
-        CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(output_dir, name))
-        for name in model_files(output_dir)
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(output_dir, name)) for name in files
     ]
     return _commit(
         HfApi(token=token),

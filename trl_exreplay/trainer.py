@@ -30,6 +30,7 @@ from trl.trainer.utils import pad
 
 from .config import REPLAY_LOSS_TYPES, replay_options, validate_replay_options
 from .envs import env_reward
+from .hub import CITATIONS
 from .loss import aggregate_loss, compute_exreplay_loss
 from .planner import ReplayPlan, plan_replay
 from .pool import ExperiencePool, TaskOutcome, Trajectory, task_key
@@ -74,6 +75,15 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     ```
     """
 
+    # What TRL's own model card (written with every checkpoint) names, tags and cites.
+    _tag_names = ["trl", "grpo", "exreplay"]
+    _name = "ExReplay GRPO"
+    _paper = {
+        "title": "ExGRPO: Learning to Reason from Experience",
+        "id": "2510.02245",
+        "citation": CITATIONS["ExGRPO"],
+    }
+
     def __init__(
         self,
         *args,
@@ -85,7 +95,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             kwargs["reward_funcs"] = env_reward  # the environment's reward, unless the user scores rollouts
         config = args[2] if len(args) > 2 else kwargs.get("args")
         if env_factory is not None and getattr(config, "use_vllm", False):  # before TRL starts vLLM or waits for it
-            _check_multi_turn_vllm(config.vllm_mode, config.vllm_tensor_parallel_size, config.vllm_enable_sleep_mode)
+            _check_multi_turn_vllm(config.vllm_mode, config.vllm_tensor_parallel_size)
         super().__init__(*args, **kwargs)
         self.replay = replay_options(self.args)
         validate_replay_options(self.replay, self.num_generations)
@@ -481,8 +491,12 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 f"(`task_id_column`; columns: {names}). Tasks without prompts cannot be told apart otherwise."
             )
         if self.use_vllm:
-            args = self.args
-            _check_multi_turn_vllm(self.vllm_mode, args.vllm_tensor_parallel_size, args.vllm_enable_sleep_mode)
+            _check_multi_turn_vllm(self.vllm_mode, self.args.vllm_tensor_parallel_size)
+            if self.args.vllm_enable_sleep_mode:
+                logger.warning(
+                    "trl_exreplay: vllm_enable_sleep_mode with multi-turn rollouts reloads vLLM's weights before every "
+                    "turn (TRL's engine sleeps after each generate call); it is correct but slow."
+                )
         if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:
             # Not ours to fix: GRPOTrainer alone fails its first backward this way (TRL 1.16, DeepSpeed 0.19.8, CPU).
             raise ValueError("Multi-turn rollouts under ZeRO-3 need `ds3_gather_for_generation=True`.")
@@ -814,7 +828,7 @@ class _AtTrainEnd(TrainerCallback):
             self.trainer._rollout_engine.close()
 
 
-def _check_multi_turn_vllm(vllm_mode: str, tensor_parallel_size: int, sleep_mode: bool) -> None:
+def _check_multi_turn_vllm(vllm_mode: str, tensor_parallel_size: int) -> None:
     """Multi-turn rollouts generate through TRL's colocated vLLM engine, one call per turn. Server mode and tensor
     parallelism gather equal-sized prompt lists across ranks on every call, but the episodes still playing differ in
     number between ranks."""
@@ -822,11 +836,6 @@ def _check_multi_turn_vllm(vllm_mode: str, tensor_parallel_size: int, sleep_mode
         raise NotImplementedError(
             "Multi-turn rollouts (`env_factory`) with vLLM need vllm_mode='colocate' and vllm_tensor_parallel_size=1 "
             f"(got vllm_mode={vllm_mode!r}, vllm_tensor_parallel_size={tensor_parallel_size}); or set use_vllm=False."
-        )
-    if sleep_mode:
-        logger.warning(
-            "trl_exreplay: vllm_enable_sleep_mode with multi-turn rollouts reloads vLLM's weights before every turn "
-            "(TRL's engine sleeps after each generate call); it is correct but slow."
         )
 
 
