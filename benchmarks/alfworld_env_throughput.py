@@ -8,7 +8,8 @@ process pool runs the environments in worker processes. This script measures, in
   multi-turn rollout drives them.
 
 For each: cold resets (first load of a game), warm resets (the same game again, loaded and translated already) and
-steps (seeded uniform-random admissible actions). Serial warm resets are also measured with `game_cache=0`. The ratios parallel/serial are printed with the machine and versions.
+steps (seeded uniform-random admissible actions). Serial warm resets are also measured with `game_cache=0`. The
+ratios parallel/serial are printed with the machine and versions.
 
     OMP_NUM_THREADS=1 python benchmarks/alfworld_env_throughput.py --workers 2 --envs 4
 """
@@ -27,15 +28,17 @@ import threading
 import time
 from importlib.metadata import version
 
-from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks, generate_games, install_game_cache
+from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks, generate_games, install_game_cache, random_agent
 from trl_exreplay.envs.process import EnvProcessPool
 
 _ADMISSIBLE = re.compile(r"\nAdmissible actions: (.*)\.$", re.DOTALL)
 
 
-def admissible(observation: str) -> list[str]:
+def random_action(observation: str, rng: random.Random) -> str:
+    """`random_agent`'s choice among the admissible actions the prompt lists: read from the observation rather than
+    asked with `env.admissible_actions()`, which on a remote environment would add a round trip per step."""
     match = _ADMISSIBLE.search(observation)
-    return [a for a in match.group(1).split(", ") if a != "help"] if match else ["look"]
+    return random_agent(observation, match.group(1).split(", ") if match else ["look"], rng)
 
 
 def play(env, tasks, steps: int, rng: random.Random) -> dict[str, float]:
@@ -49,7 +52,7 @@ def play(env, tasks, steps: int, rng: random.Random) -> dict[str, float]:
         counts["cold_reset"] += 1
         for _ in range(steps):
             start = time.perf_counter()
-            observation, _, done, _ = env.step(rng.choice(admissible(observation)))
+            observation, _, done, _ = env.step(random_action(observation, rng))
             seconds["step"] += time.perf_counter() - start
             counts["step"] += 1
             if done:
@@ -111,7 +114,7 @@ def parallel(pool_workers: int, num_envs: int, tasks, warmup, steps: int, seed: 
             barrier.wait()
             barrier.wait()
             for _ in range(steps if task is not None else 0):
-                observation, _, done, _ = env.step(rng.choice(admissible(observation)))
+                observation, _, done, _ = env.step(random_action(observation, rng))
                 count("step")
                 if done:
                     observation = env.reset(task)

@@ -27,8 +27,6 @@ from dataclasses import asdict, dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "configs", "alfworld_tiny_cpu.yaml")
-# Imported once by every environment worker process (forkserver), not once per worker start.
-ENGINE_MODULES = ("textworld", "fast_downward", "alfworld.agents.environment.alfred_tw_env")
 # Python puts this script's folder first on sys.path, where this file would shadow the `alfworld` package.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
@@ -118,6 +116,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     from trl_exreplay import ExReplayGRPOTrainer
     from trl_exreplay.envs import EnvProcessPool
     from trl_exreplay.envs.alfworld import INSTRUCTIONS, REACT_INSTRUCTIONS, AlfWorldEnv, alfworld_tasks
+    from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES  # imported once by the fork server
     from trl_exreplay.evaluation import evaluate_policy
 
     state = PartialState()
@@ -143,7 +142,9 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         "restate_goal": script_args.restate_goal,
     }
     processes = script_args.env_processes or max(1, (os.cpu_count() or 1) // state.num_processes)
-    env_pool = EnvProcessPool(functools.partial(AlfWorldEnv, **env_kwargs), workers=processes, preload=ENGINE_MODULES)
+    env_pool = EnvProcessPool(
+        functools.partial(AlfWorldEnv, **env_kwargs), workers=processes, preload=list(ENGINE_MODULES)
+    )
 
     # ---- model ------------------------------------------------------------------------------------------------
     base_model = model_args.model_name_or_path

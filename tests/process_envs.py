@@ -23,6 +23,7 @@ class ProbeEnv:
         self.task = None
         self.steps = 0
         self.closed = False
+        self.max_steps = 50  # an attribute, not a method: `RemoteEnv` does not forward it
 
     def reset(self, task):
         self.task, self.steps = task, 0

@@ -193,3 +193,38 @@ def test_engines_in_threads_of_one_process_take_turns(games):
     assert steps == [(0.0, False)] * 4
     for env in envs:
         env.close()
+
+
+def _libdownward_copies() -> int:
+    """Distinct copies of fast-downward's library mapped in this process (each engine made loads one)."""
+    with open("/proc/self/maps") as f:
+        return len({line.split(maxsplit=5)[5] for line in f if "libdownward" in line})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_closed_engines_are_reused_without_leaking_their_game(games):
+    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks, evaluate, random_agent
+
+    rows = [dict(row) for row in alfworld_tasks(str(games))]
+    walkthrough = json.loads(open(rows[0]["game_file"]).read())["walkthrough"]
+    fresh = AlfWorldEnv()
+    opening = fresh.reset(rows[0])
+    admissible = fresh.admissible_actions()
+    fresh.step(walkthrough[0])  # released mid-episode, in a state no reset shows
+    fresh.close()
+    with pytest.raises(RuntimeError, match="before reset"):
+        fresh.step("look")
+    copies = _libdownward_copies()
+    assert copies >= 1
+    for i in range(4):  # each takes the engine the previous one gave back, which holds the other game
+        env = AlfWorldEnv()
+        first = env.reset(rows[i % 2])
+        if i % 2 == 0:  # the game from its start, not where the engine's last user left it
+            assert (first, env.admissible_actions()) == (opening, admissible)
+        else:
+            assert first != opening
+        env.step("look")
+        env.close()
+    assert evaluate(str(games), None, workers=1).won == 2  # in this process: an engine per game, given back
+    assert evaluate(str(games), random_agent, max_steps=5, workers=1).games == 2  # an AlfWorldEnv per game
+    assert _libdownward_copies() == copies

@@ -179,9 +179,8 @@ def test_alfred_pair_table_is_well_formed():
 def test_pair_weights_are_alfred_counts_plus_prior():
     import alfworld.gen.constants as C
 
-    from trl_exreplay.envs.alfworld.generate import _UNSEEN_PAIR_WEIGHT, pair_weights
+    from trl_exreplay.envs.alfworld.generate import pair_weights
 
-    assert 0 < _UNSEEN_PAIR_WEIGHT < 1
     counts = _alfred_table()["counts"]
     for task_type in ALL_TASK_TYPES:
         table = counts[task_type]
@@ -198,8 +197,8 @@ def test_pair_weights_are_alfred_counts_plus_prior():
         )
         pairs = [tuple(frequent.split("|")), tuple(unseen.split("|"))]
         w_frequent, w_unseen = pair_weights(task_type, pairs)
-        assert w_frequent == table[frequent] + _UNSEEN_PAIR_WEIGHT
-        assert w_unseen == _UNSEEN_PAIR_WEIGHT
+        assert w_frequent == table[frequent] + 0.5  # ALFRED's count plus the prior of an unseen pair
+        assert w_unseen == 0.5
         assert w_frequent > 10 * w_unseen
         assert pair_weights(task_type, []) == []
     with pytest.raises(ValueError):

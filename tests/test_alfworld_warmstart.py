@@ -45,11 +45,23 @@ def test_search_expert_wins_every_task_type_from_what_it_sees(tasks, episodes):
 
 
 def test_vocabulary_covers_the_games(tasks, episodes):
+    import json
+    import os
+    import subprocess
+    import sys
+
     from trl_exreplay.envs.alfworld import AlfWorldEnv
     from trl_exreplay.envs.alfworld.textenv import INSTRUCTIONS
     from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, alfworld_vocabulary
 
-    assert alfworld_vocabulary() == alfworld_vocabulary() == sorted(set(alfworld_vocabulary()))
+    vocabulary = alfworld_vocabulary()
+    assert vocabulary == sorted(set(vocabulary))
+    # another interpreter, with other string hashes (so other set orders), builds the same list, as tokenizers need
+    code = "import json, trl_exreplay.envs.alfworld.warmstart as w; print(json.dumps(w.alfworld_vocabulary()))"
+    fresh = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": "12345"}, capture_output=True, check=True
+    )
+    assert json.loads(fresh.stdout) == vocabulary
     tokenizer = alfworld_tokenizer()
     texts = [INSTRUCTIONS] + [e.opening for e in episodes] + [t for e in episodes for t in e.observations]
     env = AlfWorldEnv()  # what a policy that is not the expert reads too: the engine's help and its refusal
@@ -61,6 +73,23 @@ def test_vocabulary_covers_the_games(tasks, episodes):
         assert tokenizer.unk_token_id not in tokenizer(text, add_special_tokens=False)["input_ids"], text
     for action in (a for e in episodes for a in e.actions):  # what the policy says comes back as the same command
         assert tokenizer.decode(tokenizer(action, add_special_tokens=False)["input_ids"]) == action
+
+
+def test_play_expert_on_an_alfworld_env_in_a_process_pool(tasks, episodes):
+    import functools
+
+    from trl_exreplay.envs import EnvProcessPool
+    from trl_exreplay.envs.alfworld import AlfWorldEnv
+    from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES
+    from trl_exreplay.envs.alfworld.expert import play_expert
+
+    factory = functools.partial(AlfWorldEnv, max_steps=50, show_admissible=False)  # as `episodes` were played
+    with EnvProcessPool(factory, workers=1, preload=ENGINE_MODULES) as pool:
+        remote = pool()
+        assert getattr(remote, "max_steps", None) is None  # an attribute of the env, left in the worker
+        episode = play_expert(remote, dict(tasks[0]))  # the step limit falls back to 50
+        remote.close()
+    assert episode.won and episode.actions == episodes[0].actions
 
 
 def test_sft_rows_are_the_rollout_layout(tasks, episodes):

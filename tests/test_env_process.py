@@ -1,8 +1,9 @@
 """`EnvProcessPool`: environments in worker processes behind `RemoteEnv` proxies (same answers, real processes,
 parallel calls, remote errors, timeouts, dead workers, closing) and a multi-turn rollout through it.
 
-The first pool of the session starts multiprocessing's fork server, which imports torch and transformers once
-(seconds); later workers fork from it in milliseconds.
+The first pool of the session starts multiprocessing's fork server, which imports the preloaded modules once (the
+package's process module and the factory's, light; more if a pool or `map_in_pool` of an earlier test file started it
+with the ALFWorld engine's); later workers fork from it in milliseconds.
 """
 
 from __future__ import annotations
@@ -72,9 +73,23 @@ def test_arguments_keywords_and_private_names():
         assert env.task_name("-1", upper=True) == "DOOR-1"
         with pytest.raises(AttributeError):
             env._secret()  # private names never reach the worker
-        with pytest.raises(RemoteEnvError, match="AttributeError: 'ProbeEnv' object has no attribute 'missing'"):
+        with pytest.raises(AttributeError, match="no public method 'missing'"):
             env.missing()
         env.close()
+
+
+def test_proxy_forwards_only_the_environments_public_methods():
+    with EnvProcessPool(ProbeEnv, workers=1) as pool:
+        env = pool()
+        assert not hasattr(env, "no_such_method")  # builds the environment, whose worker lists its methods
+        assert hasattr(env, "task_name") and not hasattr(env, "admissible_actions")
+        assert getattr(env, "max_steps", None) is None  # an attribute stays in the worker; no callable stand-in
+        assert env.reset({"name": "x"}) == "ready x" and env.task_name("!") == "x!"
+        assert pool.stats()["calls"] == 2  # looking names up sent no calls
+        env.close()
+        unbuilt = pool()
+        unbuilt.close()
+        assert not hasattr(unbuilt, "task_name")  # closed before anything built it: nothing to forward
 
 
 # ----------------------------------------------------------------------------------------- real processes

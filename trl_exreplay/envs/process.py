@@ -24,6 +24,7 @@ come from a file.
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import multiprocessing
 import os
@@ -37,7 +38,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-__all__ = ["EnvProcessPool", "RemoteEnv", "RemoteEnvError"]
+__all__ = ["EnvProcessPool", "RemoteEnv", "RemoteEnvError", "default_start_method"]
 
 # Messages parent -> worker: (op, env_id, method, payload). Answers: (True, result) or (False, remote error).
 _CREATE, _CALL, _CLOSE, _STOP = "create", "call", "close", "stop"
@@ -67,11 +68,28 @@ class _RemoteTraceback(Exception):
         return self.text
 
 
+def default_start_method() -> str:
+    """How worker processes start: "forkserver" where available, else "spawn". Never "fork": the trainer's process
+    has threads (torch, CUDA) that a forked child cannot rely on."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
 # ------------------------------------------------------------------------------------------------------- worker
 def _describe(error: BaseException) -> tuple[str, str, str]:
     kind = type(error)
     name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
     return name, str(error), "".join(traceback.format_exception(kind, error, error.__traceback__))
+
+
+def _public_methods(env) -> frozenset[str]:
+    """The names of `env`'s public methods, as `dir()` lists them. Looked up statically: properties are not run."""
+    names = set()
+    for name in dir(env):
+        if not name.startswith("_"):
+            value = inspect.getattr_static(env, name, None)
+            if callable(value) or isinstance(value, (staticmethod, classmethod)):
+                names.add(name)
+    return frozenset(names)
 
 
 def _exit_when_orphaned(lifeline) -> None:
@@ -114,7 +132,7 @@ def _worker_main(conn, lifeline, factory_bytes: bytes) -> None:
             try:
                 if op == _CREATE:
                     envs[env_id] = factory()
-                    result = None
+                    result = _public_methods(envs[env_id])  # what the proxy forwards
                 elif op == _CALL:
                     if method.startswith("_"):
                         raise AttributeError(f"{method!r} is private: RemoteEnv forwards public methods only")
@@ -151,20 +169,26 @@ class _Worker:
 
     def __init__(self, context, lifeline, factory_bytes: bytes, slot: int):
         self.slot = slot
-        self.conn, child_conn = context.Pipe(duplex=True)
+        self.conn, self._child_conn = context.Pipe(duplex=True)
         self.process = context.Process(
             target=_worker_main,
-            args=(child_conn, lifeline, factory_bytes),
+            args=(self._child_conn, lifeline, factory_bytes),
             name=f"EnvProcessPool-worker-{slot}",
             daemon=True,  # never outlives the parent's normal exit
         )
-        self.process.start()
-        child_conn.close()  # only the worker holds its end now, so the worker's death reads as EOF here
-        self.pid = self.process.pid
+        self.pid: int | None = None  # set by start()
         self.lock = threading.Lock()
         self.ready = False
         self.lost: str | None = None  # why this worker was given up (then its environments are gone)
         self.env_ids: set[int] = set()
+
+    def start(self) -> None:
+        """Start the process (the caller holds `lock`)."""
+        try:
+            self.process.start()
+        finally:
+            self._child_conn.close()  # only the worker holds its end now, so the worker's death reads as EOF here
+        self.pid = self.process.pid
 
     def kill(self) -> None:
         """Caller holds `lock` (or the worker is unused): nothing else reads the pipe that is closed here."""
@@ -195,6 +219,8 @@ def _shutdown(slots: list, lifeline: tuple, timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
     for worker in workers:
         process = worker.process
+        if process.pid is None:  # not started yet: `EnvProcessPool.__call__` stops it once started
+            continue
         process.join(max(0.0, deadline - time.monotonic()) if worker in idle else 0.0)
         for end in (process.terminate, process.kill):
             if process.exitcode is None:
@@ -216,7 +242,8 @@ def _module_of(factory) -> str | None:
 
 def _preload_in_forkserver(context, modules: Sequence[str]) -> None:
     # The fork server imports these once; workers forked from it start in milliseconds and share those modules'
-    # memory instead of each importing torch and transformers again (importing this module imports the package).
+    # memory instead of each importing them again. The package imports its heavy parts (trl, torch) lazily, so this
+    # is cheap by default; modules an environment imports only when built (textworld for ALFWorld) are worth adding.
     # The list is process-wide and only read when the fork server starts: keep what is there (default ["__main__"]).
     from multiprocessing import forkserver
 
@@ -256,7 +283,8 @@ class EnvProcessPool:
         start_timeout: seconds a new worker may take to start (import modules and load `env_factory`).
         preload: with "forkserver", have the fork server import this module and `env_factory`'s module once
             (`multiprocessing.set_forkserver_preload`, process-wide; effective only if the fork server is not
-            running yet), plus the module names given if a sequence.
+            running yet), plus the module names given if a sequence: those the environment imports only when it
+            is built, e.g. `trl_exreplay.envs.alfworld.engine.ENGINE_MODULES` for `AlfWorldEnv`.
 
     Example:
 
@@ -304,7 +332,7 @@ class EnvProcessPool:
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}")
         methods = multiprocessing.get_all_start_methods()
         if start_method is None:
-            start_method = "forkserver" if "forkserver" in methods else "spawn"
+            start_method = default_start_method()
         if start_method == "fork":
             raise ValueError(
                 "start_method='fork' is not supported: the trainer's process has threads (torch, CUDA) that a forked "
@@ -343,12 +371,31 @@ class EnvProcessPool:
             if self._closed:
                 raise RuntimeError("EnvProcessPool is closed")
             free = [slot for slot, worker in enumerate(self._slots) if worker is None]
+            new = None
             if free:
-                worker = self._slots[free[0]] = _Worker(self._context, self._lifeline[0], self._factory_bytes, free[0])
+                new = self._slots[free[0]] = _Worker(self._context, self._lifeline[0], self._factory_bytes, free[0])
+                # Held until the process runs: calls on it wait, and `_shutdown` treats it as busy. The lock is
+                # new, so taking it here cannot deadlock with a caller holding a worker lock and waiting for ours.
+                new.lock.acquire()
+                worker = new
             else:
                 worker = min(self._slots, key=lambda w: len(w.env_ids))
             env_id = next(self._ids)
             worker.env_ids.add(env_id)
+        if new is not None:
+            # Started outside the pool lock: with forkserver the first start also starts the fork server, which
+            # imports the preloaded modules (seconds), and stats() or other workers' faults must not wait for that.
+            try:
+                new.start()
+                if self._closed:  # `_shutdown` ran meanwhile and skipped this process, which had not started yet
+                    raise RuntimeError("EnvProcessPool is closed")
+            except BaseException as error:
+                self._lose(new, f"its process did not start: {error!r}")
+                if self._closed:  # the cause, whatever failed (closing closes the lifeline a start needs)
+                    raise RuntimeError("EnvProcessPool is closed") from None
+                raise
+            finally:
+                new.lock.release()
         return RemoteEnv(self, worker, env_id)
 
     @property
@@ -357,8 +404,8 @@ class EnvProcessPool:
         return self._restarts
 
     def stats(self) -> dict[str, Any]:
-        """`workers` running, `envs_per_worker` (live environments of each running worker), their `pids`,
-        `restarts`, and `calls` (environment method calls sent)."""
+        """`workers` running, `envs_per_worker` (live environments of each running worker), their `pids` (None
+        for one still starting), `restarts`, and `calls` (environment method calls sent)."""
         with self._lock:
             running = [worker for worker in self._slots if worker is not None]
             return {
@@ -392,20 +439,30 @@ class EnvProcessPool:
     def _call(self, proxy: RemoteEnv, method: str, args: tuple, kwargs: dict) -> Any:
         worker = proxy._worker
         with worker.lock:
-            self._check_alive(worker)
-            if not proxy._created:
-                self._exchange(worker, (_CREATE, proxy._env_id, None, None), "env_factory()")
-                proxy._created = True
+            self._create(proxy)
             with self._lock:
                 self._calls += 1
             return self._exchange(worker, (_CALL, proxy._env_id, method, (args, kwargs)), f"{method}()")
+
+    def _methods_of(self, proxy: RemoteEnv) -> frozenset[str]:
+        """The public methods of the proxy's environment (built now if it is not yet)."""
+        if proxy._methods is None:
+            with proxy._worker.lock:
+                self._create(proxy)
+        return proxy._methods
+
+    def _create(self, proxy: RemoteEnv) -> None:
+        """Build the proxy's environment in its worker unless done; the caller holds the worker's lock."""
+        self._check_alive(proxy._worker)
+        if proxy._methods is None:
+            proxy._methods = self._exchange(proxy._worker, (_CREATE, proxy._env_id, None, None), "env_factory()")
 
     def _close_env(self, proxy: RemoteEnv) -> None:
         worker = proxy._worker
         with self._lock:
             worker.env_ids.discard(proxy._env_id)
         with worker.lock:
-            if worker.lost is None and proxy._created:
+            if worker.lost is None and proxy._methods is not None:
                 self._exchange(worker, (_CLOSE, proxy._env_id, None, None), "close()")
 
     @staticmethod
@@ -485,14 +542,17 @@ class EnvProcessPool:
 
 
 class RemoteEnv:
-    """Proxy of an environment living in an `EnvProcessPool` worker; thread-safe. `reset`, `step`, `close` and any
-    other public method (e.g. `admissible_actions()`) run remotely; arguments and results are pickled."""
+    """Proxy of an environment living in an `EnvProcessPool` worker; thread-safe. `reset`, `step`, `close` and the
+    environment's other public methods (e.g. `admissible_actions()`) run remotely; arguments and results are
+    pickled. Other attributes stay in the worker: looking one up raises AttributeError (so `hasattr` and
+    `getattr(env, name, default)` answer as for an object without it). Looking up a method builds the environment
+    first if no call did yet (its worker reports its methods then), with the errors that first call would raise."""
 
     def __init__(self, pool: EnvProcessPool, worker: _Worker, env_id: int):
         self._pool = pool
         self._worker = worker
         self._env_id = env_id
-        self._created = False
+        self._methods: frozenset[str] | None = None  # the environment's public methods, once it is built
         self._closed = False
 
     @property
@@ -522,10 +582,14 @@ class RemoteEnv:
             pass
 
     def __getattr__(self, name: str):
-        # Only called for names not found normally: forward public method calls, refuse private and dunder names
-        # (copy, pickle and hasattr probes must not reach the worker).
+        # Only called for names not found normally: forward the environment's public methods, refuse private and
+        # dunder names (copy, pickle and hasattr probes must not reach the worker) and anything else.
         if name.startswith("_"):
             raise AttributeError(name)
+        if self._methods is None and self._closed:
+            raise AttributeError(f"{name!r}: the environment was closed before it was built")
+        if name not in self._pool._methods_of(self):
+            raise AttributeError(f"the remote environment has no public method {name!r}")
         return functools.partial(self._forward, name)
 
     def _forward(self, method: str, *args, **kwargs) -> Any:

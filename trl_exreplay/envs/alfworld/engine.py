@@ -1,8 +1,9 @@
 """The real ALFWorld text engine: textworld's PDDL environment wrapped as `AlfredTWEnv.init_env` wraps it.
 
 `make_env()` builds `AlfredInfos(AlfredDemangler(PddlEnv(infos)))` with the infos AlfredTWEnv requests
-(`won`, `admissible_commands`, `extras=["gamefile"]`). `play_walkthrough()` plays a game's stored walkthrough
-on it and reports whether it wins (and whether the game was already won after reset).
+(`won`, `admissible_commands`, `extras=["gamefile"]`); `acquire_env()` / `release_env()` reuse engines within a
+process. `play_walkthrough()` plays a game's stored walkthrough on it and reports whether it wins (and whether the
+game was already won after reset).
 """
 
 from __future__ import annotations
@@ -18,10 +19,16 @@ from typing import Any
 
 _ARGV_LOCK = threading.Lock()
 _IMPORT_HINT = "the ALFWorld environment needs `pip install alfworld==0.4.2 'textworld[pddl]==1.7.0'`"
+# What `make_env` imports: worth preloading in a fork server (`EnvProcessPool(preload=...)`, `map_in_pool`).
+ENGINE_MODULES = ("textworld", "fast_downward", "alfworld.agents.environment.alfred_tw_env")
+# textworld parses games with one module-level parser that is not thread-safe, so the engines of a process take turns
+# (the engine is pure Python: threads would not run it in parallel anyway; `EnvProcessPool` does).
+_ENGINE_LOCK = threading.RLock()
 
 
 def make_env():
-    """A fresh engine instance (loads its own copy of fast-downward's library: create few, reuse them)."""
+    """A fresh engine instance. It loads its own copy of fast-downward's library (~0.3 s), which is never unloaded:
+    prefer `acquire_env()` / `release_env()`, which reuse the engines of the process."""
     try:
         import textworld
         from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
@@ -94,14 +101,26 @@ class PlayResult:
         return self.won and not self.won_at_start and self.error is None
 
 
-_ENV = None  # one engine per process
+# Engines released by their user, for the next one. textworld's `close()` does not unload the library copy that
+# `PddlEnv` loads, so closing an engine and making another would map one more copy (33 MB) per engine, for good.
+_FREE_ENGINES: list = []
+_FREE_LOCK = threading.Lock()
 
 
-def _process_env():
-    global _ENV
-    if _ENV is None:
-        _ENV = make_env()
-    return _ENV
+def acquire_env():
+    """An engine of this process no one uses (one released before, else a new one). It may hold the game its
+    previous user loaded: always `load` the game to play. Give it back with `release_env`."""
+    with _FREE_LOCK:
+        if _FREE_ENGINES:
+            return _FREE_ENGINES.pop()
+    return make_env()
+
+
+def release_env(env) -> None:
+    """Give back an engine from `acquire_env` (not closed: a later `acquire_env` returns it); its user must not
+    touch it again."""
+    with _FREE_LOCK:
+        _FREE_ENGINES.append(env)
 
 
 def play_walkthrough(
@@ -109,11 +128,13 @@ def play_walkthrough(
     walkthrough: Sequence[str] | None = None,
     *,
     env=None,
+    max_steps: int | None = None,
 ) -> PlayResult:
-    """Play `walkthrough` (default: the game's stored one) on the real engine.
+    """Play `walkthrough` (default: the game's stored one) on the real engine (`env`, default one of the process's).
 
     `game` is a `game.tw-pddl` path or its parsed JSON. Every command must be admissible when it is played (a
-    command outside the admissible list makes the walkthrough fail). Engine exceptions are reported in `error`.
+    command outside the admissible list makes the walkthrough fail). At most `max_steps` commands are played (a
+    walkthrough cut short ends without winning). Engine exceptions are reported in `error`.
     """
     name = os.fspath(game) if isinstance(game, (str, os.PathLike)) else "<in-memory>"
     data = game
@@ -124,7 +145,19 @@ def play_walkthrough(
         walkthrough = data.get("walkthrough")
         if not walkthrough:
             return PlayResult(name, False, False, 0, "no walkthrough in the game file")
-    env = env if env is not None else _process_env()
+    if max_steps is not None:
+        walkthrough = walkthrough[:max_steps]
+    pooled = env is None
+    env = acquire_env() if pooled else env
+    try:
+        with _ENGINE_LOCK:
+            return _play_walkthrough(env, game, name, walkthrough)
+    finally:
+        if pooled:
+            release_env(env)
+
+
+def _play_walkthrough(env, game, name: str, walkthrough: Sequence[str]) -> PlayResult:
     steps = 0
     try:
         install_game_cache(1)  # load and reset share the game's translation
@@ -165,10 +198,23 @@ def _play_file(path: str) -> PlayResult:
 
 
 def map_in_pool(fn, items: Sequence, workers: int | None, progress: bool = False, desc: str = "") -> Iterator:
-    """`fn` over `items` in order: in this process (workers <= 1) or in a process pool (fork where available)."""
+    """`fn` over `items` in order: in this process (workers <= 1) or in a process pool. The pool starts its processes
+    as `EnvProcessPool` does (forkserver where available, else spawn; never fork, as the caller may run torch
+    threads), so `fn` and the items must be picklable: module-level functions, or `functools.partial`s of them."""
     import multiprocessing as mp
+    import pickle
+
+    from ..process import _module_of, _preload_in_forkserver, default_start_method
 
     workers = min(workers if workers is not None else (os.cpu_count() or 1), len(items))
+    if workers > 1:
+        try:
+            pickle.dumps((fn, items[0]))
+        except Exception as error:
+            raise TypeError(
+                f"with workers > 1, the function and its items go to worker processes and must be picklable "
+                f"(a module-level function, not a lambda or a local function), or pass workers=1: {error}"
+            ) from error
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -181,8 +227,11 @@ def map_in_pool(fn, items: Sequence, workers: int | None, progress: bool = False
                 if bar is not None:
                     bar.update(1)
             return
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        with mp.get_context(method).Pool(workers) as pool:
+        method = default_start_method()
+        context = mp.get_context(method)
+        if method == "forkserver":  # workers then start without importing the engine each
+            _preload_in_forkserver(context, [m for m in (_module_of(fn), *ENGINE_MODULES) if m])
+        with context.Pool(workers) as pool:
             for result in pool.imap(fn, items):
                 yield result
                 if bar is not None:

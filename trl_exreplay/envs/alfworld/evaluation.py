@@ -1,9 +1,10 @@
 """Success rate of an agent on ALFWorld games, overall and per task type, with the alfworld version recorded.
 
-An agent is a callable `(observation, admissible_actions, rng) -> action`, `None` for the game's stored
-walkthrough (which must score 100% on generated games), or `EXPERT` for `SearchExpert` (it finds the objects by
-looking, as a policy must). `random_agent` picks uniformly among admissible commands: the
-floor any trained policy must clear.
+An agent is a callable `(observation, admissible_actions, rng) -> action` (module-level, to reach worker processes
+when `workers` > 1), `None` for the game's stored walkthrough (played by `play_walkthrough`, which wins only if every
+command is admissible; it must score 100% on generated games), or `EXPERT` for `SearchExpert` (it finds the objects
+by looking, as a policy must). `random_agent` picks uniformly among admissible commands: the floor any trained
+policy must clear.
 
 ```python
 from trl_exreplay.envs.alfworld import evaluate, random_agent
@@ -21,8 +22,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from .engine import find_game_files, map_in_pool
-from .expert import play_expert
+from .engine import find_game_files, map_in_pool, play_walkthrough
+from .expert import play_expert, task_params
 from .generate import alfworld_version
 from .textenv import AlfWorldEnv
 
@@ -65,29 +66,22 @@ class EvaluationResult:
 
 def _play(job: tuple) -> tuple[str, bool, int]:
     game_file, agent, max_steps, seed = job
-    with open(os.path.join(os.path.dirname(game_file), "traj_data.json")) as f:
-        task_type = json.load(f)["task_type"]
+    params = task_params(game_file)
+    if agent is None:
+        played = play_walkthrough(game_file, max_steps=max_steps)
+        return params["task_type"], played.ok, played.steps
     env = AlfWorldEnv(max_steps=max_steps, show_admissible=False)
     try:
         if agent == EXPERT:
-            episode = play_expert(env, {"game_file": game_file}, max_steps)
-            return task_type, episode.won, len(episode.actions)
+            episode = play_expert(env, {"game_file": game_file}, max_steps, params=params)
+            return params["task_type"], episode.won, len(episode.actions)
         observation = env.reset({"game_file": game_file})
         rng = random.Random(f"{seed}|{game_file}")
-        walkthrough = None
-        if agent is None:
-            with open(game_file) as f:
-                walkthrough = list(json.load(f)["walkthrough"])
         for step in range(max_steps):
-            if walkthrough is not None and step == len(walkthrough):
-                return task_type, False, step  # a walkthrough that ends before the game does
-            action = (
-                walkthrough[step] if walkthrough is not None else agent(observation, env.admissible_actions(), rng)
-            )
-            observation, reward, done, _ = env.step(action)
+            observation, reward, done, _ = env.step(agent(observation, env.admissible_actions(), rng))
             if done:
-                return task_type, reward > 0, step + 1
-        return task_type, False, max_steps
+                return params["task_type"], reward > 0, step + 1
+        return params["task_type"], False, max_steps
     finally:
         env.close()
 

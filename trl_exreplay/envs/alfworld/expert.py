@@ -26,11 +26,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .engine import _IMPORT_HINT
 from .splits import APPLIANCE_TASKS
 
+try:
+    import alfworld.gen.constants as C
+except ImportError as e:  # pragma: no cover - depends on the installation
+    raise ImportError(_IMPORT_HINT) from e
+
 _SEEN = re.compile(r"\ban? ([a-z]+ \d+)")
-# Receptacle kinds that are closed until opened (ALFRED's openable receptacles).
-_OPENABLE = frozenset({"box", "cabinet", "drawer", "fridge", "microwave", "safe"})
+# Receptacle kinds that are closed until opened, as the game names them ("cabinet" for ALFRED's "Cabinet").
+_OPENABLE = frozenset(name.lower() for name in C.OPENABLE_CLASS_SET)
 _APPLIANCE = {task: (verb, appliance.lower()) for task, (_, appliance, verb) in APPLIANCE_TASKS.items()}
 
 
@@ -156,14 +162,21 @@ class ExpertEpisode:
     won: bool = False
 
 
-def play_expert(env, task: dict[str, Any], max_steps: int | None = None) -> ExpertEpisode:
-    """Play `SearchExpert` on `env` (an `AlfWorldEnv`) for `task` (a row of `alfworld_tasks`)."""
-    expert = SearchExpert(**{k: v for k, v in task_params(task["game_file"]).items()})
+def play_expert(
+    env, task: dict[str, Any], max_steps: int | None = None, *, params: dict[str, str] | None = None
+) -> ExpertEpisode:
+    """Play `SearchExpert` on `env` (an `AlfWorldEnv`, or a `RemoteEnv` of one) for `task` (a row of
+    `alfworld_tasks`), at most `max_steps` steps: by default `env.max_steps` if `env` has that int attribute (an
+    `AlfWorldEnv`), else 50 (ALFWorld's usual limit). A `RemoteEnv` keeps its attributes in its worker: pass
+    `max_steps` for it. `params`: the task's `task_params`, if the caller read them already."""
+    if max_steps is None:
+        limit = getattr(env, "max_steps", None)
+        max_steps = limit if type(limit) is int else 50
+    expert = SearchExpert(**(params if params is not None else task_params(task["game_file"])))
     opening = env.reset(task)
     expert.reset(opening)
     episode = ExpertEpisode(task=dict(task), opening=opening)
-    limit = max_steps or getattr(env, "max_steps", 50)
-    for _ in range(limit):
+    for _ in range(max_steps):
         command = expert.act(env.admissible_actions())
         observation, reward, done, info = env.step(command)
         expert.observe(info.get("command", command), info.get("feedback", observation))

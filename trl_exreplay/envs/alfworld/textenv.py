@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import find_game_files, install_game_cache, make_env
+from .engine import _ENGINE_LOCK, acquire_env, find_game_files, install_game_cache, release_env
 
 WELCOME = "-= Welcome to TextWorld, ALFRED! =-"
 NOTHING_HAPPENS = "Nothing happens."
@@ -45,9 +44,6 @@ _ACTION_LINE = re.compile(r"^\s*action\s*:\s*", re.IGNORECASE)
 _ACTION_PREFIX = re.compile(r"^\s*(?:>\s*|act\s*:\s*)", re.IGNORECASE)
 _THOUGHT_LINE = re.compile(r"^\s*(?:think|thought)\s*:", re.IGNORECASE)
 _GOAL_RULE = re.compile(r'"rhs":\s*"Your task is to: ([^"]*)"')
-# textworld parses games with one module-level parser that is not thread-safe, so the engines of a process take turns
-# (the engine is pure Python: threads would not run it in parallel anyway; `EnvProcessPool` does).
-_ENGINE_LOCK = threading.RLock()
 
 
 def parse_action(text: str) -> str:
@@ -136,7 +132,9 @@ class AlfWorldEnv:
             the largest size any engine asked for, so 0 only means this engine asks for none.
 
     The reward is 1 on a win, else 0. An action the engine cannot apply gets "Nothing happens." and
-    `info["invalid_action"] = True`; `info["feedback"]` is the engine's text of the step (without the prompt). Resetting the game already loaded skips the load.
+    `info["invalid_action"] = True`; `info["feedback"]` is the engine's text of the step (without the prompt).
+    Resetting the game already loaded skips the load. The engine comes from the process's free engines and `close()`
+    gives it back (engines are costly to make and never unloaded; see `engine.acquire_env`).
     """
 
     def __init__(
@@ -162,7 +160,8 @@ class AlfWorldEnv:
     def _engine(self):
         if self._env is None:
             install_game_cache(self.game_cache)
-            self._env = make_env()
+            self._env = acquire_env()
+            self._loaded = None  # a reused engine holds its previous user's game: load ours on reset
         return self._env
 
     def reset(self, task: dict[str, Any]) -> str:
@@ -188,7 +187,9 @@ class AlfWorldEnv:
             raise RuntimeError("AlfWorldEnv.step() before reset().")
         command = parse_action(action)
         with _ENGINE_LOCK:
-            state, _, done = self._engine().step(command)
+            if self._env is None:  # closed by another thread meanwhile: never step an engine it gave back
+                raise RuntimeError("AlfWorldEnv.step() before reset().")
+            state, _, done = self._env.step(command)
         self._state = state
         self.steps += 1
         won = bool(state["won"])
@@ -203,11 +204,11 @@ class AlfWorldEnv:
         return list(self._state["admissible_commands"]) if self._state is not None else []
 
     def close(self) -> None:
-        if self._env is not None:
-            with _ENGINE_LOCK:
-                self._env.close()
-            self._env = None
-            self._loaded = None
+        """Give the engine back to the process (for the next `AlfWorldEnv`); a later `reset` takes one again."""
+        with _ENGINE_LOCK:
+            env, self._env, self._loaded, self._state = self._env, None, None, None
+            if env is not None:
+                release_env(env)
 
 
 def alfworld_tasks(data_dir: str, system_prompt: str | None = INSTRUCTIONS):

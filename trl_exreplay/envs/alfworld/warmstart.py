@@ -56,7 +56,8 @@ def alfworld_vocabulary() -> list[str]:
 
 
 def alfworld_tokenizer():
-    """A word-level tokenizer over `alfworld_vocabulary()` (lower case, punctuation split off), with a chat template."""
+    """A word-level tokenizer over `alfworld_vocabulary()` (lower case, punctuation split off), with a chat
+    template."""
     from ...tiny import build_tiny_tokenizer
 
     return build_tiny_tokenizer(alfworld_vocabulary(), lowercase=True, isolate=PUNCTUATION)
@@ -67,7 +68,7 @@ def _play(task: dict[str, Any], env_kwargs: dict[str, Any]) -> ExpertEpisode:
 
     env = AlfWorldEnv(**env_kwargs)
     try:
-        return play_expert(env, task)
+        return play_expert(env, task, env.max_steps)
     finally:
         env.close()
 
