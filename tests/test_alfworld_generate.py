@@ -21,6 +21,7 @@ from trl_exreplay.envs.alfworld import (  # noqa: E402
     play_walkthroughs,
 )
 from trl_exreplay.envs.alfworld.__main__ import main  # noqa: E402
+from trl_exreplay.envs.alfworld.textenv import goal_of  # noqa: E402
 
 SEED = 3
 WORKERS = 2
@@ -271,3 +272,20 @@ def test_scenes_restrict_the_floor_plans(tmp_path):
         generate_games(tmp_path, "valid_unseen", 1, 0, scenes=bedrooms)
     with pytest.raises(ValueError, match="pick_heat_then_place_in_recep"):  # no microwave in a bedroom
         generate_games(tmp_path, "train", 1, 0, ["pick_heat_then_place_in_recep"], scenes=bedrooms)
+
+
+def test_target_objects_restrict_what_tasks_ask_for(tmp_path):
+    from trl_exreplay.envs.alfworld.splits import room_type
+
+    bedrooms = [s for s in TRAIN_SCENES if room_type(s) == "Bedroom"][:2]
+    free = generate_games(tmp_path / "any", "train", 12, 0, [1, 2], verify=False, scenes=bedrooms)
+    report = generate_games(
+        tmp_path / "few", "train", 12, 0, [1, 2], verify=False, scenes=bedrooms, target_objects=["book", "CD"]
+    )
+    wanted = {_traj(f)["pddl_params"]["object_target"] for f in report.game_files}
+    anything = {_traj(f)["pddl_params"]["object_target"] for f in free.game_files}
+    assert report.written == 12 and wanted <= {"Book", "CD"} and len(anything - {"Book", "CD"}) >= 2
+    # the goal the game states names the object too
+    assert all(any(o in goal_of(f) for o in ("book", "cd")) for f in report.game_files)
+    with pytest.raises(ValueError, match=r"Invalid value \['Bookk'\] for `target_objects`: .*AlarmClock, .*CD, "):
+        generate_games(tmp_path, "train", 1, 0, target_objects=["Bookk"])

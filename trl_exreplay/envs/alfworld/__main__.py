@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
         "--scenes", nargs="+", type=int, default=None, metavar="N",
         help="floor plans to use, a subset of the split's (default: all of them)",
     )  # fmt: skip
+    g.add_argument(
+        "--target-objects", nargs="+", default=None, metavar="TYPE",
+        help="what the tasks may ask for: ALFRED object types, e.g. Book CD (default: any)",
+    )  # fmt: skip
     g.add_argument("--workers", type=int, default=None, help="verification processes (default: one per CPU)")
     g.add_argument("--no-verify", action="store_true", help="skip playing walkthroughs on the engine (debugging only)")
 
@@ -82,6 +86,7 @@ def main(argv=None) -> int:
             workers=args.workers,
             progress=True,
             scenes=args.scenes,
+            target_objects=args.target_objects,
         )
         print(report.summary())
         return 0 if report.written == report.requested else 1

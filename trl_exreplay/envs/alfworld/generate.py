@@ -245,11 +245,16 @@ def _target_exclusions(task_type: str, parent: str) -> set[str]:
     return excl
 
 
-def _sample_task(task_type: str, scene: _Scene, rng: random.Random) -> tuple[str, str, str]:
-    """(object type, parent receptacle type or "", lamp type or ""), weighted by ALFRED's pair counts."""
+def _sample_task(
+    task_type: str, scene: _Scene, rng: random.Random, targets: Sequence[str] | None = None
+) -> tuple[str, str, str]:
+    """(object type, parent receptacle type or "", lamp type or ""), weighted by ALFRED's pair counts; the object is
+    one of `targets` (ALFRED type names) when given."""
     receps, objtypes = scene.receps, scene.objtypes
     rtypes = {d["type"] for d in receps.values()}
-    cands = sorted(t for t in objtypes & _PICKUPABLE if _hosts(t, receps))
+    cands = sorted(t for t in objtypes & _PICKUPABLE if _hosts(t, receps) and (targets is None or t in targets))
+    if targets is not None and not cands:
+        raise _Reject("no allowed target object in the scene")
     if task_type in _APPLIANCE:
         flag, appliance, _ = _APPLIANCE[task_type]
         if appliance not in rtypes:
@@ -445,6 +450,20 @@ class _GameFiles:
     scene: int
 
 
+def normalize_target_objects(names: Sequence[str] | None) -> tuple[str, ...] | None:
+    """ALFRED pickupable object type names (case-insensitive: "book" -> "Book"), or None for any."""
+    if names is None:
+        return None
+    by_lower = {t.lower(): t for t in _PICKUPABLE}
+    unknown = [n for n in names if str(n).lower() not in by_lower]
+    if unknown or not names:
+        raise ValueError(
+            f"Invalid value {unknown or list(names)!r} for `target_objects`: allowed values are ALFRED's pickupable "
+            f"object types: {', '.join(sorted(_PICKUPABLE))}."
+        )
+    return tuple(sorted({by_lower[str(n).lower()] for n in names}))
+
+
 def build_game(
     split: str,
     seed: int,
@@ -453,9 +472,10 @@ def build_game(
     attempt: int = 0,
     wording: str = "put",
     scenes: Sequence[int] | None = None,
+    target_objects: Sequence[str] | None = None,
 ) -> _GameFiles:
     """Build (without verifying) candidate `attempt` of game `index` in one of `scenes` (default: all of the split's
-    floor plans); raises `_Reject` when it cannot be built."""
+    floor plans), its target one of `target_objects` (default: any); raises `_Reject` when it cannot be built."""
     if wording not in WORDINGS:
         raise ValueError(f"wording must be one of {WORDINGS}, got {wording!r}")
     rng = _game_rng(split, seed, index, attempt)
@@ -465,7 +485,7 @@ def build_game(
         raise _Reject(f"no {split} scene allows {task_type}")
     scene_num = rng.choice(scenes)
     scene = _load_scene(scene_num, rng)
-    obj_t, parent_t, toggle_t = _sample_task(task_type, scene, rng)
+    obj_t, parent_t, toggle_t = _sample_task(task_type, scene, rng, target_objects)
     objects = _place_objects(task_type, obj_t, parent_t, toggle_t, scene, rng)
     goal_text = _goal_text(task_type, obj_t, parent_t, toggle_t, rng)
 
@@ -517,11 +537,11 @@ def _reason_key(error: str) -> str:
 
 
 def _generate_one(job: tuple) -> tuple[_GameFiles | None, dict[str, int]]:
-    split, seed, index, task_type, wording, verify, scenes = job
+    split, seed, index, task_type, wording, verify, scenes, target_objects = job
     rejected: Counter = Counter()
     for attempt in range(_MAX_ATTEMPTS):
         try:
-            files = build_game(split, seed, index, task_type, attempt, wording, scenes)
+            files = build_game(split, seed, index, task_type, attempt, wording, scenes, target_objects)
         except _Reject as r:
             rejected[f"sample: {r}"] += 1
             continue
@@ -585,6 +605,7 @@ def generate_games(
     workers: int | None = 1,
     progress: bool = False,
     scenes: Sequence[int] | None = None,
+    target_objects: Sequence[str] | None = None,
 ) -> GenerationReport:
     """Generate `num_games` ALFWorld games of `split` ("train", "valid_seen", "valid_unseen") under `out_dir`.
 
@@ -593,7 +614,9 @@ def generate_games(
     (`verify=True`) and candidates that fail are rejected, counted in the report and replaced by the next
     candidate of the same game index. `workers` processes verify games in parallel (None: one per CPU); the files
     do not depend on it. `scenes` restricts the floor plans (a subset of the split's; default all of them): fewer
-    rooms make a smaller world, e.g. for a tiny model that must learn the rooms by heart. Files are written to
+    rooms make a smaller world, e.g. for a tiny model that must learn the rooms by heart. `target_objects` restricts
+    what the tasks ask for (ALFRED object types such as "Book", case-insensitive; default any): a tiny model learns
+    to spot a few object names long before it learns to match any name in the goal. Files are written to
     `<out_dir>/json_2.1.1/<split>/...` (existing files of the same games are overwritten, other files are left
     alone).
     """
@@ -627,7 +650,8 @@ def generate_games(
         if not all(hosts.values()):
             missing = [t for t, h in hosts.items() if not h]
             raise ValueError(f"`scenes` {scenes} have no room where these task types can happen: {missing}.")
-    jobs = [(split, seed, i, types[i % len(types)], wording, verify, scenes) for i in range(num_games)]
+    targets = normalize_target_objects(target_objects)
+    jobs = [(split, seed, i, types[i % len(types)], wording, verify, scenes, targets) for i in range(num_games)]
     by_type: Counter = Counter()
     rejected: Counter = Counter()
     for files, rej in map_in_pool(_generate_one, jobs, workers, progress=progress, desc=f"generating {split}"):
