@@ -57,6 +57,11 @@ class AlfWorldArguments:
         metadata={"help": "Floor plans of generated train and valid_seen games (a subset of ALFWorld's train floor "
                           "plans); None: all. valid_unseen always uses its own unseen floor plans."},
     )  # fmt: skip
+    target_objects: list[str] | None = field(
+        default=None,
+        metadata={"help": "Objects the tasks ask for (ALFRED types such as Book, CD); games of other objects are "
+                          "neither generated nor loaded. None: any."},
+    )  # fmt: skip
     train_split: str = field(default="train", metadata={"help": "Split whose games are the training tasks."})
     eval_splits: list[str] = field(
         default_factory=lambda: ["valid_seen", "valid_unseen"],
@@ -99,6 +104,10 @@ class AlfWorldArguments:
     )
 
     def __post_init__(self):
+        if self.target_objects:  # a misspelt object fails here, not after minutes of game generation
+            from trl_exreplay.envs.alfworld.generate import normalize_target_objects
+
+            self.target_objects = list(normalize_target_objects(self.target_objects))
         if self.prompt_style not in PROMPT_STYLES:
             raise ValueError(f"Invalid value {self.prompt_style!r} for `prompt_style`: allowed values are "
                              f"{', '.join(map(repr, PROMPT_STYLES))}.")  # fmt: skip
@@ -255,7 +264,7 @@ def ensure_games(script_args: AlfWorldArguments, splits: list[str]) -> None:
         scenes = None if split == "valid_unseen" else script_args.scenes
         report = generate_games(
             script_args.data_dir, split, count, script_args.game_seed, script_args.task_types, workers=None,
-            progress=True, scenes=scenes,
+            progress=True, scenes=scenes, target_objects=script_args.target_objects,
         )  # fmt: skip
         print(report.summary())
 
@@ -267,6 +276,12 @@ def load_tasks(script_args: AlfWorldArguments, split: str, system_prompt, alfwor
 
         wanted = set(normalize_task_types(script_args.task_types))
         tasks = tasks.filter(lambda row: row["task_type"] in wanted)
+    if script_args.target_objects:
+        from trl_exreplay.envs.alfworld.expert import task_params
+        from trl_exreplay.envs.alfworld.generate import normalize_target_objects
+
+        objects = {name.lower() for name in normalize_target_objects(script_args.target_objects)}
+        tasks = tasks.filter(lambda row: task_params(row["game_file"])["object"] in objects)
     return tasks
 
 

@@ -173,9 +173,14 @@ def test_default_config_only_without_a_config_or_a_model():
     recipe = load_recipe()
     script_args, training_args, _ = recipe.parse_args(["--max_steps", "3"])
     assert script_args.scenes == [309, 310, 311] and training_args.use_cpu and training_args.max_steps == 3
+    assert script_args.target_objects is None
     model = ["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct", "--bf16", "false"]  # bf16: no GPU here
     script_args, training_args, model_args = recipe.parse_args(model)
     assert script_args.scenes is None and not training_args.use_cpu and training_args.max_steps == -1
+    assert script_args.target_objects is None
+    with pytest.raises(ValueError, match=r"Invalid value \['Bookk'\] for `target_objects`"):  # before any work
+        recipe.parse_args(["--target_objects", "book", "Bookk"])
+    assert recipe.parse_args(["--target_objects", "book", "cd"])[0].target_objects == ["Book", "CD"]
     assert model_args.model_name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
@@ -235,3 +240,18 @@ def test_recipe_under_each_cpu_accelerate_config(data_dir, tmp_path, config):
     assert set(summary["results"]) == {"valid_seen", "valid_unseen"}
     assert (out / "model.safetensors").exists() and (out / "exreplay_pool" / "state.json").exists()
     assert result.stdout.count("after RL, valid_seen") == 1  # printed by the main process only
+
+
+def test_target_objects_filter_loaded_games(tmp_path):
+    """Games already in data_dir (official data, or generated earlier) are loaded only for the wanted objects."""
+    from trl_exreplay.envs.alfworld import INSTRUCTIONS, alfworld_tasks, generate_games
+    from trl_exreplay.envs.alfworld.expert import task_params
+
+    recipe = load_recipe()
+    generate_games(tmp_path, "train", 8, 0, ["pick_and_place_simple"], verify=False, scenes=[309, 310])
+    objects = sorted(task_params(f)["object"] for f in alfworld_tasks(tmp_path / "json_2.1.1" / "train")["game_file"])
+    wanted = objects[0]
+    script_args, _, _ = recipe.parse_args(["--data_dir", str(tmp_path), "--target_objects", wanted])
+    tasks = recipe.load_tasks(script_args, "train", INSTRUCTIONS, alfworld_tasks)
+    assert len(tasks) == objects.count(wanted) < len(objects)
+    assert {task_params(f)["object"] for f in tasks["game_file"]} == {wanted}
