@@ -25,6 +25,7 @@ REPLAY_FIELDS = {
     "off_policy_shaping_beta",
     "replay_bucket_weighting",
     "max_policy_age",
+    "replay_window",
     "task_id_column",
     "pool_store_mode",
     "max_turns",
@@ -56,6 +57,7 @@ def test_defaults(tmp_path):
     assert (c.exp_select_mode, c.off_policy_shaping, c.replay_bucket_weighting) == ("argmin", "clip", "uniform")
     assert (c.off_cliprange_high, c.off_clip_ratio_c, c.off_policy_shaping_beta) == (1.0, 3.0, 0.1)
     assert (c.max_policy_age, c.task_id_column, c.pool_store_mode) == (None, "task_id", "all")
+    assert c.replay_window is None
     assert isinstance(c, GRPOConfig)
 
 
@@ -71,6 +73,7 @@ def test_boundary_values_are_valid(tmp_path):
         off_clip_ratio_c=1.0,
         off_policy_shaping_beta=1e-6,
         max_policy_age=0,
+        replay_window=1,
         exp_select_mode="random",
         off_policy_shaping="exgrpo",
         replay_bucket_weighting="linear",
@@ -110,6 +113,9 @@ INVALID = [
     ("off_policy_shaping_beta", dict(off_policy_shaping_beta=0.0), "numbers > 0"),
     ("off_policy_shaping_beta", dict(off_policy_shaping_beta=-1.0), "numbers > 0"),
     ("max_policy_age", dict(max_policy_age=-1), "None or integers >= 0"),
+    ("replay_window", dict(replay_window=0), "None or integers >= 1"),
+    ("replay_window", dict(replay_window=2.5), "None or integers >= 1"),
+    ("replay_window", dict(replay_window=True), "None or integers >= 1"),
     ("task_id_column", dict(task_id_column=""), "a non-empty column name"),
     ("max_turns", dict(max_turns=0), "integers >= 1"),
     ("max_tokens_per_turn", dict(max_tokens_per_turn=0), "None or integers >= 1"),
@@ -131,12 +137,13 @@ def test_invalid_value_raises_naming_field_and_allowed_values(tmp_path, field, k
 
 
 def test_replay_options_of_replay_config(tmp_path):
-    c = make(tmp_path, exp_ratio=0.25, exp_select_mode="argmax", max_policy_age=3)
+    c = make(tmp_path, exp_ratio=0.25, exp_select_mode="argmax", max_policy_age=3, replay_window=1000)
     options = replay_options(c)
     assert set(options) == REPLAY_FIELDS
     assert options["exp_ratio"] == 0.25
     assert options["exp_select_mode"] == "argmax"
     assert options["max_policy_age"] == 3
+    assert options["replay_window"] == 1000
     assert options["task_id_column"] == "task_id"
 
 

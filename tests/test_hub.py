@@ -1,6 +1,8 @@
 """Tests for `trl_exreplay.hub`: the model card, which files are published, and the pool upload round trip.
 
-The network is cut off by replacing `HfApi.create_repo` / `create_branch` / `create_commit` with recorders.
+The network is cut off by replacing `HfApi.create_repo` / `create_branch` / `create_commit` / `snapshot_download`
+with a recorder that keeps what each commit uploads (the bytes at commit time, accumulated per repository as the Hub
+does) and serves it back to `snapshot_download`.
 """
 
 from __future__ import annotations
@@ -9,15 +11,19 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
+import datasets
 import huggingface_hub
+import pyarrow as pa
 import pytest
 from huggingface_hub import ModelCard
 from trl import GRPOTrainer
 
 from trl_exreplay.hub import CITATIONS, MODEL_FILE_PATTERNS, model_card, model_files, push_model, push_pool
-from trl_exreplay.pool import STATE_FILE, TRAJECTORIES_DIR, ExperiencePool, TaskOutcome, Trajectory
+from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, tokenizer_fingerprint
+from trl_exreplay.pool_store import STATE_FILE, TRAJECTORIES_DIR, TRAJECTORY_FEATURES
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
 ARXIV_IDS = ("2510.02245", "2511.10395", "2010.03768", "2402.03300")
@@ -59,9 +65,9 @@ def make_card(repo_id="me/tiny-alfworld", base_model="Qwen/Qwen3-0.6B", tags=("a
 
 
 @pytest.fixture
-def hub(monkeypatch):
-    """Records the Hub calls instead of making them."""
-    calls = SimpleNamespace(create_repo=[], create_branch=[], create_commit=[])
+def hub(monkeypatch, tmp_path):
+    """Records the Hub calls instead of making them; keeps the committed bytes and serves them to downloads."""
+    calls = SimpleNamespace(create_repo=[], create_branch=[], create_commit=[], snapshot_download=[], repos={})
 
     def create_repo(self, repo_id, **kwargs):
         calls.create_repo.append({"repo_id": repo_id, **kwargs})
@@ -72,12 +78,30 @@ def hub(monkeypatch):
 
     def create_commit(self, repo_id, operations, **kwargs):
         operations = list(operations)
+        files = calls.repos.setdefault((repo_id, kwargs.get("revision")), {})  # a commit adds to what is there
+        for op in operations:
+            source = op.path_or_fileobj
+            files[op.path_in_repo] = source if isinstance(source, bytes) else Path(source).read_bytes()
         calls.create_commit.append({"repo_id": repo_id, "operations": operations, **kwargs})
         return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/abc123")
+
+    def snapshot_download(self, repo_id, *, repo_type=None, revision=None, **kwargs):
+        # Laid out as the Hub cache does: file contents in blobs/, the snapshot folder made of symlinks to them.
+        calls.snapshot_download.append({"repo_id": repo_id, "repo_type": repo_type, "revision": revision, **kwargs})
+        cache = tmp_path / "hub-cache" / repo_id.replace("/", "--")
+        folder = cache / "snapshots" / str(len(calls.snapshot_download))
+        for i, (name, data) in enumerate(calls.repos[(repo_id, revision)].items()):
+            blob = cache / "blobs" / f"{len(calls.snapshot_download)}-{i}"
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(data)
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).symlink_to(blob)
+        return str(folder)
 
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
     monkeypatch.setattr(huggingface_hub.HfApi, "create_branch", create_branch)
     monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", create_commit)
+    monkeypatch.setattr(huggingface_hub.HfApi, "snapshot_download", snapshot_download)
     return calls
 
 
@@ -281,16 +305,35 @@ def files_under(folder) -> list[str]:
     )
 
 
-def rebuild(commit, target) -> None:
-    """Lay out what was uploaded by its path_in_repo, as `snapshot_download` would."""
-    for path_in_repo, source in uploaded(commit).items():
-        dest = os.path.join(target, *path_in_repo.split("/"))
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        if isinstance(source, bytes):
-            with open(dest, "wb") as f:
-                f.write(source)
-        else:
-            shutil.copyfile(source, dest)
+def shard_rows(files: dict[str, bytes], folder: str) -> int:
+    """Rows in the uploaded Arrow files of `folder/`."""
+    return sum(
+        pa.ipc.open_stream(pa.BufferReader(data)).read_all().num_rows
+        for name, data in files.items()
+        if name.startswith(folder + "/")
+    )
+
+
+def all_trajectories(pool) -> list[dict]:
+    rows = [dict(t.__dict__) for task in pool.stored_tasks() for t in pool.trajectories(task)]
+    return sorted(rows, key=lambda row: row["traj_id"])
+
+
+def dataset_rows(folder, cache_dir) -> list[dict]:
+    """The trajectories as `datasets.load_dataset(repo_id)` reads the repository: the files its card's default config
+    names, with the features they declare. (Given a local folder, `load_dataset` takes a top-level state.json for
+    `save_to_disk` output and refuses it; a Hub repository id is not checked that way, so the card is followed here.)
+    """
+    card = huggingface_hub.DatasetCard.load(str(Path(folder) / "README.md"))
+    (default,) = [config for config in card.data.configs if config["config_name"] == "default"]
+    data_files = [str(Path(folder) / name) for name in default["data_files"]]
+    table = datasets.load_dataset("arrow", data_files=data_files, split="train", cache_dir=str(cache_dir))
+    assert table.features == datasets.Features.from_dict(TRAJECTORY_FEATURES)  # the features the shards declare
+    return sorted(({k: v for k, v in row.items() if k != "store_seq"} for row in table), key=lambda r: r["traj_id"])
+
+
+def trajectory(task_id, entropy, version=0):
+    return Trajectory(task_id, [1], [2, 3], [1, 1], [-0.1, -0.2], [1.0], 1.0, entropy, version)
 
 
 @pytest.mark.parametrize("empty", [False, True])
@@ -302,7 +345,7 @@ def test_push_pool_round_trip(hub, tmp_path, empty):
     saved = files_under(pool_dir)
     (pool_dir / ".partial.tmp").write_text("leftover")
     if not empty:
-        assert f"{TRAJECTORIES_DIR}/dataset_info.json" in saved
+        assert [name.split("/")[0] for name in saved] == ["state.json", "task_rows", "tasks", "trajectories"]
 
     url = push_pool(str(pool_dir), "me/alfworld-pool", private=False)
 
@@ -311,18 +354,93 @@ def test_push_pool_round_trip(hub, tmp_path, empty):
         {"repo_id": "me/alfworld-pool", "private": False, "repo_type": "dataset", "exist_ok": True}
     ]
     assert len(hub.create_commit) == 1
-    commit = hub.create_commit[0]
-    assert commit["repo_type"] == "dataset"
-    assert sorted(uploaded(commit)) == sorted([*saved, "README.md"])
+    assert hub.create_commit[0]["repo_type"] == "dataset"
+    files = hub.repos[("me/alfworld-pool", None)]
+    assert sorted(files) == sorted([*saved, "README.md"])  # the snapshot's files, not the leftover
 
-    readme = uploaded(commit)["README.md"].decode()
-    assert {"trl", "exreplay"} <= set(huggingface_hub.DatasetCard(readme).data.tags)
+    readme = files["README.md"].decode()
+    card = huggingface_hub.DatasetCard(readme)
+    assert {"trl", "exreplay"} <= set(card.data.tags)
+    assert 'ExperiencePool.from_hub("me/alfworld-pool"' in readme and "`completion_ids`" in readme
     assert 'snapshot_download("me/alfworld-pool", repo_type="dataset")' in readme
-    assert "ExperiencePool.load" in readme and "`completion_ids`" in readme
 
-    rebuilt = tmp_path / "download"
-    rebuild(commit, rebuilt)
-    assert ExperiencePool.load(str(rebuilt)).content_hash() == pool.content_hash()
+    loaded = ExperiencePool.from_hub("me/alfworld-pool")
+    assert hub.snapshot_download == [
+        {"repo_id": "me/alfworld-pool", "repo_type": "dataset", "revision": None, "cache_dir": None}
+    ]
+    assert loaded.content_hash() == pool.content_hash()
+    if not empty:
+        assert card.data.configs[0]["data_files"] == [n for n in saved if n.startswith(TRAJECTORIES_DIR)]
+        download = huggingface_hub.HfApi().snapshot_download("me/alfworld-pool", repo_type="dataset")
+        want = all_trajectories(pool)
+        assert len(want) == 3 and dataset_rows(download, tmp_path / "cache") == want
+
+
+def test_push_to_hub_compacts_and_from_hub_checks_the_tokenizer(hub, tmp_path):
+    tokenizer = build_tiny_tokenizer(["go", "to", "desk"])
+    other = build_tiny_tokenizer(["go", "to", "shelf"])  # same size, one other word
+    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4, shard_rows=4)
+    pool.bind_tokenizer(tokenizer_fingerprint(tokenizer))
+    pool.record_outcome(TaskOutcome("a", 2, 4, [trajectory("a", 0.9), trajectory("a", 0.8)], '{"prompt": "a"}'))
+    pool.record_outcome(TaskOutcome("b", 1, 4, [trajectory("b", 0.7)], '{"prompt": "b"}'))
+    pool.record_outcome(TaskOutcome("c", 1, 4, [trajectory("c", 0.6)], '{"prompt": "c"}'))  # 4 rows: one shard
+    pool.flush(wait=True)
+    pool.record_outcome(TaskOutcome("a", 1, 4, [trajectory("a", 0.3, 1)], None))  # evicts 0.9, a written row
+    pool.flush(wait=True)
+    assert pool.storage_stats()["trajectory_dead_rows"] == 1
+
+    pool.push_to_hub("me/pool", private=True, token="hf_fake")
+
+    files = hub.repos[("me/pool", None)]
+    assert shard_rows(files, TRAJECTORIES_DIR) == pool.num_trajectories == 4  # no evicted row is published
+    assert pool.storage_stats()["trajectory_dead_rows"] == 0
+    want = all_trajectories(pool)
+    assert [(row["task_id"], row["entropy"]) for row in want] == [
+        ("a", pytest.approx(0.8)),
+        ("b", pytest.approx(0.7)),
+        ("c", pytest.approx(0.6)),
+        ("a", pytest.approx(0.3)),
+    ]
+    loaded = ExperiencePool.from_hub("me/pool", tokenizer=tokenizer)
+    assert loaded.content_hash() == pool.content_hash()
+    assert dataset_rows(tmp_path / "hub-cache" / "me--pool" / "snapshots" / "1", tmp_path / "cache1") == want
+    shutil.rmtree(tmp_path / "hub-cache" / "me--pool" / "blobs")  # the Hub cache is cleaned: the pool keeps its rows
+    assert all_trajectories(loaded) == want
+    loaded.save(str(tmp_path / "from-hub"))
+    assert ExperiencePool.load(str(tmp_path / "from-hub")).content_hash() == pool.content_hash()
+    with pytest.raises(ValueError, match="another tokenizer"):
+        ExperiencePool.from_hub("me/pool", tokenizer=other)
+
+    # A second push to the same repository: the first push's shards stay in it, unnamed; both readers see the new
+    # pool only.
+    pool.record_outcome(TaskOutcome("a", 4, 4, [], None))  # a leaves for the skip set
+    pool.push_to_hub("me/pool")
+    loaded = ExperiencePool.from_hub("me/pool")
+    assert loaded.content_hash() == pool.content_hash() and loaded.stored_tasks() == ["b", "c"]
+    assert shard_rows(hub.repos[("me/pool", None)], TRAJECTORIES_DIR) == 4 + 2  # the old shard is still there
+    assert dataset_rows(tmp_path / "hub-cache" / "me--pool" / "snapshots" / "3", tmp_path / "cache2") == (
+        all_trajectories(pool)
+    )
+
+
+def test_push_pool_compacts_a_folder_with_evicted_rows_in_place(hub, tmp_path):
+    pool = ExperiencePool(max_trajectories_per_task=1, experience_rbound=4)
+    for task in "tuv":
+        pool.record_outcome(TaskOutcome(task, 1, 4, [trajectory(task, 0.5)], f'{{"prompt": "{task}"}}'))
+    pool.flush(wait=True)
+    pool.record_outcome(TaskOutcome("t", 1, 4, [trajectory("t", 0.4, 1)], None))  # 1 of the shard's 3 rows evicted
+    folder = tmp_path / "pool"
+    pool.save(str(folder))
+    state = json.loads((folder / STATE_FILE).read_text())
+    assert [(e["rows"], e["live"]) for e in state["shards"][TRAJECTORIES_DIR]] == [(3, 2), (1, 1)]
+
+    push_pool(str(folder), "me/pool")
+
+    files = hub.repos[("me/pool", None)]
+    assert shard_rows(files, TRAJECTORIES_DIR) == 3
+    assert sorted(files) == sorted([*files_under(folder), "README.md"])  # the folder is the compacted snapshot
+    assert json.loads((folder / STATE_FILE).read_text())["snapshot"] == 2
+    assert ExperiencePool.load(str(folder)).content_hash() == pool.content_hash()
 
 
 def test_push_pool_custom_card_and_revision(hub, tmp_path):
@@ -330,9 +448,11 @@ def test_push_pool_custom_card_and_revision(hub, tmp_path):
     make_pool().save(str(pool_dir))
     push_pool(str(pool_dir), "me/pool", card="my card", revision="run-2", commit_message="pool at step 40")
     commit = hub.create_commit[0]
-    assert uploaded(commit)["README.md"] == b"my card"
+    assert hub.repos[("me/pool", "run-2")]["README.md"] == b"my card"
     assert commit["revision"] == "run-2" and commit["commit_message"] == "pool at step 40"
     assert hub.create_branch == [{"repo_id": "me/pool", "branch": "run-2", "repo_type": "dataset", "exist_ok": True}]
+    loaded = ExperiencePool.from_hub("me/pool", revision="run-2")
+    assert hub.snapshot_download[-1]["revision"] == "run-2" and loaded.content_hash() == make_pool().content_hash()
 
 
 def test_push_pool_rejects_a_folder_that_is_not_a_pool(hub, tmp_path):
@@ -353,6 +473,6 @@ def test_push_pool_rejects_a_folder_that_is_not_a_pool(hub, tmp_path):
     incomplete = tmp_path / "incomplete"
     make_pool().save(str(incomplete))
     shutil.rmtree(incomplete / TRAJECTORIES_DIR)
-    with pytest.raises(ValueError, match=TRAJECTORIES_DIR):
+    with pytest.raises(ValueError, match=f"incomplete: missing {TRAJECTORIES_DIR}/traj-"):
         push_pool(str(incomplete), "me/pool")
     assert hub.create_repo == [] and hub.create_commit == []

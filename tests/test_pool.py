@@ -8,13 +8,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 
-import datasets
 import numpy as np
+import pyarrow as pa
 import pytest
 
-from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, _features, task_key
+from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, task_key
+from trl_exreplay.pool_store import TRAJECTORY_SCHEMA, read_arrow, read_state, state_files
 
 
 def f32(x: float) -> float:
@@ -430,8 +430,13 @@ def test_content_hash_equal_for_equal_pools_and_sensitive_to_content():
     assert a.content_hash() == b.content_hash()
     assert len(a.content_hash()) == 64
     before = a.content_hash()
-    a.trajectories("b")[0].entropy = f32(0.78)  # trajectories() copies the list, not the trajectories
-    assert a.content_hash() != before
+    a.trajectories("b")[0].entropy = f32(0.78)  # the pool hands out copies: its content does not change
+    a.trajectories("b")[0].logps[0] = 5.0
+    assert a.content_hash() == before and a.trajectories("b")[0].entropy == f32(0.77)
+    one_entropy_differs = build_pool()
+    one_entropy_differs.record_outcome(outcome("zz", 1, entropies=[0.78]))
+    a.record_outcome(outcome("zz", 1, entropies=[0.77]))
+    assert a.content_hash() != one_entropy_differs.content_hash()
     assert build_pool(seed=1).content_hash() != b.content_hash()  # settings are content
     c = build_pool()
     c.record_outcome(outcome("g", 0))
@@ -555,18 +560,28 @@ def test_leftover_tmp_folder_does_not_break_load(tmp_path):
     assert_same_pool(ExperiencePool.load(path), pool)
 
 
-def test_interrupted_save_falls_back_to_previous_copy(tmp_path):
+def files_of(path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+
+
+def test_interrupted_save_leaves_the_previous_pool(tmp_path):
     pool = build_pool()
-    path = str(tmp_path / "pool")
-    pool.save(path)
-    # a save interrupted between its two renames: the old pool moved aside, the new one still a temporary folder
-    os.rename(path, str(tmp_path / ".pool.old-1a2b3c4d"))
-    partial = tmp_path / ".pool.tmp-5e6f7a8b"
-    partial.mkdir()
-    (partial / "trajectories").mkdir()
-    assert not os.path.exists(path)
-    loaded = ExperiencePool.load(path)
-    assert_same_pool(loaded, pool)
+    path = tmp_path / "pool"
+    pool.save(str(path))
+    committed = files_of(path)
+    assert committed == sorted(state_files(read_state(str(path))))
+    # what a save killed before its commit leaves: new shards and tasks table, temporary files, a half state.json
+    shard = next(name for name in committed if name.startswith("trajectories/"))
+    os.link(path / shard, path / "trajectories" / "traj-999999-0123456789ab.arrow")
+    (path / "tasks" / "00000002-0123456789ab.arrow").write_bytes(b"ARROW1 half a table")
+    (path / "tasks" / ".00000002-abc.arrow.tmp-0123").write_bytes(b"partial")
+    (path / ".state.json.tmp-0123456789ab").write_text('{"format_version": 2, "snap')
+    assert_same_pool(ExperiencePool.load(str(path)), pool)
+    pool.record_outcome(outcome("b", 4))
+    pool.record_outcome(outcome("z", 2, entropies=[0.4]))
+    pool.save(str(path))  # the next save removes the leftovers
+    assert files_of(path) == sorted(state_files(read_state(str(path))))
+    assert_same_pool(ExperiencePool.load(str(path)), pool)
 
 
 def test_load_missing_pool_raises(tmp_path):
@@ -578,21 +593,47 @@ def test_load_missing_pool_raises(tmp_path):
 
 
 def test_failed_save_keeps_previous_pool_and_cleans_up(tmp_path, monkeypatch):
+    import trl_exreplay.pool as pool_module
+
     pool = build_pool()
-    path = str(tmp_path / "pool")
-    pool.save(path)
+    path = tmp_path / "pool"
+    pool.save(str(path))
+    committed = files_of(path)
     changed = build_pool()
     changed.record_outcome(outcome("z", 2, entropies=[0.4]))
 
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(datasets.Dataset, "save_to_disk", boom)
+    monkeypatch.setattr(pool_module, "write_json_atomic", boom)  # the commit fails, after shards and tasks table
     with pytest.raises(OSError, match="disk full"):
-        changed.save(path)
+        changed.save(str(path))
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["pool"]
-    assert_same_pool(ExperiencePool.load(path), pool)
+    assert files_of(path) == committed  # what the failed save added is gone
+    assert_same_pool(ExperiencePool.load(str(path)), pool)
+    changed.save(str(path))
+    assert_same_pool(ExperiencePool.load(str(path)), changed)
+
+
+def test_failed_shard_write_is_reported_and_retried(tmp_path):
+    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4, shard_rows=2)
+    build = pool._trajectories._build
+
+    def broken(items):
+        raise OSError("no space left on device")
+
+    pool._trajectories._build = broken
+    pool.record_outcome(outcome("a", 3, entropies=[0.1, 0.2, 0.3]))  # the second add queues a shard: it fails
+    with pytest.raises(RuntimeError, match="no space left on device"):
+        pool.save(str(tmp_path / "pool"))
+    assert not (tmp_path / "pool" / "state.json").exists()
+    assert entropies(pool, "a") == [f32(0.1), f32(0.2), f32(0.3)]  # nothing lost: still buffered
+    pool._trajectories._build = build
+    pool.save(str(tmp_path / "pool"))
+    loaded = ExperiencePool.load(str(tmp_path / "pool"))
+    assert loaded.rejected_rows == 0 and entropies(loaded, "a") == [f32(0.1), f32(0.2), f32(0.3)]
+    assert loaded.content_hash() == pool.content_hash()
 
 
 def test_load_rejects_other_format_version(tmp_path):
@@ -606,13 +647,17 @@ def test_load_rejects_other_format_version(tmp_path):
 
 
 def _rewrite_rows(path, edit):
-    """Replace the saved Arrow table of the pool at `path` by `edit(rows)`."""
-    table_dir = os.path.join(path, "trajectories")
-    rows = datasets.load_from_disk(table_dir).to_list()
-    rows = edit(rows)
-    table = datasets.Dataset.from_list(rows, features=_features())
-    shutil.rmtree(table_dir)
-    table.save_to_disk(table_dir)
+    """Replace the trajectory shards of the pool saved at `path` by `edit(rows)` of their rows (a new file under
+    the same name: the shards are hard links shared with the live pool, which must not change)."""
+    for name in state_files(read_state(path)):
+        if not name.startswith("trajectories/"):
+            continue
+        file = os.path.join(path, name)
+        rows = edit(read_arrow(file).to_pylist())
+        table = pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
+        with pa.OSFile(file + ".new", "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        os.replace(file + ".new", file)
 
 
 def test_row_with_bad_shape_is_rejected_not_fatal(tmp_path):

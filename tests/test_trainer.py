@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,10 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_exreplay import ExperiencePool, ExReplayGRPOTrainer, Trajectory
 from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.planner import ReplayPlan
+from trl_exreplay.pool import tokenizer_fingerprint
+from trl_exreplay.pool_store import read_state, state_files
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+from trl_exreplay.trainer import POOL_DIR, POOL_WORK_DIR
 
 
 def test_disabled_replay_is_grpo_trainer(tmp_path):
@@ -50,7 +55,7 @@ class RecordingTrainer(ExReplayGRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training:
             # the pool as the plan saw it: pending outcomes are flushed before planning, the new ones only queued
-            self.batches.append((output, {t: self.pool.trajectories(t) for t in list(self.pool._store)}))
+            self.batches.append((output, {t: self.pool.trajectories(t) for t in self.pool.stored_tasks()}))
         return output
 
 
@@ -137,7 +142,7 @@ def test_recorded_logps_are_the_generating_policy(tmp_path, schedule):
     snapshots = SnapshotCallback()
     trainer.add_callback(snapshots)
     trainer.train()
-    trajectories = [t for task in list(trainer.pool._store) for t in trainer.pool.trajectories(task)]
+    trajectories = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.trajectories(task)]
     assert len(trajectories) >= 3
     model = trainer.model
     checked_versions = set()
@@ -168,6 +173,94 @@ def test_resume_gives_the_same_next_losses(tmp_path):
     assert resumed.pool.content_hash() == full.pool.content_hash()
     replay_rows = [e["replay/rows_fraction"] for e in resumed.state.log_history if "replay/rows_fraction" in e]
     assert max(replay_rows) > 0  # the resumed steps did replay
+
+
+class PoolFilesAtSave(TrainerCallback):
+    """Each checkpoint's pool as saved: its files' inodes and its content hash (before rotation may delete it)."""
+
+    def __init__(self, output_dir):
+        self.output_dir = output_dir
+        self.inodes, self.hashes = {}, {}
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(self.output_dir, f"checkpoint-{state.global_step}", POOL_DIR)
+        names = state_files(read_state(folder))
+        self.inodes[state.global_step] = {name: os.stat(os.path.join(folder, name)).st_ino for name in names}
+        self.hashes[state.global_step] = ExperiencePool.load(folder).content_hash()
+
+
+def test_checkpoint_pools_are_incremental_and_rotate_with_save_total_limit(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=5, save_strategy="steps", save_steps=1, save_total_limit=2)
+    out = tmp_path / "out"
+    at_save = PoolFilesAtSave(str(out))
+    trainer.add_callback(at_save)
+    trainer.train()
+
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5"]  # TRL's rotation
+    for step in (4, 5):
+        assert ExperiencePool.load(str(out / f"checkpoint-{step}" / POOL_DIR)).content_hash() == at_save.hashes[step]
+    assert at_save.hashes[5] == trainer.pool.content_hash()
+    assert len(set(at_save.hashes.values())) >= 3  # the pool changed between checkpoints
+    shared_steps = 0
+    for step in range(2, 6):
+        before, now = at_save.inodes[step - 1], at_save.inodes[step]
+        shards = lambda files: {n for n in files if n.startswith(("trajectories/", "task_rows/"))}  # noqa: E731
+        shared = shards(before) & shards(now)
+        # Incremental: a shard the previous checkpoint had is the very same file (a hard link), never rewritten;
+        # a save adds at most one trajectory shard and one task row shard (plus a compaction's output).
+        assert all(before[n] == now[n] for n in shared)
+        assert len(shards(now) - shared) <= 3
+        shared_steps += bool(shared)
+    assert shared_steps >= 3
+    for name in at_save.inodes[5]:
+        if name.startswith("trajectories/"):
+            assert os.stat(out / "checkpoint-5" / POOL_DIR / name).st_nlink >= 2  # also the live pool's file
+    assert (out / POOL_WORK_DIR).is_dir() and not (out / "checkpoint-5" / POOL_WORK_DIR).exists()
+
+
+def test_a_pool_recorded_with_another_tokenizer_is_refused(tmp_path):
+    other = build_tiny_tokenizer(list(reversed(VOCABULARY)))  # as many tokens; every id means another word
+    given = ExperiencePool()
+    given.bind_tokenizer(tokenizer_fingerprint(other))
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    with pytest.raises(ValueError, match="recorded with another tokenizer"):
+        ExReplayGRPOTrainer(
+            model=build_tiny_model(tokenizer),
+            reward_funcs=said_target,
+            args=make_args(tmp_path),
+            train_dataset=say_word_dataset(4),
+            processing_class=tokenizer,
+            experience_pool=given,
+        )
+
+    first = make_trainer(tmp_path / "a", max_steps=1, save_strategy="steps", save_steps=1)
+    first.train()
+    checkpoint = tmp_path / "a" / "out" / "checkpoint-1"
+    saved = ExperiencePool.load(str(checkpoint / POOL_DIR))
+    assert saved.tokenizer_fingerprint == tokenizer_fingerprint(first.processing_class)
+    saved.tokenizer_fingerprint = tokenizer_fingerprint(other)
+    saved.save(str(checkpoint / POOL_DIR))
+    resumed = make_trainer(tmp_path / "b", max_steps=2, save_strategy="steps", save_steps=1)
+    with pytest.raises(ValueError, match="recorded with another tokenizer"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+
+
+def replay_log(tmp_path, **overrides):
+    trainer = make_trainer(tmp_path, max_steps=6, **overrides)
+    trainer.train()
+    log = trainer.state.log_history
+    return [e["replay/tasks"] for e in log if "replay/tasks" in e], [
+        e["replay/policy_age"] for e in log if "replay/policy_age" in e
+    ]
+
+
+def test_max_policy_age_and_replay_window_limit_what_is_replayed(tmp_path):
+    tasks, ages = replay_log(tmp_path / "free")
+    assert max(tasks) == 2 and max(ages) > 1  # unconstrained: two replay groups, some trajectories older than 1
+    tasks, ages = replay_log(tmp_path / "age", max_policy_age=1)
+    assert max(tasks) >= 1 and max(ages) <= 1
+    tasks, _ = replay_log(tmp_path / "window", replay_window=1)  # only the last stored trajectory: one task
+    assert max(tasks) == 1
 
 
 def _stored_trajectories(trainer, task_id, completions, saved_entropies):

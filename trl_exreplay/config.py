@@ -141,6 +141,13 @@ class ExReplayGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "Replay only trajectories generated at most this many optimizer steps ago. None: no limit."},
     )
+    replay_window: int | None = field(
+        default=None,
+        metadata={
+            "help": "Replay only among the N most recently stored trajectories of the pool (RLinf's sample window; "
+            "evicted ones still count in the N). None: the whole pool."
+        },
+    )
     task_id_column: str = field(
         default="task_id",
         metadata={
@@ -248,6 +255,13 @@ def validate_replay_options(options: dict[str, Any], num_generations: int | None
     _check(o["off_policy_shaping_beta"] > 0, "off_policy_shaping_beta", o["off_policy_shaping_beta"], "numbers > 0")
     age = o["max_policy_age"]
     _check(age is None or (isinstance(age, int) and age >= 0), "max_policy_age", age, "None or integers >= 0")
+    window = o["replay_window"]
+    _check(
+        window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
+        "replay_window",
+        window,
+        "None or integers >= 1",
+    )
     column = o["task_id_column"]
     _check(isinstance(column, str) and column != "", "task_id_column", column, "a non-empty column name")
     _check(isinstance(o["max_turns"], int) and o["max_turns"] >= 1, "max_turns", o["max_turns"], "integers >= 1")

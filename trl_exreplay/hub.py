@@ -14,7 +14,14 @@ from collections.abc import Sequence
 
 from trl import GRPOTrainer
 
-from .pool import FORMAT_VERSION, STATE_FILE, TRAJECTORIES_DIR
+from .pool_store import (
+    FORMAT_VERSION,
+    STATE_FILE,
+    TASK_ROWS_DIR,
+    TRAJECTORIES_DIR,
+    TRAJECTORY_FEATURES,
+    state_files,
+)
 
 CITATIONS: dict[str, str] = {
     "ExGRPO": """@misc{zhan2025exgrpo,
@@ -261,21 +268,28 @@ def _pool_state(pool_dir: str) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"{pool_dir} is not a saved experience pool: {STATE_FILE} is not JSON ({e}).") from e
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{pool_dir} is not a saved experience pool of format_version {FORMAT_VERSION}.")
-    if state.get("num_trajectories") and not os.path.isdir(os.path.join(pool_dir, TRAJECTORIES_DIR)):
-        raise ValueError(f"Experience pool at {pool_dir} is incomplete: {TRAJECTORIES_DIR}/ is missing.")
+        raise ValueError(
+            f"{pool_dir} is not a saved experience pool of format_version {FORMAT_VERSION} (an older pool: load it "
+            "with ExperiencePool.load and save it again)."
+        )
+    missing = [name for name in state_files(state) if not os.path.isfile(os.path.join(pool_dir, name))]
+    if missing:
+        raise ValueError(f"Experience pool at {pool_dir} is incomplete: missing {', '.join(missing)}.")
     return state
 
 
 def _pool_card(repo_id: str, state: dict) -> str:
     from huggingface_hub import DatasetCard, DatasetCardData
 
-    from .pool import _features
-
     extra = {}
-    if state.get("num_trajectories"):
-        # Lets `datasets.load_dataset(repo_id)` and the Hub viewer read the trajectories as a plain table.
-        extra["configs"] = [{"config_name": "default", "data_files": f"{TRAJECTORIES_DIR}/*.arrow"}]
+    configs = []
+    # Lets `datasets.load_dataset(repo_id)` and the Hub viewer read the trajectories as a plain table. The files are
+    # named, not globbed: shards of earlier pushes to the repository stay in it (commits only add files).
+    for name, kind in (("default", TRAJECTORIES_DIR), (TASK_ROWS_DIR, TASK_ROWS_DIR)):
+        if state["shards"][kind]:
+            configs.append({"config_name": name, "data_files": [f"{kind}/{e['name']}" for e in state["shards"][kind]]})
+    if configs:
+        extra["configs"] = configs
     data = DatasetCardData(tags=["trl", "exreplay"], **extra)
     settings = state.get("settings", {})
     body = "\n".join(
@@ -288,19 +302,25 @@ def _pool_card(repo_id: str, state: dict) -> str:
             "solved tasks.",
             "",
             f"- trajectories: {state.get('num_trajectories', 0)}",
-            f"- tasks with difficulty: {len(state.get('difficulty', []))}",
-            f"- skip set: {len(state.get('skip_set', []))}",
+            f"- tasks: {state.get('num_tasks', 0)}",
+            f"- tokenizer fingerprint: `{state.get('tokenizer_fingerprint')}`",
             *(f"- {k}: {json.dumps(v)}" for k, v in sorted(settings.items())),
             "",
-            f"`{STATE_FILE}` holds the pool state; `{TRAJECTORIES_DIR}/` an Arrow table, one row per trajectory, "
-            "with columns: " + ", ".join(f"`{c}`" for c in _features()) + ".",
+            f"`{STATE_FILE}` holds the pool state and names its files; `{TRAJECTORIES_DIR}/` holds Arrow shards, one "
+            "row per trajectory, with columns: " + ", ".join(f"`{c}`" for c in TRAJECTORY_FEATURES) + f"; "
+            f"`{TASK_ROWS_DIR}/` the dataset row of each task (JSON), so a replayed task can be rolled out again.",
             "",
             "## Usage",
             "",
             _fenced(
-                "from huggingface_hub import snapshot_download\n"
                 "from trl_exreplay import ExperiencePool\n\n"
-                f'pool = ExperiencePool.load(snapshot_download("{repo_id}", repo_type="dataset"))',
+                f'pool = ExperiencePool.from_hub("{repo_id}", tokenizer=tokenizer)  # refuses another tokenizer\n\n'
+                "# or, from a local copy:\n"
+                "from huggingface_hub import snapshot_download\n\n"
+                f'pool = ExperiencePool.load(snapshot_download("{repo_id}", repo_type="dataset"))\n\n'
+                "# the trajectories as a plain table:\n"
+                "import datasets\n\n"
+                f'trajectories = datasets.load_dataset("{repo_id}", split="train")',
                 "python",
             ),
             "",
@@ -319,25 +339,30 @@ def push_pool(
     revision: str | None = None,
     commit_message: str = "Upload experience pool from trl-exreplay",
 ) -> str:
-    """Upload a pool folder written by `ExperiencePool.save` to a dataset repository, in one commit.
+    """Upload the pool saved in folder `pool_dir` (`ExperiencePool.save`) to a dataset repository, in one commit.
 
-    The files keep their layout, so ``ExperiencePool.load(snapshot_download(repo_id, repo_type="dataset"))`` reads
-    the pool back; a ``README.md`` (`card`, or a default dataset card) is added. Hidden files (leftover temporary
-    files) are skipped. Returns the commit URL. Raises when `pool_dir` is not a saved pool.
+    Uploaded: the committed snapshot's files with their layout, so `ExperiencePool.from_hub(repo_id)` (or
+    ``ExperiencePool.load(snapshot_download(repo_id, repo_type="dataset"))``) reads the pool back, and a
+    ``README.md`` (`card`, or a default dataset card whose configs let ``datasets.load_dataset(repo_id)`` read the
+    trajectories). When the snapshot's shards still hold evicted rows, the folder is first compacted in place (a new
+    snapshot of the same pool), so that table holds exactly the pool's trajectories. Returns the commit URL. Raises
+    when `pool_dir` is not a complete saved pool.
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
     pool_dir = os.path.abspath(pool_dir)
     state = _pool_state(pool_dir)
-    operations = []
-    for root, dirs, files in os.walk(pool_dir):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, pool_dir).replace(os.sep, "/")
-            if name.startswith(".") or rel == "README.md":
-                continue
-            operations.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=path))
+    if any(e["live"] < e["rows"] for es in state["shards"].values() for e in es):
+        from .pool import ExperiencePool
+
+        with ExperiencePool.load(pool_dir) as pool:
+            pool.compact()
+            pool.save(pool_dir, save_total_limit=state.get("save_total_limit", 1))
+        state = _pool_state(pool_dir)
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(pool_dir, name))
+        for name in state_files(state)
+    ]
     text = card if card is not None else _pool_card(repo_id, state)
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=text.encode("utf-8")))
     return _commit(

@@ -8,7 +8,9 @@ Overrides (each calls `super()` and post-processes; no TRL method body is copied
 * `_generate_single_turn`: generate the fresh rows only and splice in the replayed completions;
 * `_calculate_rewards`: replayed rows keep their recorded rewards (they still count in their group's mean and std);
 * `_compute_loss`: forward, then `compute_exreplay_loss` (on/off-policy split) plus TRL's KL and entropy terms;
-* `save_model` / `_load_optimizer_and_scheduler`: the pool travels with every checkpoint.
+* `save_model` / `_load_optimizer_and_scheduler`: the pool travels with every checkpoint (an incremental save: the
+  checkpoint hard-links the shards it shares with the previous one, so TRL's rotation under `save_total_limit` prunes
+  the pool with the checkpoint).
 """
 
 from __future__ import annotations
@@ -33,12 +35,15 @@ from .envs import env_reward
 from .hub import CITATIONS
 from .loss import aggregate_loss, compute_exreplay_loss
 from .planner import ReplayPlan, plan_replay
-from .pool import ExperiencePool, TaskOutcome, Trajectory, task_key
+from .pool import ExperiencePool, TaskOutcome, Trajectory, task_key, tokenizer_fingerprint
 from .rollout import MultiTurnRollout, generate_batch
 
 logger = logging.getLogger(__name__)
 
 POOL_DIR = "exreplay_pool"
+# The live pool's shards, under output_dir (same disk as the checkpoints, so saves hard-link instead of copying); the
+# leading underscore keeps it out of `Trainer.push_to_hub` uploads.
+POOL_WORK_DIR = "_exreplay_pool_work"
 
 
 class ExReplayGRPOTrainer(GRPOTrainer):
@@ -114,9 +119,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             "exp_select_mode": self.replay["exp_select_mode"],
             "pool_store_mode": self.replay["pool_store_mode"],
             "max_policy_age": self.replay["max_policy_age"],
+            "replay_window": self.replay["replay_window"],
             "seed": self.args.seed,
         }
-        self.pool = ExperiencePool(**self._pool_settings)
+        self._tokenizer_fingerprint = tokenizer_fingerprint(self.processing_class) if self._replay_enabled else None
+        self.pool = ExperiencePool(**self._pool_settings, work_dir=self._pool_work_dir())
+        if self._tokenizer_fingerprint is not None:
+            self.pool.bind_tokenizer(self._tokenizer_fingerprint)
         if experience_pool is not None:
             self._adopt_pool(experience_pool, "the given experience_pool")
         if self._replay_enabled or env_factory is not None:
@@ -184,7 +193,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if self._replay_started():
             plan = plan_replay(
                 group_keys,
-                self.pool.replayable_tasks(plan.num_replayed, step, self.replay["max_policy_age"]),
+                self.pool.replayable_tasks(
+                    plan.num_replayed, step, self.replay["max_policy_age"], self.replay["replay_window"]
+                ),
                 exp_ratio=self.replay["exp_ratio"],
                 num_generations=num_generations,
                 num_replayed=plan.num_replayed,
@@ -319,8 +330,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _select_trajectories(self, plan: ReplayPlan, step: int, seed=None) -> dict[str, list[Trajectory]]:
-        k, age = plan.num_replayed, self.replay["max_policy_age"]
-        candidates = {t: self.pool.candidates(t, step, age) for t in plan.replay_groups.values()}
+        k, age, window = plan.num_replayed, self.replay["max_policy_age"], self.replay["replay_window"]
+        candidates = {t: self.pool.candidates(t, step, age, window) for t in plan.replay_groups.values()}
         entropies: dict[str, list[float]] = {}
         mode = self.replay["exp_select_mode"]
         if self.replay["use_current_policy_entropy"] and mode != "random":
@@ -804,11 +815,19 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._replay_enabled and checkpoint is not None and os.path.isdir(os.path.join(checkpoint, POOL_DIR)):
-            self._adopt_pool(ExperiencePool.load(os.path.join(checkpoint, POOL_DIR)), checkpoint)
+            pool = ExperiencePool.load(os.path.join(checkpoint, POOL_DIR), work_dir=self._pool_work_dir())
+            self._adopt_pool(pool, checkpoint)
             self._pending = None
 
+    def _pool_work_dir(self) -> str:
+        return os.path.join(self.args.output_dir, POOL_WORK_DIR)
+
     def _adopt_pool(self, pool: ExperiencePool, source: str) -> None:
-        """Use `pool` under this run's configuration (the config wins over the settings the pool was saved with)."""
+        """Use `pool` under this run's configuration (the config wins over the settings the pool was saved with).
+
+        A pool recorded with another tokenizer is refused: its token ids would mean other tokens here."""
+        if self._tokenizer_fingerprint is not None:
+            pool.bind_tokenizer(self._tokenizer_fingerprint, source)
         changed = pool.configure(**self._pool_settings)
         if changed:
             logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, changed)

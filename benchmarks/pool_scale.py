@@ -1,0 +1,509 @@
+"""Experience pool at scale: `ExperiencePool` (memory-mapped Arrow shards) against the seeds' design, a Python dict of
+trajectories pickled to disk (seed 001, section 2.12), measured in the same run.
+
+For each size N (trajectories of ``--prompt-tokens`` + ``--completion-tokens`` tokens with a log-prob per completion
+token, 5 per task, N / 5 tasks), each step in a fresh process so that memory is measured cleanly:
+
+* ours, build: fill a pool through `record_outcome`, save it, then time add 512 (the calling thread's cost; the
+  writer thread's flush of them is timed apart), sample 64 (argmin saved entropy: `ExperiencePool.sample`), the
+  trainer's own path for 64 replay groups (`replayable_tasks` + `plan_replay` + `candidates` + `select`), an
+  incremental save into the same folder and into a new checkpoint folder.
+* ours, load: RSS with an empty pool, load the saved pool, sample 64, add 512 and save incrementally: RSS growth.
+* baseline, build: ``{task: [trajectory dict of numpy arrays]}`` (compact: the seeds' Python lists would need
+  ~120 GB at 1M), same fill; add 512 (lists -> arrays, argmin eviction), sample 64 as the seeds do
+  (``random.sample`` of the valid task list, argmin entropy), save = ``pickle.dump`` of the whole dict.
+* baseline, load: RSS growth of ``pickle.load``.
+
+Prints a table and writes JSON (figures, machine, versions). Data lives in a temporary folder, removed at the end.
+
+    OMP_NUM_THREADS=1 python benchmarks/pool_scale.py --sizes 10000,100000,1000000 --json pool_scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import pickle
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+PER_TASK = 5
+ADD, SAMPLE = 512, 64
+
+
+# ------------------------------------------------------------------------------------------------------------ helpers
+def rss_mb() -> dict[str, float]:
+    """Resident memory of this process (MB): total, anonymous and file-backed (mapped shards) parts, and the peak."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+def median_ms(fn, repeats: int, cpu: bool = False):
+    """Median wall time of `fn(i)` (ms); with `cpu`, also the median CPU time of the calling thread (ms), which
+    other processes on the machine do not inflate."""
+    walls, cpus = [], []
+    for i in range(repeats):
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        fn(i)
+        walls.append((time.perf_counter() - start) * 1e3)
+        cpus.append((time.thread_time() - start_cpu) * 1e3)
+    return (statistics.median(walls), statistics.median(cpus)) if cpu else statistics.median(walls)
+
+
+def template(prompt_tokens: int, completion_tokens: int) -> dict:
+    rng = np.random.default_rng(0)
+    return {
+        "prompt_ids": rng.integers(0, 150_000, prompt_tokens).tolist(),
+        "completion_ids": rng.integers(0, 150_000, completion_tokens).tolist(),
+        "completion_mask": [1] * completion_tokens,
+        "logps": np.float32(-rng.random(completion_tokens)).tolist(),
+    }
+
+
+def make_trajectory(base, task_id: str, entropy: float, version: int):
+    # Setup only (not timed): a shallow copy of one normalised trajectory instead of `Trajectory(...)`, whose
+    # per-token normalisation would make filling a million trajectories take ten minutes more.
+    trajectory = copy.copy(base)
+    trajectory.task_id, trajectory.entropy, trajectory.policy_version = task_id, entropy, version
+    return trajectory
+
+
+def entropy_of(rng: np.random.Generator) -> float:
+    return float(np.float32(rng.random()))
+
+
+# ------------------------------------------------------------------------------------------------------------ ours
+def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    from trl_exreplay.planner import plan_replay
+    from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory
+
+    parts = template(prompt_tokens, completion_tokens)
+    base = Trajectory("t", rewards=[1.0], reward=1.0, entropy=0.5, policy_version=0, **parts)
+    rng = np.random.default_rng(1)
+    baseline_rss = rss_mb()
+    pool = ExperiencePool(max_trajectories_per_task=PER_TASK, experience_rbound=8, work_dir=folder)
+    start = time.perf_counter()
+    for task in range(size // PER_TASK):
+        task_id = f"task-{task:07d}"
+        successful = [make_trajectory(base, task_id, entropy_of(rng), 0) for _ in range(PER_TASK)]
+        row = json.dumps({"task_id": task_id, "prompt": [{"role": "user", "content": f"solve task {task}"}]})
+        pool.record_outcome(TaskOutcome(task_id, PER_TASK, 8, successful, row))
+    pool.flush(wait=True)
+    fill_s = time.perf_counter() - start
+    saved = os.path.join(folder, "pool")
+    start = time.perf_counter()
+    pool.save(saved)
+    first_save_s = time.perf_counter() - start
+    os.sync()  # let the kernel write back the fill's ~10 GB now, not during the measurements
+
+    tasks = size // PER_TASK
+    version = [1]
+
+    def add(_):
+        batch = [
+            make_trajectory(base, f"task-{int(t):07d}", entropy_of(rng), version[0])
+            for t in rng.integers(0, tasks, ADD)
+        ]
+        pool.flush(wait=True)  # start with the writer idle
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        for trajectory in batch:
+            pool.add(trajectory)
+        version[0] += 1
+        return (time.perf_counter() - start) * 1e3, (time.thread_time() - start_cpu) * 1e3
+
+    adds = [add(i) for i in range(5)]
+    add_ms, add_cpu_ms = statistics.median(a for a, _ in adds), statistics.median(c for _, c in adds)
+    # The writer thread's work for 512 appends: rows -> Arrow shard, written and fsynced, off the training thread.
+    for trajectory in [make_trajectory(base, f"task-{int(t):07d}", entropy_of(rng), 99) for t in range(ADD)]:
+        pool.add(trajectory)
+    start = time.perf_counter()
+    pool.flush(wait=True)
+    flush_ms = (time.perf_counter() - start) * 1e3
+
+    sample_ms, sample_cpu_ms = median_ms(lambda i: pool.sample(SAMPLE, rng=np.random.default_rng(i)), 50, cpu=True)
+    assert len(pool.sample(SAMPLE)) == SAMPLE
+
+    def trainer_path(i):
+        replayable = pool.replayable_tasks(1)
+        plan = plan_replay(
+            [f"group-{g}" for g in range(2 * SAMPLE)],
+            replayable,
+            exp_ratio=0.5,
+            num_generations=8,
+            num_replayed=1,
+            seed=[0, i],
+        )
+        return [pool.select(pool.candidates(t), 1) for t in plan.replay_groups.values()]
+
+    plan_ms = median_ms(trainer_path, 5)
+
+    def incremental(target):
+        for trajectory in [
+            make_trajectory(base, f"task-{int(t):07d}", entropy_of(rng), 200) for t in rng.integers(0, tasks, ADD)
+        ]:
+            pool.add(trajectory)
+        pool.flush(wait=True)
+        start = time.perf_counter()
+        pool.save(target)
+        return (time.perf_counter() - start) * 1e3
+
+    save_ms = statistics.median(incremental(saved) for _ in range(3))
+    checkpoint_ms = statistics.median(incremental(os.path.join(folder, f"checkpoint-{i}")) for i in range(3))
+    for i in range(3):
+        shutil.rmtree(os.path.join(folder, f"checkpoint-{i}"))
+    gc.collect()
+    memory = rss_mb()
+    stats = pool.storage_stats()
+    return {
+        "fill_s": fill_s,
+        "first_save_s": first_save_s,
+        "add_ms": add_ms,
+        "add_cpu_ms": add_cpu_ms,
+        "flush_ms": flush_ms,
+        "sample_ms": sample_ms,
+        "sample_cpu_ms": sample_cpu_ms,
+        "trainer_plan_ms": plan_ms,
+        "save_ms": save_ms,
+        "checkpoint_save_ms": checkpoint_ms,
+        "rss_empty_mb": baseline_rss,
+        "rss_mb": memory,
+        "rss_growth_mb": memory["VmRSS"] - baseline_rss["VmRSS"],
+        "trajectories": pool.num_trajectories,
+        "storage": stats,
+        "disk_gb": sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(saved) for n in ns) / 1e9,
+    }
+
+
+def ours_load(size: int, folder: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    from trl_exreplay.pool import ExperiencePool, Trajectory
+
+    parts = template(prompt_tokens, completion_tokens)
+    base = Trajectory("t", rewards=[1.0], reward=1.0, entropy=0.5, policy_version=0, **parts)
+    empty = ExperiencePool(work_dir=folder)
+    gc.collect()
+    before = rss_mb()
+    start = time.perf_counter()
+    pool = ExperiencePool.load(os.path.join(folder, "pool"), work_dir=folder)
+    load_s = time.perf_counter() - start
+    after_load = rss_mb()
+    sample_ms, sample_cpu_ms = median_ms(
+        lambda i: pool.sample(SAMPLE, rng=np.random.default_rng(100 + i)), 50, cpu=True
+    )
+    rng = np.random.default_rng(2)
+    for t in rng.integers(0, size // PER_TASK, ADD):
+        pool.add(make_trajectory(base, f"task-{int(t):07d}", entropy_of(rng), 300))
+    pool.save(os.path.join(folder, "pool"))
+    gc.collect()
+    memory = rss_mb()
+    del empty
+    return {
+        "load_s": load_s,
+        "sample_after_load_ms": sample_ms,
+        "sample_after_load_cpu_ms": sample_cpu_ms,
+        "rss_empty_mb": before,
+        "rss_after_load_mb": after_load,
+        "rss_mb": memory,
+        "rss_growth_mb": memory["VmRSS"] - before["VmRSS"],
+        "trajectories": pool.num_trajectories,
+    }
+
+
+# -------------------------------------------------------------------------------------------------------- baseline
+class DictPool:
+    """The seeds' pool: task -> list of trajectories in RAM, a skip set, pickled whole to save."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.task2trajectories: dict[str, list[dict]] = {}
+        self.skip: set[str] = set()
+
+    def add(self, trajectory) -> None:
+        entry = {
+            "prompt_ids": np.asarray(trajectory.prompt_ids, np.int32),
+            "completion_ids": np.asarray(trajectory.completion_ids, np.int32),
+            "completion_mask": np.asarray(trajectory.completion_mask, np.int8),
+            "logps": np.asarray(trajectory.logps, np.float32),
+            "entropy": trajectory.entropy,
+            "policy_version": trajectory.policy_version,
+        }
+        stored = self.task2trajectories.setdefault(trajectory.task_id, [])
+        if len(stored) < self.capacity:
+            stored.append(entry)
+            return
+        worst = max(range(len(stored)), key=lambda i: stored[i]["entropy"])
+        if entry["entropy"] < stored[worst]["entropy"]:
+            stored[worst] = entry
+
+    def sample(self, num: int, rng: random.Random) -> list[dict]:
+        valid = [t for t, ts in self.task2trajectories.items() if ts and t not in self.skip]
+        return [min(self.task2trajectories[t], key=lambda e: e["entropy"]) for t in rng.sample(valid, num)]
+
+
+def baseline_build(size: int, folder: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    from trl_exreplay.pool import Trajectory
+
+    parts = template(prompt_tokens, completion_tokens)
+    base = Trajectory("t", rewards=[1.0], reward=1.0, entropy=0.5, policy_version=0, **parts)
+    arrays = {
+        "prompt_ids": np.asarray(parts["prompt_ids"], np.int32),
+        "completion_ids": np.asarray(parts["completion_ids"], np.int32),
+        "completion_mask": np.asarray(parts["completion_mask"], np.int8),
+        "logps": np.asarray(parts["logps"], np.float32),
+    }
+    rng = np.random.default_rng(1)
+    before = rss_mb()
+    pool = DictPool(PER_TASK)
+    start = time.perf_counter()
+    for task in range(size // PER_TASK):  # setup: own copies of the arrays (not timed as adds)
+        pool.task2trajectories[f"task-{task:07d}"] = [
+            {**{k: v.copy() for k, v in arrays.items()}, "entropy": entropy_of(rng), "policy_version": 0}
+            for _ in range(PER_TASK)
+        ]
+    fill_s = time.perf_counter() - start
+    tasks = size // PER_TASK
+
+    def add(_):
+        batch = [make_trajectory(base, f"task-{int(t):07d}", entropy_of(rng), 1) for t in rng.integers(0, tasks, ADD)]
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        for trajectory in batch:
+            pool.add(trajectory)
+        return (time.perf_counter() - start) * 1e3, (time.thread_time() - start_cpu) * 1e3
+
+    adds = [add(i) for i in range(5)]
+    add_ms, add_cpu_ms = statistics.median(a for a, _ in adds), statistics.median(c for _, c in adds)
+    sample_ms, sample_cpu_ms = median_ms(lambda i: pool.sample(SAMPLE, random.Random(i)), 20, cpu=True)
+    path = os.path.join(folder, "pool.pkl")
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        pickle.dump(pool.task2trajectories, f, protocol=pickle.HIGHEST_PROTOCOL)
+        f.flush()
+        os.fsync(f.fileno())
+    save_s = time.perf_counter() - start
+    memory = rss_mb()
+    return {
+        "fill_s": fill_s,
+        "add_ms": add_ms,
+        "add_cpu_ms": add_cpu_ms,
+        "sample_ms": sample_ms,
+        "sample_cpu_ms": sample_cpu_ms,
+        "save_ms": save_s * 1e3,
+        "rss_empty_mb": before,
+        "rss_mb": memory,
+        "rss_growth_mb": memory["VmRSS"] - before["VmRSS"],
+        "disk_gb": os.path.getsize(path) / 1e9,
+    }
+
+
+def baseline_load(size: int, folder: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    gc.collect()
+    before = rss_mb()
+    start = time.perf_counter()
+    with open(os.path.join(folder, "pool.pkl"), "rb") as f:
+        store = pickle.load(f)
+    load_s = time.perf_counter() - start
+    memory = rss_mb()
+    assert sum(len(ts) for ts in store.values()) >= size
+    return {
+        "load_s": load_s,
+        "rss_empty_mb": before,
+        "rss_mb": memory,
+        "rss_growth_mb": memory["VmRSS"] - before["VmRSS"],
+    }
+
+
+WORKERS = {
+    "ours_build": ours_build,
+    "ours_load": ours_load,
+    "baseline_build": baseline_build,
+    "baseline_load": baseline_load,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------- driver
+def run_worker(role: str, size: int, folder: str, args) -> dict:
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        role,
+        "--size",
+        str(size),
+        "--dir",
+        folder,
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--completion-tokens",
+        str(args.completion_tokens),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"{role} {size} failed:\n{result.stderr[-4000:]}")
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"  {role:15s} N={size:>9,d}  {time.perf_counter() - start:7.1f} s", flush=True)
+    return out
+
+
+def machine() -> dict:
+    import datasets
+    import pyarrow
+
+    import trl_exreplay
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    with open("/proc/meminfo") as f:
+        total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) / 1024**2
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
+    except OSError:
+        commit = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": round(total, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "pyarrow": pyarrow.__version__,
+        "datasets": datasets.__version__,
+        "trl_exreplay": trl_exreplay.__version__,
+        "git_commit": commit,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
+def fmt_ms(value: float) -> str:
+    return f"{value / 1e3:.2f} s" if value >= 1e4 else f"{value:.1f} ms" if value >= 10 else f"{value:.2f} ms"
+
+
+def both(figures: dict, name: str) -> str:
+    return f"{fmt_ms(figures[name + '_ms'])} ({fmt_ms(figures[name + '_cpu_ms'])})"
+
+
+def table(results: dict) -> str:
+    lines = [
+        "Wall time, and in parentheses the calling thread's CPU time (what other processes on the machine do not "
+        "inflate).",
+        "",
+        "| trajectories | pool | add 512 | sample 64 | save (incremental) | load | RSS growth |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for size, r in results.items():
+        ours, base = r["ours"], r["baseline"]
+        lines.append(
+            f"| {int(size):,} | sharded (ours) | {both(ours['build'], 'add')} | {both(ours['build'], 'sample')} "
+            f"| {fmt_ms(ours['build']['save_ms'])} | {ours['load']['load_s']:.2f} s "
+            f"| {max(ours['build']['rss_growth_mb'], ours['load']['rss_growth_mb']):.0f} MB |"
+        )
+        lines.append(
+            f"| {int(size):,} | dict + pickle | {both(base['build'], 'add')} | {both(base['build'], 'sample')} "
+            f"| {fmt_ms(base['build']['save_ms'])} | {base['load']['load_s']:.2f} s "
+            f"| {max(base['build']['rss_growth_mb'], base['load']['rss_growth_mb']):.0f} MB |"
+        )
+        ratio = lambda a, b: f"{b / a:.0f}x" if a > 0 else "-"  # noqa: E731
+        lines.append(
+            f"| | baseline / ours | {ratio(ours['build']['add_ms'], base['build']['add_ms'])} "
+            f"| {ratio(ours['build']['sample_ms'], base['build']['sample_ms'])} "
+            f"| {ratio(ours['build']['save_ms'], base['build']['save_ms'])} "
+            f"| {ratio(ours['load']['load_s'], base['load']['load_s'])} "
+            f"| {ratio(max(ours['build']['rss_growth_mb'], ours['load']['rss_growth_mb'], 1), max(base['build']['rss_growth_mb'], base['load']['rss_growth_mb']))} |"  # noqa: E501
+        )
+    lines += [
+        "",
+        "| trajectories | writer: flush 512 | trainer path, 64 groups | save to a new checkpoint | first (full) save "
+        "| sample 64 after load | RSS after load: anon / file | disk: shards / pickle |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size, r in results.items():
+        b, lo = r["ours"]["build"], r["ours"]["load"]
+        lines.append(
+            f"| {int(size):,} | {fmt_ms(b['flush_ms'])} | {fmt_ms(b['trainer_plan_ms'])} | {fmt_ms(b['checkpoint_save_ms'])} "
+            f"| {b['first_save_s']:.2f} s | {fmt_ms(lo['sample_after_load_ms'])} ({fmt_ms(lo['sample_after_load_cpu_ms'])}) "
+            f"| {lo['rss_mb']['RssAnon'] - lo['rss_empty_mb']['RssAnon']:.0f} / "
+            f"{lo['rss_mb']['RssFile'] - lo['rss_empty_mb']['RssFile']:.0f} MB "
+            f"| {b['disk_gb']:.2f} / {r['baseline']['build']['disk_gb']:.2f} GB |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated numbers of trajectories")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--completion-tokens", type=int, default=1024)
+    parser.add_argument("--json", default="pool_scale.json", help="where to write the figures")
+    parser.add_argument("--tmp", default=None, help="parent folder of the data (on disk, not tmpfs)")
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(WORKERS[args.worker](args.size, args.dir, args.prompt_tokens, args.completion_tokens)))
+        return
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    results, load_before = {}, os.getloadavg()
+    root = tempfile.mkdtemp(prefix="pool-scale-", dir=args.tmp)
+    try:
+        for size in sizes:
+            ours_dir, base_dir = os.path.join(root, f"ours-{size}"), os.path.join(root, f"baseline-{size}")
+            os.makedirs(ours_dir)
+            os.makedirs(base_dir)
+            ours = {"build": run_worker("ours_build", size, ours_dir, args)}
+            ours["load"] = run_worker("ours_load", size, ours_dir, args)
+            shutil.rmtree(ours_dir)
+            base = {"build": run_worker("baseline_build", size, base_dir, args)}
+            base["load"] = run_worker("baseline_load", size, base_dir, args)
+            shutil.rmtree(base_dir)
+            results[str(size)] = {"ours": ours, "baseline": base}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report = {
+        "machine": machine(),
+        "setup": {
+            "prompt_tokens": args.prompt_tokens,
+            "completion_tokens": args.completion_tokens,
+            "trajectories_per_task": PER_TASK,
+            "add": ADD,
+            "sample": SAMPLE,
+        },
+        "load_average": {"before": load_before, "after": os.getloadavg()},  # other work on the machine
+        "results": results,
+    }
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print()
+    print(table(results))
+    print(f"\nload average (1, 5, 15 min) before: {load_before}, after: {report['load_average']['after']}")
+    print(
+        f"\nmachine: {report['machine']['cpu']}, {report['machine']['cores']} cores, "
+        f"{report['machine']['memory_gb']} GB; figures in {args.json}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,481 @@
+"""The experience pool at scale: sharded Arrow storage, background writes, tombstones and compaction, incremental and
+atomic saves (a writer process killed at random instants), windows, sampling, tokenizer fingerprints.
+
+Sizes here are tiny; `benchmarks/pool_scale.py` measures 10k to 1M trajectories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import datasets
+import numpy as np
+import pytest
+
+from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, tokenizer_fingerprint
+from trl_exreplay.pool_store import (
+    STATE_FILE,
+    TASK_ROW_FEATURES,
+    TASK_ROW_SCHEMA,
+    TRAJECTORY_FEATURES,
+    TRAJECTORY_SCHEMA,
+    read_state,
+    state_files,
+)
+from trl_exreplay.tiny import build_tiny_tokenizer
+
+SAVER = os.path.join(os.path.dirname(__file__), "scripts", "pool_saver.py")
+
+
+def f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def traj(task_id, entropy, version=0, n=3, first=10):
+    return Trajectory(
+        task_id,
+        prompt_ids=[1, 2],
+        completion_ids=list(range(first, first + n)),
+        completion_mask=[1] * (n - 1) + [0],
+        logps=[-0.25 * (i + 1) for i in range(n)],
+        rewards=[1.0, 0.5],
+        reward=1.0,
+        entropy=entropy,
+        policy_version=version,
+    )
+
+
+def row(task_id, variant=0):
+    return json.dumps({"task_id": task_id, "prompt": f"solve {task_id}", "variant": variant})
+
+
+def record(pool, task_id, successes, entropies=(), version=0, num_fresh=4, task_row="default"):
+    task_row = row(task_id) if task_row == "default" else task_row
+    trajectories = [traj(task_id, e, version, first=10 + i) for i, e in enumerate(entropies)]
+    pool.record_outcome(TaskOutcome(task_id, successes, num_fresh, trajectories, task_row))
+
+
+def entropies(pool, task_id):
+    return [t.entropy for t in pool.trajectories(task_id)]
+
+
+def files_of(path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+
+
+def inode(path) -> int:
+    return os.stat(path).st_ino
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Shards: real `datasets` Arrow files, written off the calling thread
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_schemas_are_what_datasets_gives_the_features():
+    for features, schema in ((TRAJECTORY_FEATURES, TRAJECTORY_SCHEMA), (TASK_ROW_FEATURES, TASK_ROW_SCHEMA)):
+        expected = datasets.Features.from_dict(features).arrow_schema
+        assert schema.remove_metadata() == expected.remove_metadata()
+        assert json.loads(schema.metadata[b"huggingface"]) == json.loads(expected.metadata[b"huggingface"])
+
+
+def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
+    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=2, work_dir=str(tmp_path))
+    record(pool, "a", 3, [0.3, 0.2, 0.1], version=4)
+    record(pool, "b", 2, [0.9, 0.8], version=5)
+    pool.flush(wait=True)
+    stats = pool.storage_stats()
+    assert (stats["trajectory_shards"], stats["trajectory_rows"], stats["trajectory_pending_rows"]) == (3, 5, 0)
+    assert stats["task_row_pending_rows"] == 0
+    (scratch,) = [p for p in tmp_path.iterdir() if p.name.startswith("exreplay-pool-")]
+    rows = []
+    for shard in sorted((scratch / "trajectories").iterdir()):
+        table = datasets.Dataset.from_file(str(shard))  # memory-mapped by `datasets` itself
+        assert table.features == datasets.Features.from_dict(TRAJECTORY_FEATURES)
+        rows += table.to_list()
+    want = [dict(t.__dict__, store_seq=i) for i, t in enumerate(pool.trajectories("a") + pool.trajectories("b"))]
+    assert sorted(rows, key=lambda r: r["traj_id"]) == want
+    assert want[0] == {
+        "task_id": "a",
+        "prompt_ids": [1, 2],
+        "completion_ids": [10, 11, 12],
+        "completion_mask": [1, 1, 0],
+        "logps": [-0.25, -0.5, -0.75],
+        "rewards": [1.0, 0.5],
+        "reward": 1.0,
+        "entropy": f32(0.3),
+        "policy_version": 4,
+        "traj_id": 0,
+        "store_seq": 0,
+    }
+    pool.close()
+    assert not scratch.exists()  # the live pool's scratch shards go with it
+
+
+def test_appends_are_written_by_the_writer_thread_without_blocking_the_caller(tmp_path):
+    pool = ExperiencePool(max_trajectories_per_task=10, experience_rbound=20, shard_rows=4)
+    build, release, threads = pool._trajectories._build, threading.Event(), []
+
+    def slow_build(items):
+        threads.append(threading.current_thread().name)
+        assert release.wait(10)
+        return build(items)
+
+    pool._trajectories._build = slow_build
+    record(pool, "a", 9, [0.1 * i for i in range(9)])  # two shards queued; the writer is held on the first
+    time.sleep(0.05)
+    assert threads == ["exreplay-pool-writer"]
+    assert pool.storage_stats()["trajectory_pending_rows"] == 9  # buffered, and readable meanwhile
+    assert entropies(pool, "a") == [f32(0.1 * i) for i in range(9)]
+    release.set()
+    pool.flush(wait=True)
+    assert threads == ["exreplay-pool-writer"] * 3
+    assert pool.storage_stats()["trajectory_pending_rows"] == 0
+    assert entropies(pool, "a") == [f32(0.1 * i) for i in range(9)]  # now read from the shards
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tombstones and compaction
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_evictions_leave_tombstones_that_compaction_removes(tmp_path):
+    def build(flush):
+        pool = ExperiencePool(max_trajectories_per_task=1, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+        for task in "abcdefgh":  # two shards of four
+            record(pool, task, 1, [0.5])
+        if flush:
+            pool.flush(wait=True)
+        return pool
+
+    pool, unflushed = build(True), build(False)
+    saved = tmp_path / "before-compaction"
+    pool.save(str(saved))
+    assert pool.storage_stats()["trajectory_dead_rows"] == 0
+    for p in (pool, unflushed):
+        record(p, "a", 1, [0.4], version=1)  # evicts a written row of the first shard: a tombstone
+    pool.flush(wait=True)
+    assert (pool.storage_stats()["trajectory_shards"], pool.storage_stats()["trajectory_dead_rows"]) == (3, 1)
+    for p in (pool, unflushed):
+        for task in "bc":
+            record(p, task, 1, [0.3], version=2)
+    pool.flush(wait=True)  # the first shard is 3/4 dead now: rewritten in the background, the rest kept
+    stats = pool.storage_stats()
+    assert (stats["trajectory_dead_rows"], stats["trajectory_rows"]) == (0, 8)
+    assert pool.content_hash() == unflushed.content_hash()  # storage layout is not content
+    assert [entropies(pool, t) for t in "abcd"] == [[f32(0.4)], [f32(0.3)], [f32(0.3)], [f32(0.5)]]
+    # the pool saved before the compaction is intact: it has its own links to the old shards
+    assert ExperiencePool.load(str(saved)).content_hash() == build(False).content_hash()
+
+
+def test_explicit_compaction_and_skip_set_clears(tmp_path):
+    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=8, shard_rows=8)
+    for task in "abc":
+        record(pool, task, 3, [0.1, 0.2, 0.3])
+    pool.flush(wait=True)
+    record(pool, "a", 4, num_fresh=4)  # fully solved: its three trajectories become tombstones
+    pool.flush(wait=True)
+    assert pool.storage_stats()["trajectory_dead_rows"] == 3 and pool.num_trajectories == 6
+    before = pool.content_hash()
+    pool.compact()
+    assert pool.storage_stats()["trajectory_dead_rows"] == 0 and pool.storage_stats()["trajectory_rows"] == 6
+    assert pool.content_hash() == before
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Incremental, pruned, atomic saves
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_saves_write_only_new_shards_and_share_the_others(tmp_path):
+    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    for task in "abcdef":
+        record(pool, task, 1, [0.5])
+    first, second = tmp_path / "checkpoint-1" / "pool", tmp_path / "checkpoint-2" / "pool"
+    pool.save(str(first))
+    record(pool, "g", 1, [0.5])
+    pool.save(str(second))
+    shards = lambda path: {n for n in files_of(path) if n.startswith(("trajectories/", "task_rows/"))}  # noqa: E731
+    old, new = shards(first), shards(second)
+    assert old < new and len(new - old) == 2  # one new trajectory shard, one new task row shard
+    for name in old:  # the very same files: hard links, nothing rewritten
+        assert inode(first / name) == inode(second / name) and os.stat(second / name).st_nlink >= 3
+    hashes = {"second": pool.content_hash()}
+    shutil.rmtree(tmp_path / "checkpoint-1")  # rotation deletes the older checkpoint
+    assert ExperiencePool.load(str(second)).content_hash() == hashes["second"]
+
+    # saving again into the same folder: the shards it has are left untouched, only new files appear
+    mtimes = {name: os.stat(second / name).st_mtime_ns for name in new}
+    record(pool, "h", 1, [0.5])
+    pool.save(str(second))
+    for name in new:
+        assert os.stat(second / name).st_mtime_ns == mtimes[name] and inode(second / name) == inode(second / name)
+    assert files_of(second) == sorted(state_files(read_state(str(second))))  # the old tasks table was pruned
+    assert ExperiencePool.load(str(second)).content_hash() == pool.content_hash()
+
+
+def test_save_total_limit_keeps_older_snapshots_loadable(tmp_path):
+    path = tmp_path / "pool"
+    pool = ExperiencePool(experience_rbound=8)
+    hashes = {}
+    for snapshot, task in enumerate("abc", start=1):
+        record(pool, task, 1, [0.5], version=snapshot)
+        pool.save(str(path), save_total_limit=2)
+        hashes[snapshot] = pool.content_hash()
+    assert ExperiencePool.load(str(path)).content_hash() == hashes[3]
+    assert ExperiencePool.load(str(path), snapshot=2).content_hash() == hashes[2]
+    with pytest.raises(FileNotFoundError, match="No snapshot 1"):
+        ExperiencePool.load(str(path), snapshot=1)
+    kept = set(state_files(read_state(str(path)))) | set(state_files(read_state(str(path), 2)))
+    assert set(files_of(path)) == kept | {"history/00000002.json"}
+    record(pool, "d", 1, [0.5])
+    pool.save(str(path))  # back to one snapshot
+    assert files_of(path) == sorted(state_files(read_state(str(path))))
+    with pytest.raises(ValueError, match="save_total_limit"):
+        pool.save(str(path), save_total_limit=0)
+
+
+def test_killed_saves_always_leave_the_last_complete_pool(tmp_path):
+    """A writer process saving a changing pool again and again into one folder is killed (SIGKILL) at a random
+    instant of a random save; the folder must always load, intact, as the last save that completed (or as the one
+    in flight, when the kill came after its commit). Each trial saves over what the previous killed writer left."""
+    folder, work = tmp_path / "pool", tmp_path / "work"
+    chooser = random.Random(1234)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    trials, killed_mid_save = 12, 0
+    for trial in range(trials):
+        child = subprocess.Popen(
+            [sys.executable, SAVER, str(folder), str(work), str(trial)], stdout=subprocess.PIPE, text=True, env=env
+        )
+        target, lines, seconds = chooser.randint(2, 4), [], 0.01
+        for line in child.stdout:
+            lines.append(line.split())
+            if lines[-1][0] == "saved":
+                seconds = float(lines[-1][3])
+            elif int(lines[-1][1]) == target:  # save `target` has begun: kill it at a random instant
+                time.sleep(chooser.uniform(0.0, 1.2 * seconds))
+                break
+        child.kill()
+        lines += [line.split() for line in child.stdout.read().splitlines()]
+        child.wait()
+        committed = [words[2] for words in lines if words[0] == "saved"][-1]
+        in_flight = lines[-1][2] if lines[-1][0] == "saving" else None
+        pool = ExperiencePool.load(str(folder))
+        assert pool.rejected_rows == 0
+        digest = pool.content_hash()
+        assert digest in {committed, in_flight}, f"trial {trial}: the folder is not a complete saved pool"
+        killed_mid_save += in_flight is not None
+        pool.close()
+    assert killed_mid_save >= trials // 2  # the kills really landed inside saves
+
+
+def test_a_save_killed_before_any_of_its_filesystem_operations_leaves_a_complete_pool(tmp_path):
+    """The deterministic complement of the random kills: a forked writer is killed before its 1st, 2nd, ...
+    filesystem operation of four saves in turn (every boundary between two steps of the protocol); each time the
+    folder must load intact as the last committed pool, or the new one once the commit is done."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, SAVER, str(tmp_path / "pool"), str(tmp_path / "work"), "3", "--sweep"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bad"] == []
+    assert report["kills"] >= 4 * 15  # every operation of four saves
+    assert report["loaded_old"] > 0 and report["loaded_new"] > 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Windows and sampling
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def windowed_pool(**kwargs):
+    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=8, **kwargs)
+    record(pool, "a", 2, [0.5, 0.4], version=1)  # store ranks 0, 1
+    record(pool, "b", 1, [0.3], version=2)  # 2
+    record(pool, "c", 3, [0.9, 0.2, 0.7], version=3)  # 3, 4, 5
+    record(pool, "a", 1, [0.1], version=4)  # 6
+    return pool
+
+
+def test_replay_window_counts_the_most_recently_stored(tmp_path):
+    pool = windowed_pool()
+    ids = lambda ts: [t.traj_id for t in ts]  # noqa: E731
+    assert ids(pool.candidates("a")) == [0, 1, 6]
+    assert ids(pool.candidates("a", window=1)) == [6]
+    assert ids(pool.candidates("c", window=3)) == [4, 5] and ids(pool.candidates("b", window=4)) == []
+    assert pool.replayable_tasks(window=2) == [("c", 3), ("a", 1)]
+    assert pool.replayable_tasks(window=5) == [("b", 1), ("c", 3), ("a", 1)]
+    assert pool.replayable_tasks(2, window=5) == [("c", 3)]
+    # with the age limit too: ages at step 4 are 3, 2, 1, 0 for versions 1..4
+    assert pool.replayable_tasks(1, current_step=4, max_policy_age=1, window=5) == [("c", 3), ("a", 1)]
+    assert pool.replayable_tasks(2, current_step=4, max_policy_age=1, window=3) == [("c", 3)]
+    assert ids(pool.candidates("c", current_step=5, max_policy_age=1, window=2)) == []
+    record(pool, "a", 4, num_fresh=4)  # evicted ones still count in the window
+    assert pool.replayable_tasks(window=1) == []
+    pool.save(str(tmp_path / "pool"))  # store ranks are saved with the trajectories
+    loaded = ExperiencePool.load(str(tmp_path / "pool"))
+    for window in (1, 2, 3, 5, None):
+        assert loaded.replayable_tasks(window=window) == pool.replayable_tasks(window=window)
+        assert ids(loaded.candidates("c", window=window)) == ids(pool.candidates("c", window=window))
+
+
+@pytest.mark.parametrize(
+    "mode, expected", [("argmin", {"a": 6, "b": 2, "c": 4}), ("argmax", {"a": 0, "b": 2, "c": 3})]
+)
+def test_sample_takes_distinct_replayable_tasks_and_their_best_trajectory(mode, expected):
+    pool = windowed_pool(exp_select_mode=mode)
+    record(pool, "skipped", 4, num_fresh=4)
+    record(pool, "no_row", 1, [0.0], task_row=None)
+    for seed in range(5):
+        picked = pool.sample(2, rng=np.random.default_rng(seed))
+        assert len({t.task_id for t in picked}) == 2
+        assert all(t.traj_id == expected[t.task_id] for t in picked)
+    everything = pool.sample(10)
+    assert sorted((t.task_id, t.traj_id) for t in everything) == sorted(expected.items())
+    assert pool.sample(3, rng=np.random.default_rng(7)) == pool.sample(3, rng=np.random.default_rng(7))
+    firsts = {pool.sample(1, rng=np.random.default_rng(seed))[0].task_id for seed in range(30)}
+    assert firsts == {"a", "b", "c"}  # every replayable task can be drawn
+
+
+def test_sample_honours_the_window_and_the_age_limit():
+    pool = windowed_pool(replay_window=2, max_policy_age=0)
+    assert sorted(t.traj_id for t in pool.sample(5)) == [5, 6]  # the two most recently stored
+    assert [t.traj_id for t in pool.sample(5, current_step=4)] == [6]  # age 0 at step 4: version 4 only
+    pool.configure(replay_window=None)
+    # at step 3 with age 0: c's version-3 trajectories (0.2 wins) and a's version 4 (not older than 0 steps)
+    assert sorted(t.traj_id for t in pool.sample(5, current_step=3)) == [4, 6]
+    random_pool = windowed_pool(exp_select_mode="random", replay_window=3)
+    assert {t.traj_id for t in random_pool.sample(5)} <= {4, 5, 6}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loading: missing shards, tokenizer fingerprints, the first format
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_missing_shard_is_counted_and_logged_not_fatal(tmp_path, caplog):
+    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=2)
+    record(pool, "a", 2, [0.1, 0.2])  # first shard
+    record(pool, "b", 2, [0.3, 0.4])  # second shard
+    path = tmp_path / "pool"
+    pool.save(str(path))
+    first = sorted(n for n in files_of(path) if n.startswith("trajectories/"))[0]
+    os.remove(path / first)
+    loaded = ExperiencePool.load(str(path))
+    assert loaded.rejected_rows == 2 and "2 row(s)" in caplog.text and "cannot be read" in caplog.text
+    assert loaded.trajectories("a") == [] and entropies(loaded, "b") == [f32(0.3), f32(0.4)]
+    assert loaded.buckets() == pool.buckets() and loaded.num_tasks == 1
+    loaded.save(str(tmp_path / "again"))
+    assert ExperiencePool.load(str(tmp_path / "again")).content_hash() == loaded.content_hash()
+
+
+def test_tokenizer_fingerprint_identifies_the_token_ids(tmp_path):
+    words = ["go", "to", "desk", "shelf"]
+    tokenizer = build_tiny_tokenizer(words)
+    assert tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(build_tiny_tokenizer(words))
+    tokenizer.save_pretrained(tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    reloaded.pad_token = reloaded.eos_token  # roles and padding do not change what an id means
+    tokenizer(["go to desk", "go"], padding=True, truncation=True, max_length=2)
+    assert tokenizer_fingerprint(reloaded) == tokenizer_fingerprint(tokenizer)
+    assert tokenizer_fingerprint(build_tiny_tokenizer(["go", "to", "shelf", "desk"])) != tokenizer_fingerprint(
+        tokenizer
+    )  # same words, other ids
+
+    pool = ExperiencePool(experience_rbound=8)
+    pool.bind_tokenizer(tokenizer_fingerprint(tokenizer))
+    record(pool, "a", 1, [0.5])
+    pool.save(str(tmp_path / "pool"))
+    assert ExperiencePool.load(str(tmp_path / "pool"), tokenizer=reloaded).content_hash() == pool.content_hash()
+    with pytest.raises(ValueError, match="recorded with another tokenizer"):
+        ExperiencePool.load(str(tmp_path / "pool"), tokenizer=build_tiny_tokenizer(words[::-1]))
+    with pytest.raises(ValueError, match="recorded with another tokenizer"):
+        pool.bind_tokenizer(tokenizer_fingerprint(build_tiny_tokenizer(["other"])))
+
+
+def test_a_first_format_pool_is_read_and_never_written_over(tmp_path):
+    """Format 1: one `datasets` table (save_to_disk) and a JSON state; read, then saved in the sharded format."""
+    reference = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
+    record(reference, "a", 2, [0.31, 0.12], version=1)
+    record(reference, "b", 1, [0.77], version=2)
+    record(reference, "d", 4)
+    record(reference, "a", 1, [0.05], version=3)  # evicts 0.31
+    old = tmp_path / "old"
+    rows = [dict(t.__dict__) for task in ("a", "b") for t in reference.trajectories(task)]
+    features = datasets.Features.from_dict({k: v for k, v in TRAJECTORY_FEATURES.items() if k != "store_seq"})
+    datasets.Dataset.from_list(rows, features=features).save_to_disk(str(old / "trajectories"))
+    state = {
+        "format_version": 1,
+        "settings": {k: v for k, v in reference._settings().items() if k != "replay_window"},
+        "difficulty": [["b", 1], ["a", 1]],
+        "skip_set": ["d"],
+        "task_rows": {t: row(t) for t in "abd"},
+        "next_traj_id": 4,
+        "num_outcomes": 4,
+        "store_order": [["a", [3, 1]], ["b", [2]]],
+        "num_trajectories": 3,
+    }
+    (old / STATE_FILE).write_text(json.dumps(state))
+    loaded = ExperiencePool.load(str(old))
+    assert loaded.rejected_rows == 0
+    assert loaded.buckets() == reference.buckets() and loaded.skip_set == ["d"]
+    for task in "ab":
+        assert loaded.trajectories(task) == reference.trajectories(task)
+    assert loaded.task_row("d") == reference.task_row("d")
+    with pytest.raises(ValueError, match="format_version 1"):
+        loaded.save(str(old))
+    loaded.save(str(tmp_path / "new"))
+    assert ExperiencePool.load(str(tmp_path / "new")).content_hash() == loaded.content_hash()
+
+
+def test_task_rows_are_stored_once_and_replaced_when_they_change(tmp_path):
+    pool = ExperiencePool(experience_rbound=8, shard_rows=3)
+    for _ in range(5):  # the trainer sends the same row with every outcome: one row in the log
+        record(pool, "a", 1, task_row=row("a"))
+    record(pool, "c", 1)
+    record(pool, "d", 1)  # three rows: a shard
+    pool.flush(wait=True)
+    assert pool.storage_stats()["task_row_rows"] == 3
+    record(pool, "a", 1, task_row=row("a", variant=2))  # a's row changes: a tombstone in the first shard
+    record(pool, "b", 1)
+    pool.flush(wait=True)
+    assert pool.task_row("a") == json.loads(row("a", variant=2))
+    stats = pool.storage_stats()
+    assert (stats["task_row_rows"], stats["task_row_dead_rows"]) == (5, 1)
+    pool.save(str(tmp_path / "pool"))
+    loaded = ExperiencePool.load(str(tmp_path / "pool"))
+    assert {t: loaded.task_row(t)["variant"] for t in "abcd"} == {"a": 2, "b": 0, "c": 0, "d": 0}
+    for shard in (tmp_path / "pool" / "task_rows").iterdir():
+        assert datasets.Dataset.from_file(str(shard)).features == datasets.Features.from_dict(TASK_ROW_FEATURES)
+
+
+def test_a_pool_reads_the_files_it_mapped_even_if_a_saved_copy_is_replaced(tmp_path):
+    pool = ExperiencePool(experience_rbound=8)
+    record(pool, "a", 2, [0.1, 0.2])
+    pool.save(str(tmp_path / "first"))
+    loaded = ExperiencePool.load(str(tmp_path / "first"))
+    want = loaded.trajectories("a")
+    loaded.save(str(tmp_path / "second"))  # now also a location of its shards, tried first
+    (name,) = [n for n in files_of(tmp_path / "second") if n.startswith("trajectories/")]
+    other = ExperiencePool(experience_rbound=8)
+    record(other, "a", 2, [0.7, 0.8])
+    other.save(str(tmp_path / "third"))
+    (foreign,) = [n for n in files_of(tmp_path / "third") if n.startswith("trajectories/")]
+    os.replace(tmp_path / "third" / foreign, tmp_path / "second" / name)  # another file under the same name
+    assert loaded.trajectories("a") == want and [t.entropy for t in want] == [f32(0.1), f32(0.2)]
+    os.remove(tmp_path / "first" / name)  # no path to the mapped file left: read through the mapping
+    assert loaded.trajectories("a") == want

@@ -1,0 +1,1154 @@
+"""Storage of `ExperiencePool`: rows in immutable, memory-mapped Arrow shards, written off the training thread.
+
+Why: a pool of a million trajectories of a thousand tokens with their log-probs is ~10 GB. Only an index of it may
+live in RAM; the rows go to Arrow IPC stream files (the format `datasets` writes and memory-maps) of ~1k rows each.
+A shard is never modified once it has its name, so a saved pool shares shards with the live pool and with the other
+checkpoints through hard links, and a save only writes what is new. Rows are read back with `os.pread` at offsets
+known from the shard's layout, so reading maps no page of the pool into the process either.
+
+* `Writer`: one background thread per pool; it converts buffered rows, writes shards and compacts them, so the
+  training thread never waits on disk (it blocks only when 16 jobs of at most 64 rows are queued: a bounded buffer).
+* `ShardLog`: rows addressed by small integer keys. A key's row is pending (the caller's objects, a few dozen at
+  most), in the open shard (compact Arrow columns in RAM, converted off-thread) or at (shard, row) of a shard file.
+  Deleting a key leaves a tombstone in its shard; compaction rewrites shards that are mostly tombstones and drops
+  shards with no live row.
+* The folder of a saved pool, and its atomic commit: ``state.json`` is replaced last, with `os.replace`; every file it
+  names was complete and fsynced before. Files no kept snapshot names are pruned after the commit. A process killed at
+  any instant leaves the previous ``state.json`` and all its files::
+
+      state.json                     the committed snapshot: settings, counters, shard lists, its tasks table
+      tasks/<snapshot>-<id>.arrow    per-task state of a snapshot (difficulty, skip set, where its rows are)
+      trajectories/traj-*.arrow      trajectory shards, one row per trajectory (`datasets` features)
+      task_rows/rows-*.arrow         task row shards (task id, the dataset row as JSON)
+      history/<snapshot>.json        older snapshots kept by ``save_total_limit > 1``
+
+Example:
+
+```python
+import pyarrow as pa
+from trl_exreplay.pool_store import ShardLog, Writer, Scratch
+
+schema = pa.schema([("text", pa.string())])
+log = ShardLog("notes", "note", schema, lambda items: pa.record_batch([pa.array(items)], schema=schema),
+               Writer(), Scratch(), shard_rows=2, stage_rows=1)
+keys = [log.append(text) for text in ("a", "b", "c")]  # each append is handed to the writer thread
+log.flush(seal=True, wait=True)  # "a", "b" filled one shard file; sealing writes "c" to a second one
+shard, row = log.locate(keys[0])
+assert shard.column("text", row) == "a" and log.stats()["shards"] == 2
+```
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import json
+import logging
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
+STATE_FILE = "state.json"
+TRAJECTORIES_DIR = "trajectories"
+TASK_ROWS_DIR = "task_rows"
+TASKS_DIR = "tasks"
+HISTORY_DIR = "history"
+MANAGED_DIRS = (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR, HISTORY_DIR)
+
+_BURST_GAP, _MAX_DEFER = 0.003, 0.5
+_NUMPY_TYPES = {pa.int8(): np.int8, pa.int32(): np.int32, pa.int64(): np.int64, pa.float32(): np.float32}
+PENDING = -1  # location of a row still in RAM
+FREE = -2  # location of an unused key
+_ROW_BITS = 32
+_ROW_MASK = (1 << _ROW_BITS) - 1
+
+
+def _value(dtype: str) -> dict:
+    return {"dtype": dtype, "_type": "Value"}
+
+
+def _list(dtype: str) -> dict:
+    return {"feature": _value(dtype), "_type": "List"}
+
+
+# `datasets` features of a trajectory shard, written into the Arrow schema's metadata as `datasets` does, so
+# `datasets.Dataset.from_file` / `load_dataset` read the shards with these features (and no import of `datasets` is
+# needed to write them).
+TRAJECTORY_FEATURES = {
+    "task_id": _value("string"),
+    "prompt_ids": _list("int32"),
+    "completion_ids": _list("int32"),
+    "completion_mask": _list("int8"),
+    "logps": _list("float32"),
+    "rewards": _list("float32"),
+    "reward": _value("float32"),
+    "entropy": _value("float32"),
+    "policy_version": _value("int64"),
+    "traj_id": _value("int64"),
+    "store_seq": _value("int64"),  # rank of the trajectory among all ever stored in the pool (replay_window)
+}
+TASK_ROW_FEATURES = {"task_id": _value("string"), "task_row": _value("string")}
+
+
+def arrow_schema(features: dict) -> pa.Schema:
+    """The Arrow schema `datasets` gives `features` (same types and the same ``huggingface`` metadata)."""
+    arrow_types = {
+        "string": pa.string(),
+        "int8": pa.int8(),
+        "int32": pa.int32(),
+        "int64": pa.int64(),
+        "float32": pa.float32(),
+    }
+    fields = []
+    for name, spec in features.items():
+        if spec["_type"] == "List":
+            fields.append(pa.field(name, pa.list_(arrow_types[spec["feature"]["dtype"]])))
+        else:
+            fields.append(pa.field(name, arrow_types[spec["dtype"]]))
+    metadata = {"huggingface": json.dumps({"info": {"features": features}})}
+    return pa.schema(fields, metadata=metadata)
+
+
+TRAJECTORY_SCHEMA = arrow_schema(TRAJECTORY_FEATURES)
+TASK_ROW_SCHEMA = arrow_schema(TASK_ROW_FEATURES)
+
+
+# ------------------------------------------------------------------------------------------------------ file helpers
+def fsync_path(path: str) -> None:
+    """fsync a file or a folder (a folder's fsync makes the names created in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_name(folder: str, name: str) -> str:
+    # Hidden and unique: never taken for a pool file, removed by the next save of the folder.
+    return os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def write_atomic(path: str, write: Callable[[str], None]) -> None:
+    """`write(tmp)` then fsync and rename to `path`: `path` appears complete or not at all."""
+    tmp = tmp_name(os.path.dirname(path), os.path.basename(path))
+    try:
+        write(tmp)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+
+    write_atomic(path, write)
+
+
+def write_arrow(path: str, table: pa.Table | pa.RecordBatch) -> None:
+    """An Arrow IPC stream file, as `datasets` writes them (`Dataset.from_file` memory-maps it)."""
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        if isinstance(table, pa.RecordBatch):
+            writer.write_batch(table)
+        else:
+            writer.write_table(table)
+
+
+def read_arrow(path: str) -> pa.Table:
+    """An Arrow stream (or file-format) file as a table, memory-mapped: no data is read until used."""
+    return map_arrow(path)[0]
+
+
+def map_arrow(path: str) -> tuple[pa.Table, tuple[int, int]]:
+    """`read_arrow`, plus the (address, size) of the whole mapping, for `release_pages`."""
+    source = pa.memory_map(path)
+    try:
+        whole = source.read_buffer()  # a zero-copy view of the entire mapping
+    finally:
+        source.close()  # the buffers keep the mapping alive; the file descriptor is not needed any more
+    try:
+        table = pa.ipc.open_stream(pa.BufferReader(whole)).read_all()
+    except pa.ArrowInvalid:
+        table = pa.ipc.open_file(pa.BufferReader(whole)).read_all()
+    return table, (whole.address, whole.size)
+
+
+def _madvise():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return libc.madvise
+    except (OSError, AttributeError):
+        return None
+
+
+_MADVISE = _madvise() if os.name == "posix" else None
+_MADV_DONTNEED = 4  # Linux
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc keeps it otherwise): called after loading, whose temporaries
+    would else stay counted in the process's RSS."""
+    pa.default_memory_pool().release_unused()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def release_pages(span: tuple[int, int] | None) -> None:
+    """Unmap the resident pages of a read-only file mapping from this process (they stay in the page cache and come
+    back on the next access). A read through a mapping faults in whole page-cache folios (up to MBs) around it:
+    without this, validating or compacting shards would leave most of the pool's files counted in the RSS."""
+    if span is None or _MADVISE is None or not sys.platform.startswith("linux"):
+        return
+    address, size = span
+    if size:
+        _MADVISE(address, size, _MADV_DONTNEED)  # the exact span of a MAP_SHARED read-only mapping: always safe
+
+
+def link_or_copy(sources: Sequence[str], dest: str, fallback: Callable[[str], None] | None = None) -> bool:
+    """Give `dest` the content of the first existing of `sources`: a hard link (no data written), else a copy.
+
+    `fallback(tmp)` writes the content when no source exists any more. Returns whether a hard link was made.
+    """
+    for source in sources:
+        if not os.path.exists(source):
+            continue
+        try:
+            os.link(os.path.realpath(source), dest)
+            return True
+        except FileExistsError:
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EACCES):
+                raise
+            write_atomic(dest, lambda tmp, source=source: shutil.copyfile(source, tmp))
+            return False
+    if fallback is None:
+        raise FileNotFoundError(f"No copy left of {os.path.basename(dest)} (looked in {list(sources)}).")
+    write_atomic(dest, fallback)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------- writer
+class Writer:
+    """One background thread that runs a pool's storage jobs in order (shard writes, compactions).
+
+    `submit` blocks only when `max_queued` jobs are already waiting, which bounds the rows held in RAM. A job's
+    exception is re-raised by the next `submit` or `wait` on the caller's thread, never lost.
+    """
+
+    def __init__(self, max_queued: int = 16):
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pid = os.getpid()
+
+    def submit(self, job: Callable[[], None], check: bool = True) -> None:
+        """Queue `job`; with `check`, first raise the error of an earlier job (else it waits for the next check)."""
+        if check:
+            self.raise_error()
+        if self._pid != os.getpid():  # a forked child: the parent's thread and queue are not its own
+            self._queue, self._thread, self._pid = queue.Queue(maxsize=self._queue.maxsize), None, os.getpid()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="exreplay-pool-writer", daemon=True)
+            self._thread.start()
+        self._queue.put(job)
+
+    def wait(self) -> None:
+        """Block until every submitted job ran; raise the first error of one."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.join()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"An experience pool storage job failed: {error!r}") from error
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive() and self._pid == os.getpid():
+            self._queue.put(None)
+            self._thread.join()
+        self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                job()
+            except BaseException as e:  # surfaced on the caller's thread by the next checked submit / wait
+                logger.error(
+                    "trl_exreplay: experience pool storage job failed (%r); its rows stay buffered and the "
+                    "error is raised by the next save or flush.",
+                    e,
+                )
+                self._error = self._error or e
+            finally:
+                self._queue.task_done()
+
+
+class Scratch:
+    """The folder where a live pool writes its new shards: created on first use, deleted with the pool.
+
+    Put it on the disk that holds the checkpoints (same file system: saves hard-link instead of copying), never on a
+    tmpfs (the shards would then sit in RAM).
+    """
+
+    def __init__(self, parent: str | None = None):
+        self.parent = parent
+        self.path: str | None = None
+        self._made_parent = False
+        self._lock = threading.Lock()
+
+    def folder(self, kind: str) -> str:
+        with self._lock:
+            if self.path is None:
+                parent = self.parent or tempfile.gettempdir()
+                if not os.path.isdir(parent):
+                    os.makedirs(parent, exist_ok=True)
+                    self._made_parent = True
+                self.path = tempfile.mkdtemp(prefix=f"exreplay-pool-{os.getpid()}-", dir=parent)
+            folder = os.path.join(self.path, kind)
+            os.makedirs(folder, exist_ok=True)
+            return folder
+
+    def remove(self) -> None:
+        with self._lock:
+            if self.path is not None:
+                shutil.rmtree(self.path, ignore_errors=True)
+                self.path = None
+                if self._made_parent:
+                    try:
+                        os.rmdir(self.parent)  # only if empty: other pools (ranks) may share it
+                    except OSError:
+                        pass
+
+
+# ----------------------------------------------------------------------------------------------------------- shards
+class _OpenFiles:
+    """Descriptors of the shard files read last (an LRU of `size`): a sample of 64 rows from a large pool touches 64
+    files, and opening, checking and closing each every time would cost as much as reading it. `lock` is held for
+    the whole of a read, so a descriptor is never closed (by eviction, or by the writer thread dropping its shard)
+    while in use."""
+
+    def __init__(self, size: int | None = None):
+        if size is None:  # a quarter of the descriptors this process may open, 1024 at most
+            try:
+                import resource
+
+                size = min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+            except (ImportError, ValueError, OSError):
+                size = 256
+        self.size = max(16, size)
+        self._fds: dict[int, tuple[Shard, int]] = {}  # id(shard) -> (shard, fd), least recently used first
+        self.lock = threading.Lock()
+
+    def get(self, shard: Shard) -> int | None:
+        """(Lock held.) A descriptor of `shard`'s file, or None when no path to it is left."""
+        entry = self._fds.pop(id(shard), None)
+        if entry is None:
+            fd = shard.open_file()
+            if fd is None:
+                return None
+            entry = (shard, fd)  # the shard is kept alive with it: its id is not reused meanwhile
+        self._fds[id(shard)] = entry
+        while len(self._fds) > self.size:
+            os.close(self._fds.pop(next(iter(self._fds)))[1])
+        return entry[1]
+
+    def forget(self, shard: Shard) -> None:
+        with self.lock:
+            entry = self._fds.pop(id(shard), None)
+            if entry is not None:
+                os.close(entry[1])
+
+
+class Shard:
+    """One shard: immutable once it has a file (memory-mapped), or the open shard whose rows are still in RAM.
+
+    Knows where copies of its file are and how many of its rows are still live.
+    """
+
+    __slots__ = (
+        "sid",
+        "name",
+        "rows",
+        "nbytes",
+        "live",
+        "paths",
+        "owned",
+        "touched",
+        "_table",
+        "_span",
+        "_readers",
+        "_layouts",
+        "_inode",
+    )
+
+    def __init__(
+        self, sid: int, name: str, rows: int, paths: Sequence[str], owned: str | None = None, table=None, span=None
+    ):
+        self.sid = sid
+        self.name = name
+        self.rows = rows
+        self.nbytes = 0
+        self.live = 0
+        self.paths = list(paths)  # existing copies, newest first (the owned one in the scratch folder, saved ones)
+        self.owned = owned
+        self.touched = False  # rows were read since the last `release`
+        self._table = table
+        self._span = span  # (address, size) of the file mapping
+        self._readers: dict[tuple, Callable] = {}
+        self._layouts: dict[tuple, list] = {}
+        self._inode = None  # (device, inode) of the mapped file: `read` uses only a path to that very file
+
+    @property
+    def is_open(self) -> bool:
+        return not self.paths
+
+    def table(self) -> pa.Table:
+        """The shard's rows, memory-mapped (from a path to the very file this shard is)."""
+        if self._table is None:
+            for path in self.paths:
+                try:
+                    info = os.stat(path)
+                except OSError:
+                    continue
+                if self._inode is None or (info.st_dev, info.st_ino) == self._inode:
+                    self.map(path)
+                    break
+            else:
+                raise FileNotFoundError(f"Shard {self.name}: no file left at {self.paths}.")
+        return self._table
+
+    def map(self, path: str) -> None:
+        """Memory-map the file at `path` as this shard's rows."""
+        info = os.stat(path)
+        self._table, self._span = map_arrow(path)
+        self._inode = (info.st_dev, info.st_ino)
+        self.rows = self._table.num_rows
+
+    def unmap(self) -> None:
+        """Forget the mapping (~30 KB of Arrow objects per shard), once reads can go through `pread` and a file is
+        sure to stay (its scratch copy); a shard read through its mapping keeps it."""
+        if self.owned is not None and self._inode is not None and all(self._layouts.values()):
+            self._table, self._span = None, None
+            self._readers.clear()
+
+    def release(self) -> None:
+        """Drop this process's resident pages of the mapped file (see `release_pages`)."""
+        self.touched = False
+        release_pages(self._span)
+
+    def reader(self, names: tuple[str, ...]) -> Callable[[int], dict]:
+        """``row -> {name: Python value}`` for columns `names`, over zero-copy numpy views of the rows."""
+        reader = self._readers.get(names)
+        if reader is None:
+            reader = self._readers[names] = self._make_reader(names)
+        return reader
+
+    def _make_reader(self, names: tuple[str, ...]) -> Callable[[int], dict]:
+        table = self.table()
+        chunks = table.column(0).chunks if table.num_columns else []
+        starts = np.cumsum([0] + [len(c) for c in chunks])
+        per_chunk = []
+        for index in range(len(chunks)):
+            getters = []
+            for name in names:
+                chunk = table.column(name).chunks[index]
+                if pa.types.is_list(chunk.type):
+                    offsets = chunk.offsets.to_numpy()
+                    values = chunk.values.to_numpy(zero_copy_only=chunk.values.null_count == 0)
+                    getters.append((name, 0, offsets, values))
+                elif pa.types.is_string(chunk.type):
+                    getters.append((name, 1, chunk, None))
+                else:
+                    getters.append((name, 2, chunk.to_numpy(zero_copy_only=chunk.null_count == 0), None))
+            per_chunk.append(getters)
+
+        def read(row: int) -> dict:
+            if not self.touched:
+                self.touched = True
+                _TOUCHED.add(self)
+            index = 0 if len(per_chunk) == 1 else int(np.searchsorted(starts, row, side="right")) - 1
+            local = row - int(starts[index])
+            out = {}
+            for name, kind, data, values in per_chunk[index]:
+                if kind == 0:
+                    out[name] = values[data[local] : data[local + 1]].tolist()
+                elif kind == 1:
+                    out[name] = data[local].as_py()
+                else:
+                    out[name] = data[local].item()
+            return out
+
+        return read
+
+    def read(self, names: tuple[str, ...], rows: Sequence[int]) -> list[dict]:
+        """Columns `names` of `rows`, as Python objects.
+
+        A written shard is read with `os.pread` at byte offsets known from its layout (kept in RAM: 4 bytes per row
+        and distinct offsets array), so no page of the file is mapped into the process; a shard still in RAM, or
+        whose files are all gone (still mapped), is read from its Arrow columns.
+        """
+        layout = self.layout(names)
+        with _OPEN_FILES.lock:
+            fd = _OPEN_FILES.get(self) if layout is not None else None
+            if fd is not None:
+                out = []
+                pread, frombuffer = os.pread, np.frombuffer
+                for row in rows:
+                    values = {}
+                    for name, offsets, start, itemsize, dtype in layout:
+                        if start < 0:  # a scalar, copied to RAM with the layout
+                            values[name] = offsets[row]
+                            continue
+                        first = offsets[row]
+                        data = pread(fd, (offsets[row + 1] - first) * itemsize, start + first * itemsize)
+                        if dtype is None:
+                            values[name] = data.decode()
+                        elif itemsize == 1 and data.isascii():
+                            values[name] = list(data)  # int8 masks (values < 128): the same ints, faster
+                        else:
+                            values[name] = frombuffer(data, dtype).tolist()
+                    out.append(values)
+                return out
+        read = self.reader(names)
+        return [read(row) for row in rows]
+
+    def open_file(self) -> int | None:
+        """A new descriptor of a path to this shard's file, if any is left (hard links are; a file replaced under the
+        same name is not)."""
+        for path in self.paths:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            info = os.fstat(fd)
+            if (info.st_dev, info.st_ino) == self._inode:
+                return fd
+            os.close(fd)
+        return None
+
+    def layout(self, names: tuple[str, ...]) -> list | None:
+        """Where each of `names` is in the file: offsets (copied to RAM, shared between columns of equal lengths),
+        byte offset of the values; None when the shard is not a single-batch file mapped whole. Computed once, by
+        the writer thread for the shards it writes and at load for the others, so reads never pay for it."""
+        if names in self._layouts:
+            return self._layouts[names]
+        layout = None
+        if not self.is_open:
+            table = self.table()
+            if self._span is not None and all(column.num_chunks == 1 for column in table.columns):
+                layout = self._make_layout(table, names)
+                release_pages(self._span)  # the offsets were read through the mapping
+        self._layouts[names] = layout
+        return layout
+
+    def _make_layout(self, table: pa.Table, names: tuple[str, ...]) -> list | None:
+        base, size = self._span
+        layout, shared = [], {}
+        for name in names:
+            chunk = table.column(name).chunks[0]
+            if pa.types.is_list(chunk.type) or pa.types.is_string(chunk.type):
+                if pa.types.is_list(chunk.type):
+                    child = chunk.values
+                    if child.null_count or not pa.types.is_primitive(child.type):
+                        return None
+                    dtype = _NUMPY_TYPES.get(child.type)
+                    if dtype is None:
+                        return None
+                    data, itemsize = child.buffers()[1], child.type.bit_width // 8
+                    start = data.address - base + child.offset * itemsize
+                else:
+                    data, itemsize, dtype = chunk.buffers()[2], 1, None  # utf-8 bytes
+                    start = data.address - base
+                if not (0 <= start and data.address + data.size <= base + size):
+                    return None  # not inside the mapping (a copy): read through Arrow
+                if pa.types.is_list(chunk.type):
+                    raw = chunk.offsets.to_numpy().tobytes()
+                else:
+                    raw = np.frombuffer(chunk.buffers()[1], np.int32)[chunk.offset : chunk.offset + len(chunk) + 1]
+                    raw = raw.tobytes()
+                offsets = shared.setdefault(raw, array.array("i", raw))  # compact, fast to index
+                layout.append((name, offsets, start, itemsize, dtype))
+            elif pa.types.is_primitive(chunk.type) and chunk.null_count == 0:
+                values = chunk.to_numpy()
+                typecode = {np.dtype(np.float32): "f", np.dtype(np.int64): "q", np.dtype(np.int32): "i"}
+                if values.dtype not in typecode:
+                    return None
+                layout.append((name, array.array(typecode[values.dtype], values.tobytes()), -1, 0, None))
+            else:
+                return None
+        return layout
+
+    def column(self, name: str, row: int):
+        return self.read((name,), [row])[0][name]
+
+    def save_into(self, folder: str) -> str:
+        """Make this shard a file of `folder` (a hard link when possible); returns its path there."""
+        dest = os.path.join(folder, self.name)
+        if not os.path.exists(dest):
+            link_or_copy(self.paths, dest, fallback=lambda tmp: write_arrow(tmp, self.table()))
+        if dest not in self.paths:
+            self.paths.insert(0 if self.owned is None else 1, dest)
+        return dest
+
+
+_OPEN_FILES = _OpenFiles()
+_TOUCHED: set[Shard] = set()  # shards read through their mapping since the last `ShardLog.release`
+
+
+class ShardLog:
+    """Rows addressed by integer keys, stored in shards of a scratch folder, written by a `Writer`.
+
+    A row goes through three places: pending (the caller's Python objects, held until `stage_rows` rows or
+    `stage_size` units are pending), the open shard (converted by the writer thread into compact Arrow columns in
+    RAM) and a shard file (the open shard, written and memory-mapped once it holds `shard_rows` rows or
+    `shard_bytes` bytes, or when a save seals it). So RAM holds at most a few small batches of Python objects and one
+    open shard, while shard files stay large (few files per million rows).
+
+    Args:
+        kind: folder name of these shards in a saved pool.
+        prefix: shard file name prefix.
+        schema: Arrow schema of a row.
+        build: ``items -> RecordBatch`` of the given schema; runs on the writer thread.
+        writer, scratch: the pool's `Writer` and `Scratch`.
+        shard_rows, shard_bytes: size of a shard file.
+        stage_rows, stage_size: when pending rows are handed to the writer (`append`'s `size` adds up to the latter).
+        compact_dead_fraction: a shard is rewritten once this fraction of its rows are tombstones.
+        read_columns: the columns rows are read back with: their layout is prepared when a shard is written.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        prefix: str,
+        schema: pa.Schema,
+        build: Callable[[list], pa.RecordBatch],
+        writer: Writer,
+        scratch: Scratch,
+        shard_rows: int = 1024,
+        shard_bytes: int = 16 << 20,
+        stage_rows: int = 64,
+        stage_size: int = 1 << 16,
+        compact_dead_fraction: float = 0.5,
+        read_columns: tuple[str, ...] = (),
+    ):
+        self.kind = kind
+        self.read_columns = read_columns
+        self.prefix = prefix
+        self.schema = schema
+        self._build = build
+        self._writer = writer
+        self._scratch = scratch
+        self.shard_rows = shard_rows
+        self.shard_bytes = shard_bytes
+        self.stage_rows = min(stage_rows, shard_rows)
+        self.stage_size = stage_size
+        self.compact_dead_fraction = compact_dead_fraction
+        self._lock = threading.Lock()  # the writer thread publishes locations while the caller reads them
+        self._loc = np.empty(0, np.int64)
+        self._gen = np.empty(0, np.int32)  # bumped on delete: a row written for an old use of a key is not its row
+        self._size = 0
+        self._free = np.empty(0, np.int64)
+        self._num_free = 0
+        self._pending: dict[int, object] = {}
+        self._unflushed: list[tuple[int, int]] = []  # (key, generation) in append order
+        self._unflushed_size = 0
+        self.shards: dict[int, Shard] = {}
+        self._open: Shard | None = None  # (writer thread) the shard receiving rows, in RAM
+        self._next_sid = 0
+        self._compacting = False
+        self._last_append = 0.0
+        # Compaction looks only at what changed (a pool has thousands of shards): shards that lost rows, small ones.
+        self._dirty: set[int] = set()
+        self._small: set[int] = set()
+
+    # ---------------------------------------------------------------------------------------------- keys
+    def _new_key(self) -> int:
+        if self._num_free:
+            self._num_free -= 1
+            return int(self._free[self._num_free])
+        if self._size == len(self._loc):
+            grown = max(1024, 2 * len(self._loc))
+            self._loc = _grow(self._loc, grown, None)  # entries past _size are set when first used
+            self._gen = _grow(self._gen, grown, None)
+        self._gen[self._size] = 0
+        self._size += 1
+        return self._size - 1
+
+    def _new_keys(self, count: int) -> np.ndarray:
+        reused = min(count, self._num_free)
+        keys = [self._free[self._num_free - reused : self._num_free][::-1].copy()]
+        self._num_free -= reused
+        fresh = count - reused
+        if self._size + fresh > len(self._loc):
+            grown = max(1024, 2 * len(self._loc), self._size + fresh)
+            self._loc = _grow(self._loc, grown, None)
+            self._gen = _grow(self._gen, grown, None)
+        self._gen[self._size : self._size + fresh] = 0
+        keys.append(np.arange(self._size, self._size + fresh, dtype=np.int64))
+        self._size += fresh
+        return np.concatenate(keys)
+
+    def _release_key(self, key: int) -> None:
+        self._gen[key] += 1
+        self._loc[key] = FREE
+        if self._num_free == len(self._free):
+            self._free = _grow(self._free, max(1024, 2 * len(self._free)), None)
+        self._free[self._num_free] = key
+        self._num_free += 1
+
+    def append(self, item, size: int = 1) -> int:
+        """Buffer a row; returns its key. Hands the buffer to the writer thread when it is big enough."""
+        self._last_append = time.monotonic()
+        with self._lock:
+            key = self._new_key()
+            self._loc[key] = PENDING
+            self._pending[key] = item
+            self._unflushed.append((key, int(self._gen[key])))
+            self._unflushed_size += size
+            full = len(self._unflushed) >= self.stage_rows or self._unflushed_size >= self.stage_size
+        if full:
+            self._flush(seal=False, check=False)  # never raises here: an outcome is never half recorded
+        return key
+
+    def delete(self, key: int) -> None:
+        """Tombstone the row of `key` (or drop it from the buffer) and free the key."""
+        with self._lock:
+            loc = int(self._loc[key])
+            if loc == PENDING:
+                self._pending.pop(key, None)
+            elif loc >= 0:
+                self.shards[loc >> _ROW_BITS].live -= 1
+                self._dirty.add(loc >> _ROW_BITS)
+            else:
+                raise KeyError(f"{self.kind}: key {key} is not in use.")
+            self._release_key(key)
+
+    def locate(self, key: int):
+        """``(item, None)`` for a pending row, ``(shard, row)`` for a staged or written one."""
+        with self._lock:
+            loc = int(self._loc[key])
+            if loc == PENDING:
+                return self._pending[key], None
+            if loc < 0:
+                raise KeyError(f"{self.kind}: key {key} is not in use.")
+            return self.shards[loc >> _ROW_BITS], loc & _ROW_MASK
+
+    def locate_many(self, keys: Sequence[int]) -> list[tuple]:
+        """`locate` for several keys, under one lock."""
+        with self._lock:
+            out = []
+            for key in keys:
+                loc = int(self._loc[key])
+                if loc == PENDING:
+                    out.append((self._pending[key], None))
+                elif loc < 0:
+                    raise KeyError(f"{self.kind}: key {key} is not in use.")
+                else:
+                    out.append((self.shards[loc >> _ROW_BITS], loc & _ROW_MASK))
+            return out
+
+    def locations(self, keys: np.ndarray) -> np.ndarray:
+        with self._lock:
+            return self._loc[keys]
+
+    @staticmethod
+    def release() -> None:
+        """Drop the resident pages of the shard files read through their mapping since the last call (see
+        `release_pages`); reads through `pread` map nothing."""
+        while _TOUCHED:
+            try:
+                shard = _TOUCHED.pop()
+            except KeyError:
+                break
+            shard.release()
+
+    # ------------------------------------------------------------------------------------------ flush
+    def flush(self, seal: bool = False, wait: bool = False) -> None:
+        """Hand the pending rows to the writer thread; `seal` also writes the open shard to its file (a save needs
+        every row in a file); `wait` blocks until done. Then maybe start a compaction. Raises the error of a failed
+        background job (its rows are still pending, and retried)."""
+        self._flush(seal, check=True)
+        if wait:
+            self._writer.wait()
+
+    def _flush(self, seal: bool, check: bool) -> None:
+        if check:
+            self._writer.raise_error()
+        with self._lock:
+            batch = [(k, g, self._pending[k]) for k, g in self._unflushed if self._gen[k] == g and k in self._pending]
+            self._unflushed = []
+            self._unflushed_size = 0
+        try:
+            if batch:
+                self._writer.submit(lambda: self._stage(batch), check)
+            if seal:
+                self._writer.submit(self._seal, check)
+        except BaseException:
+            with self._lock:
+                self._unflushed[:0] = [(k, g) for k, g, _ in batch]
+            raise
+        self._maybe_compact()
+
+    def _new_shard_name(self) -> tuple[int, str]:
+        with self._lock:
+            sid = self._next_sid
+            self._next_sid += 1
+        return sid, f"{self.prefix}-{sid:06d}-{uuid.uuid4().hex[:12]}.arrow"
+
+    def _stage(self, batch: list) -> None:
+        """Writer thread: convert `batch` into Arrow columns and add them to the open shard."""
+        # Converting Python lists holds the GIL: while the caller is in a burst of appends (the trainer recording a
+        # step's outcomes), wait for the burst to end (3 ms without an append; 0.5 s at most, and a caller whose
+        # appends fill the queue blocks, which ends its burst).
+        deadline = time.monotonic() + _MAX_DEFER
+        while time.monotonic() < deadline and time.monotonic() - self._last_append < _BURST_GAP:
+            time.sleep(_BURST_GAP)
+        try:
+            record_batch = self._build([item for _, _, item in batch])
+        except BaseException:
+            with self._lock:  # still pending: retried by the next flush
+                self._unflushed[:0] = [(k, g) for k, g, _ in batch]
+            raise
+        if self._open is None:
+            sid, name = self._new_shard_name()
+            chunks = []
+        else:
+            sid, name = self._open.sid, self._open.name
+            chunks = self._open.table().to_batches()
+        # A new object for the grown shard: a reader holding the previous one keeps a consistent view.
+        grown = Shard(sid, name, sum(len(c) for c in chunks) + len(batch), [], table=None)
+        grown._table = pa.Table.from_batches([*chunks, record_batch], schema=self.schema)
+        grown.nbytes = (self._open.nbytes if self._open is not None else 0) + record_batch.nbytes
+        first = grown.rows - len(batch)
+        with self._lock:
+            grown.live = self._open.live if self._open is not None else 0
+            self.shards[sid] = self._open = grown
+            for row, (key, gen, _) in enumerate(batch, start=first):
+                if self._gen[key] == gen and self._loc[key] == PENDING:
+                    self._loc[key] = (sid << _ROW_BITS) | row
+                    self._pending.pop(key, None)
+                    grown.live += 1
+        if grown.rows >= self.shard_rows or grown.nbytes >= self.shard_bytes:
+            self._seal()
+
+    def _seal(self) -> None:
+        """Writer thread: write the open shard to its file and read it from there from now on."""
+        shard = self._open
+        if shard is None:
+            return
+        table = shard.table().combine_chunks()  # one record batch per file: the fast path of row reads
+        path = os.path.join(self._scratch.folder(self.kind), shard.name)
+        write_atomic(path, lambda tmp: write_arrow(tmp, table))
+        sealed = Shard(shard.sid, shard.name, shard.rows, [path], owned=path)
+        sealed.layout(self.read_columns)
+        sealed.unmap()
+        with self._lock:
+            sealed.live = self.shards[shard.sid].live if shard.sid in self.shards else 0
+            self._open = None
+            if sealed.live:
+                self.shards[shard.sid] = sealed
+                self._note_size(sealed)
+                if sealed.live < sealed.rows:  # rows deleted while it was open: weigh it for compaction
+                    self._dirty.add(sealed.sid)
+            else:
+                self.shards.pop(shard.sid, None)
+                os.remove(path)
+
+    # ------------------------------------------------------------------------------------------ compaction
+    def _note_size(self, shard: Shard) -> None:
+        """(Lock held.)"""
+        if shard.rows < max(1, self.shard_rows // 4):
+            self._small.add(shard.sid)
+
+    def _drop_empty(self, sids=None) -> None:
+        """(Lock held.) Forget written shards without live rows (among `sids`, default: those that lost rows);
+        their scratch files go, saved copies stay."""
+        for sid in list(self._dirty if sids is None else sids):
+            shard = self.shards.get(sid)
+            if shard is None or (shard.live == 0 and shard is not self._open):
+                self._dirty.discard(sid)
+                self._small.discard(sid)
+            if shard is None or shard.live or shard is self._open:
+                continue
+            del self.shards[sid]
+            _OPEN_FILES.forget(shard)
+            if shard.owned is not None and os.path.exists(shard.owned):
+                os.remove(shard.owned)
+
+    def _maybe_compact(self) -> None:
+        if self._compacting:
+            return
+        with self._lock:
+            self._drop_empty()
+            victims = []
+            for sid in self._dirty:
+                shard = self.shards.get(sid)
+                if shard is not None and not shard.is_open:
+                    if shard.live <= shard.rows * (1.0 - self.compact_dead_fraction):
+                        victims.append(shard)
+            self._dirty.clear()  # the others are looked at again when they lose more rows
+            small = [self.shards[sid] for sid in self._small if sid in self.shards]
+            if len(small) >= 4:  # many small shards (frequent saves seal them early): merge them
+                victims += [s for s in small if s not in victims]
+        if victims:
+            self._compact(victims)
+
+    def compact(self, wait: bool = True) -> None:
+        """Rewrite every written shard holding tombstones, now; the index moves to the new shards when done."""
+        self.flush(seal=True, wait=True)
+        with self._lock:
+            self._drop_empty(list(self.shards))
+            victims = [s for s in self.shards.values() if s.live < s.rows and not s.is_open]
+        if victims:
+            self._compact(victims)
+        if wait:
+            self._writer.wait()
+
+    def _compact(self, victims: list[Shard]) -> None:
+        with self._lock:
+            used = self._loc[: self._size]
+            keys = np.nonzero((used >= 0) & np.isin(used >> _ROW_BITS, [s.sid for s in victims]))[0]
+            old = used[keys]
+            gens = self._gen[keys]
+        if len(keys) == 0:
+            return
+        order = np.argsort(old, kind="stable")  # by shard, then row: the new shards keep the old order
+        keys, old, gens = keys[order], old[order], gens[order]
+        self._compacting = True
+        parts = []
+        for start in range(0, len(keys), self.shard_rows):
+            sid, name = self._new_shard_name()
+            stop = start + self.shard_rows
+            parts.append((sid, name, keys[start:stop], gens[start:stop], old[start:stop]))
+        try:
+            self._writer.submit(lambda: self._rewrite(parts, {s.sid: s for s in victims}), check=False)
+        except BaseException:
+            self._compacting = False
+            raise
+
+    def _rewrite(self, parts, victims: dict[int, Shard]) -> None:
+        """Writer thread: copy the live rows of `victims` into new shards, then move their keys there."""
+        try:
+            tables = {sid: shard.table() for sid, shard in victims.items()}
+            for sid, name, keys, gens, old in parts:
+                sources = old >> _ROW_BITS
+                pieces = [tables[int(s)].take(pa.array(old[sources == s] & _ROW_MASK)) for s in np.unique(sources)]
+                table = pa.concat_tables(pieces).combine_chunks()
+                path = os.path.join(self._scratch.folder(self.kind), name)
+                write_atomic(path, lambda tmp, table=table: write_arrow(tmp, table))
+                shard = Shard(sid, name, len(keys), [path], owned=path)
+                shard.layout(self.read_columns)
+                shard.unmap()
+                with self._lock:
+                    same = (self._gen[keys] == gens) & (self._loc[keys] == old)
+                    self._loc[keys[same]] = (sid << _ROW_BITS) | np.nonzero(same)[0]
+                    shard.live = int(same.sum())
+                    self.shards[sid] = shard
+                    self._note_size(shard)
+                    for source, count in zip(*np.unique(old[same] >> _ROW_BITS, return_counts=True)):
+                        self.shards[int(source)].live -= int(count)
+            with self._lock:
+                self._drop_empty(list(victims))
+            for shard in victims.values():
+                shard.release()
+                shard.unmap()
+        finally:
+            self._compacting = False
+
+    # ------------------------------------------------------------------------------------------ persistence
+    def save_into(self, folder: str) -> list[dict]:
+        """(Everything sealed.) Put every shard with live rows into `folder`; returns their manifest entries."""
+        if self._pending or self._open is not None:
+            raise RuntimeError(f"{self.kind}: rows are not written yet; flush(seal=True, wait=True) first.")
+        os.makedirs(folder, exist_ok=True)
+        with self._lock:
+            shards = sorted((s for s in self.shards.values() if s.live > 0), key=lambda s: s.sid)
+        for shard in shards:
+            shard.save_into(folder)
+        return [{"name": s.name, "rows": s.rows, "live": s.live, "sid": s.sid} for s in shards]
+
+    def keep(self, shard: Shard) -> None:
+        """Give a loaded shard a hard link in the scratch folder, so that it outlives the folder it was loaded from
+        (a checkpoint that TRL rotates away) without staying mapped; on another file system it stays mapped."""
+        dest = os.path.join(self._scratch.folder(self.kind), shard.name)
+        try:
+            os.link(os.path.realpath(shard.paths[0]), dest)  # link(2) would link a symlink (the Hub cache's) itself
+        except OSError:
+            return
+        info = os.lstat(dest)  # the link itself: it must be the mapped file, not a symlink to it
+        if (info.st_dev, info.st_ino) != shard._inode:
+            os.remove(dest)
+            return
+        shard.owned = dest
+        shard.paths.insert(0, dest)
+        shard.layout(self.read_columns)
+        shard.unmap()
+
+    def adopt(self, shard: Shard, rows: np.ndarray) -> np.ndarray:
+        """Register a loaded shard whose `rows` are live; returns their new keys (in the order of `rows`)."""
+        with self._lock:
+            shard.sid = self._next_sid
+            self._next_sid += 1
+            self.shards[shard.sid] = shard
+            keys = self._new_keys(len(rows))
+            self._loc[keys] = (shard.sid << _ROW_BITS) | rows.astype(np.int64)
+            shard.live = len(rows)
+            self._note_size(shard)
+            if shard.live < shard.rows:
+                self._dirty.add(shard.sid)
+        return keys
+
+    def close_files(self) -> None:
+        """Close the cached descriptors of this log's shard files."""
+        with self._lock:
+            shards = list(self.shards.values())
+        for shard in shards:
+            _OPEN_FILES.forget(shard)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            written = [s for s in self.shards.values() if not s.is_open]
+            open_rows = self._open.rows if self._open is not None else 0
+            return {
+                "shards": len(written),
+                "rows": sum(s.rows for s in written),
+                "dead_rows": sum(s.rows - s.live for s in written),
+                "open_rows": open_rows,
+                "pending_rows": len(self._pending),
+            }
+
+
+def _grow(array: np.ndarray, size: int, fill) -> np.ndarray:
+    grown = np.empty(size, dtype=array.dtype)  # untouched capacity costs address space, not memory
+    grown[: len(array)] = array
+    if fill is not None:
+        grown[len(array) :] = fill
+    return grown
+
+
+# ------------------------------------------------------------------------------------------------ saved folders
+def read_state(path: str, snapshot: int | None = None) -> dict:
+    """The committed state of the pool saved at `path` (or an older kept `snapshot`)."""
+    state_path = os.path.join(path, STATE_FILE)
+    with open(state_path) as f:
+        state = json.load(f)
+    if snapshot is not None and state.get("snapshot") != snapshot:
+        history = os.path.join(path, HISTORY_DIR, f"{snapshot:08d}.json")
+        if not os.path.isfile(history):
+            raise FileNotFoundError(f"No snapshot {snapshot} in the experience pool at {path}.")
+        with open(history) as f:
+            state = json.load(f)
+    return state
+
+
+def state_files(state: dict) -> list[str]:
+    """The files (relative to the pool folder) a committed state names, state.json first."""
+    files = [STATE_FILE, state["tasks_file"]]
+    for kind in (TRAJECTORIES_DIR, TASK_ROWS_DIR):
+        files += [f"{kind}/{entry['name']}" for entry in state["shards"][kind]]
+    return files
+
+
+def kept_states(path: str) -> list[dict]:
+    """The committed state and the older snapshots kept in history, newest first."""
+    states = [read_state(path)]
+    history = os.path.join(path, HISTORY_DIR)
+    if os.path.isdir(history):
+        for name in sorted(os.listdir(history), reverse=True):
+            if name.endswith(".json") and not name.startswith("."):
+                try:
+                    with open(os.path.join(history, name)) as f:
+                        states.append(json.load(f))
+                except (OSError, ValueError):
+                    continue
+    return states
+
+
+def prune(path: str, save_total_limit: int) -> None:
+    """After a commit: keep the newest `save_total_limit` snapshots; delete every other file of the managed folders.
+
+    Only files no kept snapshot names are removed, so a crash here leaves garbage, never a broken pool.
+    """
+    states = kept_states(path)
+    current = states[0]["snapshot"]
+    kept = [s for s in states if s.get("snapshot", 0) <= current][: max(1, save_total_limit)]
+    keep = {os.path.normpath(f) for state in kept for f in state_files(state)}
+    keep |= {os.path.normpath(f"{HISTORY_DIR}/{s['snapshot']:08d}.json") for s in kept[1:]}
+    for folder in MANAGED_DIRS:
+        full = os.path.join(path, folder)
+        if not os.path.isdir(full):
+            continue
+        for name in os.listdir(full):
+            rel = os.path.normpath(f"{folder}/{name}")
+            if rel in keep:
+                continue
+            target = os.path.join(full, name)
+            if os.path.isdir(target):
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                try:
+                    os.remove(target)
+                except FileNotFoundError:
+                    pass
+    for name in os.listdir(path):  # temporary files of interrupted saves
+        if name.startswith(f".{STATE_FILE}.tmp-"):
+            os.remove(os.path.join(path, name))
+
+
+def column_or_none(table: pa.Table | pa.RecordBatch, name: str):
+    return table.column(name) if name in table.schema.names else None
+
+
+def invalid_rows(table: pa.Table, rows: np.ndarray, required: Sequence[str], same_length: Sequence[str]) -> np.ndarray:
+    """Which of `rows` are bad: beyond the table, a null in a `required` column (or inside a list of one), or lists
+    of unequal length among `same_length`. Reads only offsets and validity bitmaps (no row data)."""
+    bad = rows >= table.num_rows
+    rows = np.where(bad, 0, rows)
+    if table.num_rows == 0:
+        return np.ones(len(rows), bool)
+    for name in required:
+        column = column_or_none(table, name)
+        if column is None:
+            return np.ones(len(rows), bool)
+        if column.null_count:
+            bad |= column.is_null().to_numpy(zero_copy_only=False)[rows]
+        if pa.types.is_list(column.type) and any(chunk.values.null_count for chunk in column.chunks):
+            # A null inside a list (a hand-edited file): rare, so checked row by row.
+            inside = np.array([value is not None and None in value for value in column.to_pylist()], bool)
+            bad |= inside[rows]
+    lengths = [
+        pc.list_value_length(table.column(name)).fill_null(-1).to_numpy(zero_copy_only=False)[rows]
+        for name in same_length
+    ]
+    for other in lengths[1:]:
+        bad |= other != lengths[0]
+    return bad
