@@ -49,6 +49,7 @@ from .pool_store import (
     Shard,
     ShardLog,
     Writer,
+    _grow,
     fsync_path,
     invalid_rows,
     prune,
@@ -1123,14 +1124,6 @@ def _close_storage(writer: Writer, scratch: Scratch, logs: tuple[ShardLog, ...])
     for log in logs:
         log.close_files()
     scratch.remove()
-
-
-def _grow(array: np.ndarray, size: int, fill) -> np.ndarray:
-    grown = np.empty(size, dtype=array.dtype)  # untouched capacity costs address space, not memory
-    grown[: len(array)] = array
-    if fill is not None:
-        grown[len(array) :] = fill
-    return grown
 
 
 def _trusted(**fields) -> Trajectory:
