@@ -263,7 +263,8 @@ def test_killed_saves_always_leave_the_last_complete_pool(tmp_path):
                 time.sleep(chooser.uniform(0.0, 1.2 * seconds))
                 break
         child.kill()
-        lines += [line.split() for line in child.stdout.read().splitlines()]
+        # only whole lines: the kill can cut the child's last line short (a line without its newline)
+        lines += [line.split() for line in child.stdout.read().split("\n")[:-1] if line.strip()]
         child.wait()
         committed = [words[2] for words in lines if words[0] == "saved"][-1]
         in_flight = lines[-1][2] if lines[-1][0] == "saving" else None
