@@ -5,9 +5,12 @@ For each size N (trajectories of ``--prompt-tokens`` + ``--completion-tokens`` t
 token, 5 per task, N / 5 tasks), each step in a fresh process so that memory is measured cleanly:
 
 * ours, build: fill a pool through `record_outcome`, save it, then time add 512 (the calling thread's cost; the
-  writer thread's flush of them is timed apart), sample 64 (argmin saved entropy: `ExperiencePool.sample`), the
-  trainer's own path for 64 replay groups (`replayable_tasks` + `plan_replay` + `candidates` + `select`), an
-  incremental save into the same folder and into a new checkpoint folder.
+  writer thread's flush of them is timed apart), sample 64 (argmin saved entropy: `ExperiencePool.sample`, whose
+  token lists become Python lists on first access; timed again with every list touched), the trainer's per-step
+  replay selection for 64 replay groups of 128 (the calls `ExReplayGRPOTrainer` makes, with its default settings but
+  the trajectories replayed by saved entropy: `plan_replay` over `pool.replay_buckets(...)`, then `pool.choose(...)`),
+  the same plan drawn from the full list of replayable tasks (`replayable_tasks`, what the trainer did before: O(pool)),
+  an incremental save into the same folder and into a new checkpoint folder.
 * ours, load: RSS with an empty pool, load the saved pool, sample 64, add 512 and save incrementally: RSS growth.
 * baseline, build: ``{task: [trajectory dict of numpy arrays]}`` (compact: the seeds' Python lists would need
   ~120 GB at 1M), same fill; add 512 (lists -> arrays, argmin eviction), sample 64 as the seeds do
@@ -78,6 +81,12 @@ def template(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def touch(trajectories) -> None:
+    """Read every token list of `trajectories` (a sample converts them to Python lists on first access)."""
+    for t in trajectories:
+        t.prompt_ids, t.completion_ids, t.completion_mask, t.logps, t.rewards  # noqa: B018
+
+
 def make_trajectory(base, task_id: str, entropy: float, version: int):
     # Setup only (not timed): a shallow copy of one normalised trajectory instead of `Trajectory(...)`, whose
     # per-token normalisation would make filling a million trajectories take ten minutes more.
@@ -139,21 +148,38 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
     flush_ms = (time.perf_counter() - start) * 1e3
 
     sample_ms, sample_cpu_ms = median_ms(lambda i: pool.sample(SAMPLE, rng=np.random.default_rng(i)), 50, cpu=True)
+    touched_ms, touched_cpu_ms = median_ms(
+        lambda i: touch(pool.sample(SAMPLE, rng=np.random.default_rng(50 + i))), 50, True
+    )
     assert len(pool.sample(SAMPLE)) == SAMPLE
 
-    def trainer_path(i):
-        replayable = pool.replayable_tasks(1)
-        plan = plan_replay(
-            [f"group-{g}" for g in range(2 * SAMPLE)],
-            replayable,
+    # The trainer's replay selection of one step (`_generate_and_score_completions` + `_select_trajectories`), with
+    # the defaults of `ExReplayGRPOConfig` (128 groups of G = 8, exp_ratio 0.5, k = 1, uniform bucket weighting, no age
+    # limit nor window) but use_current_policy_entropy=False: the replayed trajectory by saved entropy (scoring the
+    # candidates under the current policy needs a model).
+    groups = [f"group-{g}" for g in range(2 * SAMPLE)]
+    k, step, age, window = 1, version[0], None, None
+
+    def trainer_plan(i, replayable=None):
+        return plan_replay(
+            groups,
+            pool.replay_buckets(k, step, age, window) if replayable is None else replayable(),
             exp_ratio=0.5,
             num_generations=8,
-            num_replayed=1,
-            seed=[0, i],
+            num_replayed=k,
+            weighting="uniform",
+            seed=[0, step + i, 0],
         )
-        return [pool.select(pool.candidates(t), 1) for t in plan.replay_groups.values()]
 
-    plan_ms = median_ms(trainer_path, 5)
+    def trainer_select(i):
+        plan = trainer_plan(i)
+        rng = np.random.default_rng([0, step + i, 0, 1])
+        return pool.choose(list(plan.replay_groups.values()), k, step, age, window, rng)
+
+    assert trainer_plan(0).num_tasks == SAMPLE and sum(len(v) for v in trainer_select(0).values()) == SAMPLE
+    plan_ms, plan_cpu_ms = median_ms(trainer_plan, 20, cpu=True)
+    select_ms, select_cpu_ms = median_ms(trainer_select, 20, cpu=True)
+    listed_ms = median_ms(lambda i: trainer_plan(i, lambda: pool.replayable_tasks(k, step, age, window)), 5)
 
     def incremental(target):
         for trajectory in [
@@ -180,7 +206,13 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
         "flush_ms": flush_ms,
         "sample_ms": sample_ms,
         "sample_cpu_ms": sample_cpu_ms,
+        "sample_touched_ms": touched_ms,
+        "sample_touched_cpu_ms": touched_cpu_ms,
         "trainer_plan_ms": plan_ms,
+        "trainer_plan_cpu_ms": plan_cpu_ms,
+        "trainer_select_ms": select_ms,
+        "trainer_select_cpu_ms": select_cpu_ms,
+        "trainer_plan_listed_ms": listed_ms,
         "save_ms": save_ms,
         "checkpoint_save_ms": checkpoint_ms,
         "rss_empty_mb": baseline_rss,
@@ -434,14 +466,21 @@ def table(results: dict) -> str:
         )
     lines += [
         "",
-        "| trajectories | writer: flush 512 | trainer path, 64 groups | save to a new checkpoint | first (full) save "
-        "| sample 64 after load | RSS after load: anon / file | disk: shards / pickle |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Sharded pool (ours), more figures. `sample 64, lists touched`: the sample with every token list converted to "
+        "Python lists. Trainer, 64 replay groups of 128: `plan` draws the replay tasks from the bucket arrays "
+        "(`plan_replay` over `replay_buckets`), `plan + read` also chooses and reads the replayed trajectories "
+        "(`choose`); `plan from full list` is the former path (`plan_replay` over `replayable_tasks`, O(pool)).",
+        "",
+        "| trajectories | sample 64, lists touched | trainer: plan | trainer: plan + read | plan from full list "
+        "| writer: flush 512 | save to a new checkpoint | first (full) save | sample 64 after load "
+        "| RSS after load: anon / file | disk: shards / pickle |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size, r in results.items():
         b, lo = r["ours"]["build"], r["ours"]["load"]
         lines.append(
-            f"| {int(size):,} | {fmt_ms(b['flush_ms'])} | {fmt_ms(b['trainer_plan_ms'])} | {fmt_ms(b['checkpoint_save_ms'])} "
+            f"| {int(size):,} | {both(b, 'sample_touched')} | {both(b, 'trainer_plan')} | {both(b, 'trainer_select')} "
+            f"| {fmt_ms(b['trainer_plan_listed_ms'])} | {fmt_ms(b['flush_ms'])} | {fmt_ms(b['checkpoint_save_ms'])} "
             f"| {b['first_save_s']:.2f} s | {fmt_ms(lo['sample_after_load_ms'])} ({fmt_ms(lo['sample_after_load_cpu_ms'])}) "
             f"| {lo['rss_mb']['RssAnon'] - lo['rss_empty_mb']['RssAnon']:.0f} / "
             f"{lo['rss_mb']['RssFile'] - lo['rss_empty_mb']['RssFile']:.0f} MB "

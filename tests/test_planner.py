@@ -11,7 +11,15 @@ import random
 import numpy as np
 import pytest
 
-from trl_exreplay.planner import NORMAL_BUCKET_STD, ReplayPlan, bucket_weights, plan_replay
+from trl_exreplay import planner
+from trl_exreplay.planner import (
+    NORMAL_BUCKET_STD,
+    ReplayPlan,
+    TaskBuckets,
+    bucket_weights,
+    draw_replay_tasks,
+    plan_replay,
+)
 
 
 def plan(group_keys, replayable, exp_ratio, G=4, k=1, weighting="uniform", seed=0):
@@ -273,3 +281,173 @@ def test_linear_weighting_prefers_hard_tasks():
         for s in range(n)
     )
     assert abs(hits / n - 0.8) < 0.03  # weights 4 and 1
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# draw_replay_tasks: the O(batch) draw over bucket arrays (what the trainer draws from a pool)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def hand_weight(difficulty, bucket_size, G, weighting):
+    """A task's weight, by hand: uniform 1; else its bucket's weight shared by the bucket's replayable tasks."""
+    if weighting == "uniform":
+        return 1.0
+    if weighting == "normal":
+        return math.exp(-0.5 * ((difficulty / G - 0.5) / 0.25) ** 2) / bucket_size
+    return max(G - difficulty, 1) / bucket_size
+
+
+def int_buckets(members, replayable, calls=None):
+    """`TaskBuckets` over integer tasks: `members` difficulty -> tasks, `replayable(ids) -> mask` (vectorized);
+    `calls` records the size of each predicate call and each listing."""
+    arrays = {d: np.asarray(m, np.int64) for d, m in members.items()}
+
+    def is_replayable(ids):
+        if calls is not None:
+            calls.append(len(ids))
+        return replayable(np.asarray(ids, np.int64))
+
+    def listing():
+        if calls is not None:
+            calls.append("listing")
+        ids = np.concatenate([arrays[d] for d in sorted(arrays)])
+        difficulties = np.concatenate([np.full(len(arrays[d]), d) for d in sorted(arrays)])
+        ok = replayable(ids)
+        return ids[ok], difficulties[ok]
+
+    return TaskBuckets(arrays, is_replayable, listing, lambda ids: [f"t{int(i)}" for i in ids])
+
+
+def in_set(tasks):
+    tasks = np.asarray(sorted(tasks), np.int64)
+    return lambda ids: np.isin(ids, tasks)
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "normal", "linear"])
+def test_small_buckets_are_drawn_exactly_as_a_weighted_choice_without_replacement(weighting):
+    pairs = [("a", 0), ("b", 1), ("c", 1), ("d", 2), ("e", 3), ("f", 3), ("g", 3)]
+    sizes = {0: 1, 1: 2, 2: 1, 3: 3}
+    w = np.array([hand_weight(d, sizes[d], 4, weighting) for _, d in pairs])
+    for seed in range(20):
+        expected = np.random.default_rng([seed, 5]).choice(len(pairs), size=3, replace=False, p=w / w.sum())
+        drawn = draw_replay_tasks(
+            TaskBuckets.from_pairs(pairs),
+            3,
+            num_generations=4,
+            weighting=weighting,
+            rng=np.random.default_rng([seed, 5]),
+        )
+        assert drawn == expected.tolist()
+        # plan_replay over the list draws the same tasks with its seed
+        p = plan(["q", "r", "s", "u", "v", "x"], pairs, 0.5, weighting=weighting, seed=[seed, 5])
+        assert sorted(p.replay_groups.values()) == sorted(pairs[i][0] for i in expected)
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "normal", "linear"])
+def test_rejection_draws_follow_the_weights_of_the_replayable_tasks_only(weighting):
+    # bucket 0: 100 tasks, 10 replayable; bucket 2: 100, all replayable; bucket 3: 10, 2 replayable (tasks 200, 201)
+    members = {0: range(100), 2: range(100, 200), 3: range(200, 210)}
+    replayable = set(range(10)) | set(range(100, 200)) | {200, 201}
+    sizes = {0: 10, 2: 100, 3: 2}
+    bucket_p = {d: sizes[d] * hand_weight(d, sizes[d], 4, weighting) for d in sizes}
+    total = sum(bucket_p.values())
+    buckets = int_buckets(members, in_set(replayable))
+    n = 3000
+    hits = {0: 0, 2: 0, 3: 0}
+    tasks_of_3 = {200: 0, 201: 0}
+    for seed in range(n):
+        (task,) = draw_replay_tasks(
+            buckets, 1, num_generations=4, weighting=weighting, rng=np.random.default_rng(seed), exact_below=0
+        )
+        assert task in replayable
+        difficulty = 0 if task < 100 else 2 if task < 200 else 3
+        hits[difficulty] += 1
+        if difficulty == 3:
+            tasks_of_3[task] += 1
+    for d in hits:
+        assert abs(hits[d] / n - bucket_p[d] / total) < 0.03, (d, hits)
+    if hits[3] > 200:  # uniform within the bucket's replayable tasks
+        assert abs(tasks_of_3[200] / hits[3] - 0.5) < 0.1
+
+
+def test_rejection_draws_without_replacement_shrink_a_drawn_bucket():
+    # linear, G = 4: bucket 1 (tasks 0, 1) weighs 3, 1.5 per task; bucket 3 (40 tasks) weighs 1, 1/40 per task.
+    # Drawing 2 without replacement: P({0, 1}) = 2 * (1.5 / 4) * (1.5 / 2.5) = 0.45 (successive draws with the weights
+    # of the whole set); a draw that did not shrink bucket 1 once a task of it is drawn would give (3/4)^2 = 0.5625.
+    buckets = int_buckets({1: [0, 1], 3: range(2, 42)}, lambda ids: np.ones(len(ids), bool))
+    n = 4000
+    both = 0
+    for seed in range(n):
+        drawn = draw_replay_tasks(
+            buckets, 2, num_generations=4, weighting="linear", rng=np.random.default_rng(seed), exact_below=0
+        )
+        assert len(set(drawn)) == 2
+        both += set(drawn) == {0, 1}
+    assert abs(both / n - 0.45) < 0.03
+
+
+def test_rejection_draws_fall_back_when_few_tasks_are_replayable():
+    calls = []
+    buckets = int_buckets({2: range(5000), 1: range(5000, 5100)}, in_set({7, 4000, 4999}), calls)
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        drawn = draw_replay_tasks(buckets, 10, num_generations=4, weighting="normal", rng=rng, exact_below=0)
+        assert sorted(drawn) == [7, 4000, 4999]
+    assert "listing" in calls  # the exact finish
+    seen = set()
+    for seed in range(30):
+        for weighting in ("uniform", "normal"):
+            rng = np.random.default_rng(seed)
+            drawn = draw_replay_tasks(buckets, 2, num_generations=4, weighting=weighting, rng=rng, exact_below=0)
+            assert len(set(drawn)) == 2 and set(drawn) <= {7, 4000, 4999}
+            seen |= set(drawn)
+    assert seen == {7, 4000, 4999}
+
+
+def test_a_bucket_with_no_replayable_task_is_never_drawn():
+    # bucket 2 (the heaviest under "normal") has no replayable task: every draw comes from bucket 0's 50
+    buckets = int_buckets({2: range(3000), 0: range(3000, 3050)}, lambda ids: ids >= 3000)
+    for seed in range(10):
+        drawn = draw_replay_tasks(
+            buckets, 8, num_generations=4, weighting="normal", rng=np.random.default_rng(seed), exact_below=0
+        )
+        assert len(set(drawn)) == 8 and all(3000 <= t < 3050 for t in drawn)
+
+
+def test_a_draw_from_large_buckets_touches_a_few_tasks_only():
+    calls = []
+    members = {2: np.arange(1_000_000), 4: np.arange(1_000_000, 1_500_000), 6: np.arange(1_500_000, 1_500_100)}
+    buckets = int_buckets(members, lambda ids: ids % 3 != 0, calls)
+    for weighting in ("uniform", "normal", "linear"):
+        calls.clear()
+        drawn = draw_replay_tasks(buckets, 64, num_generations=8, weighting=weighting, rng=np.random.default_rng(1))
+        assert len(set(drawn)) == 64 and all(t % 3 for t in drawn)
+        assert "listing" not in calls and sum(calls) < 64 * 40, (weighting, sum(calls))
+
+
+def test_plan_from_buckets_keeps_the_plan_invariants(monkeypatch):
+    monkeypatch.setattr(planner, "EXACT_DRAW_TASKS", 0)
+    members = {0: range(40), 1: range(40, 90), 3: range(90, 100)}
+    buckets = int_buckets(members, lambda ids: ids % 4 != 1)
+    keys = ["t0", "t4", "t5", "q", "r", "s", "t8", "u"]  # t0, t4 and t8 are replayable pool tasks; t5 is not
+    for seed in range(40):
+        p = plan(keys, buckets, 0.5, weighting="normal", seed=seed)
+        tasks = list(p.replay_groups.values())
+        assert p.num_tasks == 4 and len(set(tasks)) == 4
+        assert all(int(t[1:]) % 4 != 1 for t in tasks)
+        for g, t in p.replay_groups.items():
+            if t in keys:
+                assert keys.index(t) == g
+            else:
+                assert keys[g] not in tasks
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "normal"])
+def test_a_bucket_mostly_not_replayable_is_scanned_once_not_listed(weighting):
+    # bucket 1 holds 100,000 tasks none of which can be replayed: one scan of it, no listing of everything
+    calls = []
+    buckets = int_buckets({1: range(100_000), 2: range(100_000, 102_000)}, lambda ids: ids >= 100_000, calls)
+    drawn = draw_replay_tasks(buckets, 64, num_generations=4, weighting=weighting, rng=np.random.default_rng(3))
+    assert len(set(drawn)) == 64 and all(t >= 100_000 for t in drawn)
+    assert "listing" not in calls
+    assert calls.count(100_000) == 1 and sum(calls) < 100_000 + 64 * 40

@@ -1,7 +1,8 @@
 """Which groups of a generation batch become replay tasks, and which of their rows are replayed.
 
 Pure and seeded: every process calls `plan_replay` with the same global group keys, the same pool and the same seed,
-so all processes agree on the plan without talking to each other.
+so all processes agree on the plan without talking to each other. The replay tasks are drawn from the pool's
+difficulty buckets (`TaskBuckets`) at a cost that does not grow with the pool (`draw_replay_tasks`), or from a list.
 
 Layout (TRL's `RepeatSampler`): the global generation batch has `num_groups * G` rows; group `g` holds rows
 `[g*G, (g+1)*G)`. A replay group keeps its G rows; its last `k` rows are replayed trajectories, the first `G - k` are
@@ -10,7 +11,7 @@ generated fresh.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,25 +45,177 @@ class ReplayPlan:
         return self.replay_groups.get(group, group_keys[group])
 
 
+def _bucket_mass(difficulties: np.ndarray, num_generations: int, weighting: str) -> np.ndarray | None:
+    """Weight of each bucket (of `difficulties`), shared by the bucket's tasks; None for "uniform" (a task weighs 1,
+    whatever its bucket)."""
+    if weighting == "uniform":
+        return None
+    if weighting == "normal":
+        accuracy = difficulties / num_generations
+        return np.exp(-0.5 * ((accuracy - 0.5) / NORMAL_BUCKET_STD) ** 2)
+    if weighting == "linear":
+        return (num_generations - difficulties).clip(min=1.0)
+    raise ValueError(f"Unknown replay_bucket_weighting {weighting!r}: allowed 'uniform', 'normal', 'linear'.")
+
+
 def bucket_weights(difficulties: Sequence[int], num_generations: int, weighting: str) -> np.ndarray:
     """Draw weight of each task given its bucket; buckets share their weight equally among their tasks."""
     difficulties = np.asarray(difficulties, dtype=np.float64)
-    if weighting == "uniform":
+    per_bucket = _bucket_mass(difficulties, num_generations, weighting)
+    if per_bucket is None:
         return np.ones_like(difficulties)
-    if weighting == "normal":
-        accuracy = difficulties / num_generations
-        per_bucket = np.exp(-0.5 * ((accuracy - 0.5) / NORMAL_BUCKET_STD) ** 2)
-    elif weighting == "linear":
-        per_bucket = (num_generations - difficulties).clip(min=1.0)
-    else:
-        raise ValueError(f"Unknown replay_bucket_weighting {weighting!r}: allowed 'uniform', 'normal', 'linear'.")
     _, inverse, counts = np.unique(difficulties, return_inverse=True, return_counts=True)
     return per_bucket / counts[inverse]
 
 
+@dataclass(frozen=True)
+class TaskBuckets:
+    """Tasks by difficulty bucket, to draw replay tasks from without listing the replayable ones first.
+
+    Tasks are integer ids (an `ExperiencePool`'s task indices; `from_pairs`: positions in a list).
+
+    Attributes:
+        members: difficulty -> ids of the bucket's tasks (replayable now or not), in a fixed order.
+        replayable: ``ids -> bool mask``: which of `ids` can be replayed now (cheap for a few ids).
+        listing: ``() -> (ids, difficulties)`` of every replayable task, in a fixed order: an O(tasks) pass, used
+            only when the buckets are small, or to finish a draw that rejection sampling cannot.
+        names: ``ids -> task ids``.
+    """
+
+    members: Mapping[int, np.ndarray]
+    replayable: Callable[[np.ndarray], np.ndarray]
+    listing: Callable[[], tuple[np.ndarray, np.ndarray]]
+    names: Callable[[Sequence[int]], list[str]]
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[str, int]]) -> TaskBuckets:
+        """Buckets of a list of (task id, difficulty), every one of them replayable."""
+        difficulties = np.asarray([d for _, d in pairs], dtype=np.int64)
+        ids = np.arange(len(pairs), dtype=np.int64)
+        return cls(
+            members={int(d): ids[difficulties == d] for d in np.unique(difficulties).tolist()},
+            replayable=lambda chosen: np.ones(len(chosen), bool),
+            listing=lambda: (ids, difficulties),
+            names=lambda chosen: [pairs[i][0] for i in chosen],
+        )
+
+
+EXACT_DRAW_TASKS = 1024  # buckets holding at most this many tasks (or 16 per task to draw) are drawn from exactly
+_DRAW_ROUNDS = 4  # rounds of rejection sampling before an exact draw finishes the job
+_BUCKET_TRIES = 4  # draws within a bucket per round, 4 candidates each, before the bucket is scanned
+
+
+def draw_replay_tasks(
+    buckets: TaskBuckets,
+    num: int,
+    *,
+    num_generations: int,
+    weighting: str,
+    rng: np.random.Generator,
+    exact_below: int | None = None,
+) -> list[int]:
+    """Draw `num` distinct replayable tasks (ids), each draw weighted by `bucket_weights` over the replayable tasks
+    (fewer when fewer are replayable); cost O(num), not O(tasks), while a fair share of the buckets' tasks can be
+    replayed (else a few O(bucket) scans, or one O(tasks) pass to finish: still the same law).
+
+    The law is that of ``rng.choice(replayable, num, replace=False, p=bucket_weights(...))``: successive draws, each
+    among the tasks not drawn yet, with the weights of the whole replayable set. Buckets of at most `exact_below`
+    tasks in all (default `EXACT_DRAW_TASKS`, at least 16 per task to draw) are drawn exactly so, over
+    `buckets.listing()` (the very draw of `plan_replay` over that list). Larger ones by rejection, in rounds of
+    independent draws whose repeats are dropped (the same law): a draw picks a bucket (``"uniform"``: in proportion
+    to its size, ``"normal"``/``"linear"``: to its weight), then a task of it uniformly; a task that cannot be
+    replayed is drawn again (``"uniform"``: bucket included; else within its bucket, whose weight is shared by its
+    replayable tasks only). A bucket that keeps failing is scanned once: then drawn from among its replayable tasks
+    (``"uniform"``: weighing their number), or dropped if it has none. What rounds leave undrawn is finished exactly,
+    over the listing.
+    """
+    if num <= 0:
+        return []
+    members = {d: m for d, m in sorted(buckets.members.items()) if len(m)}
+    total = sum(len(m) for m in members.values())
+    limit = EXACT_DRAW_TASKS if exact_below is None else exact_below
+    if total <= max(limit, 16 * num):
+        return _draw_listed(buckets, num, num_generations, weighting, rng, [])
+    order = list(members)  # difficulties, ascending
+    mass = _bucket_mass(np.asarray(order, dtype=np.float64), num_generations, weighting)
+    shared = mass is not None
+    scanned: dict[int, np.ndarray] = {}  # difficulty -> its replayable tasks, once a bucket was scanned
+    chosen: list[int] = []
+    seen: set[int] = set()
+    for _ in range(_DRAW_ROUNDS):
+        need = num - len(chosen)
+        live = [i for i, d in enumerate(order) if d not in scanned or len(scanned[d])]
+        if need <= 0 or not live:
+            break
+        if shared:
+            weights = mass[live]
+        else:  # a task weighs 1: a bucket weighs its size (its replayable tasks once scanned)
+            weights = np.array([len(scanned.get(order[i], members[order[i]])) for i in live], np.float64)
+        slots = rng.choice(len(live), size=2 * need + 8, p=weights / weights.sum())
+        picks = np.full(len(slots), -1, np.int64)
+        for slot in np.unique(slots).tolist():
+            where = np.nonzero(slots == slot)[0]
+            difficulty = order[live[slot]]
+            picks[where] = _from_bucket(buckets, members[difficulty], difficulty, len(where), shared, scanned, rng)
+        for task in picks.tolist():
+            if task >= 0 and task not in seen and len(chosen) < num:
+                seen.add(task)
+                chosen.append(task)
+    if len(chosen) < num:
+        chosen += _draw_listed(buckets, num - len(chosen), num_generations, weighting, rng, chosen)
+    return chosen
+
+
+def _from_bucket(buckets, members, difficulty, count, shared, scanned, rng) -> np.ndarray:
+    """`count` replayable tasks of one bucket, each uniform among its replayable tasks (-1: rejected, for
+    "uniform", or none replayable)."""
+    known = scanned.get(difficulty)
+    if known is not None:
+        out = np.full(count, -1, np.int64)
+        if len(known):
+            out[:] = known[rng.integers(len(known), size=count)]
+        return out
+    if not shared:  # a rejected draw is drawn again from scratch (its bucket included): uniform over all tasks
+        drawn = np.asarray(members[rng.integers(len(members), size=count)], np.int64)
+        ok = buckets.replayable(drawn)
+        if count >= 16 and 4 * int(ok.sum()) < count:  # mostly not replayable: scanned for the next rounds
+            scanned[difficulty] = np.asarray(members, np.int64)[buckets.replayable(np.asarray(members))]
+        return np.where(ok, drawn, -1)
+    out = np.full(count, -1, np.int64)
+    todo = np.arange(count)
+    for _ in range(_BUCKET_TRIES):
+        drawn = np.asarray(members[rng.integers(len(members), size=(len(todo), 4))], np.int64)
+        ok = buckets.replayable(drawn.ravel()).reshape(drawn.shape)
+        hit = ok.any(axis=1)
+        out[todo[hit]] = drawn[hit, ok[hit].argmax(axis=1)]  # the first replayable of each slot's candidates
+        todo = todo[~hit]
+        if len(todo) == 0:
+            return out
+    # Few of this bucket are replayable: scan it once (O(bucket)) and draw among those.
+    known = scanned[difficulty] = np.asarray(members, np.int64)[buckets.replayable(np.asarray(members))]
+    if len(known):
+        out[todo] = known[rng.integers(len(known), size=len(todo))]
+    return out
+
+
+def _draw_listed(buckets, num, num_generations, weighting, rng, taken: list[int]) -> list[int]:
+    """Draw `num` of the listed replayable tasks not in `taken`, weights over the whole list (exact)."""
+    ids, difficulties = buckets.listing()
+    if len(taken):
+        rest = ~np.isin(ids, np.asarray(taken, np.int64))
+    else:
+        rest = np.ones(len(ids), bool)
+    target = min(num, int(rest.sum()))
+    if target <= 0:
+        return []
+    weights = bucket_weights(difficulties, num_generations, weighting)[rest]
+    chosen = rng.choice(len(weights), size=target, replace=False, p=weights / weights.sum())
+    return np.asarray(ids)[rest][chosen].tolist()
+
+
 def plan_replay(
     group_keys: Sequence[str],
-    replayable: Sequence[tuple[str, int]],
+    replayable: Sequence[tuple[str, int]] | TaskBuckets,
     *,
     exp_ratio: float,
     num_generations: int,
@@ -74,11 +227,12 @@ def plan_replay(
 
     Args:
         group_keys: task id of each group of the global batch, in order.
-        replayable: (task id, difficulty) of the pool tasks that can be replayed now.
+        replayable: (task id, difficulty) of the pool tasks that can be replayed now, or the pool's `TaskBuckets`
+            (``ExperiencePool.replay_buckets``: the draw then costs O(groups), whatever the pool's size).
         exp_ratio: fraction of groups to turn into replay tasks (`int(num_groups * exp_ratio)`, fewer if the pool is
             small).
         num_generations, num_replayed: G and k.
-        weighting: how tasks are drawn over difficulty buckets (see `bucket_weights`).
+        weighting: how tasks are drawn over difficulty buckets (see `bucket_weights` and `draw_replay_tasks`).
         seed: seed of this draw (the trainer uses `(args.seed, global_step)`).
 
     A drawn task already present in the batch replays in (the first) group that holds it, so replay never puts a task
@@ -86,13 +240,15 @@ def plan_replay(
     tasks only when no such group is left).
     """
     num_groups = len(group_keys)
-    target = min(int(num_groups * exp_ratio), len(replayable))
-    if target <= 0:
+    wanted = int(num_groups * exp_ratio)
+    if wanted <= 0:
         return ReplayPlan(num_generations, num_replayed, {})
+    buckets = replayable if isinstance(replayable, TaskBuckets) else TaskBuckets.from_pairs(replayable)
     rng = np.random.default_rng(seed)
-    weights = bucket_weights([d for _, d in replayable], num_generations, weighting)
-    chosen = rng.choice(len(replayable), size=target, replace=False, p=weights / weights.sum())
-    drawn = [replayable[i][0] for i in chosen]
+    chosen = draw_replay_tasks(buckets, wanted, num_generations=num_generations, weighting=weighting, rng=rng)
+    if not chosen:
+        return ReplayPlan(num_generations, num_replayed, {})
+    drawn = buckets.names(chosen)
 
     first_group: dict[str, int] = {}
     for group, key in enumerate(group_keys):

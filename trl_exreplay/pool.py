@@ -14,8 +14,10 @@ Storage (`trl_exreplay.pool_store`): the trajectories and the tasks' dataset row
 RAM holds an index only: per trajectory its task, entropy, policy version, id and store rank (~40 bytes), per task
 its bucket, order stamps and the keys of its trajectories. Appends are buffered and written by a background thread;
 an evicted trajectory leaves a tombstone that compaction removes. Replay queries touch the index and read only the
-trajectories they return. `save` is incremental and atomic (no pickle anywhere); `push_to_hub` / `from_hub` share a
-pool as a `datasets` dataset repository, and a pool refuses a tokenizer other than the one it was recorded with.
+trajectories they return; the buckets are also kept as arrays of task indices (O(1) per move, saved with the pool),
+from which the trainer draws replay tasks in O(batch) (`replay_buckets`, `planner.plan_replay`). `save` is incremental
+and atomic (no pickle anywhere); `push_to_hub` / `from_hub` share a pool as a `datasets` dataset repository, and a
+pool refuses a tokenizer other than the one it was recorded with.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .planner import TaskBuckets
 from .pool_store import (
     FORMAT_VERSION,
     HISTORY_DIR,
@@ -105,6 +108,34 @@ class Trajectory:
             )
 
 
+class _LazyList:
+    """A token list of a `Trajectory` read by `ExperiencePool.sample`: kept as the bytes read, converted to the list
+    (and kept) on first access, so that a sample pays for Python lists only where they are used.
+
+    A non-data descriptor: an instance's own value (every trajectory built normally has one) is found first, at no
+    cost; this runs only for a lazily read one.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, trajectory, owner=None):
+        if trajectory is None:
+            return self
+        fields = trajectory.__dict__
+        lazy = fields.get("_lazy")
+        if lazy is None or self.name not in lazy:
+            raise AttributeError(f"{type(trajectory).__name__!r} object has no attribute {self.name!r}")
+        convert, data = lazy[self.name]
+        value = fields[self.name] = convert(data)
+        lazy.pop(self.name, None)
+        if not lazy:
+            fields.pop("_lazy", None)
+        return value
+
+
 @dataclass
 class TaskOutcome:
     """What one generation step says about a task: its fresh rollouts, and the successful ones as trajectories."""
@@ -133,6 +164,10 @@ _SAME_LENGTH = ("completion_ids", "completion_mask", "logps")
 _INDEX_COLUMNS = ("traj_id", "entropy", "policy_version", "store_seq")  # what the RAM index keeps of a trajectory
 _SLOT_COLUMNS = ("traj_shard", "traj_row", "traj_id")  # where a snapshot's tasks table says each trajectory is
 _STORED_COLUMNS = ("prompt_ids", "completion_ids", "completion_mask", "logps", "rewards", "reward")  # read back
+_TOKEN_COLUMNS = ("prompt_ids", "completion_ids", "completion_mask", "logps")  # one value per token
+for _name in _TOKEN_COLUMNS:  # after @dataclass: its fields and methods are unchanged
+    setattr(Trajectory, _name, _LazyList(_name))
+del _name
 _LIST_DTYPES = (
     ("prompt_ids", np.int32),
     ("completion_ids", np.int32),
@@ -211,6 +246,13 @@ class ExperiencePool:
         self._skip_order = np.empty(0, np.int64)
         self._store_order = np.empty(0, np.int64)
         self._row_key = np.empty(0, np.int64)  # key of the task's row in the task row log, -1: none
+        # The buckets' tasks that hold trajectories (the others cannot be replayed), as arrays of task indices kept as
+        # tasks move (O(1) each: a leaving task's place takes its array's last one), so that replay draws cost
+        # O(batch) (`replay_buckets`). Saved, so that a loaded pool draws as the live one.
+        self._bucket_at = np.empty(0, np.int32)  # the difficulty of the task's array, -1: in none
+        self._bucket_pos = np.empty(0, np.int32)  # the task's place in it
+        self._members: dict[int, np.ndarray] = {}  # difficulty -> task indices (the first `_bucket_len[d]`)
+        self._bucket_len: dict[int, int] = {}
         self._count = np.empty(0, np.int32)
         self._slots = np.full((0, max(1, max_trajectories_per_task)), -1, np.int32)  # trajectory keys, store order
         self._num_stored_tasks = 0
@@ -232,6 +274,7 @@ class ExperiencePool:
             self._scratch,
             shard_rows,
             read_columns=_STORED_COLUMNS,
+            keep_open=True,
         )
         self._task_rows = ShardLog(
             TASK_ROWS_DIR,
@@ -257,12 +300,12 @@ class ExperiencePool:
         if outcome.num_fresh > 0 and outcome.successes == outcome.num_fresh:
             if self._skip_order[t] < 0:  # a set: a task already in it keeps its place
                 self._skip_order[t] = self._next_stamp()
-            self._difficulty[t] = -1
+            self._set_difficulty(t, -1)
             self._difficulty_order[t] = -1
             self._clear_store(t)
             return
         self._skip_order[t] = -1
-        self._difficulty[t] = outcome.successes
+        self._set_difficulty(t, outcome.successes)
         self._difficulty_order[t] = self._next_stamp()  # bucket order follows the latest update
         if not (self.experience_lbound < outcome.successes < self.experience_rbound):
             return
@@ -364,6 +407,8 @@ class ExperiencePool:
             ("_store_order", -1),
             ("_row_key", -1),
             ("_count", 0),
+            ("_bucket_at", -1),
+            ("_bucket_pos", -1),
         ):
             setattr(self, name, _grow(getattr(self, name), grown, fill))
         slots = np.full((grown, self._slots.shape[1]), -1, np.int32)
@@ -376,6 +421,58 @@ class ExperiencePool:
         grown = max(1024, 2 * len(self._key_task), size)
         for name in ("_key_task", "_key_entropy", "_key_version", "_key_traj_id", "_key_seq"):
             setattr(self, name, _grow(getattr(self, name), grown, None))  # written when a key is used
+
+    def _set_difficulty(self, t: int, difficulty: int) -> None:
+        """Move task `t` to the bucket of `difficulty` (-1: to none)."""
+        self._difficulty[t] = difficulty
+        self._place_in_bucket(t)
+
+    def _place_in_bucket(self, t: int) -> None:
+        """Put task `t` in the array of its bucket if it holds trajectories, else in none (after either changed)."""
+        want = int(self._difficulty[t]) if self._count[t] > 0 else -1
+        have = int(self._bucket_at[t])
+        if want == have:
+            return
+        if have >= 0:
+            place, last = int(self._bucket_pos[t]), self._bucket_len[have] - 1
+            members = self._members[have]
+            moved = int(members[last])
+            members[place] = moved
+            self._bucket_pos[moved] = place
+            self._bucket_len[have] = last
+        self._bucket_at[t] = want
+        self._bucket_pos[t] = -1
+        if want >= 0:
+            n = self._bucket_len.get(want, 0)
+            members = self._members.get(want)
+            if members is None or n == len(members):
+                members = self._members[want] = _grow(
+                    members if members is not None else np.empty(0, np.int32), max(16, 2 * n), None
+                )
+            members[n] = t
+            self._bucket_pos[t] = n
+            self._bucket_len[want] = n + 1
+
+    def _rebuild_buckets(self, places: np.ndarray | None = None) -> None:
+        """The bucket arrays from the difficulties and counts: tasks at their saved `places` when these are
+        consistent, else in bucket order."""
+        n = len(self._task_ids)
+        tasks = np.nonzero((self._difficulty[:n] >= 0) & (self._count[:n] > 0))[0]
+        tasks = tasks[np.argsort(self._difficulty_order[tasks], kind="stable")]
+        difficulties = self._difficulty[tasks]
+        self._members, self._bucket_len = {}, {}
+        self._bucket_at[:n] = -1
+        self._bucket_pos[:n] = -1
+        for difficulty in np.unique(difficulties).tolist():
+            members = tasks[difficulties == difficulty].astype(np.int32)
+            if places is not None:
+                at = places[members]
+                if np.array_equal(np.sort(at), np.arange(len(members))):
+                    members = members[np.argsort(at)]
+            self._members[difficulty] = members
+            self._bucket_len[difficulty] = len(members)
+            self._bucket_at[members] = difficulty
+            self._bucket_pos[members] = np.arange(len(members), dtype=np.int32)
 
     def _set_task_row(self, t: int, row: str) -> None:
         key = int(self._row_key[t])
@@ -418,6 +515,7 @@ class ExperiencePool:
         if n == 0:
             self._num_stored_tasks += 1
             self._store_order[t] = self._next_stamp()
+            self._place_in_bucket(t)
 
     def _replace_slot(self, t: int, i: int, trajectory: Trajectory) -> None:
         old = int(self._slots[t, i])
@@ -441,6 +539,7 @@ class ExperiencePool:
         self._count[t] = 0
         if n:
             self._num_stored_tasks -= 1
+            self._place_in_bucket(t)
         self._store_order[t] = -1
 
     # ---------------------------------------------------------------------------------------------- queries
@@ -551,10 +650,34 @@ class ExperiencePool:
         window: int | None = None,
     ) -> list[tuple[str, int]]:
         """(task, difficulty) of bucketed tasks outside the skip set with enough replayable trajectories, in bucket
-        order (vectorized over the index; reads no trajectory)."""
+        order (vectorized over the index; reads no trajectory). O(tasks): the trainer draws from `replay_buckets`."""
+        tasks, difficulties = self._replayable_listing(min_trajectories, current_step, max_policy_age, window)
+        return list(zip(_gather(self._task_ids, tasks.tolist()), difficulties.tolist()))
+
+    def _replayable_listing(self, min_trajectories, current_step, max_policy_age, window):
         tasks = self._ordered(self._difficulty_order)
         tasks = tasks[self._replayable(tasks, min_trajectories, current_step, max_policy_age, window)]
-        return list(zip(_gather(self._task_ids, tasks.tolist()), self._difficulty[tasks].tolist()))
+        return tasks, self._difficulty[tasks]
+
+    def replay_buckets(
+        self,
+        min_trajectories: int = 1,
+        current_step: int | None = None,
+        max_policy_age: int | None = None,
+        window: int | None = None,
+    ) -> TaskBuckets:
+        """The buckets (their tasks that hold trajectories), for `planner.plan_replay` to draw replay tasks from in
+        O(batch): the tasks `replayable_tasks` lists (with these arguments) are those the draw can return, with the
+        same weights, without listing them. Valid until the pool changes.
+        """
+        return TaskBuckets(
+            members={d: self._members[d][:n] for d, n in sorted(self._bucket_len.items()) if n},
+            replayable=lambda tasks: self._replayable(
+                np.asarray(tasks, np.int64), min_trajectories, current_step, max_policy_age, window
+            ),
+            listing=lambda: self._replayable_listing(min_trajectories, current_step, max_policy_age, window),
+            names=lambda tasks: _gather(self._task_ids, [int(t) for t in tasks]),
+        )
 
     def select(
         self,
@@ -577,6 +700,38 @@ class ExperiencePool:
             order = [int(i) for i in rng.permutation(len(candidates))]
         return [candidates[i] for i in order[:num]]
 
+    def choose(
+        self,
+        task_ids: Sequence[str],
+        num: int,
+        current_step: int | None = None,
+        max_policy_age: int | None = None,
+        window: int | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> dict[str, list[Trajectory]]:
+        """``{task: select(candidates(task, current_step, max_policy_age, window), num, rng=rng)}`` for each of
+        `task_ids` in turn (the same trajectories and the same use of `rng`), choosing on the index by saved entropy
+        and reading only the chosen trajectories, all in one pass over their shards."""
+        chosen: dict[str, list[int]] = {}
+        for task_id in task_ids:
+            t = self._task_index.get(task_id)
+            keys = [] if t is None else self._keys(t, current_step, max_policy_age, window)
+            if num > len(keys):
+                raise ValueError(f"Cannot select {num} trajectories out of {len(keys)} candidates.")
+            order = list(range(len(keys)))
+            entropies = self._key_entropy[keys].tolist()  # the values the read trajectories carry
+            ids = self._key_traj_id[keys].tolist()
+            if self.exp_select_mode == "argmin":
+                order.sort(key=lambda i: (entropies[i], ids[i]))
+            elif self.exp_select_mode == "argmax":
+                order.sort(key=lambda i: (-entropies[i], ids[i]))
+            else:
+                draw = rng if rng is not None else np.random.default_rng(self.seed)
+                order = [int(i) for i in draw.permutation(len(keys))]
+            chosen[task_id] = [keys[i] for i in order[:num]]
+        trajectories = iter(self._read_all([key for keys in chosen.values() for key in keys]))
+        return {task_id: [next(trajectories) for _ in keys] for task_id, keys in chosen.items()}
+
     def sample(
         self, num: int, current_step: int | None = None, rng: np.random.Generator | None = None
     ) -> list[Trajectory]:
@@ -585,7 +740,9 @@ class ExperiencePool:
 
         Honours ``replay_window`` and, given `current_step`, ``max_policy_age``. Cost O(num x capacity): tasks are
         drawn by rejection on the index (an O(tasks) vectorized pass only when few tasks qualify) and only the chosen
-        trajectories are read from the shards.
+        trajectories are read from the shards. Their token lists (`prompt_ids`, `completion_ids`, `completion_mask`,
+        `logps`) are read now but become Python lists on first access (the same values), which is most of the cost
+        of a sample: a caller that uses a few of them does not pay for the others.
         """
         rng = rng if rng is not None else np.random.default_rng(self.seed)
         age, window = self.max_policy_age, self.replay_window
@@ -626,7 +783,7 @@ class ExperiencePool:
             best = valid & (entropy == entropy.min(axis=1, keepdims=True))
             ids = np.where(best, self._key_traj_id[keys], np.iinfo(np.int64).max)
             picked = keys[np.arange(len(tasks)), ids.argmin(axis=1)].tolist()
-        return self._read_all(picked)
+        return self._read_all(picked, lazy=True)
 
     def stats(self) -> dict[str, float]:
         out = {
@@ -646,9 +803,10 @@ class ExperiencePool:
         out.update({f"task_row_{k}": v for k, v in self._task_rows.stats().items()})
         return out
 
-    def _read_all(self, keys: list[int]) -> list[Trajectory]:
+    def _read_all(self, keys: list[int], lazy: bool = False) -> list[Trajectory]:
         """The trajectories of `keys`: pending ones copied, written ones read from their shards (one pass per shard,
-        with `pread`: reading maps no page of the pool's files into the process)."""
+        with `pread`: reading maps no page of the pool's files into the process). `lazy`: token lists read as bytes
+        are converted to lists on first access (`_LazyList`)."""
         if not keys:
             return []
         places = self._trajectories.locate_many(keys)
@@ -663,11 +821,16 @@ class ExperiencePool:
                 out[i] = _copy(place[0])
             else:
                 by_shard.setdefault(id(place), (place, []))[1].append((i, row))
+        raw = _TOKEN_COLUMNS if lazy else ()
         for shard, wanted in by_shard.values():
-            for (i, _), fields in zip(wanted, shard.read(_STORED_COLUMNS, [row for _, row in wanted])):
+            for (i, _), fields in zip(wanted, shard.read(_STORED_COLUMNS, [row for _, row in wanted], raw)):
                 fields.update(
                     task_id=self._task_ids[tasks[i]], entropy=entropies[i], policy_version=versions[i], traj_id=ids[i]
                 )
+                if lazy:
+                    pending = {name: fields.pop(name) for name in raw if type(fields.get(name)) is tuple}
+                    if pending:
+                        fields["_lazy"] = pending
                 trajectory = object.__new__(Trajectory)
                 trajectory.__dict__ = fields  # already in the stored types: no per-token normalisation
                 out[i] = trajectory
@@ -831,6 +994,7 @@ class ExperiencePool:
                 "task_id": pa.array(self._task_ids, pa.string()),
                 "difficulty": self._difficulty[:n],
                 "difficulty_order": self._difficulty_order[:n],
+                "bucket_pos": self._bucket_pos[:n],
                 "skip_order": self._skip_order[:n],
                 "store_order": self._store_order[:n],
                 "row_shard": row_shard,
@@ -900,6 +1064,8 @@ class ExperiencePool:
         pool._ensure_tasks(n)
         for name in ("difficulty", "difficulty_order", "skip_order", "store_order"):
             getattr(pool, f"_{name}")[:n] = tasks.column(name).to_numpy()
+        places = tasks.column("bucket_pos") if "bucket_pos" in tasks.schema.names else None  # absent before
+        places = places.to_numpy() if places is not None and places.null_count == 0 else None
 
         def shards(kind):
             """(index in the state, shard) of each shard file, mapped one at a time."""
@@ -967,6 +1133,7 @@ class ExperiencePool:
         ok = entry_key >= 0
         rejected += int((~ok).sum())
         pool._place_slots(entry_task[ok], entry_key[ok], n)
+        pool._rebuild_buckets(places)
         pool.rejected_rows = rejected
         trim_heap()
         return pool
@@ -991,7 +1158,7 @@ class ExperiencePool:
         pool = cls(**state["settings"], work_dir=work_dir, shard_rows=shard_rows)
         for task_id, difficulty in state["difficulty"]:
             t = pool._task(task_id)
-            pool._difficulty[t] = int(difficulty)
+            pool._set_difficulty(t, int(difficulty))
             pool._difficulty_order[t] = pool._next_stamp()
         for task_id in state["skip_set"]:
             pool._skip_order[pool._task(task_id)] = pool._next_stamp()

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import array
 import errno
+import functools
 import json
 import logging
 import os
@@ -381,6 +382,15 @@ class _OpenFiles:
             os.close(self._fds.pop(next(iter(self._fds)))[1])
         return entry[1]
 
+    def prime(self, shard: Shard) -> None:
+        """Open `shard`'s file now, while there is room (never evicting another): the writer thread does it for the
+        shards it writes and a load for the shards it reads, so that reads do not pay for first opens."""
+        with self.lock:
+            if len(self._fds) < self.size and id(shard) not in self._fds:
+                fd = shard.open_file()
+                if fd is not None:
+                    self._fds[id(shard)] = (shard, fd)
+
     def forget(self, shard: Shard) -> None:
         with self.lock:
             entry = self._fds.pop(id(shard), None)
@@ -509,35 +519,19 @@ class Shard:
 
         return read
 
-    def read(self, names: tuple[str, ...], rows: Sequence[int]) -> list[dict]:
+    def read(self, names: tuple[str, ...], rows: Sequence[int], raw: Sequence[str] = ()) -> list[dict]:
         """Columns `names` of `rows`, as Python objects.
 
         A written shard is read with `os.pread` at byte offsets known from its layout (kept in RAM: 4 bytes per row
         and distinct offsets array), so no page of the file is mapped into the process; a shard still in RAM, or
-        whose files are all gone (still mapped), is read from its Arrow columns.
+        whose files are all gone (still mapped), is read from its Arrow columns. Columns of `raw` read with `pread`
+        are left as ``(convert, bytes)`` (``convert(bytes)``: the value), for callers that convert them lazily.
         """
         layout = self.layout(names)
         with _OPEN_FILES.lock:
             fd = _OPEN_FILES.get(self) if layout is not None else None
             if fd is not None:
-                out = []
-                pread, frombuffer = os.pread, np.frombuffer
-                for row in rows:
-                    values = {}
-                    for name, offsets, start, itemsize, dtype in layout:
-                        if start < 0:  # a scalar, copied to RAM with the layout
-                            values[name] = offsets[row]
-                            continue
-                        first = offsets[row]
-                        data = pread(fd, (offsets[row + 1] - first) * itemsize, start + first * itemsize)
-                        if dtype is None:
-                            values[name] = data.decode()
-                        elif itemsize == 1 and data.isascii():
-                            values[name] = list(data)  # int8 masks (values < 128): the same ints, faster
-                        else:
-                            values[name] = frombuffer(data, dtype).tolist()
-                    out.append(values)
-                return out
+                return _pread_rows(fd, layout, rows, raw)
         read = self.reader(names)
         return [read(row) for row in rows]
 
@@ -596,7 +590,7 @@ class Shard:
                     raw = np.frombuffer(chunk.buffers()[1], np.int32)[chunk.offset : chunk.offset + len(chunk) + 1]
                     raw = raw.tobytes()
                 offsets = shared.setdefault(raw, array.array("i", raw))  # compact, fast to index
-                layout.append((name, offsets, start, itemsize, dtype))
+                layout.append((name, offsets, start, itemsize, _converter(dtype)))
             elif pa.types.is_primitive(chunk.type) and chunk.null_count == 0:
                 values = chunk.to_numpy()
                 typecode = {np.dtype(np.float32): "f", np.dtype(np.int64): "q", np.dtype(np.int32): "i"}
@@ -618,6 +612,75 @@ class Shard:
         if dest not in self.paths:
             self.paths.insert(0 if self.owned is None else 1, dest)
         return dest
+
+
+def _int8_list(data: bytes) -> list[int]:
+    """int8 values as a list: a mask of model tokens only is built without reading it value by value."""
+    if not data.strip(b"\x01"):
+        return [1] * len(data)
+    if data.isascii():  # values 0..127: bytes() gives the same ints, faster than numpy
+        return list(data)
+    return np.frombuffer(data, np.int8).tolist()
+
+
+def _array_list(typecode: str, data: bytes) -> list:
+    return array.array(typecode, data).tolist()
+
+
+def _numpy_list(dtype: np.dtype, data: bytes) -> list:
+    return np.frombuffer(data, dtype).tolist()
+
+
+def _converter(dtype) -> Callable[[bytes], list | str]:
+    """``bytes -> list`` equal to ``np.frombuffer(data, dtype).tolist()`` (a str for None: utf-8), by the fastest
+    route (`array.array` converts without numpy's per-call overhead). Picklable: a lazily read value holds it."""
+    if dtype is None:
+        return bytes.decode
+    dtype = np.dtype(dtype)
+    if dtype == np.int8:
+        return _int8_list
+    code = {"i": "i", "l": "q", "q": "q", "f": "f", "d": "d"}.get(dtype.char)
+    if code is not None and dtype.isnative and array.array(code).itemsize == dtype.itemsize:
+        return functools.partial(_array_list, code)
+    return functools.partial(_numpy_list, dtype)
+
+
+_MERGE_GAP = 4096  # bytes: rows closer than this in a column are read with one pread (copying more costs more)
+
+
+def _pread_rows(fd: int, layout: list, rows: Sequence[int], raw: Sequence[str] = ()) -> list[dict]:
+    """Columns of `rows` read from the file `fd` at the offsets of `layout`: column by column, one `pread` per run
+    of rows that lie close together (a task's trajectories often do), none for scalars (kept in RAM). A column of
+    `raw` is left as ``(convert, bytes)``: ``convert(bytes)`` is its value."""
+    out = [{} for _ in rows]
+    if len(rows) > 1:
+        order = sorted(range(len(rows)), key=rows.__getitem__)
+    else:
+        order = range(len(rows))
+    pread = os.pread
+    for name, offsets, start, itemsize, convert in layout:
+        if start < 0:
+            for values, row in zip(out, rows):
+                values[name] = offsets[row]
+            continue
+        lazy = name in raw
+        i, n = 0, len(order)
+        while i < n:
+            row = rows[order[i]]
+            first, end, j = offsets[row], offsets[row + 1], i + 1
+            while j < n and (offsets[rows[order[j]]] - end) * itemsize <= _MERGE_GAP:
+                end = max(end, offsets[rows[order[j]] + 1])
+                j += 1
+            data = pread(fd, (end - first) * itemsize, start + first * itemsize)
+            for k in order[i:j]:
+                row = rows[k]
+                if j > i + 1:
+                    part = data[(offsets[row] - first) * itemsize : (offsets[row + 1] - first) * itemsize]
+                else:
+                    part = data
+                out[k][name] = (convert, part) if lazy else convert(part)
+            i = j
+    return out
 
 
 _OPEN_FILES = _OpenFiles()
@@ -643,6 +706,8 @@ class ShardLog:
         stage_rows, stage_size: when pending rows are handed to the writer (`append`'s `size` adds up to the latter).
         compact_dead_fraction: a shard is rewritten once this fraction of its rows are tombstones.
         read_columns: the columns rows are read back with: their layout is prepared when a shard is written.
+        keep_open: open each shard's file as soon as it is written or loaded (while the process-wide cache of open
+            files has room), so that reads do not pay for first opens: for the log read on the hot path.
     """
 
     def __init__(
@@ -659,9 +724,11 @@ class ShardLog:
         stage_size: int = 1 << 16,
         compact_dead_fraction: float = 0.5,
         read_columns: tuple[str, ...] = (),
+        keep_open: bool = False,
     ):
         self.kind = kind
         self.read_columns = read_columns
+        self.keep_open = keep_open
         self.prefix = prefix
         self.schema = schema
         self._build = build
@@ -877,6 +944,8 @@ class ShardLog:
             if sealed.live:
                 self.shards[shard.sid] = sealed
                 self._note_size(sealed)
+                if self.keep_open:
+                    _OPEN_FILES.prime(sealed)
                 if sealed.live < sealed.rows:  # rows deleted while it was open: weigh it for compaction
                     self._dirty.add(sealed.sid)
             else:
@@ -974,6 +1043,8 @@ class ShardLog:
                     shard.live = int(same.sum())
                     self.shards[sid] = shard
                     self._note_size(shard)
+                    if self.keep_open:
+                        _OPEN_FILES.prime(shard)
                     for source, count in zip(*np.unique(old[same] >> _ROW_BITS, return_counts=True)):
                         self.shards[int(source)].live -= int(count)
             with self._lock:
@@ -1003,15 +1074,18 @@ class ShardLog:
         try:
             os.link(os.path.realpath(shard.paths[0]), dest)  # link(2) would link a symlink (the Hub cache's) itself
         except OSError:
-            return
-        info = os.lstat(dest)  # the link itself: it must be the mapped file, not a symlink to it
-        if (info.st_dev, info.st_ino) != shard._inode:
-            os.remove(dest)
-            return
-        shard.owned = dest
-        shard.paths.insert(0, dest)
-        shard.layout(self.read_columns)
-        shard.unmap()
+            dest = None
+        if dest is not None:
+            info = os.lstat(dest)  # the link itself: it must be the mapped file, not a symlink to it
+            if (info.st_dev, info.st_ino) == shard._inode:
+                shard.owned = dest
+                shard.paths.insert(0, dest)
+                shard.layout(self.read_columns)
+                shard.unmap()
+            else:
+                os.remove(dest)
+        if self.keep_open:
+            _OPEN_FILES.prime(shard)
 
     def adopt(self, shard: Shard, rows: np.ndarray) -> np.ndarray:
         """Register a loaded shard whose `rows` are live; returns their new keys (in the order of `rows`)."""

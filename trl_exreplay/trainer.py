@@ -193,7 +193,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if self._replay_started():
             plan = plan_replay(
                 group_keys,
-                self.pool.replayable_tasks(
+                self.pool.replay_buckets(  # drawn from in O(batch), whatever the pool's size
                     plan.num_replayed, step, self.replay["max_policy_age"], self.replay["replay_window"]
                 ),
                 exp_ratio=self.replay["exp_ratio"],
@@ -331,17 +331,21 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     def _select_trajectories(self, plan: ReplayPlan, step: int, seed=None) -> dict[str, list[Trajectory]]:
         k, age, window = plan.num_replayed, self.replay["max_policy_age"], self.replay["replay_window"]
+        mode = self.replay["exp_select_mode"]
+        if not self.replay["use_current_policy_entropy"] or mode == "random":
+            # By saved entropy (or at random): chosen on the pool's index; only the chosen trajectories are read.
+            rng = np.random.default_rng([*(seed or [self.args.seed, step]), 1])
+            return self.pool.choose(list(plan.replay_groups.values()), k, step, age, window, rng)
+        # By entropy under the current policy: every candidate of a task with more than k is scored.
         candidates = {t: self.pool.candidates(t, step, age, window) for t in plan.replay_groups.values()}
         entropies: dict[str, list[float]] = {}
-        mode = self.replay["exp_select_mode"]
-        if self.replay["use_current_policy_entropy"] and mode != "random":
-            ranked = [t for t in candidates if len(candidates[t]) > k]
-            flat = [trajectory for t in ranked for trajectory in candidates[t]]
-            values = self._current_policy_entropies(flat)
-            start = 0
-            for t in ranked:
-                entropies[t] = values[start : start + len(candidates[t])]
-                start += len(candidates[t])
+        ranked = [t for t in candidates if len(candidates[t]) > k]
+        flat = [trajectory for t in ranked for trajectory in candidates[t]]
+        values = self._current_policy_entropies(flat)
+        start = 0
+        for t in ranked:
+            entropies[t] = values[start : start + len(candidates[t])]
+            start += len(candidates[t])
         rng = np.random.default_rng([*(seed or [self.args.seed, step]), 1])
         return {t: self.pool.select(c, k, entropies.get(t), rng) for t, c in candidates.items()}
 

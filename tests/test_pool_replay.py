@@ -1,0 +1,286 @@
+"""The pool's side of replay at scale: bucket arrays kept as tasks move, the O(batch) draw of replay tasks from them
+(`ExperiencePool.replay_buckets` + `planner.plan_replay`), `choose` (what the trainer replays, read from the index),
+lazily converted samples and batched shard reads.
+
+Expected draws and weights are worked out independently of the code under test (by hand, or from the pool's own
+listing of replayable tasks, `replayable_tasks`, which is what the trainer drew from before).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+from test_pool_store import traj
+
+from trl_exreplay import planner
+from trl_exreplay.planner import plan_replay
+from trl_exreplay.pool import ExperiencePool, TaskOutcome
+from trl_exreplay.pool_store import Shard, read_arrow, read_state, write_arrow
+
+
+def record(pool, task_id, successes, entropies=(), version=0, num_fresh=4, task_row="default", n=3):
+    task_row = json.dumps({"task_id": task_id}) if task_row == "default" else task_row
+    trajectories = [traj(task_id, e, version, n=n, first=10 + i) for i, e in enumerate(entropies)]
+    pool.record_outcome(TaskOutcome(task_id, successes, num_fresh, trajectories, task_row))
+
+
+def bucket_members(pool, **limits) -> dict[int, list[str]]:
+    buckets = pool.replay_buckets(**limits)
+    return {d: buckets.names(m) for d, m in buckets.members.items()}
+
+
+def drawn_tasks(pool, seed, wanted, weighting="uniform", G=4, **limits) -> list[str]:
+    keys = [f"group-{g}" for g in range(wanted)]
+    p = plan_replay(
+        keys,
+        pool.replay_buckets(**limits),
+        exp_ratio=1.0,
+        num_generations=G,
+        num_replayed=limits.get("min_trajectories", 1),
+        weighting=weighting,
+        seed=seed,
+    )
+    return list(p.replay_groups.values())
+
+
+@pytest.fixture
+def rejection(monkeypatch):
+    """Small pools are drawn from exactly (over the listing); these tests want the O(batch) rejection draw."""
+    monkeypatch.setattr(planner, "EXACT_DRAW_TASKS", 0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bucket arrays
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_bucket_arrays_follow_every_move_into_out_of_and_between_buckets():
+    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
+    rnd = random.Random(3)
+    for step in range(400):
+        task = f"t{rnd.randrange(40)}"
+        record(pool, task, rnd.choice([0, 1, 2, 3, 4]), [rnd.random()], version=step)  # 4 of 4: the skip set
+        members = bucket_members(pool)  # the bucketed tasks that hold trajectories (others cannot be replayed)
+        holding = {d: sorted(t for t in ts if pool.trajectories(t)) for d, ts in pool.buckets().items()}
+        assert {d: sorted(m) for d, m in members.items()} == {d: ts for d, ts in holding.items() if ts}
+        assert all(len(set(m)) == len(m) for m in members.values())
+    assert pool.skip_set and len(pool.buckets()) >= 3
+    assert any(not pool.trajectories(t) for t in pool.buckets()[0])  # bucket 0: tasks never solved, left out
+
+
+def test_live_and_loaded_pools_keep_the_same_bucket_arrays_and_draws(tmp_path, rejection):
+    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
+    rnd = random.Random(5)
+    for step in range(800):  # tasks leave and re-enter buckets: the arrays are no longer in bucket order
+        record(pool, f"t{rnd.randrange(200)}", rnd.choice([0, 1, 1, 2, 3, 4]), [rnd.random()], version=step)
+    members = bucket_members(pool)
+    assert sum(len(m) for m in members.values()) > 16 * 6  # drawing 6: by rejection, not over the listing
+    assert any(m != [t for t in pool.buckets()[d] if pool.trajectories(t)] for d, m in members.items())
+    pool.save(str(tmp_path / "pool"))
+    loaded = ExperiencePool.load(str(tmp_path / "pool"))
+    assert bucket_members(loaded) == members
+    for seed in range(20):
+        for weighting in ("uniform", "normal"):
+            assert drawn_tasks(loaded, seed, 6, weighting) == drawn_tasks(pool, seed, 6, weighting)
+    # a pool saved before the arrays were saved (no `bucket_pos` column) loads them in bucket order
+    state = read_state(str(tmp_path / "pool"))
+    path = os.path.join(str(tmp_path / "pool"), state["tasks_file"])
+    table = read_arrow(path)
+    table = table.drop_columns(["bucket_pos"])
+    os.remove(path)  # the mapping keeps the old content readable
+    write_arrow(path, table)
+    older = ExperiencePool.load(str(tmp_path / "pool"))
+    holding = {d: [t for t in ts if pool.trajectories(t)] for d, ts in pool.buckets().items()}
+    assert bucket_members(older) == {d: ts for d, ts in holding.items() if ts}
+    assert older.content_hash() == pool.content_hash()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Drawing replay tasks from the buckets
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def limited_pool():
+    """Tasks in three buckets with every reason not to be replayable: skip set, no task row, too few trajectories,
+    too old (versions 0..9), out of the window."""
+    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4)
+    rnd = random.Random(11)
+    for i in range(300):
+        successes = rnd.choice([1, 2, 3])
+        count = rnd.choice([1, 2, 3])
+        row = None if i % 17 == 0 else "default"
+        record(pool, f"t{i:03d}", successes, [rnd.random() for _ in range(count)], version=i % 10, task_row=row)
+    for i in range(0, 300, 13):
+        record(pool, f"t{i:03d}", 4)  # fully solved: the skip set
+    return pool
+
+
+LIMITS = [
+    {},
+    {"min_trajectories": 2},
+    {"min_trajectories": 1, "current_step": 10, "max_policy_age": 2},
+    {"min_trajectories": 1, "window": 120},
+    {"min_trajectories": 2, "current_step": 9, "max_policy_age": 5, "window": 400},
+]
+
+
+@pytest.mark.parametrize("limits", LIMITS)
+def test_drawn_tasks_are_replayable_under_every_limit(limits, rejection):
+    pool = limited_pool()
+    replayable = {task for task, _ in pool.replayable_tasks(**limits)}
+    assert 20 < len(replayable) < 270  # some of the 300 are not
+    seen = set()
+    for seed in range(30):
+        for weighting in ("uniform", "normal", "linear"):
+            tasks = drawn_tasks(pool, [seed, 1], 12, weighting, **limits)
+            assert len(tasks) == 12 and len(set(tasks)) == 12
+            assert set(tasks) <= replayable, set(tasks) - replayable
+            seen |= set(tasks)
+    assert len(seen) > len(replayable) // 2
+    # asking for more than are replayable gives every replayable task
+    assert set(drawn_tasks(pool, 0, 300, "normal", **limits)) == replayable
+
+
+def test_draws_follow_the_bucket_weights_of_the_replayable_tasks(rejection):
+    # bucket 1: 40 tasks, 20 of them too old at step 10 with age 3; bucket 2: 4 tasks; bucket 3: 60 tasks.
+    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
+    for i in range(40):
+        record(pool, f"a{i}", 1, [0.5], version=0 if i % 2 else 9)
+    for i in range(4):
+        record(pool, f"b{i}", 2, [0.5], version=9)
+    for i in range(60):
+        record(pool, f"c{i}", 3, [0.5], version=9)
+    limits = {"current_step": 10, "max_policy_age": 3}
+    counts = {1: 20, 2: 4, 3: 60}  # replayable tasks per bucket
+    normal = {d: math.exp(-0.5 * ((d / 4 - 0.5) / 0.25) ** 2) for d in counts}  # shared by the bucket's tasks
+    n = 2000
+    for weighting, expected in (
+        ("normal", {d: normal[d] / sum(normal.values()) for d in counts}),
+        ("uniform", {d: counts[d] / 84 for d in counts}),
+    ):
+        hits = {d: 0 for d in counts}
+        for seed in range(n):
+            (task,) = drawn_tasks(pool, seed, 1, weighting, **limits)
+            assert not (task.startswith("a") and int(task[1:]) % 2)  # never a too-old one
+            hits[{"a": 1, "b": 2, "c": 3}[task[0]]] += 1
+        for d in counts:
+            assert abs(hits[d] / n - expected[d]) < 0.035, (weighting, hits)
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "normal", "linear"])
+def test_small_pools_plan_exactly_as_from_the_listed_replayable_tasks(weighting):
+    pool = limited_pool()
+    keys = ["t001", "t002", "q", "r", "t005", "s", "u", "v"]
+    for limits in LIMITS:
+        buckets = pool.replay_buckets(**limits)
+        listed = pool.replayable_tasks(**limits)
+        for seed in range(10):
+            kwargs = dict(exp_ratio=0.5, num_generations=4, num_replayed=1, weighting=weighting, seed=[seed, 2])
+            assert plan_replay(keys, buckets, **kwargs) == plan_replay(keys, listed, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# choose: what the trainer replays, chosen on the index
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["argmin", "argmax", "random"])
+def test_choose_is_select_over_the_candidates(mode, tmp_path):
+    pool = ExperiencePool(max_trajectories_per_task=4, experience_rbound=8, exp_select_mode=mode, shard_rows=4)
+    rnd = random.Random(2)
+    for step in range(12):
+        for task in ("a", "b", "c", "d"):
+            record(pool, task, 3, [round(rnd.random(), 1) for _ in range(2)], version=step)
+        if step == 8:
+            pool.flush(wait=True)  # some read from shard files, the last ones still pending
+    for limits in ({}, {"current_step": 11, "max_policy_age": 3}, {"window": 9}, {"current_step": 11, "window": 5}):
+        k = 1 if limits else 2
+
+        def candidates(task, limits=limits):
+            return pool.candidates(
+                task, limits.get("current_step"), limits.get("max_policy_age"), limits.get("window")
+            )
+
+        tasks = [t for t in ("c", "a", "d", "b") if len(candidates(t)) >= k]  # those a plan can hold
+        assert len(tasks) >= 2, limits
+        for seed in range(3):
+            got = pool.choose(tasks, k, rng=np.random.default_rng(seed), **limits)
+            rng = np.random.default_rng(seed)
+            want = {t: pool.select(candidates(t), k, rng=rng) for t in tasks}
+            assert list(got) == tasks and got == want
+        if mode == "random":  # no rng: each task draws with the pool's seed, as `select` does
+            assert pool.choose(tasks, k, **limits) == {t: pool.select(candidates(t), k) for t in tasks}
+    with pytest.raises(ValueError, match="Cannot select 5 trajectories out of 4"):
+        pool.choose(["a"], 5)
+    with pytest.raises(ValueError, match="Cannot select 1 trajectories out of 0"):
+        pool.choose(["unknown"], 1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reads: lazily converted samples, runs of rows, files kept open
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_sample_converts_token_lists_on_first_access_to_the_stored_values():
+    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=8, shard_rows=4)
+    for i in range(10):
+        record(pool, f"t{i}", 2, [0.3 + 0.01 * i, 0.2], n=5 + i)
+    pool.flush(wait=True)
+    picked = pool.sample(4, rng=np.random.default_rng(0))
+    assert len(picked) == 4
+    for t in picked:
+        assert "completion_ids" not in t.__dict__ and "logps" not in t.__dict__  # still bytes
+        (stored,) = [s for s in pool.trajectories(t.task_id) if s.traj_id == t.traj_id]
+        assert t.entropy == stored.entropy == pool.select(pool.trajectories(t.task_id), 1)[0].entropy
+        clone = copy.deepcopy(t)
+        assert asdict(t) == asdict(stored) and t == stored and clone == stored
+        assert t.completion_ids == list(range(11, 16 + int(t.task_id[1:])))  # the second one (entropy 0.2)
+        assert t.completion_mask == [1] * (4 + int(t.task_id[1:])) + [0]
+        assert "_lazy" not in t.__dict__ and type(t.logps) is list
+    with pytest.raises(AttributeError):
+        picked[0].no_such_field  # noqa: B018
+
+
+def test_rows_read_in_runs_are_the_arrow_values():
+    pool = ExperiencePool(max_trajectories_per_task=64, experience_rbound=8, shard_rows=64)
+    rnd = random.Random(4)
+    for i in range(64):
+        record(pool, "a", 3, [rnd.random()], n=rnd.randrange(1, 3000), version=i)
+    pool.flush(wait=True)
+    key = int(pool._slots[pool._task_index["a"], 0])
+    shard, _ = pool._trajectories.locate(key)
+    assert isinstance(shard, Shard) and not shard.is_open
+    table = read_arrow(shard.paths[0])
+    names = ("prompt_ids", "completion_ids", "completion_mask", "logps", "rewards", "reward")
+    rows = [40, 3, 3, 4, 63, 0, 5, 20, 21, 22]  # unsorted, repeated, adjacent and far apart (runs and gaps)
+    want = [{name: table.column(name)[row].as_py() for name in names} for row in rows]
+    assert shard.read(names, rows) == want
+    raw = shard.read(names, rows, raw=("completion_ids", "logps"))
+    for got, expected in zip(raw, want):
+        for name in ("completion_ids", "logps"):
+            convert, data = got.pop(name)
+            assert convert(data) == expected.pop(name)
+        assert got == expected
+
+
+def test_written_and_loaded_shards_are_read_without_opening_their_files(tmp_path, monkeypatch):
+    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4)
+    for i in range(40):
+        record(pool, f"t{i}", 2, [0.1, 0.2])
+    pool.flush(wait=True)
+    pool.save(str(tmp_path / "pool"))
+    loaded = ExperiencePool.load(str(tmp_path / "pool"))
+    opened = []
+    original = Shard.open_file
+    monkeypatch.setattr(Shard, "open_file", lambda shard: opened.append(shard.name) or original(shard))
+    for p in (pool, loaded):
+        assert len(p.sample(40)) == 40
+        assert all(t.completion_ids == [10, 11, 12] for t in p.sample(40))
+    assert opened == []
