@@ -47,10 +47,11 @@ def expert_rows(work: str, split: str, num_games: int, seed: int, args, tokenize
     from trl_exreplay.envs.alfworld.expert import ExpertEpisode
     from trl_exreplay.envs.alfworld.warmstart import expert_episodes, sft_dataset
 
-    cache = os.path.join(work, f"{split}-{num_games}-{seed}-{'_'.join(args.target_objects or ['any'])}.json")
+    what = "_".join([*(args.target_objects or ["any"]), *(t[:4] for t in args.task_types)])
+    cache = os.path.join(work, f"{split}-{num_games}-{seed}-{what}.json")
     if not os.path.exists(cache):
         root = os.path.join(work, os.path.basename(cache)[:-5])
-        generate_games(root, split, num_games, seed, TASK_TYPES, verify=False, workers=args.workers,
+        generate_games(root, split, num_games, seed, args.task_types, verify=False, workers=args.workers,
                        scenes=args.scenes, target_objects=args.target_objects)  # fmt: skip
         tasks = alfworld_tasks(os.path.join(root, "json_2.1.1", split), system_prompt=INSTRUCTIONS)
         episodes = expert_episodes(tasks, workers=args.workers, progress=True, max_steps=args.max_turns,
@@ -147,7 +148,7 @@ def train(variant: dict, rows: list[dict], heldout: list[dict], tokenizer, devic
             step += 1
     return {"variant": variant, "train_rows": len(rows), "seconds": round(time.time() - started, 1),
             "final_loss": round(loss.item(), 4), "heldout": probe(model, heldout, device),
-            "train": probe(model, rows[:60], device)}  # fmt: skip
+            "train": probe(model, rows[:60], device), "model": model}  # fmt: skip
 
 
 def parse_variant(text: str) -> dict:
@@ -168,6 +169,8 @@ def main() -> None:
     parser.add_argument("--heldout-games", type=int, default=60, help="valid_seen games (other objects' places)")
     parser.add_argument("--scenes", type=int, nargs="+", default=[309, 310, 311])
     parser.add_argument("--target-objects", nargs="+", default=None)
+    parser.add_argument("--task-types", nargs="+", default=TASK_TYPES)
+    parser.add_argument("--save-model", default=None, help="save the last variant's model here (for greedy play)")
     parser.add_argument("--max-turns", type=int, default=15)
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--variant", action="append", default=None, help="name:key=value,... (repeatable)")
@@ -185,6 +188,10 @@ def main() -> None:
     results = []
     for variant in map(parse_variant, args.variant or ["base:"]):
         result = train(variant, rows, heldout, tokenizer, device)
+        model = result.pop("model")
+        if args.save_model:
+            model.save_pretrained(args.save_model)
+            tokenizer.save_pretrained(args.save_model)
         results.append(result)
         shown = {k: v for k, v in result["heldout"].items() if not k.startswith("take_tok")}
         print(f"{variant['name']}: {result['train_rows']} rows, {variant['steps']} steps, {result['seconds']} s; "

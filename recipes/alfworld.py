@@ -62,6 +62,11 @@ class AlfWorldArguments:
         metadata={"help": "Objects the tasks ask for (ALFRED types such as Book, CD); games of other objects are "
                           "neither generated nor loaded. None: any."},
     )  # fmt: skip
+    verify_train_games: bool = field(
+        default=True,
+        metadata={"help": "Play each generated train game's walkthrough on the engine before use (evaluation games "
+                          "are always verified; the warm start's expert plays every train game anyway)."},
+    )  # fmt: skip
     train_split: str = field(default="train", metadata={"help": "Split whose games are the training tasks."})
     eval_splits: list[str] = field(
         default_factory=lambda: ["valid_seen", "valid_unseen"],
@@ -264,7 +269,8 @@ def ensure_games(script_args: AlfWorldArguments, splits: list[str]) -> None:
         scenes = None if split == "valid_unseen" else script_args.scenes
         report = generate_games(
             script_args.data_dir, split, count, script_args.game_seed, script_args.task_types, workers=None,
-            progress=True, scenes=scenes, target_objects=script_args.target_objects,
+            progress=True, verify=script_args.verify_train_games or split != script_args.train_split, scenes=scenes,
+            target_objects=script_args.target_objects,
         )  # fmt: skip
         print(report.summary())
 

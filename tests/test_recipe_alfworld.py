@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "alfworld.py"
 
-# Small but complete: 4 train games, 2 per evaluation split, 2 GRPO steps.
+# Small but complete: 4 train games, 2 per evaluation split, 2 GRPO steps; the default config's task (a book to put
+# somewhere), so its `target_objects` keeps every game of the `data_dir` fixture.
 SMALL = [
     "--task_types", "pick_and_place_simple",
     "--tiny_hidden_size", "32", "--tiny_num_layers", "2", "--tiny_num_heads", "2",
@@ -41,7 +42,9 @@ def data_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("alfworld_recipe")
     for split, count in (("train", 4), ("valid_seen", 2), ("valid_unseen", 2)):
-        report = generate_games(str(root), split, count, seed=0, task_types=["pick_and_place_simple"], workers=2)
+        report = generate_games(
+            str(root), split, count, seed=0, task_types=["pick_and_place_simple"], workers=2, target_objects=["Book"]
+        )
         assert report.written == count
     return root
 
@@ -173,7 +176,8 @@ def test_default_config_only_without_a_config_or_a_model():
     recipe = load_recipe()
     script_args, training_args, _ = recipe.parse_args(["--max_steps", "3"])
     assert script_args.scenes == [309, 310, 311] and training_args.use_cpu and training_args.max_steps == 3
-    assert script_args.target_objects is None
+    assert script_args.target_objects == ["Book"] and script_args.task_types == ["pick_and_place_simple"]
+    assert not script_args.verify_train_games  # the expert plays every train game anyway
     model = ["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct", "--bf16", "false"]  # bf16: no GPU here
     script_args, training_args, model_args = recipe.parse_args(model)
     assert script_args.scenes is None and not training_args.use_cpu and training_args.max_steps == -1
