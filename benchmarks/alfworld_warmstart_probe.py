@@ -47,7 +47,7 @@ def expert_rows(work: str, split: str, num_games: int, seed: int, args, tokenize
     from trl_exreplay.envs.alfworld.expert import ExpertEpisode
     from trl_exreplay.envs.alfworld.warmstart import expert_episodes, sft_dataset
 
-    what = "_".join([*(args.target_objects or ["any"]), *(t[:4] for t in args.task_types)])
+    what = "_".join([*(args.target_objects or ["any"]), *args.task_types])
     cache = os.path.join(work, f"{split}-{num_games}-{seed}-{what}.json")
     if not os.path.exists(cache):
         root = os.path.join(work, os.path.basename(cache)[:-5])

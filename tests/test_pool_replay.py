@@ -248,7 +248,7 @@ def test_sample_converts_token_lists_on_first_access_to_the_stored_values():
         picked[0].no_such_field  # noqa: B018
 
 
-def test_rows_read_in_runs_are_the_arrow_values():
+def test_rows_read_with_pread_are_the_arrow_values():
     pool = ExperiencePool(max_trajectories_per_task=64, experience_rbound=8, shard_rows=64)
     rnd = random.Random(4)
     for i in range(64):
@@ -259,7 +259,7 @@ def test_rows_read_in_runs_are_the_arrow_values():
     assert isinstance(shard, Shard) and not shard.is_open
     table = read_arrow(shard.paths[0])
     names = ("prompt_ids", "completion_ids", "completion_mask", "logps", "rewards", "reward")
-    rows = [40, 3, 3, 4, 63, 0, 5, 20, 21, 22]  # unsorted, repeated, adjacent and far apart (runs and gaps)
+    rows = [40, 3, 3, 4, 63, 0, 5, 20, 21, 22]  # unsorted, repeated, adjacent and far apart
     want = [{name: table.column(name)[row].as_py() for name in names} for row in rows]
     assert shard.read(names, rows) == want
     raw = shard.read(names, rows, raw=("completion_ids", "logps"))

@@ -687,18 +687,25 @@ class ExperiencePool:
         rng: np.random.Generator | None = None,
     ) -> list[Trajectory]:
         """Pick `num` of `candidates` by entropy (the saved one, or `entropies` under the current policy)."""
-        if num > len(candidates):
-            raise ValueError(f"Cannot select {num} trajectories out of {len(candidates)} candidates.")
         keys = [t.entropy for t in candidates] if entropies is None else list(entropies)
-        order = list(range(len(candidates)))
+        order = self._selection_order(keys, [t.traj_id for t in candidates], num, rng)
+        return [candidates[i] for i in order]
+
+    def _selection_order(
+        self, entropies: Sequence[float], traj_ids: Sequence[int], num: int, rng: np.random.Generator | None
+    ) -> list[int]:
+        """Positions of the `num` candidates `exp_select_mode` picks (ties: lowest trajectory id first)."""
+        if num > len(entropies):
+            raise ValueError(f"Cannot select {num} trajectories out of {len(entropies)} candidates.")
+        order = list(range(len(entropies)))
         if self.exp_select_mode == "argmin":
-            order.sort(key=lambda i: (keys[i], candidates[i].traj_id))
+            order.sort(key=lambda i: (entropies[i], traj_ids[i]))
         elif self.exp_select_mode == "argmax":
-            order.sort(key=lambda i: (-keys[i], candidates[i].traj_id))
+            order.sort(key=lambda i: (-entropies[i], traj_ids[i]))
         else:
             rng = rng if rng is not None else np.random.default_rng(self.seed)
-            order = [int(i) for i in rng.permutation(len(candidates))]
-        return [candidates[i] for i in order[:num]]
+            order = [int(i) for i in rng.permutation(len(entropies))]
+        return order[:num]
 
     def choose(
         self,
@@ -716,19 +723,9 @@ class ExperiencePool:
         for task_id in task_ids:
             t = self._task_index.get(task_id)
             keys = [] if t is None else self._keys(t, current_step, max_policy_age, window)
-            if num > len(keys):
-                raise ValueError(f"Cannot select {num} trajectories out of {len(keys)} candidates.")
-            order = list(range(len(keys)))
-            entropies = self._key_entropy[keys].tolist()  # the values the read trajectories carry
-            ids = self._key_traj_id[keys].tolist()
-            if self.exp_select_mode == "argmin":
-                order.sort(key=lambda i: (entropies[i], ids[i]))
-            elif self.exp_select_mode == "argmax":
-                order.sort(key=lambda i: (-entropies[i], ids[i]))
-            else:
-                draw = rng if rng is not None else np.random.default_rng(self.seed)
-                order = [int(i) for i in draw.permutation(len(keys))]
-            chosen[task_id] = [keys[i] for i in order[:num]]
+            # On the index: the entropies and ids the read trajectories would carry.
+            order = self._selection_order(self._key_entropy[keys].tolist(), self._key_traj_id[keys].tolist(), num, rng)
+            chosen[task_id] = [keys[i] for i in order]
         trajectories = iter(self._read_all([key for keys in chosen.values() for key in keys]))
         return {task_id: [next(trajectories) for _ in keys] for task_id, keys in chosen.items()}
 

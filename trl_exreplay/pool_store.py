@@ -645,41 +645,21 @@ def _converter(dtype) -> Callable[[bytes], list | str]:
     return functools.partial(_numpy_list, dtype)
 
 
-_MERGE_GAP = 4096  # bytes: rows closer than this in a column are read with one pread (copying more costs more)
-
-
 def _pread_rows(fd: int, layout: list, rows: Sequence[int], raw: Sequence[str] = ()) -> list[dict]:
-    """Columns of `rows` read from the file `fd` at the offsets of `layout`: column by column, one `pread` per run
-    of rows that lie close together (a task's trajectories often do), none for scalars (kept in RAM). A column of
-    `raw` is left as ``(convert, bytes)``: ``convert(bytes)`` is its value."""
-    out = [{} for _ in rows]
-    if len(rows) > 1:
-        order = sorted(range(len(rows)), key=rows.__getitem__)
-    else:
-        order = range(len(rows))
+    """Columns of `rows` read from the file `fd` at the offsets of `layout`, one `pread` per row and column, none for
+    scalars (kept in RAM). A column of `raw` is left as ``(convert, bytes)``: ``convert(bytes)`` is its value."""
+    out = []
     pread = os.pread
-    for name, offsets, start, itemsize, convert in layout:
-        if start < 0:
-            for values, row in zip(out, rows):
+    for row in rows:
+        values = {}
+        for name, offsets, start, itemsize, convert in layout:
+            if start < 0:
                 values[name] = offsets[row]
-            continue
-        lazy = name in raw
-        i, n = 0, len(order)
-        while i < n:
-            row = rows[order[i]]
-            first, end, j = offsets[row], offsets[row + 1], i + 1
-            while j < n and (offsets[rows[order[j]]] - end) * itemsize <= _MERGE_GAP:
-                end = max(end, offsets[rows[order[j]] + 1])
-                j += 1
-            data = pread(fd, (end - first) * itemsize, start + first * itemsize)
-            for k in order[i:j]:
-                row = rows[k]
-                if j > i + 1:
-                    part = data[(offsets[row] - first) * itemsize : (offsets[row + 1] - first) * itemsize]
-                else:
-                    part = data
-                out[k][name] = (convert, part) if lazy else convert(part)
-            i = j
+                continue
+            first = offsets[row]
+            data = pread(fd, (offsets[row + 1] - first) * itemsize, start + first * itemsize)
+            values[name] = (convert, data) if name in raw else convert(data)
+        out.append(values)
     return out
 
 

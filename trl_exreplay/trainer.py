@@ -332,9 +332,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     def _select_trajectories(self, plan: ReplayPlan, step: int, seed=None) -> dict[str, list[Trajectory]]:
         k, age, window = plan.num_replayed, self.replay["max_policy_age"], self.replay["replay_window"]
         mode = self.replay["exp_select_mode"]
+        rng = np.random.default_rng([*(seed or [self.args.seed, step]), 1])
         if not self.replay["use_current_policy_entropy"] or mode == "random":
             # By saved entropy (or at random): chosen on the pool's index; only the chosen trajectories are read.
-            rng = np.random.default_rng([*(seed or [self.args.seed, step]), 1])
             return self.pool.choose(list(plan.replay_groups.values()), k, step, age, window, rng)
         # By entropy under the current policy: every candidate of a task with more than k is scored.
         candidates = {t: self.pool.candidates(t, step, age, window) for t in plan.replay_groups.values()}
@@ -346,7 +346,6 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         for t in ranked:
             entropies[t] = values[start : start + len(candidates[t])]
             start += len(candidates[t])
-        rng = np.random.default_rng([*(seed or [self.args.seed, step]), 1])
         return {t: self.pool.select(c, k, entropies.get(t), rng) for t, c in candidates.items()}
 
     @torch.no_grad()
