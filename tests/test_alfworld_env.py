@@ -157,6 +157,66 @@ def test_translation_memo_is_bounded_and_keyed_on_inputs():
     assert calls == [("d", "p1", False), ("d", "p1", True), ("d", "p2", False), ("d", "p1", False)]
 
 
+def test_text_parse_memo_is_bounded_and_keyed_on_text_and_arguments():
+    from trl_exreplay.envs.alfworld.engine import _TextParseMemo
+
+    class Parser:
+        calls = []
+        semantics = "kept"
+
+        def parse(self, text, rule_name=None, trace=False):
+            self.calls.append((text, rule_name, trace))
+            return object()
+
+    memo = _TextParseMemo(Parser(), max_entries=2)
+    first = memo.parse("take {o}", rule_name="symbols", trace=False)
+    assert memo.parse("take {o}", rule_name="symbols", trace=False) is first and memo.hits == 1
+    assert memo.parse("take {o}", rule_name="other") is not first
+    memo.parse("take {o}", rule_name="symbols", trace=True)  # traced: parsed again, not stored
+    memo.parse("look", rule_name="symbols")  # evicts the oldest entry ("take {o}", "symbols")
+    assert memo.parse("take {o}", rule_name="symbols", trace=False) is not first
+    assert [c[:2] for c in Parser.calls] == [("take {o}", "symbols"), ("take {o}", "other"), ("take {o}", "symbols"),
+                                             ("look", "symbols"), ("take {o}", "symbols")]  # fmt: skip
+    assert memo.semantics == "kept"
+
+
+def test_text_parse_memo_changes_nothing_the_engine_says(games, monkeypatch):
+    """Episodes (cold loads, then seeded random admissible moves) read the same with textworld's own parsers as
+    with the memoized ones, word for word."""
+    import random
+
+    import textworld.envs.pddl.logic
+    import textworld.logic
+    from textworld.envs.pddl import textgen
+
+    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks, engine
+    from trl_exreplay.envs.alfworld.engine import _TextParseMemo, install_text_parse_cache
+
+    rows = [dict(row) for row in alfworld_tasks(str(games))]
+
+    def play():
+        env, rng, transcript = AlfWorldEnv(max_steps=30, show_admissible=True, game_cache=0), random.Random(0), []
+        for row in rows:
+            transcript.append(env.reset(row))
+            for _ in range(12):
+                transcript.append(env.step(rng.choice(env.admissible_actions()))[:3])
+        env.close()
+        return transcript
+
+    install_text_parse_cache()
+    modules = (textgen, textworld.logic, textworld.envs.pddl.logic)
+    memos = [module._PARSER for module in modules]
+    assert all(isinstance(memo, _TextParseMemo) for memo in memos)
+    hits = [memo.hits for memo in memos]
+    memoized = play()
+    assert all(memo.hits > before for memo, before in zip(memos, hits))  # every memo served this play
+    for module, memo in zip(modules, memos):
+        monkeypatch.setattr(module, "_PARSER", memo.parser)
+    monkeypatch.setattr(engine, "install_text_parse_cache", lambda: None)  # a new engine must not put it back
+    assert play() == memoized
+    assert not any(isinstance(module._PARSER, _TextParseMemo) for module in modules)
+
+
 def test_engines_sharing_a_cached_game_play_independently(games):
     from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
 

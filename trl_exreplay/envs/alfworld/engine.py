@@ -36,6 +36,7 @@ def make_env():
     except ImportError as e:  # pragma: no cover - depends on the installation
         raise ImportError(_IMPORT_HINT) from e
     install_game_cache(0)  # at least: translations leave sys.argv alone
+    install_text_parse_cache()
     infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
     return AlfredInfos(AlfredDemangler(PddlEnv(infos), shuffle=False))
 
@@ -84,6 +85,54 @@ def install_game_cache(max_games: int) -> None:
         current.max_entries = max(current.max_entries, 2 * max_games)
     else:
         fast_downward.pddl2sas = _TranslationMemo(current, 2 * max(0, max_games))  # two translations per game
+
+
+class _TextParseMemo:
+    """textworld's parser of its text grammar, memoized on what it parses (last `max_entries` texts kept).
+
+    On every step textworld re-parses, with TatSu, the template of every admissible command and the logic queries in
+    them (a few distinct strings) to phrase the commands, and on every load the domain and every rule of the grammar
+    (the same texts in every ALFWorld game): over half of a step's time. The parse tree depends only on the text and arguments, and textworld only reads it (its
+    `_Converter` builds fresh symbols from the tree), so one tree per text serves every later call. Callers hold
+    `_ENGINE_LOCK` (textworld's parser is one module-level object), so the memo needs no lock of its own.
+    """
+
+    def __init__(self, parser, max_entries: int = 4096):
+        self.parser, self.max_entries = parser, max_entries
+        self.entries: OrderedDict[tuple, Any] = OrderedDict()
+        self.hits = 0
+
+    def parse(self, text, *args, **kwargs):
+        try:
+            key = (text, args, tuple(sorted(kwargs.items())))
+            hash(key)
+        except TypeError:  # an unhashable argument: nothing to key on
+            return self.parser.parse(text, *args, **kwargs)
+        if kwargs.get("trace"):  # tracing prints the parse: do it
+            return self.parser.parse(text, *args, **kwargs)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            self.hits += 1
+            return self.entries[key]
+        tree = self.entries[key] = self.parser.parse(text, *args, **kwargs)
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
+        return tree
+
+    def __getattr__(self, name):  # anything else textworld may use the parser for
+        return getattr(self.parser, name)
+
+
+def install_text_parse_cache() -> None:
+    """Memoize, in this process, textworld's parses of its text grammar, its logic queries and its PDDL domains
+    (idempotent)."""
+    import textworld.envs.pddl.logic
+    import textworld.logic
+    from textworld.envs.pddl import textgen
+
+    for module in (textgen, textworld.logic, textworld.envs.pddl.logic):
+        if not isinstance(module._PARSER, _TextParseMemo):
+            module._PARSER = _TextParseMemo(module._PARSER)
 
 
 @dataclass
