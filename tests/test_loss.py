@@ -307,6 +307,21 @@ def test_importance_sampling_ratio_applies_to_fresh_only():
     close(loss_b1, (0.5 * sum(MIXED_FRESH) + MIXED_REPLAYED) / 4)
 
 
+def test_token_mask_drops_tokens_but_keeps_the_normalizer():
+    """TRL's top_entropy_quantile: unselected tokens add 0 (and no gradient); the mean is still over every token."""
+    logp, old, adv, completion_mask, exp_mask = mixed_batch(requires_grad=True)
+    token_mask = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])  # drops the second fresh token; the pad stays out
+    loss, _ = compute_exreplay_loss(logp, old, adv, completion_mask, exp_mask, loss_type="bnpo", token_mask=token_mask)
+    close(loss, (MIXED_FRESH[0] + MIXED_FRESH[2] + MIXED_REPLAYED) / 4)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad[0, 1].item() == 0.0 and grad[0, 2].item() != 0.0  # (token 0 is clipped: no gradient either way)
+    only_replayed = torch.tensor([[0, 0, 0, 0], [1, 0, 0, 0]])
+    loss, _ = compute_exreplay_loss(
+        logp, old, adv, completion_mask, exp_mask, loss_type="grpo", token_mask=only_replayed
+    )
+    close(loss, (0.0 / 3 + MIXED_REPLAYED / 1) / 2)
+
+
 def test_all_masked_batch_is_zero():
     logp = t([[-0.3, -0.4], [-0.5, -0.6]]).requires_grad_()
     old = t([[-math.inf, math.nan], [1.0e30, 0.0]])

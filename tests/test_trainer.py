@@ -353,11 +353,43 @@ def test_plain_grpo_config_replays_with_defaults(tmp_path):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("loss_type", "cispo"), ("importance_sampling_level", "sequence"), ("top_entropy_quantile", 0.5)],
+    [("loss_type", "cispo"), ("importance_sampling_level", "sequence")],
 )
 def test_unsupported_grpo_options_are_refused_with_replay(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         make_trainer(tmp_path, **{field: value})
+
+
+def test_top_entropy_quantile_trains_the_highest_entropy_tokens_fresh_and_replayed(tmp_path, monkeypatch):
+    import trl_exreplay.trainer as trainer_module
+
+    losses_seen, selections = [], []
+    compute = trainer_module.compute_exreplay_loss
+
+    def spy_loss(*args, token_mask=None, **kwargs):
+        losses_seen.append((args[3].clone(), args[4].clone(), token_mask))  # mask, exp_mask, selection
+        return compute(*args, token_mask=token_mask, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "compute_exreplay_loss", spy_loss)
+    trainer = make_trainer(tmp_path, max_steps=6, top_entropy_quantile=0.5)
+    select = trainer.get_high_entropy_mask  # TRL's own selection
+
+    def spy_select(entropies, mask, threshold):
+        selected = select(entropies, mask, threshold)
+        selections.append((entropies.detach().clone(), mask.bool(), selected, threshold))
+        return selected
+
+    monkeypatch.setattr(trainer, "get_high_entropy_mask", spy_select)
+    trainer.train()
+
+    assert len(losses_seen) == len(selections) == 6
+    assert any((exp_mask * mask).sum() > 0 for mask, exp_mask, _ in losses_seen)  # replayed tokens were selected from
+    for (_, _, given), (entropies, mask, selected, threshold) in zip(losses_seen, selections):
+        assert given is selected and threshold == 0.5
+        assert not (selected & ~mask).any()
+        kept, dropped = entropies[selected], entropies[mask & ~selected]
+        assert kept.numel() >= mask.sum() / 2 and dropped.numel() > 0
+        assert kept.min() >= dropped.max()
 
 
 def test_saving_mid_generation_batch_loses_no_trajectory(tmp_path):

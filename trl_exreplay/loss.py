@@ -80,6 +80,7 @@ def compute_exreplay_loss(
     max_completion_length: int | None = None,
     loss_normalizer: float | torch.Tensor | None = None,
     importance_sampling_ratio: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss over a batch that mixes fresh (on-policy) and replayed (off-policy) completions.
 
@@ -114,6 +115,8 @@ def compute_exreplay_loss(
             to ``completion_mask.sum().clamp(min=1)``.
         importance_sampling_ratio: ``(B, T)`` or ``(B, 1)`` truncated-IS correction for the vLLM sampler
             mismatch; multiplies the per-token loss of fresh tokens only.
+        token_mask: ``(B, T)``, the tokens whose policy loss counts (TRL's ``top_entropy_quantile`` selection);
+            the others add 0, and the loss is still normalized over ``completion_mask``, as TRL does. ``None``: all.
 
     Per-token losses (``A`` the advantage, ``r = exp(logp - old)``):
 
@@ -201,6 +204,8 @@ def compute_exreplay_loss(
         off_clipped = torch.zeros(shape, dtype=torch.bool, device=per_token_logps.device)
 
     per_token_loss = torch.where(replayed, off_loss, on_loss)
+    if token_mask is not None:
+        per_token_loss = torch.where(token_mask.bool(), per_token_loss, zero)
     loss = aggregate_loss(
         per_token_loss,
         mask,

@@ -149,8 +149,6 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             reject("loss_type", self.loss_type, "one of " + ", ".join(repr(t) for t in REPLAY_LOSS_TYPES))
         if self.importance_sampling_level != "token":
             reject("importance_sampling_level", self.importance_sampling_level, "'token'")
-        if self.top_entropy_quantile < 1.0:
-            reject("top_entropy_quantile", self.top_entropy_quantile, "1.0")
         if self.off_policy_mask_threshold is not None:
             reject("off_policy_mask_threshold", self.off_policy_mask_threshold, "None")
         if self.args.delta is not None:
@@ -712,6 +710,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             "loss_normalizer": normalizer,
         }
         is_ratio = inputs.get("importance_sampling_ratio") if self.use_vllm else None
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:  # TRL's selection, over fresh and replayed tokens alike
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
         loss, metrics = compute_exreplay_loss(
             per_token_logps,
             old,
@@ -725,6 +726,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             off_policy_shaping=self.replay["off_policy_shaping"],
             off_policy_shaping_beta=self.replay["off_policy_shaping_beta"],
             importance_sampling_ratio=is_ratio,
+            token_mask=entropy_mask,
             **loss_kwargs,
         )
         if self.beta != 0.0:
