@@ -92,9 +92,10 @@ class _TextParseMemo:
 
     On every step textworld re-parses, with TatSu, the template of every admissible command and the logic queries in
     them (a few distinct strings) to phrase the commands, and on every load the domain and every rule of the grammar
-    (the same texts in every ALFWorld game): over half of a step's time. The parse tree depends only on the text and arguments, and textworld only reads it (its
-    `_Converter` builds fresh symbols from the tree), so one tree per text serves every later call. Callers hold
-    `_ENGINE_LOCK` (textworld's parser is one module-level object), so the memo needs no lock of its own.
+    (the same texts in every ALFWorld game): two thirds of a step's time. The parse tree depends only on the text and
+    the arguments, and textworld only reads it (its converters build fresh objects from the tree), so one tree per
+    text serves every later call. Callers hold `_ENGINE_LOCK` (textworld's parsers are module-level objects), so the
+    memo needs no lock of its own.
     """
 
     def __init__(self, parser, max_entries: int = 4096):
