@@ -8,6 +8,7 @@ game was already won after reset).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -99,26 +100,25 @@ class _TextParseMemo:
     """
 
     def __init__(self, parser, max_entries: int = 4096):
-        self.parser, self.max_entries = parser, max_entries
-        self.entries: OrderedDict[tuple, Any] = OrderedDict()
-        self.hits = 0
+        self.parser = parser
+        self._cached = functools.lru_cache(maxsize=max_entries)(self._parse)
+
+    def _parse(self, text, args, kwargs):
+        return self.parser.parse(text, *args, **dict(kwargs))
+
+    @property
+    def hits(self) -> int:
+        return self._cached.cache_info().hits
 
     def parse(self, text, *args, **kwargs):
+        key = (text, args, tuple(sorted(kwargs.items())))
         try:
-            key = (text, args, tuple(sorted(kwargs.items())))
             hash(key)
         except TypeError:  # an unhashable argument: nothing to key on
             return self.parser.parse(text, *args, **kwargs)
         if kwargs.get("trace"):  # tracing prints the parse: do it
             return self.parser.parse(text, *args, **kwargs)
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            self.hits += 1
-            return self.entries[key]
-        tree = self.entries[key] = self.parser.parse(text, *args, **kwargs)
-        while len(self.entries) > self.max_entries:
-            self.entries.popitem(last=False)
-        return tree
+        return self._cached(*key)
 
     def __getattr__(self, name):  # anything else textworld may use the parser for
         return getattr(self.parser, name)
