@@ -1,0 +1,200 @@
+"""Controls for the recipe's known gap (RL does not improve the tiny default): from one cached warm start, what does an
+update of RL's size do to greedy `valid_seen` success when it is not RL, and what does RL do on games the warm start
+never saw?
+
+    OMP_NUM_THREADS=2 python benchmarks/alfworld_rl_controls.py --warm-start data/alfworld/warmstart/<digest> \
+        --control sft --learning-rate 1e-4 --steps 16 --batch-size 4
+    OMP_NUM_THREADS=2 python benchmarks/alfworld_rl_controls.py --warm-start data/alfworld/warmstart/<digest> \
+        --control rl-fresh --learning-rate 1e-4 --steps 24
+
+`--warm-start` is the folder the recipe prints ("warm start: reusing ..."); the environment, the rollout limits and
+the GRPO settings are the recipe's default YAML, with `--data-dir` holding the recipe's games.
+
+* `sft`: continue the warm start's SFT on the searching expert's episodes of the train games (the warm start's own
+  data), constant learning rate, `--steps` steps of `--batch-size` episodes: a supervised update of RL's size.
+* `rl-fresh`: generate `--fresh-games` new train games (another `--fresh-seed`; none is a warm-start game), then run
+  the recipe's ExReplay GRPO on them, not on the warm start's games.
+
+Each prints greedy `valid_seen` success before and after, and the train success of each RL step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+import time
+from importlib.metadata import version
+
+RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "alfworld.py")
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("alfworld_recipe", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # its dataclasses resolve their types through it
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
+def sft_update(recipe, recipe_args, warm_start: str, tokenizer, env_kwargs: dict, options, work: str):
+    """The warm start after `options.steps` more SFT steps on its own expert episodes."""
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from trl_exreplay.envs.alfworld import alfworld_tasks
+    from trl_exreplay.envs.alfworld.warmstart import expert_episodes, sft_dataset
+
+    script_args, training_args, _ = recipe_args
+    train_tasks = recipe.load_tasks(script_args, script_args.train_split, _system_prompt(script_args), alfworld_tasks)
+    episodes = expert_episodes(train_tasks, workers=None, progress=True, **env_kwargs)
+    dataset = sft_dataset(
+        episodes,
+        tokenizer,
+        max_completion_length=training_args.max_completion_length,
+        max_turns=training_args.max_turns,
+        max_tokens_per_turn=training_args.max_tokens_per_turn,
+    )
+    dataset = dataset.remove_columns("task_id")
+    print(f"sft control: {len(dataset)} expert episodes won of {len(episodes)} train games")
+    model = AutoModelForCausalLM.from_pretrained(warm_start)
+    args = SFTConfig(
+        output_dir=work,
+        max_steps=options.steps,
+        per_device_train_batch_size=options.batch_size,
+        learning_rate=options.learning_rate,
+        lr_scheduler_type="constant",
+        logging_steps=4,
+        save_strategy="no",
+        report_to="none",
+        max_length=None,
+        seed=options.seed,
+        use_cpu=True,
+        bf16=False,
+    )
+    SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
+    return model, []
+
+
+def rl_on_fresh_games(recipe, recipe_args, warm_start: str, tokenizer, env_pool, options, work: str):
+    """The warm start after the recipe's ExReplay GRPO on `options.fresh_games` games it never saw."""
+    from trl_exreplay import ExReplayGRPOTrainer
+    from trl_exreplay.envs.alfworld import alfworld_tasks, generate_games
+
+    script_args, training_args, _ = recipe_args
+    games_dir = os.path.join(work, "games")
+    report = generate_games(
+        games_dir, "train", options.fresh_games, options.fresh_seed, script_args.task_types, verify=False,
+        workers=None, scenes=script_args.scenes, target_objects=script_args.target_objects,
+    )  # fmt: skip
+    print(report.summary())
+    fresh_args = dataclasses.replace(script_args, data_dir=games_dir)
+    tasks = recipe.load_tasks(fresh_args, "train", _system_prompt(script_args), alfworld_tasks)
+    warm_games = {_game_text(path) for path in alfworld_tasks(_split_dir(script_args, "train"))["game_file"]}
+    overlap = sum(_game_text(path) in warm_games for path in tasks["game_file"])
+    print(f"rl-fresh control: {len(tasks)} fresh games, {overlap} of them identical to a warm-start game")
+    training_args.learning_rate, training_args.max_steps = options.learning_rate, options.steps
+    training_args.output_dir = os.path.join(work, "rl")
+    trainer = ExReplayGRPOTrainer(
+        model=warm_start, args=training_args, processing_class=tokenizer, train_dataset=tasks, env_factory=env_pool
+    )
+    trainer.train()
+    curve = [float(e["env/success_rate"]) for e in trainer.state.log_history if "env/success_rate" in e]
+    return trainer.model, curve
+
+
+def _system_prompt(script_args):
+    from trl_exreplay.envs.alfworld import INSTRUCTIONS, REACT_INSTRUCTIONS
+
+    return {"plain": INSTRUCTIONS, "react": REACT_INSTRUCTIONS, "none": None}[script_args.prompt_style]
+
+
+def _split_dir(script_args, split: str) -> str:
+    return os.path.join(script_args.data_dir, "json_2.1.1", split)
+
+
+def _game_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--warm-start", required=True, help="A warm-start folder the recipe cached.")
+    parser.add_argument("--control", required=True, choices=["sft", "rl-fresh"])
+    parser.add_argument("--data-dir", default="data/alfworld", help="The recipe's data_dir (its games).")
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=4, help="sft: expert episodes a step.")
+    parser.add_argument("--fresh-games", type=int, default=200, help="rl-fresh: games to generate.")
+    parser.add_argument("--fresh-seed", type=int, default=1, help="rl-fresh: generator seed (the recipe's is 0).")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work", default="outputs/alfworld_rl_controls")
+    options = parser.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM
+
+    from trl_exreplay.envs import EnvProcessPool
+    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+    from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES
+    from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer
+    from trl_exreplay.evaluation import evaluate_policy
+
+    started = time.time()
+    work = os.path.join(options.work, options.control)
+    shutil.rmtree(work, ignore_errors=True)
+    recipe = load_recipe()
+    recipe_args = recipe.parse_args(
+        ["--data_dir", options.data_dir, "--output_dir", work, "--seed", str(options.seed)]
+    )
+    script_args, training_args, _ = recipe_args
+    env_kwargs = {
+        "max_steps": training_args.max_turns,
+        "show_admissible": script_args.show_admissible,
+        "restate_goal": script_args.restate_goal,
+    }
+    tokenizer = alfworld_tokenizer()
+    env_pool = EnvProcessPool(
+        functools.partial(AlfWorldEnv, **env_kwargs), workers=os.cpu_count() or 1, preload=list(ENGINE_MODULES)
+    )
+    eval_tasks = list(recipe.load_tasks(script_args, "valid_seen", _system_prompt(script_args), alfworld_tasks))
+
+    def greedy_successes(model) -> int:
+        result = evaluate_policy(
+            model, tokenizer, eval_tasks, env_pool,
+            max_turns=training_args.max_turns, max_completion_length=training_args.max_completion_length,
+            max_tokens_per_turn=training_args.max_tokens_per_turn, workers=training_args.env_workers,
+        )  # fmt: skip
+        return result.successes
+
+    try:
+        before = greedy_successes(AutoModelForCausalLM.from_pretrained(options.warm_start))
+        if options.control == "sft":
+            model, curve = sft_update(recipe, recipe_args, options.warm_start, tokenizer, env_kwargs, options, work)
+        else:
+            model, curve = rl_on_fresh_games(
+                recipe, recipe_args, options.warm_start, tokenizer, env_pool, options, work
+            )
+        after = greedy_successes(model)
+    finally:
+        env_pool.close()
+    print(
+        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
+    print(f"versions: trl {version('trl')}, transformers {version('transformers')}, torch {version('torch')}, "
+          f"alfworld {version('alfworld')}")  # fmt: skip
+    if curve:
+        print("train success per RL step:", " ".join(f"{x:.2f}" for x in curve))
+    games = len(eval_tasks)
+    print(f"control {options.control}, lr {options.learning_rate:g}, {options.steps} steps: greedy valid_seen "
+          f"{before}/{games} before, {after}/{games} after; {(time.time() - started) / 60:.1f} min")  # fmt: skip
+    return {"before": before, "after": after, "games": games, "train_success": curve}
+
+
+if __name__ == "__main__":
+    main()
