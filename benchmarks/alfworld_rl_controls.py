@@ -48,20 +48,12 @@ def sft_update(recipe, recipe_args, warm_start: str, tokenizer, env_kwargs: dict
     from trl import SFTConfig, SFTTrainer
 
     from trl_exreplay.envs.alfworld import alfworld_tasks
-    from trl_exreplay.envs.alfworld.warmstart import expert_episodes, sft_dataset
 
     script_args, training_args, _ = recipe_args
-    train_tasks = recipe.load_tasks(script_args, script_args.train_split, _system_prompt(script_args), alfworld_tasks)
-    episodes = expert_episodes(train_tasks, workers=None, progress=True, **env_kwargs)
-    dataset = sft_dataset(
-        episodes,
-        tokenizer,
-        max_completion_length=training_args.max_completion_length,
-        max_turns=training_args.max_turns,
-        max_tokens_per_turn=training_args.max_tokens_per_turn,
-    )
+    system_prompt = recipe.system_prompt_of(script_args.prompt_style)
+    train_tasks = recipe.load_tasks(script_args, script_args.train_split, system_prompt, alfworld_tasks)
+    dataset = recipe.expert_sft_dataset(script_args, training_args, tokenizer, train_tasks, env_kwargs)
     dataset = dataset.remove_columns("task_id")
-    print(f"sft control: {len(dataset)} expert episodes won of {len(episodes)} train games")
     model = AutoModelForCausalLM.from_pretrained(warm_start)
     args = SFTConfig(
         output_dir=work,
@@ -94,7 +86,7 @@ def rl_on_fresh_games(recipe, recipe_args, warm_start: str, tokenizer, env_pool,
     )  # fmt: skip
     print(report.summary())
     fresh_args = dataclasses.replace(script_args, data_dir=games_dir)
-    tasks = recipe.load_tasks(fresh_args, "train", _system_prompt(script_args), alfworld_tasks)
+    tasks = recipe.load_tasks(fresh_args, "train", recipe.system_prompt_of(script_args.prompt_style), alfworld_tasks)
     warm_games = {_game_text(path) for path in alfworld_tasks(_split_dir(script_args, "train"))["game_file"]}
     overlap = sum(_game_text(path) in warm_games for path in tasks["game_file"])
     print(f"rl-fresh control: {len(tasks)} fresh games, {overlap} of them identical to a warm-start game")
@@ -106,12 +98,6 @@ def rl_on_fresh_games(recipe, recipe_args, warm_start: str, tokenizer, env_pool,
     trainer.train()
     curve = [float(e["env/success_rate"]) for e in trainer.state.log_history if "env/success_rate" in e]
     return trainer.model, curve
-
-
-def _system_prompt(script_args):
-    from trl_exreplay.envs.alfworld import INSTRUCTIONS, REACT_INSTRUCTIONS
-
-    return {"plain": INSTRUCTIONS, "react": REACT_INSTRUCTIONS, "none": None}[script_args.prompt_style]
 
 
 def _split_dir(script_args, split: str) -> str:
@@ -153,16 +139,13 @@ def main(argv=None) -> dict:
         ["--data_dir", options.data_dir, "--output_dir", work, "--seed", str(options.seed)]
     )
     script_args, training_args, _ = recipe_args
-    env_kwargs = {
-        "max_steps": training_args.max_turns,
-        "show_admissible": script_args.show_admissible,
-        "restate_goal": script_args.restate_goal,
-    }
+    env_kwargs = recipe.env_options(script_args, training_args)
     tokenizer = alfworld_tokenizer()
     env_pool = EnvProcessPool(
         functools.partial(AlfWorldEnv, **env_kwargs), workers=os.cpu_count() or 1, preload=list(ENGINE_MODULES)
     )
-    eval_tasks = list(recipe.load_tasks(script_args, "valid_seen", _system_prompt(script_args), alfworld_tasks))
+    system_prompt = recipe.system_prompt_of(script_args.prompt_style)
+    eval_tasks = list(recipe.load_tasks(script_args, "valid_seen", system_prompt, alfworld_tasks))
 
     def greedy_successes(model) -> int:
         result = evaluate_policy(

@@ -129,7 +129,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
 
     from trl_exreplay import ExReplayGRPOTrainer
     from trl_exreplay.envs import EnvProcessPool
-    from trl_exreplay.envs.alfworld import INSTRUCTIONS, REACT_INSTRUCTIONS, AlfWorldEnv, alfworld_tasks
+    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
     from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES  # imported once by the fork server
     from trl_exreplay.evaluation import evaluate_policy
 
@@ -145,16 +145,12 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     if state.is_main_process:  # the main process generates what is missing; the others then read it
         ensure_games(script_args, splits)
     state.wait_for_everyone()
-    system_prompt = {"plain": INSTRUCTIONS, "react": REACT_INSTRUCTIONS, "none": None}[script_args.prompt_style]
+    system_prompt = system_prompt_of(script_args.prompt_style)
     tasks = {split: load_tasks(script_args, split, system_prompt, alfworld_tasks) for split in splits}
     train_tasks = tasks[script_args.train_split]
     log(f"games: {', '.join(f'{split} {len(t)}' for split, t in tasks.items())} under {script_args.data_dir}")
 
-    env_kwargs = {
-        "max_steps": training_args.max_turns,
-        "show_admissible": script_args.show_admissible,
-        "restate_goal": script_args.restate_goal,
-    }
+    env_kwargs = env_options(script_args, training_args)
     processes = script_args.env_processes or max(1, (os.cpu_count() or 1) // state.num_processes)
     env_pool = EnvProcessPool(
         functools.partial(AlfWorldEnv, **env_kwargs), workers=processes, preload=list(ENGINE_MODULES)
@@ -275,6 +271,38 @@ def ensure_games(script_args: AlfWorldArguments, splits: list[str]) -> None:
         print(report.summary())
 
 
+def system_prompt_of(prompt_style: str) -> str | None:
+    from trl_exreplay.envs.alfworld import INSTRUCTIONS, REACT_INSTRUCTIONS
+
+    return {"plain": INSTRUCTIONS, "react": REACT_INSTRUCTIONS, "none": None}[prompt_style]
+
+
+def env_options(script_args: AlfWorldArguments, training_args) -> dict:
+    """`AlfWorldEnv` options: the same for training, evaluation and the expert's episodes."""
+    return {
+        "max_steps": training_args.max_turns,
+        "show_admissible": script_args.show_admissible,
+        "restate_goal": script_args.restate_goal,
+    }
+
+
+def expert_sft_dataset(script_args: AlfWorldArguments, training_args, tokenizer, train_tasks, env_kwargs: dict):
+    """The warm start's data: the searching expert plays every train game; its won episodes, laid out as rollouts."""
+    from trl_exreplay.envs.alfworld.warmstart import expert_episodes, sft_dataset
+
+    episodes = expert_episodes(train_tasks, workers=None, progress=True, **env_kwargs)
+    dataset = sft_dataset(
+        episodes[: script_args.warm_start_max_episodes],
+        tokenizer,
+        max_completion_length=training_args.max_completion_length,
+        max_turns=training_args.max_turns,
+        max_tokens_per_turn=training_args.max_tokens_per_turn,
+        chat_template_kwargs=training_args.chat_template_kwargs,
+    )
+    print(f"warm start: {len(dataset)} expert episodes won of {len(episodes)} games")
+    return dataset
+
+
 def load_tasks(script_args: AlfWorldArguments, split: str, system_prompt, alfworld_tasks):
     tasks = alfworld_tasks(os.path.join(script_args.data_dir, "json_2.1.1", split), system_prompt=system_prompt)
     if script_args.task_types:
@@ -326,8 +354,6 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer, get_peft_config
 
-    from trl_exreplay.envs.alfworld.warmstart import expert_episodes, sft_dataset
-
     key = {
         "model": asdict(model_args),  # base, revision, dtype, LoRA settings
         "tiny": [script_args.tiny_hidden_size, script_args.tiny_num_layers, script_args.tiny_num_heads],
@@ -357,17 +383,8 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
         return path
 
     if state.is_main_process:
-        episodes = expert_episodes(train_tasks, workers=None, progress=True, **env_kwargs)
-        dataset = sft_dataset(
-            episodes[: script_args.warm_start_max_episodes],
-            tokenizer,
-            max_completion_length=training_args.max_completion_length,
-            max_turns=training_args.max_turns,
-            max_tokens_per_turn=training_args.max_tokens_per_turn,
-            chat_template_kwargs=training_args.chat_template_kwargs,
-        )
+        dataset = expert_sft_dataset(script_args, training_args, tokenizer, train_tasks, env_kwargs)
         dataset.save_to_disk(tmp + ".sft-data")
-        print(f"warm start: {len(dataset)} expert episodes won of {len(episodes)} games")
     state.wait_for_everyone()
     dataset = datasets.load_from_disk(tmp + ".sft-data").remove_columns("task_id")
     if len(dataset) == 0:  # every rank reads the same data, so every rank stops here
