@@ -6,6 +6,8 @@ never saw?
         --control sft --learning-rate 1e-4 --steps 16 --batch-size 4
     OMP_NUM_THREADS=2 python benchmarks/alfworld_rl_controls.py --warm-start data/alfworld/warmstart/<digest> \
         --control rl-fresh --learning-rate 1e-4 --steps 24
+    OMP_NUM_THREADS=2 python benchmarks/alfworld_rl_controls.py --warm-start data/alfworld/warmstart/<digest> \
+        --control direction --rl-model outputs/alfworld_tiny
 
 `--warm-start` is the folder the recipe prints ("warm start: reusing ..."); the environment, the rollout limits and
 the GRPO settings are the recipe's default YAML, with `--data-dir` holding the recipe's games.
@@ -14,8 +16,13 @@ the GRPO settings are the recipe's default YAML, with `--data-dir` holding the r
   data), constant learning rate, `--steps` steps of `--batch-size` episodes: a supervised update of RL's size.
 * `rl-fresh`: generate `--fresh-games` new train games (another `--fresh-seed`; none is a warm-start game), then run
   the recipe's ExReplay GRPO on them, not on the warm start's games.
+* `direction`: does an RL update carry the reward's signal, or only its size? With `delta` = `--rl-model` (a model
+  the recipe trained from this warm start) minus the warm start, it plays the warm start plus `delta` (the RL model),
+  minus `delta` (the update reversed) and plus `delta` with every element's sign drawn at random (the same size, no
+  direction). An update that follows the reward does better forward than reversed.
 
-Each prints greedy `valid_seen` success before and after, and the train success of each RL step.
+`sft` and `rl-fresh` print greedy `valid_seen` success before and after, and the train success of each RL step;
+`direction` prints greedy success on `valid_seen` and on as many train games (the games RL plays) for each model.
 """
 
 from __future__ import annotations
@@ -100,6 +107,47 @@ def rl_on_fresh_games(recipe, recipe_args, warm_start: str, tokenizer, env_pool,
     return trainer.model, curve
 
 
+def directions(warm_start: str, rl_model: str, seed: int) -> dict:
+    """The warm start moved by the RL update `delta`, forward, reversed and with random signs: name -> model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    warm = AutoModelForCausalLM.from_pretrained(warm_start).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(rl_model).state_dict()
+    if warm.keys() != trained.keys() or any(warm[k].shape != trained[k].shape for k in warm):
+        raise ValueError(
+            f"--rl-model {rl_model!r} does not have the warm start's architecture (its parameters' names or shapes "
+            "differ): give the output_dir of a recipe run that started from --warm-start (a full model, not an adapter)."
+        )
+    generator = torch.Generator().manual_seed(seed)
+    signs = {
+        k: torch.randint(0, 2, v.shape, generator=generator).to(v.dtype) * 2 - 1 if v.is_floating_point() else 1
+        for k, v in warm.items()
+    }
+    moves = {
+        "warm start": lambda k: warm[k],
+        "+delta (the RL model)": lambda k: trained[k],
+        "-delta (reversed)": lambda k: 2 * warm[k] - trained[k],
+        "+delta, random signs": lambda k: warm[k] + signs[k] * (trained[k] - warm[k]),
+    }
+    models = {}
+    for name, move in moves.items():
+        model = AutoModelForCausalLM.from_pretrained(warm_start)
+        model.load_state_dict({k: move(k) for k in warm})
+        models[name] = model
+    size = sum(float((trained[k] - warm[k]).float().norm()) ** 2 for k in warm if warm[k].is_floating_point()) ** 0.5
+    print(f"direction control: |delta| = {size:.4f} (L2 over all parameters)")
+    return models
+
+
+def _print_machine() -> None:
+    print(
+        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
+    print(f"versions: trl {version('trl')}, transformers {version('transformers')}, torch {version('torch')}, "
+          f"alfworld {version('alfworld')}")  # fmt: skip
+
+
 def _split_dir(script_args, split: str) -> str:
     return os.path.join(script_args.data_dir, "json_2.1.1", split)
 
@@ -112,7 +160,8 @@ def _game_text(path: str) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warm-start", required=True, help="A warm-start folder the recipe cached.")
-    parser.add_argument("--control", required=True, choices=["sft", "rl-fresh"])
+    parser.add_argument("--control", required=True, choices=["sft", "rl-fresh", "direction"])
+    parser.add_argument("--rl-model", help="direction: a model the recipe trained from --warm-start (its output_dir).")
     parser.add_argument("--data-dir", default="data/alfworld", help="The recipe's data_dir (its games).")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=16)
@@ -122,6 +171,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", default="outputs/alfworld_rl_controls")
     options = parser.parse_args(argv)
+    if (options.control == "direction") != (options.rl_model is not None):
+        parser.error("--rl-model is required by --control direction, and used by no other control")
 
     from transformers import AutoModelForCausalLM
 
@@ -147,13 +198,30 @@ def main(argv=None) -> dict:
     system_prompt = recipe.system_prompt_of(script_args.prompt_style)
     eval_tasks = list(recipe.load_tasks(script_args, "valid_seen", system_prompt, alfworld_tasks))
 
-    def greedy_successes(model) -> int:
+    def greedy_successes(model, tasks=eval_tasks) -> int:
         result = evaluate_policy(
-            model, tokenizer, eval_tasks, env_pool,
+            model, tokenizer, tasks, env_pool,
             max_turns=training_args.max_turns, max_completion_length=training_args.max_completion_length,
             max_tokens_per_turn=training_args.max_tokens_per_turn, workers=training_args.env_workers,
         )  # fmt: skip
         return result.successes
+
+    if options.control == "direction":
+        train_tasks = recipe.load_tasks(script_args, script_args.train_split, system_prompt, alfworld_tasks)
+        train_tasks = list(train_tasks)[: len(eval_tasks)]
+        try:
+            table = {
+                name: (greedy_successes(model), greedy_successes(model, train_tasks))
+                for name, model in directions(options.warm_start, options.rl_model, options.seed).items()
+            }
+        finally:
+            env_pool.close()
+        _print_machine()
+        print(f"{'model':<24}{'valid_seen':>12}{'train':>12}   (greedy; {os.path.basename(options.rl_model)})")
+        for name, (seen, train) in table.items():
+            print(f"{name:<24}{f'{seen}/{len(eval_tasks)}':>12}{f'{train}/{len(train_tasks)}':>12}")
+        print(f"{(time.time() - started) / 60:.1f} min")
+        return {"models": table, "games": {"valid_seen": len(eval_tasks), "train": len(train_tasks)}}
 
     try:
         before = greedy_successes(AutoModelForCausalLM.from_pretrained(options.warm_start))
@@ -166,11 +234,7 @@ def main(argv=None) -> dict:
         after = greedy_successes(model)
     finally:
         env_pool.close()
-    print(
-        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
-    )
-    print(f"versions: trl {version('trl')}, transformers {version('transformers')}, torch {version('torch')}, "
-          f"alfworld {version('alfworld')}")  # fmt: skip
+    _print_machine()
     if curve:
         print("train success per RL step:", " ".join(f"{x:.2f}" for x in curve))
     games = len(eval_tasks)
