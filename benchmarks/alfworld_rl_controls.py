@@ -109,10 +109,13 @@ def rl_on_fresh_games(recipe, recipe_args, warm_start: str, tokenizer, env_pool,
 
 def directions(warm_start: str, rl_model: str, seed: int) -> dict:
     """The warm start moved by the RL update `delta`, forward, reversed and with random signs: name -> model."""
+    import copy
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    warm = AutoModelForCausalLM.from_pretrained(warm_start).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(warm_start)
+    warm = base.state_dict()  # never changed: every model below is a copy of `base`
     trained = AutoModelForCausalLM.from_pretrained(rl_model).state_dict()
     if warm.keys() != trained.keys() or any(warm[k].shape != trained[k].shape for k in warm):
         raise ValueError(
@@ -132,7 +135,7 @@ def directions(warm_start: str, rl_model: str, seed: int) -> dict:
     }
     models = {}
     for name, move in moves.items():
-        model = AutoModelForCausalLM.from_pretrained(warm_start)
+        model = copy.deepcopy(base)
         model.load_state_dict({k: move(k) for k in warm})
         models[name] = model
     size = sum(float((trained[k] - warm[k]).float().norm()) ** 2 for k in warm if warm[k].is_floating_point()) ** 0.5

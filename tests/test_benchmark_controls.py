@@ -30,15 +30,15 @@ def test_direction_models_are_the_warm_start_moved_by_the_update(controls, tmp_p
     trained_sd = AutoModelForCausalLM.from_pretrained(trained).state_dict()
     models = controls.directions(warm, trained, seed=0)
     assert list(models) == ["warm start", "+delta (the RL model)", "-delta (reversed)", "+delta, random signs"]
+    start, forward, reversed_, random_signs = (model.state_dict() for model in models.values())
+    assert start.keys() == warm_sd.keys()
     flipped = total = 0
-    for name, param in models["warm start"].state_dict().items():
+    for name in warm_sd:
         delta = trained_sd[name] - warm_sd[name]
-        torch.testing.assert_close(param, warm_sd[name], rtol=0, atol=0)
-        torch.testing.assert_close(
-            models["+delta (the RL model)"].state_dict()[name], trained_sd[name], rtol=0, atol=0
-        )
-        torch.testing.assert_close(models["-delta (reversed)"].state_dict()[name], warm_sd[name] - delta)
-        moved = models["+delta, random signs"].state_dict()[name] - warm_sd[name]
+        torch.testing.assert_close(start[name], warm_sd[name], rtol=0, atol=0)
+        torch.testing.assert_close(forward[name], trained_sd[name], rtol=0, atol=0)
+        torch.testing.assert_close(reversed_[name], warm_sd[name] - delta)
+        moved = random_signs[name] - warm_sd[name]
         torch.testing.assert_close(moved.abs(), delta.abs())  # the same size, element by element
         changed = delta.abs() > 1e-6
         flipped += int(((moved * delta) < 0)[changed].sum())
