@@ -8,6 +8,8 @@ never saw?
         --control rl-fresh --learning-rate 1e-4 --steps 24
     OMP_NUM_THREADS=2 python benchmarks/alfworld_rl_controls.py --warm-start data/alfworld/warmstart/<digest> \
         --control direction --rl-model outputs/alfworld_tiny
+    OMP_NUM_THREADS=1 python benchmarks/alfworld_rl_controls.py --warm-start data/alfworld/warmstart/<digest> \
+        --control few-games --games 8 --learning-rate 1e-4 --steps 40
 
 `--warm-start` is the folder the recipe prints ("warm start: reusing ..."); the environment, the rollout limits and
 the GRPO settings are the recipe's default YAML, with `--data-dir` holding the recipe's games.
@@ -20,9 +22,13 @@ the GRPO settings are the recipe's default YAML, with `--data-dir` holding the r
   the recipe trained from this warm start) minus the warm start, it plays the warm start plus `delta` (the RL model),
   minus `delta` (the update reversed) and plus `delta` with every element's sign drawn at random (the same size, no
   direction). An update that follows the reward does better forward than reversed.
+* `few-games`: the recipe's ExReplay GRPO on only the first `--games` train games, many episodes each: can RL raise
+  the success of the games it plays when it plays each of them often (and what does that do to `valid_seen`)?
 
 `sft` and `rl-fresh` print greedy `valid_seen` success before and after, and the train success of each RL step;
-`direction` prints greedy success on `valid_seen` and on as many train games (the games RL plays) for each model.
+`direction` prints greedy success on `valid_seen` and on as many train games (the games RL plays) for each model;
+`few-games` prints greedy and sampled (`--sampled-episodes` a game, the recipe's temperature) success on its games
+and greedy `valid_seen` success, before and after.
 """
 
 from __future__ import annotations
@@ -82,10 +88,9 @@ def sft_update(recipe, recipe_args, warm_start: str, tokenizer, env_kwargs: dict
 
 def rl_on_fresh_games(recipe, recipe_args, warm_start: str, tokenizer, env_pool, options, work: str):
     """The warm start after the recipe's ExReplay GRPO on `options.fresh_games` games it never saw."""
-    from trl_exreplay import ExReplayGRPOTrainer
     from trl_exreplay.envs.alfworld import alfworld_tasks, generate_games
 
-    script_args, training_args, _ = recipe_args
+    script_args, _, _ = recipe_args
     games_dir = os.path.join(work, "games")
     report = generate_games(
         games_dir, "train", options.fresh_games, options.fresh_seed, script_args.task_types, verify=False,
@@ -97,6 +102,14 @@ def rl_on_fresh_games(recipe, recipe_args, warm_start: str, tokenizer, env_pool,
     warm_games = {_game_text(path) for path in alfworld_tasks(_split_dir(script_args, "train"))["game_file"]}
     overlap = sum(_game_text(path) in warm_games for path in tasks["game_file"])
     print(f"rl-fresh control: {len(tasks)} fresh games, {overlap} of them identical to a warm-start game")
+    return rl_on(recipe_args, warm_start, tokenizer, env_pool, tasks, options, work)
+
+
+def rl_on(recipe_args, warm_start: str, tokenizer, env_pool, tasks, options, work: str):
+    """The warm start after the recipe's ExReplay GRPO on `tasks`, and the train success of each step."""
+    from trl_exreplay import ExReplayGRPOTrainer
+
+    _, training_args, _ = recipe_args
     training_args.learning_rate, training_args.max_steps = options.learning_rate, options.steps
     training_args.output_dir = os.path.join(work, "rl")
     trainer = ExReplayGRPOTrainer(
@@ -163,7 +176,7 @@ def _game_text(path: str) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warm-start", required=True, help="A warm-start folder the recipe cached.")
-    parser.add_argument("--control", required=True, choices=["sft", "rl-fresh", "direction"])
+    parser.add_argument("--control", required=True, choices=["sft", "rl-fresh", "direction", "few-games"])
     parser.add_argument("--rl-model", help="direction: a model the recipe trained from --warm-start (its output_dir).")
     parser.add_argument("--data-dir", default="data/alfworld", help="The recipe's data_dir (its games).")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
@@ -171,6 +184,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch-size", type=int, default=4, help="sft: expert episodes a step.")
     parser.add_argument("--fresh-games", type=int, default=200, help="rl-fresh: games to generate.")
     parser.add_argument("--fresh-seed", type=int, default=1, help="rl-fresh: generator seed (the recipe's is 0).")
+    parser.add_argument("--games", type=int, default=8, help="few-games: the first train games RL plays.")
+    parser.add_argument("--sampled-episodes", type=int, default=8, help="few-games: sampled episodes a game.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", default="outputs/alfworld_rl_controls")
     options = parser.parse_args(argv)
@@ -201,13 +216,46 @@ def main(argv=None) -> dict:
     system_prompt = recipe.system_prompt_of(script_args.prompt_style)
     eval_tasks = list(recipe.load_tasks(script_args, "valid_seen", system_prompt, alfworld_tasks))
 
-    def greedy_successes(model, tasks=eval_tasks) -> int:
+    def greedy_successes(model, tasks=eval_tasks, **generate_kwargs) -> int:
         result = evaluate_policy(
             model, tokenizer, tasks, env_pool,
             max_turns=training_args.max_turns, max_completion_length=training_args.max_completion_length,
             max_tokens_per_turn=training_args.max_tokens_per_turn, workers=training_args.env_workers,
+            **generate_kwargs,
         )  # fmt: skip
         return result.successes
+
+    def sampled_successes(model, tasks) -> int:
+        import torch
+
+        torch.manual_seed(options.seed)  # the same draws before and after RL
+        return greedy_successes(
+            model, tasks * options.sampled_episodes, do_sample=True, temperature=training_args.temperature,
+            top_k=training_args.top_k, top_p=training_args.top_p, min_p=training_args.min_p,
+        )  # fmt: skip
+
+    if options.control == "few-games":
+        train_tasks = recipe.load_tasks(script_args, script_args.train_split, system_prompt, alfworld_tasks)
+        games = train_tasks.select(range(min(options.games, len(train_tasks))))
+        rows = list(games)
+        try:
+            warm = AutoModelForCausalLM.from_pretrained(options.warm_start)
+            before = (greedy_successes(warm, rows), sampled_successes(warm, rows), greedy_successes(warm))
+            model, curve = rl_on(recipe_args, options.warm_start, tokenizer, env_pool, games, options, work)
+            after = (greedy_successes(model, rows), sampled_successes(model, rows), greedy_successes(model))
+        finally:
+            env_pool.close()
+        _print_machine()
+        print("train success per RL step:", " ".join(f"{x:.2f}" for x in curve))
+        n, k = len(rows), options.sampled_episodes
+        print(f"control few-games, lr {options.learning_rate:g}, {options.steps} steps on {n} train games "
+              f"({(time.time() - started) / 60:.1f} min), before -> after:")  # fmt: skip
+        print(f"  those games, greedy: {before[0]}/{n} -> {after[0]}/{n}")
+        print(
+            f"  those games, sampled T={training_args.temperature:g} x{k}: {before[1]}/{n * k} -> {after[1]}/{n * k}"
+        )
+        print(f"  valid_seen, greedy: {before[2]}/{len(eval_tasks)} -> {after[2]}/{len(eval_tasks)}")
+        return {"games": n, "before": before, "after": after, "train_success": curve}
 
     if options.control == "direction":
         train_tasks = recipe.load_tasks(script_args, script_args.train_split, system_prompt, alfworld_tasks)
