@@ -22,13 +22,15 @@ the GRPO settings are the recipe's default YAML, with `--data-dir` holding the r
   the recipe trained from this warm start) minus the warm start, it plays the warm start plus `delta` (the RL model),
   minus `delta` (the update reversed) and plus `delta` with every element's sign drawn at random (the same size, no
   direction). An update that follows the reward does better forward than reversed.
-* `few-games`: the recipe's ExReplay GRPO on only the first `--games` train games, many episodes each: can RL raise
-  the success of the games it plays when it plays each of them often (and what does that do to `valid_seen`)?
+* `few-games`: the recipe's ExReplay GRPO on only `--games` train games drawn at random (`--seed`), many episodes
+  each: can RL raise the success of the games it plays when it plays each of them often (and what does that do to
+  `valid_seen`)?
 
 `sft` and `rl-fresh` print greedy `valid_seen` success before and after, and the train success of each RL step;
 `direction` prints greedy success on `valid_seen` and on as many train games (the games RL plays) for each model;
-`few-games` prints greedy and sampled (`--sampled-episodes` a game, the recipe's temperature) success on its games
-and greedy `valid_seen` success, before and after.
+`few-games` prints the names of its games, the train success of each RL step, greedy and sampled
+(`--sampled-episodes` a game, the recipe's temperature) success on its games and greedy `valid_seen` success, before
+and after.
 """
 
 from __future__ import annotations
@@ -179,18 +181,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--control", required=True, choices=["sft", "rl-fresh", "direction", "few-games"])
     parser.add_argument("--rl-model", help="direction: a model the recipe trained from --warm-start (its output_dir).")
     parser.add_argument("--data-dir", default="data/alfworld", help="The recipe's data_dir (its games).")
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--learning-rate", type=float, default=1e-4, help="sft, rl-fresh, few-games: step size.")
+    parser.add_argument("--steps", type=int, default=16, help="sft, rl-fresh, few-games: optimizer steps.")
     parser.add_argument("--batch-size", type=int, default=4, help="sft: expert episodes a step.")
     parser.add_argument("--fresh-games", type=int, default=200, help="rl-fresh: games to generate.")
     parser.add_argument("--fresh-seed", type=int, default=1, help="rl-fresh: generator seed (the recipe's is 0).")
-    parser.add_argument("--games", type=int, default=8, help="few-games: the first train games RL plays.")
+    parser.add_argument("--games", type=int, default=8, help="few-games: train games RL plays (drawn by --seed).")
     parser.add_argument("--sampled-episodes", type=int, default=8, help="few-games: sampled episodes a game.")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="Training seed; few-games: also its games and draws.")
     parser.add_argument("--work", default="outputs/alfworld_rl_controls")
     options = parser.parse_args(argv)
     if (options.control == "direction") != (options.rl_model is not None):
         parser.error("--rl-model is required by --control direction, and used by no other control")
+    if options.games < 1 or options.sampled_episodes < 0:
+        parser.error("--games must be at least 1 and --sampled-episodes at least 0")
 
     from transformers import AutoModelForCausalLM
 
@@ -216,7 +220,7 @@ def main(argv=None) -> dict:
     system_prompt = recipe.system_prompt_of(script_args.prompt_style)
     eval_tasks = list(recipe.load_tasks(script_args, "valid_seen", system_prompt, alfworld_tasks))
 
-    def greedy_successes(model, tasks=eval_tasks, **generate_kwargs) -> int:
+    def successes(model, tasks=eval_tasks, **generate_kwargs) -> int:
         result = evaluate_policy(
             model, tokenizer, tasks, env_pool,
             max_turns=training_args.max_turns, max_completion_length=training_args.max_completion_length,
@@ -229,20 +233,21 @@ def main(argv=None) -> dict:
         import torch
 
         torch.manual_seed(options.seed)  # the same draws before and after RL
-        return greedy_successes(
+        return successes(
             model, tasks * options.sampled_episodes, do_sample=True, temperature=training_args.temperature,
             top_k=training_args.top_k, top_p=training_args.top_p, min_p=training_args.min_p,
         )  # fmt: skip
 
     if options.control == "few-games":
         train_tasks = recipe.load_tasks(script_args, script_args.train_split, system_prompt, alfworld_tasks)
-        games = train_tasks.select(range(min(options.games, len(train_tasks))))
+        games = train_tasks.shuffle(seed=options.seed).select(range(min(options.games, len(train_tasks))))
         rows = list(games)
+        print("few-games control:", ", ".join(sorted("/".join(r["game_file"].split(os.sep)[-3:-1]) for r in rows)))
         try:
             warm = AutoModelForCausalLM.from_pretrained(options.warm_start)
-            before = (greedy_successes(warm, rows), sampled_successes(warm, rows), greedy_successes(warm))
+            before = (successes(warm, rows), sampled_successes(warm, rows), successes(warm))
             model, curve = rl_on(recipe_args, options.warm_start, tokenizer, env_pool, games, options, work)
-            after = (greedy_successes(model, rows), sampled_successes(model, rows), greedy_successes(model))
+            after = (successes(model, rows), sampled_successes(model, rows), successes(model))
         finally:
             env_pool.close()
         _print_machine()
@@ -262,7 +267,7 @@ def main(argv=None) -> dict:
         train_tasks = list(train_tasks)[: len(eval_tasks)]
         try:
             table = {
-                name: (greedy_successes(model), greedy_successes(model, train_tasks))
+                name: (successes(model), successes(model, train_tasks))
                 for name, model in directions(options.warm_start, options.rl_model, options.seed).items()
             }
         finally:
@@ -275,14 +280,14 @@ def main(argv=None) -> dict:
         return {"models": table, "games": {"valid_seen": len(eval_tasks), "train": len(train_tasks)}}
 
     try:
-        before = greedy_successes(AutoModelForCausalLM.from_pretrained(options.warm_start))
+        before = successes(AutoModelForCausalLM.from_pretrained(options.warm_start))
         if options.control == "sft":
             model, curve = sft_update(recipe, recipe_args, options.warm_start, tokenizer, env_kwargs, options, work)
         else:
             model, curve = rl_on_fresh_games(
                 recipe, recipe_args, options.warm_start, tokenizer, env_pool, options, work
             )
-        after = greedy_successes(model)
+        after = successes(model)
     finally:
         env_pool.close()
     _print_machine()
