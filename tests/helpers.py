@@ -1,10 +1,27 @@
-"""Shared builders for the trainer tests: a tiny model, the say-the-word task and a trainer around them."""
+"""Shared builders for the trainer tests: a tiny model, the say-the-word task and a trainer around them; and the
+loader of the repository's scripts (recipes, benchmarks), which are files, not modules of the package."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import sys
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(path: str, name: str):
+    """The script at `path` (relative to the repository) imported as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPOSITORY, path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
 
 TRAINER_DEFAULTS = dict(
     use_cpu=True,

@@ -1,24 +1,18 @@
 """The direction control of `benchmarks/alfworld_rl_controls.py`: the models it plays are the warm start moved by
 exactly the RL update, its reverse, and the update with random signs."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from helpers import load_script
 
 from trl_exreplay.tiny import save_tiny_model
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "alfworld_rl_controls.py")
 WORDS = ["go", "to", "desk", "take", "book", "from", "put", "in/on", "shelf", "1", "2"]
 
 
 @pytest.fixture(scope="module")
 def controls():
-    spec = importlib.util.spec_from_file_location("alfworld_rl_controls", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/alfworld_rl_controls.py", "alfworld_rl_controls")
 
 
 def test_direction_models_are_the_warm_start_moved_by_the_update(controls, tmp_path):

@@ -4,7 +4,6 @@ tiny model warm-started by SFTTrainer, ExReplay GRPO, greedy evaluation before a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -13,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "alfworld.py"
@@ -30,11 +30,7 @@ SMALL = [
 
 
 def load_recipe():
-    spec = importlib.util.spec_from_file_location("alfworld_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipes/alfworld.py", "alfworld_recipe")
 
 
 @pytest.fixture(scope="module")
