@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launching import accelerate_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "replay_multiprocess.py"
 
 
-def launch(config: str, out_dir: Path, *script_args: str, timeout: int = 600) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, str(SCRIPT), str(out_dir)]
-    command += list(script_args)
-    try:
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as error:  # a hang (e.g. a collective mismatch) fails the test, bounded
-        pytest.fail(f"{config}: no exit within {timeout}s\n{error.stdout}\n{error.stderr}")
-    assert result.returncode == 0, f"{config} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+def launch(config: str, out_dir: Path, *script_args: str) -> list[dict]:
+    accelerate_launch(config, SCRIPT, out_dir, *script_args)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -49,7 +40,7 @@ def test_ddp_two_processes_rank_identical_pools(tmp_path):
 
 @pytest.mark.slow
 def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
-    ranks = launch("recipes/accelerate/zero3_cpu.yaml", tmp_path, timeout=900)
+    ranks = launch("recipes/accelerate/zero3_cpu.yaml", tmp_path)
     check_rank_identical_replay(ranks)
     assert (tmp_path / "run" / "checkpoint-3" / "exreplay_pool" / "state.json").exists()
 
@@ -60,7 +51,7 @@ def test_multi_turn_lockstep_with_a_rank_that_plays_no_episode(tmp_path, config)
     """One group of 4 rows over 2 ranks, k=2: on replay steps rank 1 has no fresh row and plays no episode while rank 0
     plays two multi-turn episodes. Under ZeRO-3 (parameters really partitioned) a collective mismatch would hang: the
     launch is bounded and fails instead."""
-    rank0, rank1 = launch(f"recipes/accelerate/{config}.yaml", tmp_path, "multi-turn", timeout=900)
+    rank0, rank1 = launch(f"recipes/accelerate/{config}.yaml", tmp_path, "multi-turn")
     assert rank0["pool_hash"] == rank1["pool_hash"]
     assert rank0["plans"] == rank1["plans"] and rank0["losses"] == rank1["losses"]
     replay_steps = [i for i, tasks in enumerate(rank0["replay_tasks"]) if tasks > 0]

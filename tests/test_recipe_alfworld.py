@@ -5,14 +5,13 @@ tiny model warm-started by SFTTrainer, ExReplay GRPO, greedy evaluation before a
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from helpers import load_script
+from launching import accelerate_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "alfworld.py"
@@ -232,16 +231,8 @@ def test_recipe_lora_with_trackio_and_a_merged_upload(data_dir, tmp_path, monkey
     assert len([entry for entry in logs if "train/env/success_rate" in entry]) == 2
 
 
-def launch(config: str, data_dir: Path, output_dir: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, str(RECIPE), *SMALL]
-    command += ["--data_dir", str(data_dir), "--output_dir", str(output_dir)]
-    try:
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"{config}: no exit within {timeout}s\n{error.stdout}\n{error.stderr}")
-    assert result.returncode == 0, f"{config} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result
+def launch(config: str, data_dir: Path, output_dir: Path) -> subprocess.CompletedProcess:
+    return accelerate_launch(config, RECIPE, *SMALL, "--data_dir", data_dir, "--output_dir", output_dir)
 
 
 @pytest.mark.slow

@@ -1,0 +1,101 @@
+"""`accelerate launch` from a test, bounded: the launch has a time limit below pytest's, so a hang fails the test with
+every rank's Python stack, and leaves no rank or compiler running.
+
+DeepSpeed JIT-builds an op on its first launch and guards the build with a lock file that only the builder removes. A
+builder killed midway leaves the lock, and every later DeepSpeed launch sharing that build directory waits on it for
+ever (DDP launches are unaffected). The launches here build into a directory of their own, made once per test session,
+so a lock left by another run cannot hang them, and one left by a launch killed here is removed with it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+DEFAULT_TIMEOUT = 480  # below pytest-timeout's 600 s, so the launch's own output reaches the report
+STACK_DUMP_GRACE = 10  # seconds for the ranks to print their stacks after SIGABRT, and for the kill to land
+
+_extensions_dir: Path | None = None
+
+
+def extensions_dir() -> Path:
+    global _extensions_dir
+    if _extensions_dir is None:
+        _extensions_dir = Path(tempfile.mkdtemp(prefix="exreplay-tests-torch-extensions-"))
+        atexit.register(shutil.rmtree, _extensions_dir, True)
+    return _extensions_dir
+
+
+def launch_environment() -> dict[str, str]:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "DS_ACCELERATOR": "cpu",
+        "TORCH_EXTENSIONS_DIR": str(extensions_dir()),
+        "PYTHONFAULTHANDLER": "1",  # SIGABRT makes every Python process print its threads' stacks
+    }
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Ask every process under the launcher for its stacks, then kill them all. torch's launcher starts each rank in
+    a session of its own, so the ranks are found as its descendants, not by process group."""
+    try:
+        launcher = psutil.Process(process.pid)
+        ranks = launcher.children(recursive=True)
+    except psutil.NoSuchProcess:
+        launcher, ranks = None, []
+    for rank in ranks:  # compilers, if any, go too
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.send_signal(signal.SIGABRT)
+    psutil.wait_procs(ranks, timeout=STACK_DUMP_GRACE)
+    everyone = list(ranks)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        if launcher is not None:
+            everyone += [launcher, *launcher.children(recursive=True)]
+    for leftover in everyone:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            leftover.kill()
+    psutil.wait_procs(everyone, timeout=STACK_DUMP_GRACE)
+    for lock in extensions_dir().glob("*/lock"):  # its builder, if any, was among those just killed
+        lock.unlink()
+
+
+def accelerate_launch(
+    config: str, script: str | Path, *script_args: str, timeout: int = DEFAULT_TIMEOUT
+) -> subprocess.CompletedProcess:
+    """Runs `accelerate launch --config_file config script *script_args` in the repository; fails the test when it
+    does not exit within `timeout` seconds or exits non-zero, with the tail of its output."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, str(script)]
+    command += [str(arg) for arg in script_args]
+    process = subprocess.Popen(
+        command,
+        cwd=REPOSITORY,
+        env=launch_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(process)
+        stdout, stderr = process.communicate(timeout=STACK_DUMP_GRACE)
+        pytest.fail(f"{config}: no exit within {timeout}s; stacks at the kill:\n{stdout[-3000:]}\n{stderr[-12000:]}")
+    finally:
+        if process.poll() is None:  # pytest-timeout or Ctrl-C interrupted the wait
+            _stop(process)
+    if process.returncode != 0:
+        pytest.fail(f"{config} exited with {process.returncode}:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
