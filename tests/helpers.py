@@ -4,19 +4,19 @@ loader of the repository's scripts (recipes, benchmarks), which are files, not m
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
+from pathlib import Path
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
-REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 def load_script(path: str, name: str):
     """The script at `path` (relative to the repository) imported as module `name`."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPOSITORY, path))
+    spec = importlib.util.spec_from_file_location(name, REPOSITORY / path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)

@@ -17,12 +17,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
 import pytest
+from helpers import REPOSITORY
 
-REPOSITORY = Path(__file__).resolve().parents[1]
 DEFAULT_TIMEOUT = 480  # below pytest-timeout's 600 s, so the launch's own output reaches the report
 STACK_DUMP_GRACE = 10  # seconds for the ranks to print their stacks after SIGABRT, and for the kill to land
 
@@ -48,27 +49,46 @@ def launch_environment() -> dict[str, str]:
     }
 
 
+def finished(proc: psutil.Process) -> bool:
+    """Exited: gone, or a zombie (its parent has not reaped it yet)."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_finished(procs: list[psutil.Process], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(finished(proc) for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _stop(process: subprocess.Popen) -> None:
-    """Ask every process under the launcher for its stacks, then kill them all. torch's launcher starts each rank in
-    a session of its own, so the ranks are found as its descendants, not by process group."""
+    """Ask every process under the launcher for its stack, then end them all. torch's launcher starts each rank in a
+    session of its own, so the ranks are found as its descendants, not by process group."""
     try:
         launcher = psutil.Process(process.pid)
+        launcher.suspend()  # else, once one rank aborts, it stops the others before they print their stacks
         ranks = launcher.children(recursive=True)
     except psutil.NoSuchProcess:
         launcher, ranks = None, []
-    for rank in ranks:  # compilers, if any, go too
+    for rank in ranks:  # one at a time, so that their stacks do not interleave; compilers, if any, go too
         with contextlib.suppress(psutil.NoSuchProcess):
             rank.send_signal(signal.SIGABRT)
-    psutil.wait_procs(ranks, timeout=STACK_DUMP_GRACE)
-    everyone = list(ranks)
-    with contextlib.suppress(psutil.NoSuchProcess):
-        if launcher is not None:
-            everyone += [launcher, *launcher.children(recursive=True)]
-    for leftover in everyone:
+        _wait_finished([rank], STACK_DUMP_GRACE)
+    for leftover in ranks:
         with contextlib.suppress(psutil.NoSuchProcess):
             leftover.kill()
-    psutil.wait_procs(everyone, timeout=STACK_DUMP_GRACE)
-    for lock in extensions_dir().glob("*/lock"):  # its builder, if any, was among those just killed
+    _wait_finished(ranks, STACK_DUMP_GRACE)
+    if launcher is not None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            launcher.resume()  # it reaps its ranks and reports their failure
+    try:
+        process.wait(timeout=STACK_DUMP_GRACE)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    for lock in extensions_dir().glob("*/lock"):  # its builder, if any, was among those just ended
         lock.unlink()
 
 
@@ -92,7 +112,7 @@ def accelerate_launch(
     except subprocess.TimeoutExpired:
         _stop(process)
         stdout, stderr = process.communicate(timeout=STACK_DUMP_GRACE)
-        pytest.fail(f"{config}: no exit within {timeout}s; stacks at the kill:\n{stdout[-3000:]}\n{stderr[-12000:]}")
+        pytest.fail(f"{config}: no exit within {timeout}s; stacks at the kill:\n{stdout[-3000:]}\n{stderr[-40000:]}")
     finally:
         if process.poll() is None:  # pytest-timeout or Ctrl-C interrupted the wait
             _stop(process)

@@ -17,8 +17,8 @@ def load_benchmark():
 def test_exreplay_grpo_raises_the_success_of_an_easy_game(tmp_path):
     result = load_benchmark().train_key_door(str(tmp_path / "out"))
     # Measured when this test was written (2 cores, trl 1.16.0): 0.115 before, 0.594 after (0.667 on another 2-core
-    # machine), replayed rows in 42 of 60 steps (up to 25% of a step's rows). With every advantage negated the run ends at 0.000, with each row given
-    # its neighbour's advantage at 0.104: both fail the last assertion.
+    # machine), replayed rows in 42 of 60 steps (up to 25% of a step's rows). With every advantage negated the run
+    # ends at 0.000, with each row given its neighbour's advantage at 0.104: both fail the last assertion.
     assert result["replay_steps"] >= 30  # the replay path trained too, not only plain GRPO
     assert result["before"] < 0.3
     assert result["after"] >= result["before"] + 0.3, result

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import REPOSITORY
 from launching import accelerate_launch
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "replay_multiprocess.py"
+SCRIPT = REPOSITORY / "tests" / "scripts" / "replay_multiprocess.py"
 
 
 def launch(config: str, out_dir: Path, *script_args: str) -> list[dict]:

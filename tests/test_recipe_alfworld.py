@@ -10,11 +10,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import load_script
+from helpers import REPOSITORY, load_script
 from launching import accelerate_launch
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "alfworld.py"
+RECIPE = REPOSITORY / "recipes" / "alfworld.py"
 
 # Small but complete: 4 train games, 2 per evaluation split, 2 GRPO steps; the default config's task (a book to put
 # somewhere), so its `target_objects` keeps every game of the `data_dir` fixture.
