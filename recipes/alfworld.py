@@ -8,7 +8,8 @@ Every option is a field of `AlfWorldArguments` below, of `ExReplayGRPOConfig` or
 sets them and the command line overrides it. Games come from `data_dir` (official ALFWorld `json_2.1.1` data or
 games generated offline when missing); with no `model_name_or_path` the model is a tiny causal LM with a word-level
 tokenizer over the ALFWorld vocabulary, built locally. The warm start (SFT on the searching expert's episodes) is
-cached under `data_dir/warmstart/` and reused by later runs with the same settings.
+cached under `data_dir/warmstart/` and reused by later runs with the same settings. `--resume_from_checkpoint true`
+continues a stopped run from the newest checkpoint in `output_dir`, its experience pool included.
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         env_factory=env_pool,  # reward: the environment's (1 on a win)
         peft_config=get_peft_config(model_args),
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # with its pool
     trainer.save_model(training_args.output_dir)  # model (or adapter), tokenizer and pool
     pool_stats = trainer.pool.stats()
     del trainer  # its model and optimizer, before evaluation loads the trained model
@@ -598,7 +599,30 @@ def parse_args(argv=None):
     if not named & {"--config", "--model_name_or_path"}:
         argv = ["--config", DEFAULT_CONFIG, *argv]
     parser = TrlParser((AlfWorldArguments, ExReplayGRPOConfig, ModelConfig))
-    return parser.parse_args_and_config(argv)
+    script_args, training_args, model_args = parser.parse_args_and_config(argv)
+    training_args.resume_from_checkpoint = checkpoint_to_resume(training_args)
+    return script_args, training_args, model_args
+
+
+def checkpoint_to_resume(training_args) -> str | None:
+    """`--resume_from_checkpoint`: a checkpoint folder, or `true` for the newest `checkpoint-*` in `output_dir`.
+    Resolved before any work, so that a wrong value fails at once, not after the games and the warm start."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    value = training_args.resume_from_checkpoint
+    if value is None or str(value).lower() in ("", "false"):
+        return None
+    if str(value).lower() == "true":
+        last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+        if last is None:
+            raise ValueError(f"Invalid value {value!r} for `resume_from_checkpoint`: `output_dir` "
+                             f"{training_args.output_dir!r} holds no checkpoint-* folder to resume from.")  # fmt: skip
+        return last
+    if not os.path.isfile(os.path.join(value, "trainer_state.json")):
+        raise ValueError(f"Invalid value {value!r} for `resume_from_checkpoint`: allowed values are a checkpoint "
+                         "folder (one holding trainer_state.json), true (the newest checkpoint in `output_dir`) or "
+                         "false.")  # fmt: skip
+    return value
 
 
 if __name__ == "__main__":

@@ -62,6 +62,14 @@ def scalars(event_dir: Path) -> dict[str, list[float]]:
     return values
 
 
+def logged_steps(event_file: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(event_file))
+    accumulator.Reload()
+    return [event.step for event in accumulator.Scalars(tag)]
+
+
 class HubRecorder:
     """Stands in for the Hub's network: records what would be created and uploaded."""
 
@@ -169,6 +177,95 @@ def test_recipe_generates_games_then_reuses_them_and_the_warm_start(tmp_path, mo
         assert second["results"][split]["before"] == first["results"][split]["before"]
     (warm,) = (data / "warmstart").iterdir()  # one warm start, no temporary folders left behind
     assert (warm / "config.json").exists() and (warm / "tokenizer.json").exists()
+
+
+QWEN_CONFIG = str(REPOSITORY / "recipes" / "configs" / "alfworld_qwen2.5-1.5b.yaml")
+# What a CPU needs changed in the GPU config (precision, sizes, steps); everything else is the config's own: ReAct
+# prompts, admissible actions shown, no warm start, vLLM when installed, gradient checkpointing, checkpoints with
+# save_total_limit 2, tensorboard.
+QWEN_ON_CPU = [
+    "--bf16", "false", "--dtype", "float32", "--max_steps", "3", "--save_steps", "1",
+    "--per_device_train_batch_size", "4", "--num_generations", "2", "--gradient_accumulation_steps", "1",
+    "--max_turns", "3", "--max_tokens_per_turn", "8", "--max_completion_length", "256",
+    "--num_train_games", "4", "--num_eval_games", "2", "--max_eval_games", "2", "--env_processes", "1",
+]  # fmt: skip
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def pretrained_style_model(path: Path) -> Path:
+    """A model folder as the Hub serves one, at a size this machine trains: a Qwen2 architecture and a byte-level BPE
+    tokenizer (trained here on the ALFWorld vocabulary) with a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from trl_exreplay.envs.alfworld.warmstart import alfworld_vocabulary
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = trainers.BpeTrainer(
+        vocab_size=800, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator([" ".join(alfworld_vocabulary()), "Think: Action: "], bpe)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    )  # fmt: skip
+    import torch
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_the_gpu_config_runs_a_hub_style_model_and_resumes_from_its_checkpoint(data_dir, tmp_path, capsys):
+    """`alfworld_qwen2.5-1.5b.yaml` with `--model_name_or_path` a local model folder: the path a GPU user takes,
+    short of the GPU and the download. It keeps the last 2 checkpoints, each with its pool, and
+    `--resume_from_checkpoint true` continues from the newest one instead of starting over."""
+    import importlib.util
+
+    model = pretrained_style_model(tmp_path / "model")
+    out = tmp_path / "run"
+    recipe = load_recipe()
+    common = ["--config", QWEN_CONFIG, *QWEN_ON_CPU, "--model_name_or_path", str(model), "--data_dir", str(data_dir),
+              "--output_dir", str(out)]  # fmt: skip
+    script_args, training_args, _ = recipe.parse_args(common)
+    assert script_args.prompt_style == "react" and script_args.show_admissible and not script_args.warm_start
+    assert training_args.gradient_checkpointing and training_args.save_total_limit == 2
+
+    summary = recipe.main(script_args, training_args, _)
+    printed = capsys.readouterr().out
+    if importlib.util.find_spec("vllm") is None:
+        assert "vllm is not installed: episodes are generated with transformers" in printed
+    assert summary["base_model"] == str(model) and set(summary["results"]) == {"valid_seen", "valid_unseen"}
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    for checkpoint in ("checkpoint-2", "checkpoint-3"):
+        assert (out / checkpoint / "exreplay_pool" / "state.json").exists()
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
+    (first_events,) = out.rglob("events.out.tfevents.*")
+    assert logged_steps(first_events, "train/loss") == [1, 2, 3]
+
+    # Resume: one more step, from checkpoint-3; the new run's tensorboard file logs step 4 only.
+    resumed = recipe.parse_args([*common, "--max_steps", "4", "--resume_from_checkpoint", "true"])
+    assert resumed[1].resume_from_checkpoint == str(out / "checkpoint-3")
+    recipe.main(*resumed)
+    (new_events,) = set(out.rglob("events.out.tfevents.*")) - {first_events}
+    assert logged_steps(new_events, "train/loss") == [4]
+    assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+
+
+@pytest.mark.parametrize("value, message", [("true", "holds no checkpoint-\\* folder"), ("nowhere", "allowed values")])
+def test_a_bad_resume_from_checkpoint_is_refused_before_any_work(tmp_path, value, message):
+    with pytest.raises(ValueError, match=f"resume_from_checkpoint.*{message}"):
+        load_recipe().parse_args(["--output_dir", str(tmp_path / "empty"), "--resume_from_checkpoint", value])
 
 
 @pytest.mark.parametrize(
