@@ -46,6 +46,22 @@ def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("config", ["zero2_cpu", "zero3_cpu"])
+def test_deepspeed_resume_continues_the_run_exactly(tmp_path, config):
+    """A run resumed from its step-3 checkpoint (model, optimizer, pool, RNG) under DeepSpeed makes the same replay
+    plans, losses and pool as the run that was not stopped."""
+    config = f"recipes/accelerate/{config}.yaml"
+    whole = launch(config, tmp_path / "whole")
+    resumed = launch(config, tmp_path / "resumed", f"resume={tmp_path / 'whole' / 'run' / 'checkpoint-3'}")
+    planned_before = sum(tasks > 0 for tasks in whole[0]["replay_tasks"][:3])  # a plan is recorded per replay step
+    for rank in range(2):
+        assert resumed[rank]["plans"] == whole[rank]["plans"][planned_before:]  # steps 4-6, planned after the resume
+        assert resumed[rank]["losses"] == whole[rank]["losses"]  # 1-3 from the checkpoint's log, 4-6 trained again
+        assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
+    assert whole[0]["replay_tasks"][3:] == [3.0] * 3  # the resumed steps replay
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp_cpu", "zero2_cpu", "zero3_cpu"])
 def test_multi_turn_lockstep_with_a_rank_that_plays_no_episode(tmp_path, config):
     """One group of 4 rows over 2 ranks, k=2: on replay steps rank 1 has no fresh row and plays no episode while rank 0

@@ -1,8 +1,9 @@
 """Launched by tests/test_multiprocess.py with `accelerate launch`: train with replay active, dump what each rank saw.
 
-Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR [multi-turn]
+Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR [multi-turn] [resume=CKPT]
 Each rank writes OUT_DIR/rank{r}.json with its pool hash, the replay plans it made, losses and generated rows (and,
-multi-turn, the episodes it played per step).
+multi-turn, the episodes it played per step). With `resume=CKPT` the run resumes from that checkpoint (pool, model,
+optimizer, RNG) of an earlier run with the same settings.
 
 single-turn: 12 rows per step over 2 ranks, G=4, so group 1 spans both ranks.
 multi-turn: 4 rows per step, one group of G=4 over both ranks, k=2: once replay starts, rank 1's rows are both
@@ -24,8 +25,9 @@ from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset  # noqa:
 from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset  # noqa: E402
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
-out_dir = sys.argv[1]
-multi_turn = len(sys.argv) > 2 and sys.argv[2] == "multi-turn"
+out_dir, options = sys.argv[1], sys.argv[2:]
+multi_turn = "multi-turn" in options
+resume_from = next((option.split("=", 1)[1] for option in options if option.startswith("resume=")), None)
 plans = []
 original_plan_replay = trainer_module.plan_replay
 
@@ -101,7 +103,7 @@ else:
 trainer = CountingTrainer(
     model=build_tiny_model(tokenizer, seed=0), args=config, processing_class=tokenizer, **task_setup
 )
-trainer.train()
+trainer.train(resume_from_checkpoint=resume_from)
 
 rank = trainer.accelerator.process_index
 losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
