@@ -254,15 +254,26 @@ def test_the_gpu_config_runs_a_hub_style_model_and_resumes_from_its_checkpoint(d
     assert logged_steps(first_events, "train/loss") == [1, 2, 3]
 
     # Resume: one more step, from checkpoint-3; the new run's tensorboard file logs step 4 only.
+    (out / "checkpoint-9").mkdir()  # as a run killed while saving leaves it: no trainer_state.json
     resumed = recipe.parse_args([*common, "--max_steps", "4", "--resume_from_checkpoint", "true"])
-    assert resumed[1].resume_from_checkpoint == str(out / "checkpoint-3")
+    assert resumed[1].resume_from_checkpoint == str(out / "checkpoint-3")  # the newest complete one
+    (out / "checkpoint-9").rmdir()
     recipe.main(*resumed)
     (new_events,) = set(out.rglob("events.out.tfevents.*")) - {first_events}
     assert logged_steps(new_events, "train/loss") == [4]
     assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
 
 
-@pytest.mark.parametrize("value, message", [("true", "holds no checkpoint-\\* folder"), ("nowhere", "allowed values")])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (
+            "true",
+            "holds no complete checkpoint-\\* folder to resume from \\(this config saves none: set --save_strategy",
+        ),
+        ("nowhere", "allowed values are a checkpoint folder"),
+    ],
+)
 def test_a_bad_resume_from_checkpoint_is_refused_before_any_work(tmp_path, value, message):
     with pytest.raises(ValueError, match=f"resume_from_checkpoint.*{message}"):
         load_recipe().parse_args(["--output_dir", str(tmp_path / "empty"), "--resume_from_checkpoint", value])
