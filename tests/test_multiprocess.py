@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -49,16 +50,23 @@ def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
 @pytest.mark.parametrize("config", ["zero2_cpu", "zero3_cpu"])
 def test_deepspeed_resume_continues_the_run_exactly(tmp_path, config):
     """A run resumed from its step-3 checkpoint (model, optimizer, pool, RNG) under DeepSpeed makes the same replay
-    plans, losses and pool as the run that was not stopped."""
+    plans, losses and pool as the run that was not stopped; resumed without the checkpoint's RNG states, it does not
+    (so the comparison sees the sampling of steps 4-6, not only what the checkpoint holds)."""
     config = f"recipes/accelerate/{config}.yaml"
     whole = launch(config, tmp_path / "whole")
-    resumed = launch(config, tmp_path / "resumed", f"resume={tmp_path / 'whole' / 'run' / 'checkpoint-3'}")
-    planned_before = sum(tasks > 0 for tasks in whole[0]["replay_tasks"][:3])  # a plan is recorded per replay step
+    checkpoint = tmp_path / "whole" / "run" / "checkpoint-3"
+    resumed = launch(config, tmp_path / "resumed", f"resume={checkpoint}")
     for rank in range(2):
-        assert resumed[rank]["plans"] == whole[rank]["plans"][planned_before:]  # steps 4-6, planned after the resume
+        after = [plan for plan, step in zip(whole[rank]["plans"], whole[rank]["plan_steps"]) if step >= 3]
+        assert resumed[rank]["plan_steps"] == [3, 4, 5] and resumed[rank]["plans"] == after  # steps 4-6
         assert resumed[rank]["losses"] == whole[rank]["losses"]  # 1-3 from the checkpoint's log, 4-6 trained again
         assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
     assert whole[0]["replay_tasks"][3:] == [3.0] * 3  # the resumed steps replay
+
+    no_rng = tmp_path / "no_rng" / "checkpoint-3"
+    shutil.copytree(checkpoint, no_rng, ignore=shutil.ignore_patterns("rng_state*"))
+    unseeded = launch(config, tmp_path / "unseeded", f"resume={no_rng}")
+    assert [rank["losses"][3:] for rank in unseeded] != [rank["losses"][3:] for rank in whole]
 
 
 @pytest.mark.slow

@@ -28,13 +28,14 @@ from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E4
 out_dir, options = sys.argv[1], sys.argv[2:]
 multi_turn = "multi-turn" in options
 resume_from = next((option.split("=", 1)[1] for option in options if option.startswith("resume=")), None)
-plans = []
+plans, plan_steps = [], []
 original_plan_replay = trainer_module.plan_replay
 
 
 def recording_plan_replay(*args, **kwargs):
     plan = original_plan_replay(*args, **kwargs)
     plans.append({str(group): task for group, task in plan.replay_groups.items()})
+    plan_steps.append(kwargs["seed"][1])  # the global step it was drawn for: [seed, step, micro-step]
     return plan
 
 
@@ -116,6 +117,7 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             "pool_hash": trainer.pool.content_hash(),
             "pool_trajectories": trainer.pool.num_trajectories,
             "plans": plans,
+            "plan_steps": plan_steps,
             "losses": losses,
             "replay_tasks": replay_tasks,
             "generated_rows": generated_rows,
