@@ -90,6 +90,13 @@ class AlfWorldArguments:
     restate_goal: bool = field(
         default=False, metadata={"help": "Start every observation after the first with the task (helps small models)."}
     )
+    invalid_action_penalty: float = field(
+        default=0.0,
+        metadata={
+            "help": "Subtracted from the reward for each action the engine refuses ('Nothing happens.'); a won "
+            "episode must still reach `success_threshold`, so set that to at most 1 - max_turns * penalty."
+        },
+    )
     prompt_style: str = field(
         default="plain",
         metadata={"help": "System prompt: 'plain' (answer with an action), 'react' (Think:/Action:) or 'none'."},
@@ -132,6 +139,9 @@ class AlfWorldArguments:
         if self.eval_temperature is not None and not self.eval_temperature > 0:
             raise ValueError(f"Invalid value {self.eval_temperature} for `eval_temperature`: allowed values are "
                              "positive numbers, or None for the training `temperature`.")  # fmt: skip
+        if not 0.0 <= self.invalid_action_penalty < float("inf"):
+            raise ValueError(f"Invalid value {self.invalid_action_penalty} for `invalid_action_penalty`: allowed "
+                             "values are finite numbers >= 0.")  # fmt: skip
         if self.prompt_style not in PROMPT_STYLES:
             raise ValueError(f"Invalid value {self.prompt_style!r} for `prompt_style`: allowed values are "
                              f"{', '.join(map(repr, PROMPT_STYLES))}.")  # fmt: skip
@@ -230,6 +240,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
                         step_timeout=training_args.env_step_timeout,
                         workers=training_args.env_workers,
                         chat_template_kwargs=training_args.chat_template_kwargs,
+                        success_threshold=training_args.success_threshold,
                         progress=state.is_main_process,
                         desc=f"eval {when} RL: {name}",
                         **generate_kwargs,
@@ -317,6 +328,7 @@ def env_options(script_args: AlfWorldArguments, training_args) -> dict:
         "max_steps": training_args.max_turns,
         "show_admissible": script_args.show_admissible,
         "restate_goal": script_args.restate_goal,
+        "invalid_action_penalty": script_args.invalid_action_penalty,
     }
 
 
@@ -394,7 +406,7 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
         "tokenizer": [sorted(tokenizer.get_vocab().items()), tokenizer.chat_template],
         "games": sorted(train_tasks["game_file"]),
         "system_prompt": train_tasks[0]["system_prompt"] if len(train_tasks) else None,
-        "env": env_kwargs,
+        "env": {k: v for k, v in env_kwargs.items() if k != "invalid_action_penalty"},  # rewards only: not SFT's
         "limits": [training_args.max_turns, training_args.max_completion_length, training_args.max_tokens_per_turn],
         "sft": [
             script_args.warm_start_epochs,
@@ -601,6 +613,12 @@ def parse_args(argv=None):
     parser = TrlParser((AlfWorldArguments, ExReplayGRPOConfig, ModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(argv)
     training_args.resume_from_checkpoint = checkpoint_to_resume(training_args)
+    lowest_win = 1.0 - training_args.max_turns * script_args.invalid_action_penalty
+    if script_args.invalid_action_penalty and not 0.0 < training_args.success_threshold <= lowest_win:
+        raise ValueError(f"Invalid value {training_args.success_threshold} for `success_threshold` with "
+                         f"invalid_action_penalty={script_args.invalid_action_penalty} and max_turns="
+                         f"{training_args.max_turns}: a won episode's reward can be as low as {lowest_win:g} and a "
+                         f"lost one's is at most 0, so allowed values are in (0, {lowest_win:g}].")  # fmt: skip
     return script_args, training_args, model_args
 
 

@@ -97,6 +97,22 @@ def test_max_steps_ends_the_episode(games):
     env.close()
 
 
+def test_invalid_action_penalty_is_taken_off_refused_steps_only(games):
+    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+
+    row = alfworld_tasks(str(games))[0]
+    walkthrough = json.loads(open(row["game_file"]).read())["walkthrough"]
+    env = AlfWorldEnv(max_steps=50, show_admissible=False, invalid_action_penalty=0.25)
+    env.reset(row)
+    rewards = [env.step(command)[1] for command in ["fly to the moon", walkthrough[0], "fly to the moon"]]
+    rewards += [env.step(command)[1] for command in walkthrough[1:]]
+    assert rewards == [-0.25, 0.0, -0.25] + [0.0] * (len(walkthrough) - 2) + [1.0]
+    env.close()
+    for bad in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="invalid_action_penalty.*allowed values are finite numbers >= 0"):
+            AlfWorldEnv(invalid_action_penalty=bad)
+
+
 def test_evaluation_walkthrough_scores_100_and_random_is_a_seeded_baseline(games):
     from trl_exreplay.envs.alfworld import evaluate, random_agent
     from trl_exreplay.envs.alfworld.generate import alfworld_version

@@ -130,9 +130,13 @@ class AlfWorldEnv:
         game_cache: games whose parsed form (PDDL->SAS translation) is kept in this process, shared by its engines;
             a cached game resets several times faster (`benchmarks/alfworld_env_throughput.py`). The process keeps
             the largest size any engine asked for, so 0 only means this engine asks for none.
+        invalid_action_penalty: subtracted from the step's reward when the engine refuses the action (agent-RL
+            codebases such as verl-agent penalise invalid actions too). Episodes that all fail then still differ in
+            reward, so their GRPO group gives a gradient; a won episode's reward is at most `max_steps *
+            invalid_action_penalty` below 1.
 
-    The reward is 1 on a win, else 0. An action the engine cannot apply gets "Nothing happens." and
-    `info["invalid_action"] = True`; `info["feedback"]` is the engine's text of the step (without the prompt).
+    The reward is 1 on a win, else 0, less `invalid_action_penalty` per refused action. An action the engine cannot
+    apply gets "Nothing happens." and `info["invalid_action"] = True`; `info["feedback"]` is the engine's text of the step (without the prompt).
     Resetting the game already loaded skips the load. The engine comes from the process's free engines and `close()`
     gives it back (engines are costly to make and never unloaded; see `engine.acquire_env`).
     """
@@ -144,10 +148,15 @@ class AlfWorldEnv:
         history_length: int = 0,
         game_cache: int = 64,
         restate_goal: bool = False,
+        invalid_action_penalty: float = 0.0,
     ):
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}.")
+        if not 0.0 <= invalid_action_penalty < float("inf"):
+            raise ValueError(f"Invalid value {invalid_action_penalty} for `invalid_action_penalty`: allowed values "
+                             "are finite numbers >= 0.")  # fmt: skip
         self.max_steps = max_steps
+        self.invalid_action_penalty = invalid_action_penalty
         self.prompt = AlfWorldPrompt(show_admissible, history_length, restate_goal)
         self.game_cache = game_cache
         self._env = None
@@ -196,9 +205,10 @@ class AlfWorldEnv:
         feedback = state.feedback.strip()
         self.history.append((command, feedback))
         done = bool(done) or won or self.steps >= self.max_steps
-        info = {"invalid_action": feedback == NOTHING_HAPPENS, "won": won, "command": command, "feedback": feedback}
+        invalid = feedback == NOTHING_HAPPENS
+        info = {"invalid_action": invalid, "won": won, "command": command, "feedback": feedback}
         observation = self.prompt.turn(feedback, self.admissible_actions(), self.goal, self.history)
-        return observation, float(won), done, info
+        return observation, float(won) - self.invalid_action_penalty * invalid, done, info
 
     def admissible_actions(self) -> list[str]:
         return list(self._state["admissible_commands"]) if self._state is not None else []
