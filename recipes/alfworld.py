@@ -617,7 +617,7 @@ def parse_args(argv=None):
     if script_args.invalid_action_penalty and not 0.0 < training_args.success_threshold <= lowest_win:
         raise ValueError(f"Invalid value {training_args.success_threshold} for `success_threshold` with "
                          f"invalid_action_penalty={script_args.invalid_action_penalty} and max_turns="
-                         f"{training_args.max_turns}: a won episode's reward can be as low as {lowest_win:g} and a "
+                         f"{training_args.max_turns}: a won episode's reward stays above {lowest_win:g} and a "
                          f"lost one's is at most 0, so allowed values are in (0, {lowest_win:g}].")  # fmt: skip
     return script_args, training_args, model_args
 

@@ -290,7 +290,7 @@ def test_a_bad_sampled_evaluation_setting_is_refused(option, value):
 def test_an_invalid_action_penalty_needs_a_success_threshold_every_win_reaches():
     recipe = load_recipe()
     penalised = ["--output_dir", "unused", "--invalid_action_penalty", "0.02", "--max_turns", "15"]
-    with pytest.raises(ValueError, match=r"success_threshold.*as low as 0.7.*allowed values are in \(0, 0.7\]"):
+    with pytest.raises(ValueError, match=r"success_threshold.*stays above 0.7.*allowed values are in \(0, 0.7\]"):
         recipe.parse_args(penalised)  # the default threshold, 1.0, would count a win with a refused action as lost
     script_args, training_args, _ = recipe.parse_args([*penalised, "--success_threshold", "0.5"])
     assert recipe.env_options(script_args, training_args)["invalid_action_penalty"] == 0.02
