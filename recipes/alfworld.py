@@ -162,6 +162,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES  # imported once by the fork server
     from trl_exreplay.evaluation import evaluate_policy
 
+    check_reward_settings(script_args, training_args)  # also when main() is called without parse_args()
     state = PartialState()
     log = print if state.is_main_process else (lambda *a, **k: None)
     started = time.time()
@@ -263,7 +264,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         args=training_args,
         processing_class=tokenizer,
         train_dataset=train_tasks,
-        env_factory=env_pool,  # reward: the environment's (1 on a win)
+        env_factory=env_pool,  # reward: the environment's (1 on a win, less invalid_action_penalty)
         peft_config=get_peft_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # with its pool
@@ -280,6 +281,8 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     summary = {
         "base_model": base_model or "tiny (built locally)",
         "results": results,
+        "success_threshold": training_args.success_threshold,
+        "invalid_action_penalty": script_args.invalid_action_penalty,
         "pool": pool_stats,
         "minutes": (time.time() - started) / 60,
         "output_dir": training_args.output_dir,
@@ -613,13 +616,25 @@ def parse_args(argv=None):
     parser = TrlParser((AlfWorldArguments, ExReplayGRPOConfig, ModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(argv)
     training_args.resume_from_checkpoint = checkpoint_to_resume(training_args)
-    lowest_win = 1.0 - training_args.max_turns * script_args.invalid_action_penalty
-    if script_args.invalid_action_penalty and not 0.0 < training_args.success_threshold <= lowest_win:
-        raise ValueError(f"Invalid value {training_args.success_threshold} for `success_threshold` with "
-                         f"invalid_action_penalty={script_args.invalid_action_penalty} and max_turns="
-                         f"{training_args.max_turns}: a won episode's reward stays above {lowest_win:g} and a "
-                         f"lost one's is at most 0, so allowed values are in (0, {lowest_win:g}].")  # fmt: skip
+    check_reward_settings(script_args, training_args)
     return script_args, training_args, model_args
+
+
+def check_reward_settings(script_args: AlfWorldArguments, training_args) -> None:
+    """With `invalid_action_penalty` P a won episode's reward stays above 1 - max_turns * P and a lost one's is at most
+    0: `success_threshold`, what counts as a win for the pool, the metrics and the evaluation, must lie between."""
+    penalty, max_turns = script_args.invalid_action_penalty, training_args.max_turns
+    if not penalty:
+        return
+    if penalty * max_turns >= 1:
+        raise ValueError(f"Invalid value {penalty} for `invalid_action_penalty` with max_turns={max_turns}: a won "
+                         f"episode's reward could fall to 0 or below; allowed values are in [0, {1 / max_turns:g}).")  # fmt: skip
+    lowest_win = 1.0 - max_turns * penalty
+    if not 0.0 < training_args.success_threshold <= lowest_win:
+        raise ValueError(f"Invalid value {training_args.success_threshold} for `success_threshold` with "
+                         f"invalid_action_penalty={penalty} and max_turns={max_turns}: a won episode's reward stays "
+                         f"above {lowest_win:g} and a lost one's is at most 0, so allowed values are in (0, "
+                         f"{lowest_win:g}].")  # fmt: skip
 
 
 def checkpoint_to_resume(training_args) -> str | None:

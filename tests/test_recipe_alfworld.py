@@ -296,6 +296,15 @@ def test_an_invalid_action_penalty_needs_a_success_threshold_every_win_reaches()
     assert recipe.env_options(script_args, training_args)["invalid_action_penalty"] == 0.02
     with pytest.raises(ValueError, match="invalid_action_penalty.*allowed values are finite numbers >= 0"):
         recipe.parse_args(["--output_dir", "unused", "--invalid_action_penalty", "-1"])
+    with pytest.raises(ValueError, match=r"invalid_action_penalty.*max_turns=50.*allowed values are in \[0, 0.02\)"):
+        recipe.parse_args(["--output_dir", "unused", "--invalid_action_penalty", "0.02", "--max_turns", "50"])
+    assert recipe.parse_args([*penalised, "--success_threshold", "0.7"])[1].success_threshold == 0.7  # the bound
+    with pytest.raises(ValueError, match="success_threshold"):
+        recipe.parse_args([*penalised, "--success_threshold", "0"])
+    script_args, training_args, model_args = recipe.parse_args(penalised[:2])  # no penalty: the default threshold
+    training_args.success_threshold, script_args.invalid_action_penalty = 1.0, 0.02  # set after parsing
+    with pytest.raises(ValueError, match="success_threshold"):  # main() checks before any work
+        recipe.main(script_args, training_args, model_args)
 
 
 def test_default_config_only_without_a_config_or_a_model():

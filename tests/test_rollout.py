@@ -381,6 +381,19 @@ def test_reset_timeout(tok, release):
     assert engine.errors == Counter({"timeout": 1})
 
 
+def test_a_fault_keeps_the_penalties_the_episode_took(tok):
+    """With step penalties (ALFWorld's invalid_action_penalty), an episode that then fails scores no better than one
+    that lost honestly with the same penalties: a fault voids gains, never losses."""
+    engine = engine_for(tok, Factory())
+    penalised = {
+        "task_id": "bad",
+        "observation": "you see a key",
+        "steps": [("you see a key", -0.25, False, {}), RAISE],
+    }
+    (bad,) = engine.run([penalised], ScriptedGenerate(tok, ["take the key <eos>"] * 2))
+    assert bad.error == "step_error" and bad.reward == -0.25
+
+
 def test_step_error_ends_only_its_episode(tok):
     factory = Factory()
     engine = engine_for(tok, factory)

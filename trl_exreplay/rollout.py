@@ -209,7 +209,8 @@ class MultiTurnRollout:
             return None, error
 
     def _fault(self, episode: Episode, env, kind: str, error: BaseException) -> None:
-        episode.error, episode.finished, episode.reward = kind, True, 0.0
+        # A fault voids what the episode earned but keeps its penalties: it must never score above an honest loss.
+        episode.error, episode.finished, episode.reward = kind, True, min(episode.reward, 0.0)
         self.errors[kind] += 1
         if kind not in self._warned:
             self._warned.add(kind)
