@@ -139,9 +139,9 @@ class AlfWorldArguments:
         if self.eval_temperature is not None and not self.eval_temperature > 0:
             raise ValueError(f"Invalid value {self.eval_temperature} for `eval_temperature`: allowed values are "
                              "positive numbers, or None for the training `temperature`.")  # fmt: skip
-        if not 0.0 <= self.invalid_action_penalty < float("inf"):
-            raise ValueError(f"Invalid value {self.invalid_action_penalty} for `invalid_action_penalty`: allowed "
-                             "values are finite numbers >= 0.")  # fmt: skip
+        from trl_exreplay.envs.alfworld.textenv import check_invalid_action_penalty
+
+        check_invalid_action_penalty(self.invalid_action_penalty)  # here, not first in the env's worker processes
         if self.prompt_style not in PROMPT_STYLES:
             raise ValueError(f"Invalid value {self.prompt_style!r} for `prompt_style`: allowed values are "
                              f"{', '.join(map(repr, PROMPT_STYLES))}.")  # fmt: skip
@@ -628,7 +628,8 @@ def check_reward_settings(script_args: AlfWorldArguments, training_args) -> None
         return
     if penalty * max_turns >= 1:
         raise ValueError(f"Invalid value {penalty} for `invalid_action_penalty` with max_turns={max_turns}: a won "
-                         f"episode's reward could fall to 0 or below; allowed values are in [0, {1 / max_turns:g}).")  # fmt: skip
+                         f"episode's reward could fall to 0 or below; allowed values are in "
+                         f"[0, {1 / max_turns:g}).")  # fmt: skip
     lowest_win = 1.0 - max_turns * penalty
     if not 0.0 < training_args.success_threshold <= lowest_win:
         raise ValueError(f"Invalid value {training_args.success_threshold} for `success_threshold` with "
@@ -650,13 +651,13 @@ def checkpoint_to_resume(training_args) -> str | None:
                              "folder (one holding trainer_state.json), true (the newest checkpoint in `output_dir`) "
                              "or false.")  # fmt: skip
         return value
-    output_dir = training_args.output_dir
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    output_dir, prefix = training_args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-"
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    steps = [
-        int(name[len("checkpoint-") :]) for name in names if name.startswith("checkpoint-") and name[11:].isdigit()
-    ]
+    steps = [int(name[len(prefix) :]) for name in names if name.startswith(prefix) and name[len(prefix) :].isdigit()]
     for step in sorted(steps, reverse=True):
-        path = os.path.join(output_dir, f"checkpoint-{step}")
+        path = os.path.join(output_dir, f"{prefix}{step}")
         if os.path.isfile(os.path.join(path, "trainer_state.json")):
             return path
         print(f"resume_from_checkpoint: skipping {path}, an incomplete checkpoint (no trainer_state.json)")

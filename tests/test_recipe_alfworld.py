@@ -198,6 +198,7 @@ CHATML = (
 def pretrained_style_model(path: Path) -> Path:
     """A model folder as the Hub serves one, at a size this machine trains: a Qwen2 architecture and a byte-level BPE
     tokenizer (trained here on the ALFWorld vocabulary) with a ChatML chat template."""
+    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -218,8 +219,6 @@ def pretrained_style_model(path: Path) -> Path:
         num_key_value_heads=1, max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
     )  # fmt: skip
-    import torch
-
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -237,11 +236,11 @@ def test_the_gpu_config_runs_a_hub_style_model_and_resumes_from_its_checkpoint(d
     recipe = load_recipe()
     common = ["--config", QWEN_CONFIG, *QWEN_ON_CPU, "--model_name_or_path", str(model), "--data_dir", str(data_dir),
               "--output_dir", str(out)]  # fmt: skip
-    script_args, training_args, _ = recipe.parse_args(common)
+    script_args, training_args, model_args = recipe.parse_args(common)
     assert script_args.prompt_style == "react" and script_args.show_admissible and not script_args.warm_start
     assert training_args.gradient_checkpointing and training_args.save_total_limit == 2
 
-    summary = recipe.main(script_args, training_args, _)
+    summary = recipe.main(script_args, training_args, model_args)
     printed = capsys.readouterr().out
     if importlib.util.find_spec("vllm") is None:
         assert "vllm is not installed: episodes are generated with transformers" in printed
@@ -287,7 +286,7 @@ def test_a_bad_sampled_evaluation_setting_is_refused(option, value):
         load_recipe().parse_args(["--output_dir", "unused", option, value])
 
 
-def test_an_invalid_action_penalty_needs_a_success_threshold_every_win_reaches():
+def test_an_invalid_action_penalty_needs_a_success_threshold_every_win_reaches(tmp_path):
     recipe = load_recipe()
     penalised = ["--output_dir", "unused", "--invalid_action_penalty", "0.02", "--max_turns", "15"]
     with pytest.raises(ValueError, match=r"success_threshold.*stays above 0.7.*allowed values are in \(0, 0.7\]"):
@@ -301,9 +300,12 @@ def test_an_invalid_action_penalty_needs_a_success_threshold_every_win_reaches()
     assert recipe.parse_args([*penalised, "--success_threshold", "0.7"])[1].success_threshold == 0.7  # the bound
     with pytest.raises(ValueError, match="success_threshold"):
         recipe.parse_args([*penalised, "--success_threshold", "0"])
-    script_args, training_args, model_args = recipe.parse_args(penalised[:2])  # no penalty: the default threshold
-    training_args.success_threshold, script_args.invalid_action_penalty = 1.0, 0.02  # set after parsing
-    with pytest.raises(ValueError, match="success_threshold"):  # main() checks before any work
+    # main() checks too, before any work: without its check it would stop at once on the missing games instead
+    no_games = ["--data_dir", str(tmp_path / "no_games"), "--generate_missing_games", "false"]
+    script_args, training_args, model_args = recipe.parse_args([*penalised[:2], *no_games])  # no penalty yet
+    assert training_args.success_threshold == 1.0
+    script_args.invalid_action_penalty = 0.02  # set after parsing
+    with pytest.raises(ValueError, match="success_threshold"):
         recipe.main(script_args, training_args, model_args)
 
 

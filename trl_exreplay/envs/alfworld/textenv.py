@@ -46,6 +46,15 @@ _THOUGHT_LINE = re.compile(r"^\s*(?:think|thought)\s*:", re.IGNORECASE)
 _GOAL_RULE = re.compile(r'"rhs":\s*"Your task is to: ([^"]*)"')
 
 
+def check_invalid_action_penalty(penalty: float) -> float:
+    """`penalty` if it is a finite number >= 0, else a ValueError that names the field and its allowed values."""
+    if not 0.0 <= penalty < float("inf"):
+        raise ValueError(
+            f"Invalid value {penalty} for `invalid_action_penalty`: allowed values are finite numbers >= 0."
+        )
+    return penalty
+
+
 def parse_action(text: str) -> str:
     """Model text -> one command, lower case, single spaces, no trailing period: the first line that starts with
     "Action:" (ReAct style), else the first non-empty line that is not a "Think:" line (without a ">" prefix).
@@ -136,7 +145,8 @@ class AlfWorldEnv:
             invalid_action_penalty` below 1.
 
     The reward is 1 on a win, else 0, less `invalid_action_penalty` per refused action. An action the engine cannot
-    apply gets "Nothing happens." and `info["invalid_action"] = True`; `info["feedback"]` is the engine's text of the step (without the prompt).
+    apply gets "Nothing happens." and `info["invalid_action"] = True`; `info["feedback"]` is the engine's text of the
+    step (without the prompt).
     Resetting the game already loaded skips the load. The engine comes from the process's free engines and `close()`
     gives it back (engines are costly to make and never unloaded; see `engine.acquire_env`).
     """
@@ -152,11 +162,8 @@ class AlfWorldEnv:
     ):
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}.")
-        if not 0.0 <= invalid_action_penalty < float("inf"):
-            raise ValueError(f"Invalid value {invalid_action_penalty} for `invalid_action_penalty`: allowed values "
-                             "are finite numbers >= 0.")  # fmt: skip
         self.max_steps = max_steps
-        self.invalid_action_penalty = invalid_action_penalty
+        self.invalid_action_penalty = check_invalid_action_penalty(invalid_action_penalty)
         self.prompt = AlfWorldPrompt(show_admissible, history_length, restate_goal)
         self.game_cache = game_cache
         self._env = None
