@@ -10,9 +10,8 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer  # noqa: E402
+from trl_exreplay.distributed import exit_distributed  # noqa: E402
 from trl_exreplay.envs import KeyDoorEnv  # noqa: E402
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset  # noqa: E402
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
@@ -61,5 +60,4 @@ if trainer.accelerator.is_main_process:
             f"{e['step']:>5} {e['env/success_rate']:>8.3f} {e['env/turns_mean']:>6.2f} "
             f"{e.get('replay/rows_fraction', 0.0):>11.3f} {e.get('replay/pool_trajectories', 0.0):>5.0f}"
         )
-if torch.distributed.is_available() and torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()
+exit_distributed()  # under `accelerate launch`: ends each rank safely (a gloo thread may otherwise abort it at exit)

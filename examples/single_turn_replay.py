@@ -11,9 +11,8 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer  # noqa: E402
+from trl_exreplay.distributed import exit_distributed  # noqa: E402
 from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset  # noqa: E402
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
@@ -67,5 +66,4 @@ if trainer.accelerator.is_main_process:
         )
     print("pool:", trainer.pool.stats())
     print("saved model and pool to", config.output_dir)
-if torch.distributed.is_available() and torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()
+exit_distributed()  # under `accelerate launch`: ends each rank safely (a gloo thread may otherwise abort it at exit)

@@ -672,7 +672,6 @@ if __name__ == "__main__":
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
     main(*parse_args())
-    import torch
+    from trl_exreplay.distributed import exit_distributed
 
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    exit_distributed()  # a multi-process run: ends each rank safely (a gloo thread may otherwise abort it at exit)

@@ -16,10 +16,9 @@ import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-
 import trl_exreplay.trainer as trainer_module  # noqa: E402
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer  # noqa: E402
+from trl_exreplay.distributed import exit_distributed  # noqa: E402
 from trl_exreplay.envs import KeyDoorEnv  # noqa: E402
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset  # noqa: E402
 from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset  # noqa: E402
@@ -126,8 +125,6 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         },
         f,
     )
-if torch.distributed.is_initialized():
-    # Both ranks are done with every collective before either tears gloo down: once (CI at 363e7a0) a rank aborted at
-    # exit ("terminate called without an active exception") after its work was done; not reproduced in 8 reruns.
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+# The end of every launched rank: without it a gloo worker thread may free a tensor during interpreter finalization and
+# abort the process after its work is done (about 1 launch in 100; see trl_exreplay/distributed.py)
+exit_distributed()

@@ -1,0 +1,84 @@
+"""The end of a launched rank: `exit_distributed()` tears the process group down and ends the process so that torch's
+gloo worker threads cannot abort it during interpreter shutdown.
+
+Why (torch 2.13, CPython 3.11; diagnosed from a core dump, see `tools/stress_launch.sh`): a gloo collective runs on one
+of `ProcessGroupGloo`'s worker threads ("pt_gloo_runloop"), which keeps the collective's tensors until just *after* the
+caller has been told it finished. A tensor made in Python and dropped by Python meanwhile is then released by that
+thread, which needs the GIL to free its Python object. If the main thread has begun finalizing the interpreter by then,
+CPython (before 3.14) ends any thread that asks for the GIL with `pthread_exit`; the forced unwind crosses a `noexcept`
+destructor (`ProcessGroupGloo::AsyncWork::~AsyncWork`) and libstdc++ calls `std::terminate`: "terminate called without
+an active exception", SIGABRT, after a run whose work was all done. `torch.distributed.destroy_process_group()` does
+not prevent it once a model was wrapped in `DistributedDataParallel` (as Accelerate, DeepSpeed and the Trainer do): the
+process group stays referenced, its worker threads keep running, and the race stays open until the process ends.
+
+`exit_distributed()` therefore, after a barrier and `destroy_process_group()`, finishes what a normal exit would do
+(join non-daemon threads, run the `atexit` handlers, flush the standard streams) and ends the process with
+`os._exit`, skipping only the finalization in which a late gloo thread would be killed. A process whose gloo threads did
+stop returns and exits normally. Call it last, on every rank:
+
+```python
+trainer.train()
+...
+from trl_exreplay.distributed import exit_distributed
+
+exit_distributed()  # ends the process when a gloo process group was used
+```
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+import threading
+
+GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+
+
+def gloo_worker_threads() -> int | None:
+    """How many of this process's threads are gloo workers, or None where the threads' names cannot be read."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    count = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == GLOO_WORKER_THREAD
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
+
+
+def exit_distributed(status: int = 0) -> None:
+    """Ends a rank of a multi-process run: a barrier, `destroy_process_group()`, then, if gloo worker threads are still
+    running (or cannot be counted on this platform while a gloo group was used), the rest of a normal exit and
+    `os._exit(status)`. Without a process group it does nothing and returns."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    used_gloo = "gloo" in str(dist.get_backend()).lower()
+    dist.barrier()
+    dist.destroy_process_group()
+    workers = gloo_worker_threads()
+    if workers == 0 or (workers is None and not used_gloo):
+        return
+    _finish_and_exit(status)
+
+
+def _finish_and_exit(status: int) -> None:
+    """What the interpreter's own exit does before finalizing (the order of `Py_FinalizeEx`), then `os._exit`."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    gc.collect()  # finalizers of unreachable objects (files they close, folders they remove) run now
+    atexit._run_exitfuncs()  # noqa: SLF001 - the public way to run them is to exit, which is what must not happen
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # replaced, closed or detached by the script
+            pass
+    os._exit(status)
