@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Repeats the test suite's multi-process launches (tests/scripts/replay_multiprocess.py under DDP, DeepSpeed ZeRO-2
 # and ZeRO-3, single- and multi-turn, and resumes from a checkpoint) N times in all, and prints
-# "launches: N, failures: F". A launch fails when it exits non-zero, runs past its time limit, or a rank prints an
-# abort ("terminate called", "Fatal Python error") even with exit status 0.
+# "launches: N, failures: F" (and per kind). A launch fails when it exits non-zero, runs past its time limit, or a rank
+# prints an abort ("terminate called", "Fatal Python error") even with exit status 0.
 #
 #   tools/stress_launch.sh N [OUT_DIR] [KIND ...]
 #
 # KIND is any of: ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume
-# (default: all, in turn; a resume first runs the whole run it resumes from, and both count as launches).
+# (default: these, in turn; a resume first runs the whole run it resumes from, and both count as launches), or
+# exit-race, exit-race-destroy, exit-race-plain: tests/scripts/gloo_exit.py's "natural" exit race (DDP, 3 s a launch)
+# ended by exit_distributed(), by barrier + destroy_process_group(), or not at all; name them to compare the endings
+# in one run, e.g. `tools/stress_launch.sh 60 out exit-race-plain exit-race-destroy exit-race`.
 # Each failure keeps its folder OUT_DIR/<i>-<kind>/: the launch's full log, every core file a rank dumped, and
 # `gdb -batch -ex "thread apply all bt"` of each core (core-*.bt.txt). Passing launches leave nothing behind.
 # Cores: the script raises `ulimit -c` and runs each launch in its own folder, where a relative kernel.core_pattern
@@ -15,13 +18,14 @@
 # Environment: PYTHON (default python3), LAUNCH_TIMEOUT (seconds a launch may run, default 480).
 set -uo pipefail
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [[ $# -ge 1 && "$1" =~ ^[0-9]+$ ]] || usage
 N=$1
 OUT=${2:-stress-launch-$(date +%Y%m%d-%H%M%S)}
 shift $(( $# >= 2 ? 2 : 1 ))
-ALL_KINDS=(ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume)
-KINDS=("${@:-${ALL_KINDS[@]}}")
+SUITE_KINDS=(ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume)
+ALL_KINDS=("${SUITE_KINDS[@]}" exit-race exit-race-destroy exit-race-plain)
+KINDS=("${@:-${SUITE_KINDS[@]}}")
 for kind in "${KINDS[@]}"; do
   [[ " ${ALL_KINDS[*]} " == *" $kind "* ]] || { echo "unknown kind '$kind'; allowed: ${ALL_KINDS[*]}" >&2; exit 2; }
 done
@@ -31,6 +35,7 @@ PYTHON=$(command -v "${PYTHON:-python3}")
 LAUNCH_TIMEOUT=${LAUNCH_TIMEOUT:-480}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 SCRIPT="$REPO/tests/scripts/replay_multiprocess.py"
+EXIT_RACE="$REPO/tests/scripts/gloo_exit.py"
 
 ulimit -c unlimited 2>/dev/null || echo "warning: could not raise the core size limit; failures will have no core" >&2
 pattern=$(cat /proc/sys/kernel/core_pattern 2>/dev/null || echo unknown)
@@ -55,13 +60,14 @@ export TORCH_EXTENSIONS_DIR="$OUT/torch_extensions"
 
 descendants() { local child; for child in $(pgrep -P "$1"); do echo "$child"; descendants "$child"; done; }
 
-# launch DIR CONFIG [SCRIPT_ARGS...]: one bounded `accelerate launch` in DIR; returns its status (124 past the limit).
+# launch DIR CONFIG SCRIPT [SCRIPT_ARGS...]: one bounded `accelerate launch` in DIR; returns its status (124 past the
+# limit).
 launch() {
-  local dir=$1 config=$2 pid status
-  shift 2
+  local dir=$1 config=$2 script=$3 pid status
+  shift 3
   mkdir -p "$dir"
-  (cd "$dir" && exec "$PYTHON" -m accelerate.commands.launch --config_file "$CONFIGS/$config.yaml" "$SCRIPT" \
-    "$dir/out" "$@") >"$dir/launch.log" 2>&1 &
+  (cd "$dir" && exec "$PYTHON" -m accelerate.commands.launch --config_file "$CONFIGS/$config.yaml" "$script" "$@") \
+    >"$dir/launch.log" 2>&1 &
   pid=$!
   local deadline=$((SECONDS + LAUNCH_TIMEOUT))
   while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
@@ -93,6 +99,7 @@ keep_evidence() {  # backtraces of every core in the failure's folder
 }
 
 launches=0 failures=0
+declare -A kind_launches kind_failures
 started=$SECONDS
 echo "stress_launch: $N launches of: ${KINDS[*]}; out: $OUT; core_pattern: $pattern; python: $PYTHON"
 i=0
@@ -101,21 +108,37 @@ while ((launches < N)); do
   i=$((i + 1))
   config=${kind%%-*}_cpu
   dir="$OUT/$i-$kind"
+  before=$launches
   case "$kind" in
-    *-multi-turn) launch_args=("multi-turn") ;;
-    *) launch_args=() ;;
-  esac
-  if [[ "$kind" == *-resume ]]; then
-    if launch "$dir/whole" "$config"; then status=0; else status=$?; fi
-    launches=$((launches + 1))
-    if ((status == 0 && launches < N)); then
-      if launch "$dir/resumed" "$config" "resume=$dir/whole/out/run/checkpoint-3"; then status=0; else status=$?; fi
+    exit-race*)
+      ending=${kind#exit-race}
+      ending=${ending#-}
+      if launch "$dir" ddp_cpu "$EXIT_RACE" natural "${ending:-exit_distributed}"; then status=0; else status=$?; fi
       launches=$((launches + 1))
-    fi
-  else
-    if launch "$dir" "$config" "${launch_args[@]}"; then status=0; else status=$?; fi
-    launches=$((launches + 1))
-  fi
+      ;;
+    *-resume)
+      if launch "$dir/whole" "$config" "$SCRIPT" "$dir/whole/out"; then status=0; else status=$?; fi
+      launches=$((launches + 1))
+      if ((status == 0 && launches < N)); then
+        if launch "$dir/resumed" "$config" "$SCRIPT" "$dir/resumed/out" "resume=$dir/whole/out/run/checkpoint-3"; then
+          status=0
+        else
+          status=$?
+        fi
+        launches=$((launches + 1))
+      fi
+      ;;
+    *-multi-turn)
+      if launch "$dir" "$config" "$SCRIPT" "$dir/out" multi-turn; then status=0; else status=$?; fi
+      launches=$((launches + 1))
+      ;;
+    *)
+      if launch "$dir" "$config" "$SCRIPT" "$dir/out"; then status=0; else status=$?; fi
+      launches=$((launches + 1))
+      ;;
+  esac
+  kind_launches[$kind]=$((${kind_launches[$kind]:-0} + launches - before))
+  kind_failures[$kind]=$((${kind_failures[$kind]:-0} + (status != 0)))
   if ((status == 0)); then
     rm -rf "$dir"
     verdict=ok
@@ -127,5 +150,8 @@ while ((launches < N)); do
   printf '[%4ds] %3d/%d %-18s %s\n' $((SECONDS - started)) "$launches" "$N" "$kind" "$verdict"
 done
 rm -rf "$CONFIGS" "$TORCH_EXTENSIONS_DIR"
+for kind in "${KINDS[@]}"; do
+  [[ -n "${kind_launches[$kind]:-}" ]] && echo "  $kind: launches ${kind_launches[$kind]}, failures ${kind_failures[$kind]}"
+done
 echo "launches: $launches, failures: $failures"
 ((failures == 0))

@@ -12,7 +12,7 @@ not prevent it once a model was wrapped in `DistributedDataParallel` (as Acceler
 process group stays referenced, its worker threads keep running, and the race stays open until the process ends.
 
 `exit_distributed()` therefore, after a barrier and `destroy_process_group()`, finishes what a normal exit would do
-(join non-daemon threads, run the `atexit` handlers, flush the standard streams) and ends the process with
+(join non-daemon threads, run the `atexit` handlers, collect garbage, flush the standard streams) and ends the process with
 `os._exit`, skipping only the finalization in which a late gloo thread would be killed. A process whose gloo threads did
 stop returns and exits normally. Call it last, on every rank:
 
@@ -70,12 +70,13 @@ def exit_distributed(status: int = 0) -> None:
 
 
 def _finish_and_exit(status: int) -> None:
-    """What the interpreter's own exit does before finalizing (the order of `Py_FinalizeEx`), then `os._exit`."""
+    """What the interpreter's own exit does, in the order of `Py_FinalizeEx`, up to destroying the modules; then
+    `os._exit`."""
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
-    gc.collect()  # finalizers of unreachable objects (files they close, folders they remove) run now
     atexit._run_exitfuncs()  # noqa: SLF001 - the public way to run them is to exit, which is what must not happen
+    gc.collect()  # finalizers of unreachable objects (files they close, folders they remove) run now
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
