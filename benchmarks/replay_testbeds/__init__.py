@@ -1,0 +1,6 @@
+"""The testbeds of `benchmarks/replay_vs_grpo.py`, by name."""
+
+from .multi_turn import MultiTurn
+from .single_turn import SingleTurn
+
+TESTBEDS = {cls.name: cls for cls in (SingleTurn, MultiTurn)}

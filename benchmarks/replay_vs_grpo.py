@@ -1,0 +1,543 @@
+"""Does experience replay learn more per fresh rollout than plain GRPO? One harness for every testbed.
+
+    OMP_NUM_THREADS=1 python benchmarks/replay_vs_grpo.py --testbed single-turn \\
+        --methods grpo,exreplay,exreplay-exgrpo --seeds 0,1,2,3,4 --out results/tuning
+    python benchmarks/replay_vs_grpo.py --report results/tuning      # tables (markdown) and plots again
+
+Each method of a testbed starts, per seed, from the same model (the testbed's tiny model initialised with the seed,
+then its warm start), trains with the same batch size for the same number of optimizer steps, and is measured every
+`eval_every` steps on held-out problems that training never sees, with the same sampling draws for every method
+(evaluation runs under `torch.random.fork_rng`, so it never moves the training's random stream). Replay generates
+fewer fresh rollouts per step, so curves are drawn against **fresh rollouts consumed** (generated completions, or
+environment episodes), not steps.
+
+`grpo` is `ExReplayGRPOTrainer` with `enable_experience_replay=False`. For the first seed, `--trl-check` (on by
+default) also trains TRL's own `GRPOTrainer` on the same run and records whether every logged loss and every point of
+its curve is identical to `grpo`'s (the drop-in claim, measured).
+
+`DIR/results.json` (merged across calls: a run is keyed by testbed, method and seed, and a later call replaces it):
+
+    {
+      "schema": 1,
+      "testbeds": {
+        "<testbed>": {
+          "summary": str, "training": {config fields shared by every method}, "eval_every": int,
+          "rows_per_step": int,                       # completions (episodes) per optimizer step
+          "methods": {
+            "<method>": {
+              "preset": {config fields the method sets},
+              "runs": {
+                "<seed>": {
+                  "points": [{"step": int, "fresh_rollouts": int, "heldout_success": float,
+                              "train_success": float | null, "wall_s": float}, ...],  # step 0 is the initial model
+                  "replay": {"rows_fraction": [float per step], "pool_tasks": [...], "pool_trajectories": [...],
+                             "importance_ratio_mean": [...]},                         # empty lists without replay
+                  "wall_s": float, "step_s": float,   # training time (evaluation excluded), per optimizer step
+                  "losses": [float per step], "settings": {every config field this run set},
+                  "run": {"command": str, "commit": str, "versions": {...}, "machine": {...}, "date": str}
+                }
+              }
+            }
+          },
+          "trl_check": {"seed": int, "identical": bool, "max_loss_diff": float, "max_point_diff": float, "run": {...}}
+        }
+      }
+    }
+
+`train_success` is the mean total reward of the step's fresh rollouts (their success rate: rewards are 0 or 1 in
+these testbeds); `wall_s` in a point is training time so far. `DIR/<testbed>.png` plots held-out success against fresh
+rollouts: the mean over seeds and the min-max band, one line per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the testbeds live beside this script
+
+from replay_testbeds import TESTBEDS  # noqa: E402
+
+SCHEMA = 1
+# Named presets: the ExReplayGRPOConfig fields a method sets on top of the testbed's training settings.
+PRESETS: dict[str, dict] = {
+    "grpo": {"enable_experience_replay": False},
+    "exreplay": {},
+    "exreplay-exgrpo": {"off_policy_shaping": "exgrpo"},
+    # Candidates tried on the tuning seeds (0-4); see docs/results.md for what they showed.
+    "exreplay-k4": {"offpolicy_trajectories_per_task": 4},  # half of a replayed task's group is replayed
+    "exreplay-early": {"replay_start_ratio": 0.1},
+    "exreplay-k4-early-r75": {"offpolicy_trajectories_per_task": 4, "replay_start_ratio": 0.1, "exp_ratio": 0.75},
+}
+COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
+REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "importance_ratio_mean")
+
+
+def run_record() -> dict:
+    """Where and how a run was made: the command, commit, versions and machine."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+            cwd=Path(__file__).parent, check=True,
+        ).stdout.strip()  # fmt: skip
+        commit += "+dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit,
+        "versions": {name: version(name) for name in ("trl", "transformers", "torch", "accelerate", "datasets")},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "python": platform.python_version(),
+        },
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class _Recorder:
+    """A `TrainerCallback` that measures held-out success every `eval_every` steps and counts fresh rollouts."""
+
+    def __init__(self, testbed, tokenizer, rows_per_step: int, max_steps: int, bar_label: str, progress: bool):
+        from transformers import TrainerCallback
+
+        recorder = self
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                recorder.start(model)
+
+            def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+                if logs is not None and "loss" in logs:
+                    recorder.logged(state.global_step, logs, model)
+
+        self.callback = Callback()
+        self.testbed, self.tokenizer = testbed, tokenizer
+        self.rows_per_step, self.max_steps = rows_per_step, max_steps
+        self.points, self.losses = [], []
+        self.replay = {name: [] for name in REPLAY_SERIES}
+        self.fresh = 0
+        self.eval_seconds = 0.0
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=max_steps, desc=bar_label, unit="step", leave=True)
+
+    def start(self, model):
+        self.started = time.perf_counter()
+        self.point(0, model, train_success=None)
+
+    def training_seconds(self) -> float:
+        return time.perf_counter() - self.started - self.eval_seconds
+
+    def point(self, step, model, train_success):
+        began = time.perf_counter()
+        success = self.testbed.heldout_success(model, self.tokenizer)
+        self.eval_seconds += time.perf_counter() - began
+        self.points.append(
+            {"step": step, "fresh_rollouts": self.fresh, "heldout_success": success, "train_success": train_success,
+             "wall_s": round(self.training_seconds(), 3)}
+        )  # fmt: skip
+        if self.bar is not None:
+            self.bar.set_postfix(heldout=f"{success:.3f}", fresh=self.fresh)
+
+    def logged(self, step, logs, model):
+        # One generation per optimizer step (steps_per_generation = gradient_accumulation_steps), logged every step.
+        self.fresh += int(round(logs.get("replay/generated_rows", self.rows_per_step)))
+        self.losses.append(logs["loss"])
+        if "replay/rows_fraction" in logs:
+            for name in REPLAY_SERIES:
+                self.replay[name].append(logs.get(f"replay/{name}"))
+        if self.bar is not None:
+            self.bar.update(1)
+        if step % self.testbed.eval_every == 0 or step == self.max_steps:
+            self.point(step, model, logs.get("replay/fresh_reward", logs.get("reward")))
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool = True, trl: bool = False) -> dict:
+    """Train `method` on `testbed` from `initial` = (model, tokenizer) (copied) and return its run record."""
+    from transformers import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
+
+    model, tokenizer = copy.deepcopy(initial[0]), initial[1]
+    preset = PRESETS[method]
+    settings = {**COMMON, **testbed.training, **testbed.trainer_kwargs(), **preset, "seed": seed}
+    rows_per_step = settings["per_device_train_batch_size"] * settings.get("gradient_accumulation_steps", 1)
+    max_steps = settings["max_steps"]
+    label = f"{testbed.name} {'trl-GRPOTrainer' if trl else method} seed {seed}"
+    recorder = _Recorder(testbed, tokenizer, rows_per_step, max_steps, label, progress)
+    with tempfile.TemporaryDirectory() as output_dir:
+        if trl:
+            known = GRPOConfig.__dataclass_fields__
+            args = GRPOConfig(output_dir=output_dir, **{k: v for k, v in settings.items() if k in known})
+            trainer_cls = GRPOTrainer
+        else:
+            args = ExReplayGRPOConfig(output_dir=output_dir, **settings)
+            trainer_cls = ExReplayGRPOTrainer
+        kwargs = {"env_factory": testbed.env_factory()} if testbed.env_factory() is not None else {}
+        trainer = trainer_cls(
+            model=model,
+            reward_funcs=testbed.reward_funcs(),
+            args=args,
+            train_dataset=testbed.train_dataset(repeats=max_steps),
+            processing_class=tokenizer,
+            callbacks=[recorder.callback],
+            **kwargs,
+        )
+        trainer.remove_callback(PrinterCallback)  # with disable_tqdm it prints every log; the bar shows progress
+        try:
+            trainer.train()
+        finally:
+            recorder.close()
+    wall = recorder.training_seconds()
+    return {
+        "points": recorder.points,
+        "losses": recorder.losses,
+        "replay": recorder.replay,
+        "wall_s": round(wall, 3),
+        "step_s": round(wall / max_steps, 4),
+        "settings": {k: v for k, v in settings.items() if k not in COMMON},  # what this run trained with
+        "run": run_record(),
+    }
+
+
+# ------------------------------------------------------------------------------------------------- results file
+def load_results(out: Path) -> dict:
+    path = out / "results.json"
+    if not path.exists():
+        return {"schema": SCHEMA, "testbeds": {}}
+    results = json.loads(path.read_text())
+    validate_results(results)
+    return results
+
+
+POINT_FIELDS = {
+    "step": int,
+    "fresh_rollouts": int,
+    "heldout_success": float,
+    "train_success": (float, type(None)),
+    "wall_s": float,
+}
+RUN_FIELDS = {
+    "points": list,
+    "losses": list,
+    "replay": dict,
+    "wall_s": float,
+    "step_s": float,
+    "settings": dict,
+    "run": dict,
+}
+
+
+def validate_results(results: dict) -> None:
+    """Raise `ValueError` naming the first field of `results` that does not follow the schema of this docstring."""
+
+    def need(value, kind, where):
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if float in kinds:
+            kinds = (*kinds, int)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise ValueError(f"results.json: {where} is {value!r}, expected {' or '.join(k.__name__ for k in kinds)}")
+
+    need(results.get("schema"), int, "schema")
+    if results["schema"] != SCHEMA:
+        raise ValueError(f"results.json: schema is {results['schema']}, expected {SCHEMA}")
+    need(results.get("testbeds"), dict, "testbeds")
+    for name, entry in results["testbeds"].items():
+        for key, kind in (("summary", str), ("training", dict), ("eval_every", int), ("rows_per_step", int),
+                          ("methods", dict)):  # fmt: skip
+            need(entry.get(key), kind, f"testbeds.{name}.{key}")
+        for method, method_entry in entry["methods"].items():
+            need(method_entry.get("preset"), dict, f"testbeds.{name}.methods.{method}.preset")
+            for seed, run in method_entry.get("runs", {}).items():
+                where = f"testbeds.{name}.methods.{method}.runs.{seed}"
+                for key, kind in RUN_FIELDS.items():
+                    need(run.get(key), kind, f"{where}.{key}")
+                for key in ("command", "commit", "versions", "machine", "date"):
+                    if key not in run["run"]:
+                        raise ValueError(f"results.json: {where}.run.{key} is missing")
+                steps = [point.get("step") for point in run["points"]]
+                if not steps or steps[0] != 0 or steps != sorted(set(steps)):
+                    raise ValueError(f"results.json: {where}.points steps are {steps}, expected 0 first, increasing")
+                for i, point in enumerate(run["points"]):
+                    for key, kind in POINT_FIELDS.items():
+                        need(point.get(key), kind, f"{where}.points[{i}].{key}")
+                    if not 0.0 <= point["heldout_success"] <= 1.0:
+                        raise ValueError(f"results.json: {where}.points[{i}].heldout_success is out of [0, 1]")
+        check = entry.get("trl_check")
+        if check is not None:
+            need(check.get("identical"), bool, f"testbeds.{name}.trl_check.identical")
+
+
+def update_results(out: Path, change) -> dict:
+    """Apply `change(results)` to `out/results.json` as it is on disk now, and write it back; returns the results.
+
+    Harness calls may run at once (one per core, on the same testbed or not): the read-modify-write holds an exclusive
+    lock, and the file is replaced atomically (temp file, then rename), so a killed run leaves the old file or the new.
+    """
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".results.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = load_results(out)
+        change(results)
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=".results.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(results, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, out / "results.json")
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    return results
+
+
+def testbed_entry(results: dict, testbed) -> dict:
+    """The entry of `testbed` in `results` (created if missing), with its current settings."""
+    entry = results["testbeds"].setdefault(testbed.name, {"methods": {}})
+    entry.update(
+        summary=testbed.summary,
+        training={**testbed.training, **testbed.trainer_kwargs()},
+        eval_every=testbed.eval_every,
+        rows_per_step=testbed.training["per_device_train_batch_size"],
+    )
+    return entry
+
+
+def record_run(out: Path, testbed, method: str, seed: int, run: dict) -> dict:
+    def change(results):
+        method_entry = testbed_entry(results, testbed)["methods"].setdefault(method, {"runs": {}})
+        method_entry["preset"] = PRESETS[method]
+        method_entry["runs"][str(seed)] = run
+
+    return update_results(out, change)
+
+
+def record_trl_check(out: Path, testbed, check: dict) -> dict:
+    return update_results(out, lambda results: testbed_entry(results, testbed).update(trl_check=check))
+
+
+def compare_with_trl(ours: dict, theirs: dict) -> dict:
+    """Whether TRL's GRPOTrainer gave the same run as `grpo`: every logged loss and every curve point."""
+    pairs = list(zip(ours["losses"], theirs["losses"]))
+    loss_diff = max((abs(a - b) for a, b in pairs), default=math.inf)
+    point_diff = max(
+        (abs(a[key] - b[key]) for a, b in zip(ours["points"], theirs["points"]) for key in ("heldout_success",)),
+        default=math.inf,
+    )
+    same_length = len(ours["losses"]) == len(theirs["losses"]) and len(ours["points"]) == len(theirs["points"])
+    return {"identical": same_length and loss_diff == 0 and point_diff == 0, "max_loss_diff": loss_diff,
+            "max_point_diff": point_diff}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------- analysis
+def method_curve(runs: dict) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per evaluation point (over seeds): mean fresh rollouts, mean, min and max held-out success."""
+    series = [run["points"] for run in runs.values()]
+    n = min(len(points) for points in series)
+    xs = [sum(points[i]["fresh_rollouts"] for points in series) / len(series) for i in range(n)]
+    ys = [[points[i]["heldout_success"] for points in series] for i in range(n)]
+    return xs, [sum(y) / len(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
+
+
+def rollouts_to_reach(xs: list[float], ys: list[float], level: float) -> float | None:
+    """Fresh rollouts at which the curve first reaches `level` (linear between points); None if it never does."""
+    for i, y in enumerate(ys):
+        if y >= level - 1e-12:
+            if i == 0:
+                return xs[0]
+            x0, y0 = xs[i - 1], ys[i - 1]
+            return x0 + (xs[i] - x0) * (level - y0) / (y - y0)
+    return None
+
+
+def summarize(entry: dict, baseline: str = "grpo") -> list[dict]:
+    """One row per method: final held-out success (mean, std, per seed), rollouts to reach the baseline's final
+    success (ratio to the baseline's own), area under the curve, generation saved, training time per step."""
+    rows = []
+    methods = entry["methods"]
+    base_level = base_need = None
+    if baseline in methods:
+        bx, by, _, _ = method_curve(methods[baseline]["runs"])
+        base_level = by[-1]
+        base_need = rollouts_to_reach(bx, by, base_level)
+    for name, method in methods.items():
+        runs = method["runs"]
+        finals = [run["points"][-1]["heldout_success"] for run in runs.values()]
+        mean = sum(finals) / len(finals)
+        std = math.sqrt(sum((f - mean) ** 2 for f in finals) / (len(finals) - 1)) if len(finals) > 1 else 0.0
+        xs, ys, _, _ = method_curve(runs)
+        need = rollouts_to_reach(xs, ys, base_level) if base_level is not None else None
+        steps = entry["training"]["max_steps"]
+        generated = [run["points"][-1]["fresh_rollouts"] for run in runs.values()]
+        saved = 1 - (sum(generated) / len(generated)) / (entry["rows_per_step"] * steps)
+        # Area under the held-out curve over steps, as a mean success (trapezoids, evaluation points by step).
+        points = [run["points"] for run in runs.values()]
+        auc = sum(
+            sum((p[i]["heldout_success"] + p[i - 1]["heldout_success"]) / 2 * (p[i]["step"] - p[i - 1]["step"])
+                for i in range(1, len(p))) / p[-1]["step"]
+            for p in points
+        ) / len(points)  # fmt: skip
+        rows.append({
+            "method": name, "seeds": sorted(runs, key=int), "final_mean": mean, "final_std": std,
+            "final_per_seed": {seed: run["points"][-1]["heldout_success"] for seed, run in runs.items()},
+            "initial_mean": sum(run["points"][0]["heldout_success"] for run in runs.values()) / len(runs),
+            "rollouts_to_baseline_final": need,
+            "rollout_ratio": (need / base_need) if (need is not None and base_need) else None,
+            "auc": auc, "generation_saved": saved,
+            "step_s": sum(run["step_s"] for run in runs.values()) / len(runs),
+        })  # fmt: skip
+    return rows
+
+
+def markdown_table(name: str, entry: dict) -> str:
+    rows = summarize(entry)
+    lines = [
+        f"### {name}: {entry['summary']}",
+        "",
+        "| method | held-out success, final (mean ± std) | per seed | initial | fresh rollouts to GRPO's final "
+        "(ratio) | AUC | generation saved | s / step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per_seed = ", ".join(f"{seed}: {value:.3f}" for seed, value in sorted(r["final_per_seed"].items(),
+                                                                              key=lambda kv: int(kv[0])))  # fmt: skip
+        need = "never" if r["rollouts_to_baseline_final"] is None else f"{r['rollouts_to_baseline_final']:.0f}"
+        ratio = "" if r["rollout_ratio"] is None else f" ({r['rollout_ratio']:.2f}x)"
+        lines.append(
+            f"| {r['method']} | {r['final_mean']:.3f} ± {r['final_std']:.3f} | {per_seed} | {r['initial_mean']:.3f} "
+            f"| {need}{ratio} | {r['auc']:.3f} | {100 * r['generation_saved']:.1f}% | {r['step_s']:.2f} |"
+        )
+    check = entry.get("trl_check")
+    if check:
+        lines += ["", f"TRL's own `GRPOTrainer`, seed {check['seed']}: identical to `grpo`: **{check['identical']}** "
+                      f"(max loss difference {check['max_loss_diff']:.3g}, max held-out difference "
+                      f"{check['max_point_diff']:.3g})."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(out: Path, name: str, entry: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for method_name, method in entry["methods"].items():
+        xs, mean, low, high = method_curve(method["runs"])
+        seeds = len(method["runs"])
+        (line,) = ax.plot(xs, mean, marker="o", markersize=3, label=f"{method_name} ({seeds} seeds)")
+        ax.fill_between(xs, low, high, alpha=0.18, color=line.get_color())
+    ax.set_xlabel("fresh rollouts consumed")
+    ax.set_ylabel("held-out success (sampled)")
+    ax.set_title(f"{name}: mean and min-max over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def report(out: Path) -> str:
+    results = load_results(out)
+    parts = []
+    for name, entry in results["testbeds"].items():
+        if entry["methods"]:
+            plot(out, name, entry)
+            parts.append(markdown_table(name, entry))
+    return "\n\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------- command line
+def parse_args(argv=None):
+    testbeds = "\n".join(f"  {name}: {cls.summary}" for name, cls in TESTBEDS.items())
+    presets = "\n".join(f"  {name}: {preset or '(config defaults)'}" for name, preset in PRESETS.items())
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        epilog=f"testbeds:\n{testbeds}\n\nmethod presets:\n{presets}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--testbed", choices=sorted(TESTBEDS), help="Testbed to run (see below).")
+    parser.add_argument("--methods", default="grpo,exreplay,exreplay-exgrpo", help="Comma-separated presets.")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="Comma-separated seeds.")
+    parser.add_argument("--out", required=True, type=Path, help="Folder of results.json and the plots.")
+    parser.add_argument("--max-steps", type=int, help="Override the testbed's optimizer steps (smoke runs).")
+    parser.add_argument("--set", action="append", metavar="FIELD=JSON",
+                        help="Override a training field of the testbed for every method (tuning), e.g. learning_rate=1e-4.")  # fmt: skip
+    parser.add_argument("--no-trl-check", dest="trl_check", action="store_false",
+                        help="Skip the run of TRL's GRPOTrainer on the first seed.")  # fmt: skip
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bars.")
+    parser.add_argument("--report", action="store_true", help="Only print the tables and redraw the plots of --out.")
+    options = parser.parse_args(argv)
+    if not options.report and options.testbed is None:
+        parser.error("--testbed is required unless --report")
+    options.methods = [m for m in options.methods.split(",") if m]
+    unknown = [m for m in options.methods if m not in PRESETS]
+    if unknown:
+        parser.error(f"unknown method(s) {', '.join(unknown)}: allowed values are {', '.join(PRESETS)}")
+    try:
+        options.seeds = [int(s) for s in options.seeds.split(",") if s]
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated integers, got {options.seeds!r}")
+    return options
+
+
+def main(argv=None) -> dict:
+    options = parse_args(argv)
+    if options.report:
+        print(report(options.out))
+        return load_results(options.out)
+    testbed = TESTBEDS[options.testbed]()
+    for field_value in options.set or []:
+        name, _, value = field_value.partition("=")
+        testbed.training = {**testbed.training, name: json.loads(value)}
+    if options.max_steps is not None:
+        testbed.training = {**testbed.training, "max_steps": options.max_steps}
+        testbed.eval_every = min(testbed.eval_every, options.max_steps)
+    results = None
+    for seed in options.seeds:
+        initial = testbed.build(seed)
+        for method in options.methods:
+            run = train_one(testbed, method, seed, initial, progress=options.progress)
+            results = record_run(options.out, testbed, method, seed, run)
+            if method == "grpo" and options.trl_check and seed == options.seeds[0]:
+                theirs = train_one(testbed, method, seed, initial, progress=options.progress, trl=True)
+                check = {"seed": seed, **compare_with_trl(run, theirs), "run": theirs["run"]}
+                results = record_trl_check(options.out, testbed, check)
+    entry = results["testbeds"][testbed.name]
+    plot(options.out, testbed.name, entry)
+    print(markdown_table(testbed.name, entry))
+    return results
+
+
+if __name__ == "__main__":
+    main()

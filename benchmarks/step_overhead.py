@@ -1,0 +1,188 @@
+"""What does replay cost per optimizer step? The same testbed configuration with replay off and on, timed in one run.
+
+    OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --testbed single-turn --testbed multi-turn
+
+For each testbed of `benchmarks/replay_vs_grpo.py`, `ExReplayGRPOTrainer` trains the testbed's configuration twice
+from the same initial model, with `enable_experience_replay=False` and with the config defaults. Steps are timed from
+the step at which replay starts (before it the two runs do the same work) to the end, and split into parts:
+
+* generation: the model's `generate` calls (single-turn `_generate_single_turn`, multi-turn `_generate_turn`);
+* environment: the environments' `reset` and `step` (multi-turn);
+* reward: `_calculate_rewards`;
+* pool add: `_flush_pending` (outcomes and trajectories into the pool);
+* pool sample: `_select_trajectories` without the entropy forward (buckets, candidates, reads);
+* entropy forward: `_current_policy_entropies` (the current policy's no-grad forward over candidates);
+* loss and backward: `training_step` without `_prepare_inputs`;
+* other: the rest of the step (optimizer, scheduler, TRL's bookkeeping, old/ref log-probs, rollout assembly).
+
+The target the issue sets: replay step time / GRPO step time <= (1 - fraction of generation saved) + 0.03.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from importlib.metadata import version
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from replay_testbeds import TESTBEDS  # noqa: E402
+
+PARTS = ("generation", "environment", "reward", "pool add", "pool sample", "entropy forward", "loss and backward")
+TIMED_METHODS = {
+    "_generate_single_turn": "generation",
+    "_generate_turn": "generation",
+    "_calculate_rewards": "reward",
+    "_flush_pending": "pool add",
+    "_select_trajectories": "pool select",
+    "_current_policy_entropies": "entropy forward",
+    "training_step": "training step",
+    "_prepare_inputs": "prepare inputs",
+}
+
+
+def timed_trainer_class(clock: dict):
+    """`ExReplayGRPOTrainer` whose methods of `TIMED_METHODS` add their wall time to `clock` (outermost call only)."""
+    from trl_exreplay import ExReplayGRPOTrainer
+
+    def timed(name, label):
+        def method(self, *args, **kwargs):
+            if clock["active"].get(label):  # a nested call of the same part (super() chains) is counted once
+                return getattr(ExReplayGRPOTrainer, name)(self, *args, **kwargs)
+            clock["active"][label] = True
+            began = time.perf_counter()
+            try:
+                return getattr(ExReplayGRPOTrainer, name)(self, *args, **kwargs)
+            finally:
+                clock["active"][label] = False
+                if clock["on"]:
+                    clock["seconds"][label] += time.perf_counter() - began
+
+        return method
+
+    methods = {name: timed(name, label) for name, label in TIMED_METHODS.items() if hasattr(ExReplayGRPOTrainer, name)}
+    return type("TimedExReplayGRPOTrainer", (ExReplayGRPOTrainer,), methods)
+
+
+def timed_env_factory(factory, clock: dict):
+    """An environment class whose `reset` and `step` add their wall time to `clock["seconds"]["environment"]`."""
+
+    class TimedEnv(factory):
+        def reset(self, task):
+            began = time.perf_counter()
+            try:
+                return super().reset(task)
+            finally:
+                clock["seconds"]["environment"] += time.perf_counter() - began if clock["on"] else 0.0
+
+        def step(self, action):
+            began = time.perf_counter()
+            try:
+                return super().step(action)
+            finally:
+                clock["seconds"]["environment"] += time.perf_counter() - began if clock["on"] else 0.0
+
+    return TimedEnv
+
+
+def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
+    """Per-step seconds of each part, over the steps from replay's start to the end."""
+    from transformers import PrinterCallback, TrainerCallback
+
+    from trl_exreplay import ExReplayGRPOConfig
+
+    clock = {"on": False, "seconds": defaultdict(float), "active": {}, "steps": 0, "step_seconds": 0.0}
+    settings = {**testbed.training, **testbed.trainer_kwargs(), "max_steps": max_steps}
+    first_timed = int(settings.get("replay_start_ratio", 0.35) * max_steps) + 1  # the config default start ratio
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            clock["on"] = state.global_step + 1 >= first_timed
+            clock["began"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if clock["on"]:
+                clock["steps"] += 1
+                clock["step_seconds"] += time.perf_counter() - clock["began"]
+            clock["on"] = False
+
+    model, tokenizer = copy.deepcopy(initial[0]), initial[1]
+    env_factory = testbed.env_factory()
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = ExReplayGRPOConfig(
+            output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
+            disable_tqdm=True, seed=0, enable_experience_replay=replay, **settings,
+        )  # fmt: skip
+        kwargs = {"env_factory": timed_env_factory(env_factory, clock)} if env_factory is not None else {}
+        trainer = timed_trainer_class(clock)(
+            model=model,
+            reward_funcs=testbed.reward_funcs(),
+            args=args,
+            train_dataset=testbed.train_dataset(repeats=max_steps),
+            processing_class=tokenizer,
+            callbacks=[StepClock()],
+            **kwargs,
+        )
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+    generated = [e["replay/generated_rows"] for e in trainer.state.log_history if "replay/generated_rows" in e]
+    rows = settings["per_device_train_batch_size"]
+    timed_generated = generated[first_timed - 1 :] if generated else [rows] * clock["steps"]
+    s, n = clock["seconds"], clock["steps"]
+    parts = {
+        "generation": s["generation"],
+        "environment": s["environment"],
+        "reward": s["reward"],
+        "pool add": s["pool add"],
+        "pool sample": s["pool select"] - s["entropy forward"],
+        "entropy forward": s["entropy forward"],
+        "loss and backward": s["training step"] - s["prepare inputs"],
+    }
+    parts["other"] = clock["step_seconds"] - sum(parts.values())
+    return {
+        "step_s": clock["step_seconds"] / n,
+        "parts": {name: value / n for name, value in parts.items()},
+        "steps": n,
+        "generated_fraction": sum(timed_generated) / (rows * len(timed_generated)),
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--testbed", action="append", choices=sorted(TESTBEDS), help="Repeat; default: single-turn.")
+    parser.add_argument("--max-steps", type=int, help="Steps per run (default: the testbed's).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the initial model.")
+    options = parser.parse_args(argv)
+    print(
+        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
+    print(f"versions: trl {version('trl')}, transformers {version('transformers')}, torch {version('torch')}")
+    results = {}
+    for name in options.testbed or ["single-turn"]:
+        testbed = TESTBEDS[name]()
+        initial = testbed.build(options.seed)
+        steps = options.max_steps or testbed.training["max_steps"]
+        off = time_run(testbed, initial, replay=False, max_steps=steps)
+        on = time_run(testbed, initial, replay=True, max_steps=steps)
+        saved = 1 - on["generated_fraction"]
+        ratio = on["step_s"] / off["step_s"]
+        results[name] = {"grpo": off, "exreplay": on, "ratio": ratio, "generation_saved": saved}
+        print(f"\n{name}: {on['steps']} timed steps each (from replay's start), ms per step")
+        print(f"  {'part':<20}{'grpo':>10}{'exreplay':>10}")
+        for part in (*PARTS, "other"):
+            print(f"  {part:<20}{1000 * off['parts'][part]:>10.1f}{1000 * on['parts'][part]:>10.1f}")
+        print(f"  {'step':<20}{1000 * off['step_s']:>10.1f}{1000 * on['step_s']:>10.1f}")
+        print(f"  step time ratio {ratio:.3f}; generation saved {100 * saved:.1f}%; "
+              f"target ratio <= {1 - saved + 0.03:.3f}: {'met' if ratio <= 1 - saved + 0.03 else 'not met'}")  # fmt: skip
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The replay-vs-GRPO harness end to end on its smallest setting: `results.json` follows its schema, every method of a
+seed starts from the same model and measures the same held-out draws, fresh rollouts count what was generated, TRL's
+own `GRPOTrainer` gives exactly the `grpo` run (the drop-in claim), and the plot and tables are made. No test asserts
+that replay wins: that is a measurement (`docs/results.md`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import load_script
+
+
+@pytest.fixture(scope="module")
+def harness():
+    return load_script("benchmarks/replay_vs_grpo.py", "replay_vs_grpo")
+
+
+def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--testbed", "single-turn", "--methods", "grpo,exreplay", "--seeds", "3", "--max-steps", "4",
+            "--out", str(out), "--no-progress", "--set", "replay_start_ratio=0.25"]  # fmt: skip
+    harness.main(argv)
+    results = json.loads((out / "results.json").read_text())
+    harness.validate_results(results)
+    entry = results["testbeds"]["single-turn"]
+    assert entry["training"]["max_steps"] == 4 and entry["training"]["replay_start_ratio"] == 0.25
+    grpo, replay = (entry["methods"][m]["runs"]["3"] for m in ("grpo", "exreplay"))
+    assert [p["step"] for p in grpo["points"]] == [0, 4] == [p["step"] for p in replay["points"]]
+    # The same initial model and the same held-out draws for every method.
+    assert grpo["points"][0]["heldout_success"] == replay["points"][0]["heldout_success"]
+    rows = entry["rows_per_step"]
+    assert grpo["points"][-1]["fresh_rollouts"] == 4 * rows  # plain GRPO generates every row
+    assert replay["replay"]["rows_fraction"][0] == 0.0  # before replay's start every row is fresh
+    replayed = sum(fraction * rows for fraction in replay["replay"]["rows_fraction"])
+    assert replay["points"][-1]["fresh_rollouts"] == round(4 * rows - replayed)
+    assert entry["methods"]["exreplay"]["preset"] == {} and replay["settings"]["seed"] == 3
+    # TRL's GRPOTrainer on the first seed: every loss and held-out point identical to `grpo`.
+    assert entry["trl_check"]["identical"] is True, entry["trl_check"]
+    assert entry["trl_check"]["max_loss_diff"] == 0.0
+    assert (out / "single-turn.png").stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "| grpo | " in table and "| exreplay | " in table and "identical to `grpo`: **True**" in table
+
+    # A second call on another seed merges into the same file; --report rebuilds tables and plots from it alone.
+    harness.main([*argv[:3], "grpo", "--seeds", "4", *argv[6:], "--no-trl-check"])
+    results = harness.load_results(out)
+    assert sorted(results["testbeds"]["single-turn"]["methods"]["grpo"]["runs"]) == ["3", "4"]
+    assert sorted(results["testbeds"]["single-turn"]["methods"]["exreplay"]["runs"]) == ["3"]
+    (out / "single-turn.png").unlink()
+    harness.main(["--report", "--out", str(out)])
+    assert (out / "single-turn.png").exists()
+
+
+def test_a_results_file_off_the_schema_is_refused_naming_the_field(harness, tmp_path):
+    results = {"schema": 1, "testbeds": {"t": {"summary": "s", "training": {}, "eval_every": 1, "rows_per_step": 8,
+               "methods": {"grpo": {"preset": {}, "runs": {"0": {
+                   "points": [{"step": 0, "fresh_rollouts": 0, "heldout_success": 1.5, "train_success": None,
+                               "wall_s": 0.0}],
+                   "losses": [], "replay": {}, "wall_s": 0.0, "step_s": 0.0, "settings": {},
+                   "run": {"command": "", "commit": "", "versions": {}, "machine": {}, "date": ""}}}}}}}}  # fmt: skip
+    with pytest.raises(ValueError, match=r"testbeds\.t\.methods\.grpo\.runs\.0\.points\[0\]\.heldout_success"):
+        harness.validate_results(results)
+    (tmp_path / "results.json").write_text(json.dumps({**results, "schema": 0}))
+    with pytest.raises(ValueError, match="schema is 0, expected 1"):
+        harness.load_results(tmp_path)
+
+
+def test_unknown_methods_and_testbeds_are_refused(harness, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        harness.main(["--testbed", "single-turn", "--methods", "grpo,ppo", "--out", str(tmp_path)])
+    assert "unknown method(s) ppo: allowed values are grpo, exreplay" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        harness.main(["--testbed", "chess", "--out", str(tmp_path)])
