@@ -160,7 +160,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     from trl_exreplay.envs import EnvProcessPool
     from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
     from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES  # imported once by the fork server
-    from trl_exreplay.evaluation import evaluate_policy
+    from trl_exreplay.evaluation import binomial_interval, evaluate_policy
 
     check_reward_settings(script_args, training_args)  # also when main() is called without parse_args()
     state = PartialState()
@@ -249,11 +249,13 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
                 won = gather_object([[result.successes, len(result.episodes)]])
                 successes, episodes = sum(w for w, _ in won), sum(n for _, n in won)
                 out[name] = successes / episodes if episodes else 0.0
+                counts[when, name] = [successes, episodes]
                 unit = "games" if mode == "greedy" else "episodes"
                 log(f"{when} RL, {name}: {successes}/{episodes} {unit} won ({100 * out[name]:.1f}%)")
         del model
         return out
 
+    counts: dict[tuple[str, str], list[int]] = {}  # (when, split) -> [successes, episodes]
     before = evaluate(policy, "before") if eval_rows else {}
 
     # ---- ExReplay GRPO ----------------------------------------------------------------------------------------
@@ -270,6 +272,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # with its pool
     trainer.save_model(training_args.output_dir)  # model (or adapter), tokenizer and pool
     pool_stats = trainer.pool.stats()
+    replay_over_run = replay_participation(trainer.state.log_history)
     del trainer  # its model and optimizer, before evaluation loads the trained model
     gc.collect()
     state.wait_for_everyone()
@@ -278,9 +281,16 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     after = evaluate(training_args.output_dir, "after") if eval_rows else {}
     env_pool.close()
     results = {name: {"before": before[name], "after": after[name]} for name in before}
+    intervals = {
+        name: {when: list(binomial_interval(*counts[when, name])) for when in ("before", "after")}
+        | {"episodes": counts["after", name][1]}
+        for name in before
+    }
     summary = {
         "base_model": base_model or "tiny (built locally)",
         "results": results,
+        "intervals": intervals,  # 95% binomial (Wilson) intervals of the success rates, and the episodes behind them
+        "replay": replay_over_run,
         "success_threshold": training_args.success_threshold,
         "invalid_action_penalty": script_args.invalid_action_penalty,
         "pool": pool_stats,
@@ -541,20 +551,47 @@ def load_policy(path: str, model_args, auto_model):
         return auto_model.from_pretrained(path, **model_init_kwargs(model_args))
 
 
+def replay_participation(log_history: list[dict], points: int = 4) -> dict:
+    """How much replay took part over a run, from the trainer's logs: the replayed-row fraction (mean over the logged
+    steps from replay's start, and max) and the pool's size at `points` evenly spaced logged steps (the last included)."""
+    logged = [entry for entry in log_history if "replay/rows_fraction" in entry]
+    if not logged:
+        return {}
+    fractions = [entry["replay/rows_fraction"] for entry in logged]
+    started = next((i for i, f in enumerate(fractions) if f > 0), len(fractions))
+    at = sorted({max(0, round(len(logged) * (i + 1) / points) - 1) for i in range(points)})
+    return {
+        "rows_fraction_mean": sum(fractions[started:]) / max(1, len(fractions) - started),
+        "rows_fraction_max": max(fractions),
+        "steps": [logged[i].get("step") for i in at],
+        "pool_tasks": [logged[i].get("replay/pool_tasks", 0.0) for i in at],
+        "pool_trajectories": [logged[i].get("replay/pool_trajectories", 0.0) for i in at],
+    }
+
+
 def print_summary(summary: dict, num_train_games: int) -> None:
-    print("\n" + "=" * 64)
+    print("\n" + "=" * 76)
     print(f"ALFWorld, {num_train_games} train games, model: {summary['base_model']}")
     width = max([16, *(len(split) + 2 for split in summary["results"])])
-    print(f"{'split':<{width}}{'before RL':>12}{'after RL':>12}{'change':>12}")
+    print(f"{'split':<{width}}{'before RL [95% CI]':>22}{'after RL [95% CI]':>22}{'change':>10}{'n':>6}")
     for split, r in summary["results"].items():
+        ci = summary["intervals"][split]
+        cells = [f"{100 * r[w]:.1f}% [{100 * ci[w][0]:.0f}-{100 * ci[w][1]:.0f}]" for w in ("before", "after")]
         change = 100 * (r["after"] - r["before"])
-        print(f"{split:<{width}}{100 * r['before']:>11.1f}%{100 * r['after']:>11.1f}%{change:>+11.1f}pt")
+        print(f"{split:<{width}}{cells[0]:>22}{cells[1]:>22}{change:>+8.1f}pt{ci['episodes']:>6}")
+    replay = summary.get("replay")
+    if replay:
+        print(f"replayed rows: {100 * replay['rows_fraction_mean']:.1f}% of each step's rows from replay's start "
+              f"(max {100 * replay['rows_fraction_max']:.1f}%)")  # fmt: skip
+        sizes = ", ".join(f"step {s}: {t:.0f}/{n:.0f}" for s, t, n in
+                          zip(replay["steps"], replay["pool_tasks"], replay["pool_trajectories"]))  # fmt: skip
+        print(f"pool over the run (tasks/trajectories): {sizes}")
     pool = summary["pool"]
     if pool:
         print(f"pool: {pool.get('pool_tasks', 0):.0f} tasks, {pool.get('pool_trajectories', 0):.0f} trajectories, "
               f"skip set {pool.get('skip_set', 0):.0f}")  # fmt: skip
     print(f"total time: {summary['minutes']:.1f} min; saved to {summary['output_dir']}")
-    print("=" * 64)
+    print("=" * 76)
 
 
 def push(script_args, training_args, model_args, base_model, tasks, results) -> None:

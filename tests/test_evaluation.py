@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from trl_exreplay.envs import KeyDoorEnv
@@ -69,3 +70,18 @@ def test_success_threshold_counts_partial_rewards_as_failures():
     strict = evaluate_policy(ScriptedPolicy(tokenizer), tokenizer, tasks, KeyDoorEnv, max_turns=3,
                              max_completion_length=64, success_threshold=1.5)  # fmt: skip
     assert won.success_rate == 1.0 and strict.success_rate == 0.0 and strict.per_group == {"all": [0, 1]}
+
+
+def test_binomial_interval_is_wilsons():
+    from trl_exreplay.evaluation import binomial_interval
+
+    # Reference values of the Wilson score interval (z = 1.959964).
+    assert binomial_interval(14, 40) == pytest.approx((0.221345, 0.504941), abs=1e-6)
+    assert binomial_interval(1, 2) == pytest.approx((0.094531, 0.905469), abs=1e-6)
+    assert binomial_interval(0, 40) == (0.0, pytest.approx(0.087622, abs=1e-6))  # not empty at 0 successes
+    assert binomial_interval(40, 40) == (pytest.approx(0.912378, abs=1e-6), 1.0)
+    assert binomial_interval(0, 0) == (0.0, 1.0)
+    low, high = binomial_interval(14, 40, confidence=0.5)
+    assert 0.221345 < low < 0.35 < high < 0.504941
+    with pytest.raises(ValueError, match="allowed values are integers 0 .. trials \\(40\\)"):
+        binomial_interval(41, 40)

@@ -114,6 +114,22 @@ def test_recipe_end_to_end_with_tensorboard_and_hub_push(data_dir, tmp_path, mon
         assert re.search(rf"{when} RL, valid_seen: \d/2 games won", printed)
         assert re.search(rf"{when} RL, valid_unseen \(sampled T=0.7 x3\): \d/6 episodes won", printed)
     assert json.loads((out / "alfworld_results.json").read_text())["results"] == summary["results"]
+    # each rate with its 95% binomial interval and the episodes behind it; replay's share and the pool over the run
+    from trl_exreplay.evaluation import binomial_interval
+
+    for split, rates in summary["results"].items():
+        episodes = summary["intervals"][split]["episodes"]
+        assert episodes == (6 if "sampled" in split else 2)
+        for when in ("before", "after"):
+            successes = round(rates[when] * episodes)
+            assert summary["intervals"][split][when] == list(binomial_interval(successes, episodes))
+            low, high = summary["intervals"][split][when]
+            assert f"{100 * rates[when]:.1f}% [{100 * low:.0f}-{100 * high:.0f}]" in printed
+    replay = summary["replay"]
+    assert replay["steps"] == [1, 2] and len(replay["pool_tasks"]) == 2 == len(replay["pool_trajectories"])
+    assert replay["pool_tasks"][-1] == summary["pool"]["pool_tasks"]
+    assert 0.0 <= replay["rows_fraction_mean"] <= replay["rows_fraction_max"] <= 1.0
+    assert "replayed rows:" in printed and "pool over the run (tasks/trajectories): step 1:" in printed
 
     # saved: model, tokenizer, pool
     for name in ("config.json", "model.safetensors", "tokenizer.json", "exreplay_pool/state.json"):

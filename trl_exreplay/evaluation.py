@@ -13,6 +13,7 @@ print(result.success_rate, result.per_group)  # overall, and {task_type: [succes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,11 @@ class PolicyEvaluation:
         return self.successes / len(self.episodes) if self.episodes else 0.0
 
     @property
+    def interval(self) -> tuple[float, float]:
+        """95% binomial (Wilson) interval of `success_rate`."""
+        return binomial_interval(self.successes, len(self.episodes))
+
+    @property
     def errors(self) -> int:
         """Episodes the environment failed (counted as failures, never dropped)."""
         return sum(e.error is not None for e in self.episodes)
@@ -55,6 +61,27 @@ class PolicyEvaluation:
     @property
     def mean_turns(self) -> float:
         return sum(e.turns for e in self.episodes) / len(self.episodes) if self.episodes else 0.0
+
+
+def binomial_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a success rate: `binomial_interval(14, 40)` is about (0.221, 0.505), i.e. 35% of 40
+    games is known to about +-15 points. Unlike the normal approximation it stays in [0, 1] and is not empty at 0 or
+    `trials` successes. No trials: (0, 1)."""
+    from statistics import NormalDist
+
+    if not 0 <= successes <= trials:
+        raise ValueError(
+            f"Invalid value {successes!r} for `successes`: allowed values are integers 0 .. trials ({trials})."
+        )
+    if trials == 0:
+        return 0.0, 1.0
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z / (1 + z * z / trials) * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == trials else min(1.0, centre + half)
+    return low, high
 
 
 def evaluate_policy(
