@@ -11,9 +11,10 @@ then its warm start), trains with the same batch size for the same number of opt
 fewer fresh rollouts per step, so curves are drawn against **fresh rollouts consumed** (generated completions, or
 environment episodes), not steps.
 
-`grpo` is `ExReplayGRPOTrainer` with `enable_experience_replay=False`. For the first seed, `--trl-check` (on by
-default) also trains TRL's own `GRPOTrainer` on the same run and records whether every logged loss and every point of
-its curve is identical to `grpo`'s (the drop-in claim, measured).
+`grpo` is `ExReplayGRPOTrainer` with `enable_experience_replay=False`. For the first seed of a testbed TRL's own
+`GRPOTrainer` can train (the single-turn one; multi-turn testbeds use this library's `env_factory`), the harness also
+trains `GRPOTrainer` on the same run and records whether every logged loss and every point of its curve is identical
+to `grpo`'s (the drop-in claim, measured; `--no-trl-check` skips it).
 
 `DIR/results.json` (merged across calls: a run is keyed by testbed, method and seed, and a later call replaces it):
 
@@ -367,6 +368,21 @@ def method_curve(runs: dict) -> tuple[list[float], list[float], list[float], lis
     return xs, [sum(y) / len(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
 
 
+# Two-sided 97.5% quantiles of Student's t for 1..10 degrees of freedom (no scipy needed).
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+
+
+def paired_interval(differences: list[float]) -> dict | None:
+    """Mean of per-seed differences to the baseline and its 95% t interval (None without two seeds)."""
+    n = len(differences)
+    if n < 2:
+        return None
+    mean = sum(differences) / n
+    std = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
+    half = (T975[n - 2] if n - 1 <= len(T975) else 1.96) * std / math.sqrt(n)
+    return {"mean": mean, "std": std, "low": mean - half, "high": mean + half, "seeds": n}
+
+
 def rollouts_to_reach(xs: list[float], ys: list[float], level: float) -> float | None:
     """Fresh rollouts at which the curve first reaches `level` (linear between points); None if it never does."""
     for i, y in enumerate(ys):
@@ -388,9 +404,14 @@ def summarize(entry: dict, baseline: str = "grpo") -> list[dict]:
         bx, by, _, _ = method_curve(methods[baseline]["runs"])
         base_level = by[-1]
         base_need = rollouts_to_reach(bx, by, base_level)
+    base_finals = {}
+    if baseline in methods:
+        base_finals = {seed: run["points"][-1]["heldout_success"] for seed, run in methods[baseline]["runs"].items()}
     for name, method in methods.items():
         runs = method["runs"]
         finals = [run["points"][-1]["heldout_success"] for run in runs.values()]
+        paired = [run["points"][-1]["heldout_success"] - base_finals[seed] for seed, run in runs.items()
+                  if seed in base_finals]  # fmt: skip
         mean = sum(finals) / len(finals)
         std = math.sqrt(sum((f - mean) ** 2 for f in finals) / (len(finals) - 1)) if len(finals) > 1 else 0.0
         xs, ys, _, _ = method_curve(runs)
@@ -412,6 +433,7 @@ def summarize(entry: dict, baseline: str = "grpo") -> list[dict]:
             "rollouts_to_baseline_final": need,
             "rollout_ratio": (need / base_need) if (need is not None and base_need) else None,
             "auc": auc, "generation_saved": saved,
+            "paired_difference": paired_interval(paired),
             "step_s": sum(run["step_s"] for run in runs.values()) / len(runs),
         })  # fmt: skip
     return rows
@@ -422,18 +444,20 @@ def markdown_table(name: str, entry: dict) -> str:
     lines = [
         f"### {name}: {entry['summary']}",
         "",
-        "| method | held-out success, final (mean ± std) | per seed | initial | fresh rollouts to GRPO's final "
-        "(ratio) | AUC | generation saved | s / step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | held-out success, final (mean ± std) | per seed | initial | paired Δ vs grpo [95% CI] "
+        "| fresh rollouts to GRPO's final (ratio) | AUC | generation saved | s / step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         per_seed = ", ".join(f"{seed}: {value:.3f}" for seed, value in sorted(r["final_per_seed"].items(),
                                                                               key=lambda kv: int(kv[0])))  # fmt: skip
         need = "never" if r["rollouts_to_baseline_final"] is None else f"{r['rollouts_to_baseline_final']:.0f}"
         ratio = "" if r["rollout_ratio"] is None else f" ({r['rollout_ratio']:.2f}x)"
+        d = r["paired_difference"]
+        delta = "" if d is None or r["method"] == "grpo" else f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
         lines.append(
             f"| {r['method']} | {r['final_mean']:.3f} ± {r['final_std']:.3f} | {per_seed} | {r['initial_mean']:.3f} "
-            f"| {need}{ratio} | {r['auc']:.3f} | {100 * r['generation_saved']:.1f}% | {r['step_s']:.2f} |"
+            f"| {delta} | {need}{ratio} | {r['auc']:.3f} | {100 * r['generation_saved']:.1f}% | {r['step_s']:.2f} |"
         )
     check = entry.get("trl_check")
     if check:
@@ -464,6 +488,27 @@ def plot(out: Path, name: str, entry: dict) -> Path:
     path = out / f"{name}.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    replayed = {
+        m: e for m, e in entry["methods"].items() if any(r["replay"]["rows_fraction"] for r in e["runs"].values())
+    }
+    if replayed:  # what replay did over the run: the pool's size and the replayed share of each step's rows
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for method_name, method in replayed.items():
+            series = [run["replay"] for run in method["runs"].values()]
+            n = min(len(s["pool_tasks"]) for s in series)
+            steps = list(range(1, n + 1))
+            left.plot(steps, [sum(s["pool_tasks"][i] for s in series) / len(series) for i in range(n)],
+                      label=method_name)  # fmt: skip
+            right.plot(steps, [sum(s["rows_fraction"][i] for s in series) / len(series) for i in range(n)],
+                       label=method_name)  # fmt: skip
+        left.set(xlabel="optimizer step", ylabel="tasks in the pool (mean over seeds)", title=f"{name}: pool")
+        right.set(xlabel="optimizer step", ylabel="replayed fraction of rows", title=f"{name}: replay share")
+        for ax in (left, right):
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"{name}-replay.png", dpi=110)
+        plt.close(fig)
     return path
 
 
@@ -529,7 +574,7 @@ def main(argv=None) -> dict:
         for method in options.methods:
             run = train_one(testbed, method, seed, initial, progress=options.progress)
             results = record_run(options.out, testbed, method, seed, run)
-            if method == "grpo" and options.trl_check and seed == options.seeds[0]:
+            if method == "grpo" and options.trl_check and testbed.trl_comparable and seed == options.seeds[0]:
                 theirs = train_one(testbed, method, seed, initial, progress=options.progress, trl=True)
                 check = {"seed": seed, **compare_with_trl(run, theirs), "run": theirs["run"]}
                 results = record_trl_check(options.out, testbed, check)

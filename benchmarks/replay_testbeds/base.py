@@ -19,6 +19,8 @@ class Testbed:
     model_kwargs: dict[str, Any] = {}
     training: dict[str, Any] = {}  # ExReplayGRPOConfig fields shared by every method of the testbed
     eval_every: int = 10  # optimizer steps between held-out measurements
+    # Whether TRL's own GRPOTrainer can train it (single-turn reward functions); `env_factory` is this library's API.
+    trl_comparable: bool = True
 
     def build(self, seed: int):
         """The initial (model, tokenizer) of `seed`: identical for every method."""

@@ -86,6 +86,7 @@ class MultiTurn(Testbed):
     )
     limits = dict(max_turns=3, max_completion_length=48, max_tokens_per_turn=4)
     eval_every = 20
+    trl_comparable = False  # played through `env_factory`, which TRL's GRPOTrainer does not have
 
     def __init__(self):
         self.split = rooms()
