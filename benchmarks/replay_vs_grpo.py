@@ -157,6 +157,8 @@ class _Recorder:
             {"step": step, "fresh_rollouts": self.fresh, "heldout_success": success, "train_success": train_success,
              "wall_s": round(self.training_seconds(), 3)}
         )  # fmt: skip
+        if self.testbed.last_detail:  # e.g. per held-out split
+            self.points[-1]["heldout_detail"] = dict(self.testbed.last_detail)
         if self.bar is not None:
             self.bar.set_postfix(heldout=f"{success:.3f}", fresh=self.fresh)
 
@@ -164,13 +166,14 @@ class _Recorder:
         # One generation per optimizer step (steps_per_generation = gradient_accumulation_steps), logged every step.
         self.fresh += int(round(logs.get("replay/generated_rows", self.rows_per_step)))
         self.losses.append(logs["loss"])
+        train_success = logs.get("replay/fresh_reward", logs.get("env/success_rate", logs.get("reward")))
         if "replay/rows_fraction" in logs:
             for name in REPLAY_SERIES:
                 self.replay[name].append(logs.get(f"replay/{name}"))
         if self.bar is not None:
             self.bar.update(1)
         if step % self.testbed.eval_every == 0 or step == self.max_steps:
-            self.point(step, model, logs.get("replay/fresh_reward", logs.get("reward")))
+            self.point(step, model, train_success)
 
     def close(self):
         if self.bar is not None:
@@ -308,6 +311,9 @@ def update_results(out: Path, change) -> dict:
         results = load_results(out)
         change(results)
         fd, tmp = tempfile.mkstemp(dir=out, prefix=".results.", suffix=".tmp")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; results are meant to be shared
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(results, f, indent=1)
@@ -325,6 +331,7 @@ def testbed_entry(results: dict, testbed) -> dict:
     entry = results["testbeds"].setdefault(testbed.name, {"methods": {}})
     entry.update(
         summary=testbed.summary,
+        measure=testbed.measure,
         training={**testbed.training, **testbed.trainer_kwargs()},
         eval_every=testbed.eval_every,
         rows_per_step=testbed.training["per_device_train_batch_size"],
@@ -480,7 +487,7 @@ def plot(out: Path, name: str, entry: dict) -> Path:
         (line,) = ax.plot(xs, mean, marker="o", markersize=3, label=f"{method_name} ({seeds} seeds)")
         ax.fill_between(xs, low, high, alpha=0.18, color=line.get_color())
     ax.set_xlabel("fresh rollouts consumed")
-    ax.set_ylabel("held-out success (sampled)")
+    ax.set_ylabel(entry.get("measure", "held-out success"), fontsize=8 if len(entry.get("measure", "")) > 40 else 10)
     ax.set_title(f"{name}: mean and min-max over seeds")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -569,15 +576,18 @@ def main(argv=None) -> dict:
         testbed.training = {**testbed.training, "max_steps": options.max_steps}
         testbed.eval_every = min(testbed.eval_every, options.max_steps)
     results = None
-    for seed in options.seeds:
-        initial = testbed.build(seed)
-        for method in options.methods:
-            run = train_one(testbed, method, seed, initial, progress=options.progress)
-            results = record_run(options.out, testbed, method, seed, run)
-            if method == "grpo" and options.trl_check and testbed.trl_comparable and seed == options.seeds[0]:
-                theirs = train_one(testbed, method, seed, initial, progress=options.progress, trl=True)
-                check = {"seed": seed, **compare_with_trl(run, theirs), "run": theirs["run"]}
-                results = record_trl_check(options.out, testbed, check)
+    try:
+        for seed in options.seeds:
+            initial = testbed.build(seed)
+            for method in options.methods:
+                run = train_one(testbed, method, seed, initial, progress=options.progress)
+                results = record_run(options.out, testbed, method, seed, run)
+                if method == "grpo" and options.trl_check and testbed.trl_comparable and seed == options.seeds[0]:
+                    theirs = train_one(testbed, method, seed, initial, progress=options.progress, trl=True)
+                    check = {"seed": seed, **compare_with_trl(run, theirs), "run": theirs["run"]}
+                    results = record_trl_check(options.out, testbed, check)
+    finally:
+        testbed.close()
     entry = results["testbeds"][testbed.name]
     plot(options.out, testbed.name, entry)
     print(markdown_table(testbed.name, entry))

@@ -19,6 +19,7 @@ class Testbed:
     model_kwargs: dict[str, Any] = {}
     training: dict[str, Any] = {}  # ExReplayGRPOConfig fields shared by every method of the testbed
     eval_every: int = 10  # optimizer steps between held-out measurements
+    measure: str = "held-out success (sampled)"  # what `heldout_success` measures, as plots and tables say it
     # Whether TRL's own GRPOTrainer can train it (single-turn reward functions); `env_factory` is this library's API.
     trl_comparable: bool = True
 
@@ -48,7 +49,13 @@ class Testbed:
         return {}
 
     def heldout_success(self, model, tokenizer, seed: int = 0) -> float:
+        """Success on the held-out problems; a testbed may also fill `last_detail` ({part: rate}, e.g. per split)."""
         raise NotImplementedError
+
+    last_detail: dict[str, float] = {}
+
+    def close(self) -> None:
+        """Release what the testbed holds (environment processes)."""
 
 
 def chat_prompt(text: str) -> list[dict[str, str]]:
