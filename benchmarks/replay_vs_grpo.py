@@ -81,6 +81,8 @@ PRESETS: dict[str, dict] = {
     "exreplay-k4": {"offpolicy_trajectories_per_task": 4},  # half of a replayed task's group is replayed
     "exreplay-early": {"replay_start_ratio": 0.1},
     "exreplay-k4-early-r75": {"offpolicy_trajectories_per_task": 4, "replay_start_ratio": 0.1, "exp_ratio": 0.75},
+    "exreplay-normal": {"replay_bucket_weighting": "normal"},  # ExGRPO's Gaussian over buckets (medium tasks)
+    "exreplay-linear": {"replay_bucket_weighting": "linear"},  # harder tasks (fewer successes) drawn more
 }
 COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
 REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "importance_ratio_mean")
@@ -409,8 +411,9 @@ def summarize(entry: dict, baseline: str = "grpo") -> list[dict]:
     base_level = base_need = None
     if baseline in methods:
         bx, by, _, _ = method_curve(methods[baseline]["runs"])
-        base_level = by[-1]
-        base_need = rollouts_to_reach(bx, by, base_level)
+        if by[-1] > by[0]:  # a baseline that did not rise above its start sets no level worth reaching
+            base_level = by[-1]
+            base_need = rollouts_to_reach(bx, by, base_level)
     base_finals = {}
     if baseline in methods:
         base_finals = {seed: run["points"][-1]["heldout_success"] for seed, run in methods[baseline]["runs"].items()}
@@ -423,9 +426,12 @@ def summarize(entry: dict, baseline: str = "grpo") -> list[dict]:
         std = math.sqrt(sum((f - mean) ** 2 for f in finals) / (len(finals) - 1)) if len(finals) > 1 else 0.0
         xs, ys, _, _ = method_curve(runs)
         need = rollouts_to_reach(xs, ys, base_level) if base_level is not None else None
-        steps = entry["training"]["max_steps"]
-        generated = [run["points"][-1]["fresh_rollouts"] for run in runs.values()]
-        saved = 1 - (sum(generated) / len(generated)) / (entry["rows_per_step"] * steps)
+        generated = [  # the share of each run's rows that were generated, not replayed
+            run["points"][-1]["fresh_rollouts"]
+            / (run["settings"]["per_device_train_batch_size"] * run["points"][-1]["step"])
+            for run in runs.values()
+        ]
+        saved = 1 - sum(generated) / len(generated)
         # Area under the held-out curve over steps, as a mean success (trapezoids, evaluation points by step).
         points = [run["points"] for run in runs.values()]
         auc = sum(
@@ -448,6 +454,8 @@ def summarize(entry: dict, baseline: str = "grpo") -> list[dict]:
 
 def markdown_table(name: str, entry: dict) -> str:
     rows = summarize(entry)
+    base = next((r for r in rows if r["method"] == "grpo"), None)
+    baseline_flat = base is not None and base["rollouts_to_baseline_final"] is None
     lines = [
         f"### {name}: {entry['summary']}",
         "",
@@ -459,6 +467,7 @@ def markdown_table(name: str, entry: dict) -> str:
         per_seed = ", ".join(f"{seed}: {value:.3f}" for seed, value in sorted(r["final_per_seed"].items(),
                                                                               key=lambda kv: int(kv[0])))  # fmt: skip
         need = "never" if r["rollouts_to_baseline_final"] is None else f"{r['rollouts_to_baseline_final']:.0f}"
+        need = "n/a: grpo ended at its start" if baseline_flat else need
         ratio = "" if r["rollout_ratio"] is None else f" ({r['rollout_ratio']:.2f}x)"
         d = r["paired_difference"]
         delta = "" if d is None or r["method"] == "grpo" else f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
