@@ -32,7 +32,8 @@ to `grpo`'s (the drop-in claim, measured; `--no-trl-check` skips it).
                   "points": [{"step": int, "fresh_rollouts": int, "heldout_success": float,
                               "train_success": float | null, "wall_s": float}, ...],  # step 0 is the initial model
                   "replay": {"rows_fraction": [float per step], "pool_tasks": [...], "pool_trajectories": [...],
-                             "importance_ratio_mean": [...]},                         # empty lists without replay
+                             "skip_set": [...], "importance_ratio_mean": [...], "policy_age": [...],
+                             "buckets": [{successes: tasks} per step]},                # empty without replay
                   "wall_s": float, "step_s": float,   # training time (evaluation excluded), per optimizer step
                   "losses": [float per step], "settings": {every config field this run set},
                   "run": {"command": str, "commit": str, "versions": {...}, "machine": {...}, "date": str}
@@ -85,7 +86,7 @@ PRESETS: dict[str, dict] = {
     "exreplay-linear": {"replay_bucket_weighting": "linear"},  # harder tasks (fewer successes) drawn more
 }
 COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
-REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "importance_ratio_mean")
+REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "skip_set", "importance_ratio_mean", "policy_age")
 
 
 def run_record() -> dict:
@@ -172,6 +173,9 @@ class _Recorder:
         if "replay/rows_fraction" in logs:
             for name in REPLAY_SERIES:
                 self.replay[name].append(logs.get(f"replay/{name}"))
+            # Tasks per difficulty bucket (successes among a task's latest fresh rollouts), stored or not.
+            buckets = {k.removeprefix("replay/bucket_"): v for k, v in logs.items() if k.startswith("replay/bucket_")}
+            self.replay.setdefault("buckets", []).append(buckets)
         if self.bar is not None:
             self.bar.update(1)
         if step % self.testbed.eval_every == 0 or step == self.max_steps:
