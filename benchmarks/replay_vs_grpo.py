@@ -84,6 +84,9 @@ PRESETS: dict[str, dict] = {
     "exreplay-k4-early-r75": {"offpolicy_trajectories_per_task": 4, "replay_start_ratio": 0.1, "exp_ratio": 0.75},
     "exreplay-normal": {"replay_bucket_weighting": "normal"},  # ExGRPO's Gaussian over buckets (medium tasks)
     "exreplay-linear": {"replay_bucket_weighting": "linear"},  # harder tasks (fewer successes) drawn more
+    "exreplay-random": {"exp_select_mode": "random"},  # random replay, FIFO eviction (not lowest entropy)
+    "exreplay-tight-clip": {"off_cliprange_high": 0.2},  # replayed ratios clipped as fresh ones are (1 + 0.2)
+    "exreplay-saved-entropy": {"use_current_policy_entropy": False},  # rank by stored entropy: no extra forward
 }
 COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
 REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "skip_set", "importance_ratio_mean", "policy_age")

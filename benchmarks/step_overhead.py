@@ -74,22 +74,18 @@ def timed_trainer_class(clock: dict):
 def timed_env_factory(factory, clock: dict):
     """An environment class whose `reset` and `step` add their wall time to `clock["seconds"]["environment"]`."""
 
-    class TimedEnv(factory):
-        def reset(self, task):
+    def timed(method):
+        def wrapper(self, *args):
             began = time.perf_counter()
             try:
-                return super().reset(task)
+                return method(self, *args)
             finally:
-                clock["seconds"]["environment"] += time.perf_counter() - began if clock["on"] else 0.0
+                if clock["on"]:
+                    clock["seconds"]["environment"] += time.perf_counter() - began
 
-        def step(self, action):
-            began = time.perf_counter()
-            try:
-                return super().step(action)
-            finally:
-                clock["seconds"]["environment"] += time.perf_counter() - began if clock["on"] else 0.0
+        return wrapper
 
-    return TimedEnv
+    return type("TimedEnv", (factory,), {"reset": timed(factory.reset), "step": timed(factory.step)})
 
 
 def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
