@@ -42,7 +42,7 @@ def make(tmp_path, config_cls=ExReplayGRPOConfig, **kwargs):
         use_cpu=True,
         bf16=False,
         num_generations=4,
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=8,  # 2 groups: the default exp_ratio 0.5 replays one
         report_to="none",
     )
     return config_cls(**{**base, **kwargs})
@@ -68,7 +68,7 @@ def test_boundary_values_are_valid(tmp_path):
         replay_start_ratio=0.0,
         offpolicy_trajectories_per_task=3,  # G - 1
         max_trajectories_per_task=3,  # == k
-        experience_lbound=3,  # rbound None = G = 4
+        experience_lbound=2,  # rbound None = G = 4: s = 3 stores
         off_cliprange_high=0.0,
         off_clip_ratio_c=1.0,
         off_policy_shaping_beta=1e-6,
@@ -79,9 +79,9 @@ def test_boundary_values_are_valid(tmp_path):
         replay_bucket_weighting="linear",
         pool_store_mode="best",
     )
-    assert c.offpolicy_trajectories_per_task == 3 and c.experience_lbound == 3
-    c = make(tmp_path, exp_ratio=0.0, replay_start_ratio=1.0, experience_lbound=2, experience_rbound=3)
-    assert (c.experience_lbound, c.experience_rbound) == (2, 3)
+    assert c.offpolicy_trajectories_per_task == 3 and c.experience_lbound == 2
+    c = make(tmp_path, exp_ratio=0.0, replay_start_ratio=1.0, experience_lbound=1, experience_rbound=3)
+    assert (c.experience_lbound, c.experience_rbound) == (1, 3)  # s = 2 stores
     c = make(tmp_path, exp_select_mode="argmax", replay_bucket_weighting="normal", task_id_column="id")
     assert c.task_id_column == "id"
 
@@ -121,6 +121,26 @@ INVALID = [
     ("max_tokens_per_turn", dict(max_tokens_per_turn=0), "None or integers >= 1"),
     ("env_step_timeout", dict(env_step_timeout=0.0), "None or numbers > 0"),
     ("env_workers", dict(env_workers=0), "integers >= 1"),
+    # values that parse but cannot work (issue 24, point 4)
+    ("success_threshold", dict(success_threshold=float("nan")), "finite numbers"),
+    ("success_threshold", dict(success_threshold=float("inf")), "finite numbers"),
+    ("success_threshold", dict(success_threshold="1.0"), "finite numbers"),
+    ("success_threshold", dict(success_threshold=True), "finite numbers"),
+    ("experience_rbound", dict(experience_lbound=2, experience_rbound=3), "no task can enter the pool"),
+    ("experience_rbound", dict(experience_lbound=0, experience_rbound=1), "no task can enter the pool"),
+    ("experience_lbound", dict(experience_lbound=3), "no task can enter the pool"),  # rbound None = G = 4
+    ("experience_rbound", dict(experience_rbound=-1), "None or an integer > experience_lbound"),
+    ("exp_ratio", dict(exp_ratio=True), "numbers in [0, 1]"),
+    ("enable_experience_replay", dict(enable_experience_replay="false"), "True or False"),
+    ("use_current_policy_entropy", dict(use_current_policy_entropy=1), "True or False"),
+    ("exp_is_correct", dict(exp_is_correct="yes"), "True or False"),
+    ("offpolicy_trajectories_per_task", dict(offpolicy_trajectories_per_task=True), "integers 1 .."),
+    ("max_trajectories_per_task", dict(max_trajectories_per_task=True), "integers >= offpolicy"),
+    ("experience_lbound", dict(experience_lbound=False), "integers >= 0"),
+    ("max_policy_age", dict(max_policy_age=True), "None or integers >= 0"),
+    ("max_turns", dict(max_turns=True), "integers >= 1"),
+    ("max_tokens_per_turn", dict(max_tokens_per_turn=True), "None or integers >= 1"),
+    ("env_workers", dict(env_workers=True), "integers >= 1"),
 ]
 
 
@@ -137,7 +157,8 @@ def test_invalid_value_raises_naming_field_and_allowed_values(tmp_path, field, k
 
 
 def test_replay_options_of_replay_config(tmp_path):
-    c = make(tmp_path, exp_ratio=0.25, exp_select_mode="argmax", max_policy_age=3, replay_window=1000)
+    c = make(tmp_path, exp_ratio=0.25, exp_select_mode="argmax", max_policy_age=3, replay_window=1000,
+             per_device_train_batch_size=16)  # fmt: skip
     options = replay_options(c)
     assert set(options) == REPLAY_FIELDS
     assert options["exp_ratio"] == 0.25

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -203,35 +204,46 @@ def replay_options(args: Any) -> dict[str, Any]:
     return options
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not to a config
+
+
 def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
     if not condition:
         raise ValueError(f"Invalid value {value!r} for `{name}`: allowed values are {allowed}.")
 
 
 def validate_replay_options(options: dict[str, Any], num_generations: int | None) -> None:
-    """Raise `ValueError` naming the field and its allowed values for the first invalid replay option."""
+    """Raise `ValueError` naming the field, its value and its allowed values for the first invalid replay option."""
     o = options
+    for name in ("enable_experience_replay", "use_current_policy_entropy", "exp_is_correct"):
+        _check(isinstance(o[name], bool), name, o[name], "True or False (a bool, not a string)")
     for name in ("exp_ratio", "replay_start_ratio"):
         value = o[name]
-        _check(isinstance(value, (int, float)) and 0.0 <= value <= 1.0, name, value, "numbers in [0, 1]")
+        _check(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
+            name,
+            value,
+            "numbers in [0, 1]",
+        )
     k = o["offpolicy_trajectories_per_task"]
     upper = f"num_generations - 1 = {num_generations - 1}" if num_generations else "num_generations - 1"
-    _check(isinstance(k, int) and k >= 1, "offpolicy_trajectories_per_task", k, f"integers 1 .. {upper}")
+    _check(_is_int(k) and k >= 1, "offpolicy_trajectories_per_task", k, f"integers 1 .. {upper}")
     if num_generations is not None:
         _check(k < num_generations, "offpolicy_trajectories_per_task", k, f"integers 1 .. {upper}")
     cap = o["max_trajectories_per_task"]
     _check(
-        isinstance(cap, int) and cap >= k,
+        _is_int(cap) and cap >= k,
         "max_trajectories_per_task",
         cap,
         f"integers >= offpolicy_trajectories_per_task ({k})",
     )
     lbound = o["experience_lbound"]
-    _check(isinstance(lbound, int) and lbound >= 0, "experience_lbound", lbound, "integers >= 0")
+    _check(_is_int(lbound) and lbound >= 0, "experience_lbound", lbound, "integers >= 0")
     rbound = o["experience_rbound"]
     effective_rbound = num_generations if rbound is None else rbound
     if rbound is not None:
-        _check(isinstance(rbound, int), "experience_rbound", rbound, "None or an integer > experience_lbound")
+        _check(_is_int(rbound) and rbound >= 1, "experience_rbound", rbound, "None or an integer > experience_lbound")
     if effective_rbound is not None:
         _check(
             lbound < effective_rbound,
@@ -239,6 +251,25 @@ def validate_replay_options(options: dict[str, Any], num_generations: int | None
             lbound,
             f"integers below experience_rbound ({effective_rbound}; lbound < successes < rbound must be satisfiable)",
         )
+        # A task's trajectories are stored when lbound < s < rbound, s its successes among its fresh rollouts;
+        # s = 0 stores nothing and s = num_generations sends the task to the skip set, so 1 <= s <= G - 1.
+        lowest = max(lbound + 1, 1)
+        highest = effective_rbound - 1 if num_generations is None else min(effective_rbound, num_generations) - 1
+        if lowest > highest:
+            name, value = ("experience_rbound", rbound) if rbound is not None else ("experience_lbound", lbound)
+            raise ValueError(
+                f"Invalid value {value!r} for `{name}`: no task can enter the pool, since its successes s must satisfy "
+                f"experience_lbound ({lbound}) < s < experience_rbound ({effective_rbound}) and 1 <= s <= "
+                f"num_generations - 1; allowed values make that range non-empty (experience_rbound >= "
+                f"experience_lbound + 2, experience_lbound <= num_generations - 2)."
+            )
+    threshold = o["success_threshold"]
+    _check(
+        isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and math.isfinite(threshold),
+        "success_threshold",
+        threshold,
+        "finite numbers",
+    )
     _check(o["exp_select_mode"] in SELECT_MODES, "exp_select_mode", o["exp_select_mode"], _names(SELECT_MODES))
     _check(
         o["off_policy_shaping"] in SHAPING_MODES, "off_policy_shaping", o["off_policy_shaping"], _names(SHAPING_MODES)
@@ -254,24 +285,24 @@ def validate_replay_options(options: dict[str, Any], num_generations: int | None
     _check(o["off_clip_ratio_c"] >= 1, "off_clip_ratio_c", o["off_clip_ratio_c"], "numbers >= 1")
     _check(o["off_policy_shaping_beta"] > 0, "off_policy_shaping_beta", o["off_policy_shaping_beta"], "numbers > 0")
     age = o["max_policy_age"]
-    _check(age is None or (isinstance(age, int) and age >= 0), "max_policy_age", age, "None or integers >= 0")
+    _check(age is None or (_is_int(age) and age >= 0), "max_policy_age", age, "None or integers >= 0")
     window = o["replay_window"]
     _check(
-        window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
+        window is None or (_is_int(window) and window >= 1),
         "replay_window",
         window,
         "None or integers >= 1",
     )
     column = o["task_id_column"]
     _check(isinstance(column, str) and column != "", "task_id_column", column, "a non-empty column name")
-    _check(isinstance(o["max_turns"], int) and o["max_turns"] >= 1, "max_turns", o["max_turns"], "integers >= 1")
+    _check(_is_int(o["max_turns"]) and o["max_turns"] >= 1, "max_turns", o["max_turns"], "integers >= 1")
     per_turn = o["max_tokens_per_turn"]
-    _check(per_turn is None or (isinstance(per_turn, int) and per_turn >= 1), "max_tokens_per_turn", per_turn,
+    _check(per_turn is None or (_is_int(per_turn) and per_turn >= 1), "max_tokens_per_turn", per_turn,
            "None or integers >= 1")  # fmt: skip
     timeout = o["env_step_timeout"]
     _check(timeout is None or timeout > 0, "env_step_timeout", timeout, "None or numbers > 0")
     workers = o["env_workers"]
-    _check(isinstance(workers, int) and workers >= 1, "env_workers", workers, "integers >= 1")
+    _check(_is_int(workers) and workers >= 1, "env_workers", workers, "integers >= 1")
 
 
 def _names(values: tuple[str, ...]) -> str:
