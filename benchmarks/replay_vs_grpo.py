@@ -89,6 +89,13 @@ PRESETS: dict[str, dict] = {
     "exreplay-saved-entropy": {"use_current_policy_entropy": False},  # rank by stored entropy: no extra forward
 }
 COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
+
+
+def rows_per_step(settings: dict) -> int:
+    """Completions (episodes) per optimizer step of a one-process run: its batch times its accumulation steps."""
+    return settings["per_device_train_batch_size"] * settings.get("gradient_accumulation_steps", 1)
+
+
 REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "skip_set", "importance_ratio_mean", "policy_age")
 
 
@@ -199,10 +206,9 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
     model, tokenizer = copy.deepcopy(initial[0]), initial[1]
     preset = PRESETS[method]
     settings = {**COMMON, **testbed.training, **testbed.trainer_kwargs(), **preset, "seed": seed}
-    rows_per_step = settings["per_device_train_batch_size"] * settings.get("gradient_accumulation_steps", 1)
     max_steps = settings["max_steps"]
     label = f"{testbed.name} {'trl-GRPOTrainer' if trl else method} seed {seed}"
-    recorder = _Recorder(testbed, tokenizer, rows_per_step, max_steps, label, progress)
+    recorder = _Recorder(testbed, tokenizer, rows_per_step(settings), max_steps, label, progress)
     with tempfile.TemporaryDirectory() as output_dir:
         if trl:
             known = GRPOConfig.__dataclass_fields__
@@ -211,7 +217,8 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
         else:
             args = ExReplayGRPOConfig(output_dir=output_dir, **settings)
             trainer_cls = ExReplayGRPOTrainer
-        kwargs = {"env_factory": testbed.env_factory()} if testbed.env_factory() is not None else {}
+        env_factory = testbed.env_factory()
+        kwargs = {"env_factory": env_factory} if env_factory is not None else {}
         trainer = trainer_cls(
             model=model,
             reward_funcs=testbed.reward_funcs(),
@@ -320,9 +327,7 @@ def update_results(out: Path, change) -> dict:
         results = load_results(out)
         change(results)
         fd, tmp = tempfile.mkstemp(dir=out, prefix=".results.", suffix=".tmp")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; results are meant to be shared
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; results are meant to be shared
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(results, f, indent=1)
@@ -343,7 +348,7 @@ def testbed_entry(results: dict, testbed) -> dict:
         measure=testbed.measure,
         training={**testbed.training, **testbed.trainer_kwargs()},
         eval_every=testbed.eval_every,
-        rows_per_step=testbed.training["per_device_train_batch_size"],
+        rows_per_step=rows_per_step(testbed.training),
     )
     return entry
 
@@ -416,13 +421,12 @@ def summarize(entry: dict, baseline: str = "grpo") -> list[dict]:
     rows = []
     methods = entry["methods"]
     base_level = base_need = None
+    base_finals = {}
     if baseline in methods:
         bx, by, _, _ = method_curve(methods[baseline]["runs"])
         if by[-1] > by[0]:  # a baseline that did not rise above its start sets no level worth reaching
             base_level = by[-1]
             base_need = rollouts_to_reach(bx, by, base_level)
-    base_finals = {}
-    if baseline in methods:
         base_finals = {seed: run["points"][-1]["heldout_success"] for seed, run in methods[baseline]["runs"].items()}
     for name, method in methods.items():
         runs = method["runs"]
@@ -434,8 +438,7 @@ def summarize(entry: dict, baseline: str = "grpo") -> list[dict]:
         xs, ys, _, _ = method_curve(runs)
         need = rollouts_to_reach(xs, ys, base_level) if base_level is not None else None
         generated = [  # the share of each run's rows that were generated, not replayed
-            run["points"][-1]["fresh_rollouts"]
-            / (run["settings"]["per_device_train_batch_size"] * run["points"][-1]["step"])
+            run["points"][-1]["fresh_rollouts"] / (rows_per_step(run["settings"]) * run["points"][-1]["step"])
             for run in runs.values()
         ]
         saved = 1 - sum(generated) / len(generated)

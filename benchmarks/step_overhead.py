@@ -24,6 +24,7 @@ import argparse
 import copy
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -49,19 +50,18 @@ TIMED_METHODS = {
 
 
 def timed_trainer_class(clock: dict):
-    """`ExReplayGRPOTrainer` whose methods of `TIMED_METHODS` add their wall time to `clock` (outermost call only)."""
+    """`ExReplayGRPOTrainer` whose methods of `TIMED_METHODS` add their wall time to `clock["seconds"]`.
+
+    Each wrapper calls the class's own method, whose `super()` calls reach TRL's unwrapped methods: no part is counted
+    twice, and the parts are disjoint except where the step's decomposition below subtracts them."""
     from trl_exreplay import ExReplayGRPOTrainer
 
     def timed(name, label):
         def method(self, *args, **kwargs):
-            if clock["active"].get(label):  # a nested call of the same part (super() chains) is counted once
-                return getattr(ExReplayGRPOTrainer, name)(self, *args, **kwargs)
-            clock["active"][label] = True
             began = time.perf_counter()
             try:
                 return getattr(ExReplayGRPOTrainer, name)(self, *args, **kwargs)
             finally:
-                clock["active"][label] = False
                 if clock["on"]:
                     clock["seconds"][label] += time.perf_counter() - began
 
@@ -94,9 +94,14 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
 
     from trl_exreplay import ExReplayGRPOConfig
 
-    clock = {"on": False, "seconds": defaultdict(float), "active": {}, "steps": 0, "step_seconds": 0.0}
+    clock = {"on": False, "seconds": defaultdict(float), "steps": 0, "step_seconds": 0.0}
     settings = {**testbed.training, **testbed.trainer_kwargs(), "max_steps": max_steps}
-    first_timed = int(settings.get("replay_start_ratio", 0.35) * max_steps) + 1  # the config default start ratio
+    output_dir = tempfile.mkdtemp(prefix="step_overhead-")
+    args = ExReplayGRPOConfig(
+        output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0, enable_experience_replay=replay, **settings,
+    )  # fmt: skip
+    first_timed = int(args.replay_start_ratio * max_steps) + 1  # the first step at which replay may replay
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -111,11 +116,7 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
 
     model, tokenizer = copy.deepcopy(initial[0]), initial[1]
     env_factory = testbed.env_factory()
-    with tempfile.TemporaryDirectory() as output_dir:
-        args = ExReplayGRPOConfig(
-            output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-            disable_tqdm=True, seed=0, enable_experience_replay=replay, **settings,
-        )  # fmt: skip
+    try:
         kwargs = {"env_factory": timed_env_factory(env_factory, clock)} if env_factory is not None else {}
         trainer = timed_trainer_class(clock)(
             model=model,
@@ -128,6 +129,8 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
         )
         trainer.remove_callback(PrinterCallback)
         trainer.train()
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
     generated = [e["replay/generated_rows"] for e in trainer.state.log_history if "replay/generated_rows" in e]
     rows = settings["per_device_train_batch_size"]
     timed_generated = generated[first_timed - 1 :] if generated else [rows] * clock["steps"]

@@ -16,11 +16,23 @@ def harness():
     return load_script("benchmarks/replay_vs_grpo.py", "replay_vs_grpo")
 
 
-def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys):
+def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys, monkeypatch):
+    from trl import GRPOTrainer
+
+    # Completions TRL generated, counted where TRL generates them (not from the trainer's own logs).
+    generated = []
+    trl_generate = GRPOTrainer._generate_single_turn
+
+    def counting(self, prompt_ids, *args, **kwargs):
+        generated.append(len(prompt_ids))
+        return trl_generate(self, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", counting)
     out = tmp_path / "out"
     argv = ["--testbed", "single-turn", "--methods", "grpo,exreplay", "--seeds", "3", "--max-steps", "4",
             "--out", str(out), "--no-progress", "--set", "replay_start_ratio=0.25"]  # fmt: skip
     harness.main(argv)
+    per_run = [sum(generated[i : i + 4]) for i in range(0, len(generated), 4)]  # one generation a step, 4 steps
     results = json.loads((out / "results.json").read_text())
     harness.validate_results(results)
     entry = results["testbeds"]["single-turn"]
@@ -30,10 +42,11 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     # The same initial model and the same held-out draws for every method.
     assert grpo["points"][0]["heldout_success"] == replay["points"][0]["heldout_success"]
     rows = entry["rows_per_step"]
-    assert grpo["points"][-1]["fresh_rollouts"] == 4 * rows  # plain GRPO generates every row
+    assert len(generated) == 12  # grpo, TRL's GRPOTrainer (the check on the first seed), exreplay: 4 steps each
+    assert per_run[0] == per_run[1] == grpo["points"][-1]["fresh_rollouts"] == 4 * rows  # GRPO generates every row
     assert replay["replay"]["rows_fraction"][0] == 0.0  # before replay's start every row is fresh
-    replayed = sum(fraction * rows for fraction in replay["replay"]["rows_fraction"])
-    assert replay["points"][-1]["fresh_rollouts"] == round(4 * rows - replayed)
+    assert max(replay["replay"]["rows_fraction"]) > 0  # and after it some rows are replayed, not generated
+    assert replay["points"][-1]["fresh_rollouts"] == per_run[2] < 4 * rows
     assert entry["methods"]["exreplay"]["preset"] == {} and replay["settings"]["seed"] == 3
     # TRL's GRPOTrainer on the first seed: every loss and held-out point identical to `grpo`.
     assert entry["trl_check"]["identical"] is True, entry["trl_check"]

@@ -117,4 +117,5 @@ class MultiTurn(Testbed):
             )  # fmt: skip
         if result.errors:
             raise RuntimeError(f"{result.errors} held-out episodes failed in the environment")
+        self.last_detail = {f"{n} doors": won / played for n, (won, played) in sorted(result.per_group.items())}
         return result.success_rate

@@ -92,4 +92,9 @@ class SingleTurn(Testbed):
         rows = as_rows(self.split["heldout"])
         answers = sampled_answers(model, tokenizer, [r["prompt"] for r in rows], self.training["max_completion_length"],
                                   seed=seed)  # fmt: skip
-        return sum(" ".join(a.split()) == r["answer"] for a, r in zip(answers, rows)) / len(rows)
+        right = [" ".join(a.split()) == r["answer"] for a, r in zip(answers, rows)]
+        self.last_detail = {
+            f"length {n}": sum(ok for ok, r in zip(right, rows) if r["length"] == n) / HELDOUT_PER_LENGTH
+            for n in LENGTHS
+        }
+        return sum(right) / len(rows)
