@@ -62,3 +62,38 @@ def make_trainer(tmp_path, trainer_cls=ExReplayGRPOTrainer, args=None, num_tasks
 
 def losses(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def reseal_pool(path: str) -> None:
+    """Record the current sizes and checksums of the files of the pool saved at `path` in its ``state.json`` (and
+    that file's own checksum): a hand-edited pool that passes the checksums, as a careful attacker would publish."""
+    import json
+    import os
+
+    from trl_exreplay.pool_check import file_checksum, state_checksum
+
+    state_path = os.path.join(path, "state.json")
+    with open(state_path) as f:
+        state = json.load(f)
+    for name, entry in state["files"].items():
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            entry.update(size=os.path.getsize(file), xxh3_64=file_checksum(file))
+    state["checksum"] = state_checksum(state)
+    with open(state_path, "w") as f:
+        json.dump(state, f)
+
+
+def as_format_2(path: str) -> None:
+    """Make the pool saved at `path` look saved by the previous version: format_version 2, no checksums."""
+    import json
+    import os
+
+    state_path = os.path.join(path, "state.json")
+    with open(state_path) as f:
+        state = json.load(f)
+    state.update(format_version=2)
+    state.pop("files")
+    state.pop("checksum")
+    with open(state_path, "w") as f:
+        json.dump(state, f)

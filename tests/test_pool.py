@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pyarrow as pa
 import pytest
+from helpers import reseal_pool
 
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, task_key
 from trl_exreplay.pool_store import TRAJECTORY_SCHEMA, read_arrow, read_state, state_files
@@ -169,6 +170,7 @@ def test_stats_counts():
         "pool_tasks": 2.0,
         "pool_trajectories": 3.0,
         "skip_set": 1.0,
+        "pool_rejected_rows": 0.0,
         "bucket_0": 1.0,
         "bucket_2": 2.0,
     }
@@ -658,6 +660,7 @@ def _rewrite_rows(path, edit):
         with pa.OSFile(file + ".new", "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
         os.replace(file + ".new", file)
+    reseal_pool(path)  # crafted with valid checksums: the rows themselves must be refused
 
 
 def test_row_with_bad_shape_is_rejected_not_fatal(tmp_path):

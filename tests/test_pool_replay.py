@@ -17,6 +17,7 @@ from dataclasses import asdict
 
 import numpy as np
 import pytest
+from helpers import as_format_2
 from test_pool_store import traj
 
 from trl_exreplay import planner
@@ -89,8 +90,9 @@ def test_live_and_loaded_pools_keep_the_same_bucket_arrays_and_draws(tmp_path, r
     for seed in range(20):
         for weighting in ("uniform", "normal"):
             assert drawn_tasks(loaded, seed, 6, weighting) == drawn_tasks(pool, seed, 6, weighting)
-    # a pool saved before the arrays were saved (no `bucket_pos` column) loads them in bucket order
+    # a pool saved before the arrays were saved (format 2, no `bucket_pos` column) loads them in bucket order
     state = read_state(str(tmp_path / "pool"))
+    as_format_2(str(tmp_path / "pool"))
     path = os.path.join(str(tmp_path / "pool"), state["tasks_file"])
     table = read_arrow(path)
     table = table.drop_columns(["bucket_pos"])

@@ -14,12 +14,14 @@ from collections.abc import Sequence
 
 from trl import GRPOTrainer
 
+from .pool_check import PoolFolder
 from .pool_store import (
     FORMAT_VERSION,
     STATE_FILE,
     TASK_ROWS_DIR,
     TRAJECTORIES_DIR,
     TRAJECTORY_FEATURES,
+    read_state,
     state_files,
 )
 
@@ -257,25 +259,28 @@ def push_model(
 
 
 def _pool_state(pool_dir: str) -> dict:
-    state_path = os.path.join(pool_dir, STATE_FILE)
-    if not os.path.isfile(state_path):
+    """The validated state of the pool saved in `pool_dir`, after checking that every file it names is inside the
+    folder and holds the bytes recorded at save (so that nothing else, such as a hard link to a file outside, is
+    ever uploaded)."""
+    if not os.path.isfile(os.path.join(pool_dir, STATE_FILE)):
         raise FileNotFoundError(
             f"{pool_dir} is not a saved experience pool (no {STATE_FILE}; write one with ExperiencePool.save)."
         )
-    try:
-        with open(state_path) as f:
-            state = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{pool_dir} is not a saved experience pool: {STATE_FILE} is not JSON ({e}).") from e
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+    state = read_state(pool_dir)
+    if state["format_version"] != FORMAT_VERSION:
         raise ValueError(
-            f"{pool_dir} is not a saved experience pool of format_version {FORMAT_VERSION} (an older pool: load it "
-            "with ExperiencePool.load and save it again)."
+            f"{pool_dir} holds an experience pool of the older format_version {state['format_version']}, without "
+            f"checksums; load it with ExperiencePool.load and save it to another folder (format_version "
+            f"{FORMAT_VERSION}) to push it."
         )
-    missing = [name for name in state_files(state) if not os.path.isfile(os.path.join(pool_dir, name))]
-    if missing:
-        raise ValueError(f"Experience pool at {pool_dir} is incomplete: missing {', '.join(missing)}.")
+    folder = PoolFolder(pool_dir)
+    for name in state_files(state)[1:]:
+        folder.verify(state, name)
     return state
+
+
+def _state_bytes(state: dict) -> bytes:
+    return json.dumps({k: v for k, v in state.items() if k != "verified"}).encode()
 
 
 def _pool_card(repo_id: str, state: dict) -> str:
@@ -359,9 +364,11 @@ def push_pool(
             pool.compact()
             pool.save(pool_dir, save_total_limit=state.get("save_total_limit", 1))
         state = _pool_state(pool_dir)
-    operations = [
+    # state.json as the bytes just validated (not re-read: it cannot change between the check and the upload)
+    operations = [CommitOperationAdd(path_in_repo=STATE_FILE, path_or_fileobj=_state_bytes(state))]
+    operations += [
         CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(pool_dir, name))
-        for name in state_files(state)
+        for name in state_files(state)[1:]
     ]
     text = card if card is not None else _pool_card(repo_id, state)
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=text.encode("utf-8")))

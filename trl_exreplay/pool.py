@@ -32,12 +32,25 @@ import tempfile
 import threading
 import uuid
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from .planner import TaskBuckets
+from .pool_check import (
+    CHECKSUM,
+    SETTINGS,
+    PoolFolder,
+    PoolFormatError,
+    bad_trajectory_rows,
+    check_arrow,
+    check_settings,
+    file_checksum,
+    state_checksum,
+    trajectory_problem,
+)
 from .pool_store import (
     FORMAT_VERSION,
     HISTORY_DIR,
@@ -232,8 +245,10 @@ class ExperiencePool:
         self.max_policy_age = max_policy_age
         self.replay_window = replay_window
         self.seed = seed
+        _check_settings(self._settings())
         self.tokenizer_fingerprint: str | None = None  # of the tokenizer whose ids the trajectories hold
-        self.rejected_rows = 0  # rows refused at load (counted and logged)
+        self.rejected_reasons: Counter = Counter()  # rows refused (at load, or when added), by reason
+        self.vocab_size: int | None = None  # token ids must be below it (None: unchecked), see `set_vocab_size`
         self._next_traj_id = 0
         self._num_outcomes = 0
         self._stored_count = 0  # trajectories ever stored: store_seq of the next one
@@ -290,6 +305,11 @@ class ExperiencePool:
             self, _close_storage, self._writer, self._scratch, (self._trajectories, self._task_rows)
         )
 
+    @property
+    def rejected_rows(self) -> int:
+        """Rows refused, at load or when added (their reasons: `rejected_reasons`); none of them is ever replayed."""
+        return sum(self.rejected_reasons.values())
+
     # ----------------------------------------------------------------------------------------------- updates
     def record_outcome(self, outcome: TaskOutcome) -> None:
         """Update buckets, skip set and store with one task's outcome of one step."""
@@ -319,7 +339,13 @@ class ExperiencePool:
         """Store one trajectory under its task, evicting at capacity; returns whether it was kept.
 
         The pool keeps a copy (later changes to `trajectory` do not reach it), written to a shard off this thread.
+        A trajectory a model cannot be trained on (non-finite log-prob, reward or entropy, a mask value other than
+        0/1, a token id < 0 or >= `vocab_size`) is refused and counted in `rejected_reasons`.
         """
+        problem = trajectory_problem(trajectory, self.vocab_size)
+        if problem is not None:
+            self._reject(problem, 1, f"a trajectory of task {trajectory.task_id!r}")
+            return False
         trajectory.traj_id = self._next_traj_id
         self._next_traj_id += 1
         t = self._task(trajectory.task_id)
@@ -353,12 +379,50 @@ class ExperiencePool:
         self._shift_append(t, 0, trajectory)  # FIFO
         return True
 
+    def _reject(self, reason: str, count: int, what: str) -> None:
+        if reason not in self.rejected_reasons:
+            logger.warning(
+                "trl_exreplay: %s was refused by the experience pool (%s); counted in pool rejected_rows (logged "
+                "once per reason).",
+                what,
+                reason,
+            )
+        self.rejected_reasons[reason] += count
+
+    def set_vocab_size(self, vocab_size: int) -> int:
+        """Refuse token ids >= `vocab_size` from now on, and remove (and count) the stored trajectories holding one
+        (a pool given to a model with a smaller vocabulary would otherwise fail with an IndexError mid-training).
+        Reads the token columns of the stored trajectories once; returns how many were removed."""
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}.")
+        self.vocab_size = vocab_size
+        self.flush(wait=True)
+        n = len(self._task_ids)
+        tasks, places = np.nonzero(self._slots[:n] >= 0)
+        keys = self._slots[tasks, places].astype(np.int64)
+        locations = self._trajectories.locations(keys)
+        bad_keys = []
+        for sid in np.unique(locations >> 32).tolist():
+            mine = np.nonzero((locations >> 32) == sid)[0]
+            shard = self._trajectories.shards[sid]
+            bad, why = bad_trajectory_rows(shard.table(), locations[mine] & 0xFFFFFFFF, vocab_size)
+            shard.release()
+            for reason, count in why.items():
+                self._reject(reason, count, f"{count} stored trajectory(ies)")
+            bad_keys += keys[mine[bad]].tolist()
+        for key in bad_keys:
+            t = int(self._key_task[key])
+            self._remove_slot(t, self._slots[t, : self._count[t]].tolist().index(key))
+        return len(bad_keys)
+
     def configure(self, **settings) -> list[str]:
         """Apply settings (the constructor's keyword arguments); returns the names whose value changed."""
+        for name in settings:
+            if name not in SETTINGS:
+                raise ValueError(f"Unknown ExperiencePool setting {name!r}: allowed {', '.join(SETTINGS)}.")
+        _check_settings({**self._settings(), **settings})
         changed = []
         for name, value in settings.items():
-            if name not in _SETTINGS:
-                raise ValueError(f"Unknown ExperiencePool setting {name!r}: allowed {', '.join(_SETTINGS)}.")
             if getattr(self, name) != value:
                 changed.append(name)
                 setattr(self, name, value)
@@ -530,6 +594,19 @@ class ExperiencePool:
         row[i : n - 1] = row[i + 1 : n].copy()
         row[n - 1] = self._store_trajectory(t, trajectory)
         self._drop_key(old)
+
+    def _remove_slot(self, t: int, i: int) -> None:
+        """Remove the trajectory at position `i` of task `t` (list.pop(i))."""
+        n = int(self._count[t])
+        row = self._slots[t]
+        old = int(row[i])
+        row[i : n - 1] = row[i + 1 : n].copy()
+        row[n - 1] = -1
+        self._count[t] = n - 1
+        self._drop_key(old)
+        if n == 1:
+            self._num_stored_tasks -= 1
+            self._place_in_bucket(t)
 
     def _clear_store(self, t: int) -> None:
         n = int(self._count[t])
@@ -787,6 +864,7 @@ class ExperiencePool:
             "pool_tasks": float(self.num_tasks),
             "pool_trajectories": float(self.num_trajectories),
             "skip_set": float(int((self._skip_order[: len(self._task_ids)] >= 0).sum())),
+            "pool_rejected_rows": float(self.rejected_rows),
         }
         difficulties = self._difficulty[: len(self._task_ids)]
         for difficulty, count in enumerate(np.bincount(difficulties[difficulties >= 0]).tolist()):
@@ -891,7 +969,7 @@ class ExperiencePool:
         return digest.hexdigest()
 
     def _settings(self) -> dict:
-        return {name: getattr(self, name) for name in _SETTINGS}
+        return {name: getattr(self, name) for name in SETTINGS}
 
     def save(self, path: str, save_total_limit: int = 1) -> None:
         """Save the pool to folder `path`: incrementally, atomically, keeping `save_total_limit` snapshots there.
@@ -918,11 +996,15 @@ class ExperiencePool:
             os.makedirs(os.path.join(path, TASKS_DIR), exist_ok=True)
             table = self._tasks_table(entries)
             write_atomic(os.path.join(path, tasks_file), lambda tmp: write_arrow(tmp, table))
+            files = {tasks_file: _file_entry(*_digest(os.path.join(path, tasks_file)))}
+            for kind, es in entries.items():
+                files.update({f"{kind}/{e['name']}": _file_entry(*e["digest"]) for e in es})
             for folder in (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR):
                 fsync_path(os.path.join(path, folder))
             if save_total_limit > 1 and previous is not None:
                 os.makedirs(os.path.join(path, HISTORY_DIR), exist_ok=True)
-                write_json_atomic(os.path.join(path, HISTORY_DIR, f"{previous['snapshot']:08d}.json"), previous)
+                kept = {k: v for k, v in previous.items() if k != "verified"}  # as it was written
+                write_json_atomic(os.path.join(path, HISTORY_DIR, f"{previous['snapshot']:08d}.json"), kept)
                 fsync_path(os.path.join(path, HISTORY_DIR))
             state = {
                 "format_version": FORMAT_VERSION,
@@ -942,7 +1024,9 @@ class ExperiencePool:
                 "shards": {
                     kind: [{k: e[k] for k in ("name", "rows", "live")} for e in es] for kind, es in entries.items()
                 },
+                "files": files,
             }
+            state["checksum"] = state_checksum(state)
             write_json_atomic(os.path.join(path, STATE_FILE), state)  # the commit
             fsync_path(path)
         except BaseException:
@@ -999,7 +1083,8 @@ class ExperiencePool:
                 "traj_shard": lists(traj_shard),
                 "traj_row": lists(traj_row),
                 "traj_id": lists(self._key_traj_id[keys]),
-            }
+            },
+            schema=_tasks_schema(),
         )
 
     @classmethod
@@ -1009,52 +1094,89 @@ class ExperiencePool:
         *,
         snapshot: int | None = None,
         tokenizer=None,
+        vocab_size: int | None = None,
+        verify: bool = True,
+        allow_missing_fingerprint: bool = False,
         work_dir: str | None = None,
         shard_rows: int = 1024,
     ) -> ExperiencePool:
         """Load the pool saved at `path` (its committed snapshot, or an older kept `snapshot`).
 
-        Shards are memory-mapped, not read: RAM receives the index only. A row that is missing or malformed (null
-        field, lists of unequal length, wrong trajectory id) is left out, counted in `rejected_rows` and logged.
-        Given a `tokenizer`, a pool recorded with another one is refused (`ValueError`).
+        The folder is untrusted input (`trl_exreplay.pool_check`): ``state.json`` is validated, every file must be
+        named inside the folder and resolve inside it, have its recorded size and (with `verify`, the default) its
+        recorded xxh3-64 checksum, and a valid Arrow layout, before anything is mapped. Any damage raises one
+        `PoolFormatError` (a `ValueError`) naming the file. Shards are then memory-mapped, not read: RAM receives the
+        index only. A row a model cannot train on (null field, lists of unequal length, wrong trajectory id,
+        non-finite log-prob or reward, a mask value other than 0/1, a token id < 0 or >= `vocab_size`) is left out,
+        counted in `rejected_rows` (by reason in `rejected_reasons`) and logged.
+
+        Given a `tokenizer`, a pool recorded with another one is refused (`ValueError`), and so is a pool recorded
+        with none, unless `allow_missing_fingerprint`. ``verify=False`` skips the checksums (sizes, names, layouts
+        and row values are still checked): for a local pool on a trusted disk (`benchmarks/pool_scale.py` measures
+        both). `from_hub` always verifies.
         """
         path = os.path.abspath(path)
-        if not os.path.isfile(os.path.join(path, STATE_FILE)):
+        if not os.path.lexists(os.path.join(path, STATE_FILE)):
             raise FileNotFoundError(f"No experience pool at {path} (missing {STATE_FILE}).")
         state = read_state(path, snapshot)
-        version = state.get("format_version")
-        if version == 1:
+        if state["format_version"] == 1:
             pool = cls._load_format_1(path, state, work_dir, shard_rows)
-        elif version == FORMAT_VERSION:
-            pool = cls._load_snapshot(path, state, work_dir, shard_rows)
         else:
-            raise ValueError(
-                f"Experience pool at {path} has format_version {version!r}; this version of trl_exreplay reads "
-                f"format_version {FORMAT_VERSION} (and 1)."
-            )
+            if not state["verified"]:
+                logger.warning(
+                    "trl_exreplay: the experience pool at %s was saved in format_version 2, without checksums: damage "
+                    "to its files cannot be detected. Save it again (to another folder) to add them.",
+                    path,
+                )
+            pool = cls._load_snapshot(path, state, work_dir, shard_rows, vocab_size, verify)
         if pool.rejected_rows:
             logger.warning(
-                "trl_exreplay: %d row(s) of the experience pool at %s are missing or malformed; they were left out "
-                "(counted in ExperiencePool.rejected_rows).",
+                "trl_exreplay: %d row(s) of the experience pool at %s were left out (%s); counted in "
+                "ExperiencePool.rejected_rows.",
                 pool.rejected_rows,
                 path,
+                ", ".join(f"{n} {reason}" for reason, n in sorted(pool.rejected_reasons.items())),
             )
         if tokenizer is not None:
+            if pool.tokenizer_fingerprint is None and not allow_missing_fingerprint:
+                pool.close()
+                raise ValueError(
+                    f"The experience pool at {path} records no tokenizer fingerprint, so nothing says its token ids "
+                    "belong to the given tokenizer. Pass allow_missing_fingerprint=True to use it with this tokenizer "
+                    "anyway (it is then bound to it), or start from an empty pool."
+                )
             pool.bind_tokenizer(tokenizer_fingerprint(tokenizer), source=path)
         return pool
 
     @classmethod
-    def _load_snapshot(cls, path: str, state: dict, work_dir, shard_rows) -> ExperiencePool:
+    def _load_snapshot(cls, path: str, state: dict, work_dir, shard_rows, vocab_size, verify) -> ExperiencePool:
         import pyarrow as pa
 
+        folder = PoolFolder(path)
+        tasks_path = folder.verify(state, state["tasks_file"], verify)
+        try:
+            tasks = read_arrow(tasks_path)
+        except (OSError, pa.ArrowException) as e:
+            raise PoolFormatError(tasks_path, f"is not an Arrow file ({e}).") from None
+        _check_tasks_table(tasks, state, tasks_path)
         pool = cls(**state["settings"], work_dir=work_dir, shard_rows=shard_rows)
+        try:
+            pool._fill_from_snapshot(folder, state, tasks, vocab_size, verify)
+        except BaseException:
+            pool.close()
+            raise
+        return pool
+
+    def _fill_from_snapshot(self, folder: PoolFolder, state: dict, tasks, vocab_size, verify) -> None:
+        import pyarrow as pa
+
+        pool = self
         pool.tokenizer_fingerprint = state.get("tokenizer_fingerprint")
         counters = state["counters"]
         pool._next_traj_id = int(counters["next_traj_id"])
         pool._num_outcomes = int(counters["num_outcomes"])
         pool._stored_count = int(counters["stored_count"])
         pool._stamp = int(counters["stamp"])
-        tasks = read_arrow(os.path.join(path, state["tasks_file"]))
         n = tasks.num_rows
         pool._task_ids = tasks.column("task_id").to_pylist()
         pool._task_index = {task_id: i for i, task_id in enumerate(pool._task_ids)}
@@ -1062,18 +1184,23 @@ class ExperiencePool:
         for name in ("difficulty", "difficulty_order", "skip_order", "store_order"):
             getattr(pool, f"_{name}")[:n] = tasks.column(name).to_numpy()
         places = tasks.column("bucket_pos") if "bucket_pos" in tasks.schema.names else None  # absent before
-        places = places.to_numpy() if places is not None and places.null_count == 0 else None
+        places = places.to_numpy() if places is not None else None
 
-        def shards(kind):
-            """(index in the state, shard) of each shard file, mapped one at a time."""
+        def shards(kind, schema):
+            """(index in the state, shard) of each shard file, checked, then mapped one at a time."""
             for i, entry in enumerate(state["shards"][kind]):
-                file = os.path.join(path, kind, entry["name"])
+                file = folder.verify(state, f"{kind}/{entry['name']}", verify)
+                shard = Shard(-1, entry["name"], 0, [file])
                 try:
-                    shard = Shard(-1, entry["name"], 0, [file])
                     shard.map(file)
-                except (OSError, pa.ArrowInvalid) as e:
-                    logger.warning("trl_exreplay: pool shard %s cannot be read (%s); its rows are left out.", file, e)
-                    continue
+                except (OSError, pa.ArrowException) as e:
+                    raise PoolFormatError(file, f"is not an Arrow file ({e}).") from None
+                check_arrow(shard.table(), schema, file)
+                if shard.rows != entry["rows"]:
+                    raise PoolFormatError(file, f"has {shard.rows} rows; the pool recorded {entry['rows']}.")
+                if verify and state["verified"]:  # checked just now: a later save need not hash it again
+                    recorded = state["files"][f"{kind}/{entry['name']}"]
+                    shard.digest = (recorded["size"], recorded[CHECKSUM])
                 yield i, shard
 
         def settle(log, shard):
@@ -1081,12 +1208,12 @@ class ExperiencePool:
             shard.release()  # validation read offsets and ids through the mapping: unmap them again
             log.keep(shard)  # unmapped too, when a hard link in the scratch folder keeps the file
 
-        rejected = 0
+        reasons = pool.rejected_reasons
         row_shard = tasks.column("row_shard").to_numpy()
         row_index = tasks.column("row_index").to_numpy().astype(np.int64)
         placed = np.zeros(n, bool)
         row_groups = _group_by(row_shard)
-        for i, shard in shards(TASK_ROWS_DIR):
+        for i, shard in shards(TASK_ROWS_DIR, TASK_ROW_SCHEMA):
             owners = row_groups(i)
             if len(owners) == 0:
                 continue
@@ -1095,7 +1222,9 @@ class ExperiencePool:
             pool._row_key[owners[good]] = pool._task_rows.adopt(shard, rows[good])
             placed[owners[good]] = True
             settle(pool._task_rows, shard)
-        rejected += int(((row_shard >= 0) & ~placed).sum())
+        lost = int(((row_shard >= 0) & ~placed).sum())
+        if lost:
+            reasons["missing or malformed task row"] += lost
 
         lengths = np.diff(tasks.column("traj_shard").combine_chunks().offsets.to_numpy())
         entry_task = np.repeat(np.arange(n, dtype=np.int32), lengths)
@@ -1103,19 +1232,28 @@ class ExperiencePool:
         del tasks
         entry_key = np.full(len(entry_task), -1, np.int64)
         entry_groups = _group_by(flat["traj_shard"])
-        for i, shard in shards(TRAJECTORIES_DIR):
+        for i, shard in shards(TRAJECTORIES_DIR, TRAJECTORY_SCHEMA):
             entries = entry_groups(i)
             if len(entries) == 0:
                 continue
             rows = flat["traj_row"][entries].astype(np.int64)
             table = shard.table()
             bad = invalid_rows(table, rows, _REQUIRED, _SAME_LENGTH)
+            if bad.any():
+                reasons["missing or malformed row"] += int(bad.sum())
             safe = np.where(bad, 0, rows)
             columns = {name: table.column(name).to_numpy() for name in _INDEX_COLUMNS} if not bad.all() else {}
-            if columns:  # a row must be the trajectory the snapshot says it is
-                bad |= columns["traj_id"][safe] != flat["traj_id"][entries]
+            if columns:  # a row must be the trajectory the snapshot says it is, with values a model can train on
+                wrong = ~bad & (columns["traj_id"][safe] != flat["traj_id"][entries])
+                if wrong.any():
+                    reasons["row is another trajectory"] += int(wrong.sum())
+                bad |= wrong
+                unusable, why = bad_trajectory_rows(table, safe, vocab_size, skip=bad)
+                reasons.update(why)
+                bad |= unusable
             good, rows = entries[~bad], rows[~bad]
             if len(good) == 0:
+                shard.release()
                 continue
             keys = pool._trajectories.adopt(shard, rows)
             pool._ensure_keys(int(keys.max()) + 1)
@@ -1128,12 +1266,10 @@ class ExperiencePool:
             del table, columns
             settle(pool._trajectories, shard)
         ok = entry_key >= 0
-        rejected += int((~ok).sum())
         pool._place_slots(entry_task[ok], entry_key[ok], n)
         pool._rebuild_buckets(places)
-        pool.rejected_rows = rejected
+        pool.vocab_size = vocab_size
         trim_heap()
-        return pool
 
     def _place_slots(self, entry_task: np.ndarray, entry_key: np.ndarray, n: int) -> None:
         """Rebuild the slots from keys listed task by task, in store order."""
@@ -1167,7 +1303,7 @@ class ExperiencePool:
             try:
                 trajectory = Trajectory(**row)
             except (TypeError, ValueError):
-                pool.rejected_rows += 1
+                pool.rejected_reasons["malformed row"] += 1
                 continue
             by_id[trajectory.traj_id] = trajectory
         rank = {traj_id: i for i, traj_id in enumerate(sorted(by_id))}
@@ -1223,45 +1359,144 @@ class ExperiencePool:
         revision: str | None = None,
         token: str | None = None,
         tokenizer=None,
+        vocab_size: int | None = None,
+        allow_missing_fingerprint: bool = False,
         cache_dir: str | None = None,
         work_dir: str | None = None,
     ) -> ExperiencePool:
-        """Download a pool pushed by `push_to_hub` (or `hub.push_pool`) and load it (see `load`).
+        """Download a pool pushed by `push_to_hub` (or `hub.push_pool`) and load it (see `load`), always verifying
+        every file's checksum; a pool of an older format (no checksums) is refused.
 
-        Given a `tokenizer`, a pool recorded with another one is refused with a `ValueError`.
+        Given a `tokenizer`, a pool recorded with another one (or with none, unless `allow_missing_fingerprint`) is
+        refused with a `ValueError`.
         """
         from huggingface_hub import HfApi
 
         folder = HfApi(token=token).snapshot_download(
             repo_id, repo_type="dataset", revision=revision, cache_dir=cache_dir
         )
-        return cls.load(folder, tokenizer=tokenizer, work_dir=work_dir)
-
-
-_SETTINGS = (
-    "max_trajectories_per_task",
-    "experience_lbound",
-    "experience_rbound",
-    "exp_select_mode",
-    "pool_store_mode",
-    "max_policy_age",
-    "replay_window",
-    "seed",
-)
+        version = read_state(folder)["format_version"]
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"The experience pool {repo_id} on the Hub is of the older format_version {version}, whose files have "
+                "no checksums, so its integrity cannot be checked. If you trust it, load the downloaded folder with "
+                "ExperiencePool.load and push it again."
+            )
+        return cls.load(
+            folder,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            verify=True,
+            allow_missing_fingerprint=allow_missing_fingerprint,
+            work_dir=work_dir,
+        )
 
 
 def _committed_state(path: str) -> dict | None:
-    """The committed state of the pool folder `path`, None for an empty folder; refuses the first format's folders
-    (they are read by `load`, never written over)."""
-    if not os.path.isfile(os.path.join(path, STATE_FILE)):
+    """The committed state of the pool folder `path`, None for an empty folder. A folder holding anything else (a
+    pool of an older format, which `load` reads but a save does not extend, or a damaged state) is refused."""
+    if not os.path.lexists(os.path.join(path, STATE_FILE)):
         return None
-    state = read_state(path)
-    if state.get("format_version") != FORMAT_VERSION:
+    try:
+        state = read_state(path)
+    except PoolFormatError as e:
         raise ValueError(
-            f"{path} holds an experience pool of format_version {state.get('format_version')!r}; save to another "
-            "folder (ExperiencePool.load reads the old one)."
+            f"Not saving into {path}: its {STATE_FILE} is not that of a usable experience pool ({e}). Save to another "
+            "folder, or delete this one first."
+        ) from None
+    version = state.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"Not saving into {path}: it holds an experience pool of the older format_version {version} (this "
+            f"version writes {FORMAT_VERSION}). Load it with ExperiencePool.load and save it to another folder."
         )
     return state
+
+
+def _digest(path: str) -> tuple[int, str]:
+    return os.path.getsize(path), file_checksum(path)
+
+
+def _file_entry(size: int, checksum: str) -> dict:
+    return {"size": size, CHECKSUM: checksum}
+
+
+def _tasks_schema(with_places: bool = True):
+    """The Arrow schema of a snapshot's tasks table (format 2 tables may lack ``bucket_pos``)."""
+    import pyarrow as pa
+
+    fields = [
+        ("task_id", pa.string()),
+        ("difficulty", pa.int32()),
+        ("difficulty_order", pa.int64()),
+        ("bucket_pos", pa.int32()),
+        ("skip_order", pa.int64()),
+        ("store_order", pa.int64()),
+        ("row_shard", pa.int32()),
+        ("row_index", pa.int32()),
+        ("traj_shard", pa.list_(pa.int32())),
+        ("traj_row", pa.list_(pa.int32())),
+        ("traj_id", pa.list_(pa.int64())),
+    ]
+    return pa.schema([f for f in fields if with_places or f[0] != "bucket_pos"])
+
+
+def _check_tasks_table(tasks, state: dict, file: str) -> None:
+    """A snapshot's tasks table must be one the pool could have written: schema, no null, one row per task, ids
+    unique, values in range, lists that agree, no task holding more trajectories than the capacity, shard numbers
+    that exist. Damage here is an error (`PoolFormatError`), not a rejected row: the table is the index itself."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    # format 2 tables written before bucket positions lack them
+    check_arrow(tasks, _tasks_schema(state["verified"] or "bucket_pos" in tasks.schema.names), file)
+
+    def need(condition, problem):
+        if not condition:
+            raise PoolFormatError(file, problem)
+
+    need(tasks.num_rows == state["num_tasks"], f"has {tasks.num_rows} tasks; the state records {state['num_tasks']}.")
+    for column in tasks.columns:
+        need(column.null_count == 0, "holds a null value.")
+        if pa.types.is_list(column.type):
+            need(all(chunk.values.null_count == 0 for chunk in column.chunks), "holds a null value in a list.")
+    need(pc.count_distinct(tasks.column("task_id")).as_py() == tasks.num_rows, "lists a task id twice.")
+    stamp = state["counters"]["stamp"]
+    for name in ("difficulty", "difficulty_order", "skip_order", "store_order"):
+        values = tasks.column(name).to_numpy()
+        need(len(values) == 0 or values.min() >= -1, f"`{name}` holds a value below -1.")
+        if name != "difficulty":
+            need(len(values) == 0 or values.max() <= stamp, f"`{name}` holds a value above counters.stamp.")
+    num_rows, num_trajs = len(state["shards"][TASK_ROWS_DIR]), len(state["shards"][TRAJECTORIES_DIR])
+    row_shard = tasks.column("row_shard").to_numpy()
+    need(len(row_shard) == 0 or (row_shard.min() >= -1 and row_shard.max() < num_rows), "`row_shard` out of range.")
+    need(len(row_shard) == 0 or tasks.column("row_index").to_numpy().min() >= -1, "`row_index` below -1.")
+    lists = [tasks.column(name).combine_chunks() for name in _SLOT_COLUMNS]
+    offsets = [np.asarray(c.offsets.to_numpy()) for c in lists]
+    need(
+        all(np.array_equal(offsets[0], o) for o in offsets[1:]),
+        "`traj_shard`, `traj_row`, `traj_id` differ in length.",
+    )
+    counts = np.diff(offsets[0])
+    capacity = state["settings"]["max_trajectories_per_task"]
+    need(
+        len(counts) == 0 or counts.max() <= capacity,
+        f"a task holds {int(counts.max(initial=0))} trajectories, above max_trajectories_per_task={capacity}.",
+    )
+    shard, row, traj_id = (c.values.to_numpy() for c in lists)
+    need(len(shard) == 0 or (shard.min() >= 0 and shard.max() < num_trajs), "`traj_shard` out of range.")
+    need(len(row) == 0 or row.min() >= 0, "`traj_row` below 0.")
+    need(len(traj_id) == len(np.unique(traj_id)), "lists a trajectory id twice.")
+    next_id = state["counters"]["next_traj_id"]
+    need(len(traj_id) == 0 or (traj_id.min() >= 0 and traj_id.max() < next_id), "`traj_id` outside [0, next_traj_id).")
+
+
+def _check_settings(settings: dict) -> None:
+    """`pool_check.check_settings` for settings given in code: a plain `ValueError` naming the setting."""
+    try:
+        check_settings(settings, "settings")
+    except PoolFormatError as e:
+        raise ValueError(f"ExperiencePool: {e.problem}".replace("`settings.", "`")) from None
 
 
 def _gather(items: list, indices: list[int]) -> list:

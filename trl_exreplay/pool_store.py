@@ -16,7 +16,8 @@ known from the shard's layout, so reading maps no page of the pool into the proc
   names was complete and fsynced before. Files no kept snapshot names are pruned after the commit. A process killed at
   any instant leaves the previous ``state.json`` and all its files::
 
-      state.json                     the committed snapshot: settings, counters, shard lists, its tasks table
+      state.json                     the committed snapshot: settings, counters, shard lists, its tasks table,
+                                     every file's size and xxh3-64 checksum, and its own checksum
       tasks/<snapshot>-<id>.arrow    per-task state of a snapshot (difficulty, skip set, where its rows are)
       trajectories/traj-*.arrow      trajectory shards, one row per trajectory (`datasets` features)
       task_rows/rows-*.arrow         task row shards (task id, the dataset row as JSON)
@@ -59,9 +60,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .pool_check import PoolFolder, PoolFormatError, file_checksum, parse_state
+
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: every file's size and xxh3-64 checksum recorded in state.json (2: none)
 STATE_FILE = "state.json"
 TRAJECTORIES_DIR = "trajectories"
 TASK_ROWS_DIR = "task_rows"
@@ -71,6 +74,7 @@ MANAGED_DIRS = (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR, HISTORY_DIR)
 
 _BURST_GAP, _MAX_DEFER = 0.003, 0.5
 _NUMPY_TYPES = {pa.int8(): np.int8, pa.int32(): np.int32, pa.int64(): np.int64, pa.float32(): np.float32}
+_MAX_STATE_BYTES = 64 << 20
 PENDING = -1  # location of a row still in RAM
 FREE = -2  # location of an unused key
 _ROW_BITS = 32
@@ -320,11 +324,15 @@ class Scratch:
     tmpfs (the shards would then sit in RAM).
     """
 
+    PREFIX = "exreplay-pool-"
+    LOCK = ".owner.lock"
+
     def __init__(self, parent: str | None = None):
         self.parent = parent
         self.path: str | None = None
         self._made_parent = False
         self._lock = threading.Lock()
+        self._owner_fd: int | None = None
 
     def folder(self, kind: str) -> str:
         with self._lock:
@@ -333,7 +341,10 @@ class Scratch:
                 if not os.path.isdir(parent):
                     os.makedirs(parent, exist_ok=True)
                     self._made_parent = True
-                self.path = tempfile.mkdtemp(prefix=f"exreplay-pool-{os.getpid()}-", dir=parent)
+                remove_dead_scratch(parent)
+                path = tempfile.mkdtemp(prefix=f"{self.PREFIX}{os.getpid()}-", dir=parent)
+                self._owner_fd = _hold_lock(os.path.join(path, self.LOCK))
+                self.path = path
             folder = os.path.join(self.path, kind)
             os.makedirs(folder, exist_ok=True)
             return folder
@@ -343,11 +354,86 @@ class Scratch:
             if self.path is not None:
                 shutil.rmtree(self.path, ignore_errors=True)
                 self.path = None
+                if self._owner_fd is not None:
+                    os.close(self._owner_fd)
+                    self._owner_fd = None
                 if self._made_parent:
                     try:
                         os.rmdir(self.parent)  # only if empty: other pools (ranks) may share it
                     except OSError:
                         pass
+
+
+def _hold_lock(path: str) -> int | None:
+    """Create `path` and hold an exclusive lock on it for as long as this process (or a child it forks) lives: the
+    kernel releases it when they are gone, even after kill -9. None where file locks are not supported."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def remove_dead_scratch(parent: str) -> list[str]:
+    """Remove the scratch folders under `parent` left by processes that no longer run (a kill -9 leaves its shards
+    there); returns their paths. A folder is dead when its owner lock can be taken (no process holds it any more); a
+    folder without a lock file (made before it had one, or an instant ago by a live process) only when its pid runs
+    no process. A live run's folder is never touched."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    for name in names:
+        if not name.startswith(Scratch.PREFIX):
+            continue
+        pid_text = name[len(Scratch.PREFIX) :].split("-", 1)[0]
+        path = os.path.join(parent, name)
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        lock = os.path.join(path, Scratch.LOCK)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            if _pid_alive(int(pid_text)):
+                continue
+            fd = None
+        except OSError:
+            continue
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # held: its process runs
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    if removed:
+        logger.info("trl_exreplay: removed %d scratch folder(s) of pool processes that no longer run.", len(removed))
+    return removed
 
 
 # ----------------------------------------------------------------------------------------------------------- shards
@@ -418,6 +504,7 @@ class Shard:
         "_readers",
         "_layouts",
         "_inode",
+        "digest",
     )
 
     def __init__(
@@ -436,6 +523,7 @@ class Shard:
         self._readers: dict[tuple, Callable] = {}
         self._layouts: dict[tuple, list] = {}
         self._inode = None  # (device, inode) of the mapped file: `read` uses only a path to that very file
+        self.digest: tuple[int, str] | None = None  # (size, xxh3-64) of the file: computed once, it never changes
 
     @property
     def is_open(self) -> bool:
@@ -603,6 +691,18 @@ class Shard:
 
     def column(self, name: str, row: int):
         return self.read((name,), [row])[0][name]
+
+    def file_digest(self) -> tuple[int, str]:
+        """(size, xxh3-64) of the shard's file, computed the first time (the writer thread does it for its shards, a
+        load for the shards it verifies), then known: a shard file never changes."""
+        if self.digest is None:
+            self.table()  # a path to the very file
+            for path in self.paths:
+                info = os.stat(path)
+                if (info.st_dev, info.st_ino) == self._inode:
+                    self.digest = (info.st_size, file_checksum(path))
+                    break
+        return self.digest
 
     def save_into(self, folder: str) -> str:
         """Make this shard a file of `folder` (a hard link when possible); returns its path there."""
@@ -916,6 +1016,7 @@ class ShardLog:
         path = os.path.join(self._scratch.folder(self.kind), shard.name)
         write_atomic(path, lambda tmp: write_arrow(tmp, table))
         sealed = Shard(shard.sid, shard.name, shard.rows, [path], owned=path)
+        sealed.digest = (os.path.getsize(path), file_checksum(path))  # just written: read from the page cache
         sealed.layout(self.read_columns)
         sealed.unmap()
         with self._lock:
@@ -1015,6 +1116,7 @@ class ShardLog:
                 path = os.path.join(self._scratch.folder(self.kind), name)
                 write_atomic(path, lambda tmp, table=table: write_arrow(tmp, table))
                 shard = Shard(sid, name, len(keys), [path], owned=path)
+                shard.digest = (os.path.getsize(path), file_checksum(path))
                 shard.layout(self.read_columns)
                 shard.unmap()
                 with self._lock:
@@ -1045,7 +1147,9 @@ class ShardLog:
             shards = sorted((s for s in self.shards.values() if s.live > 0), key=lambda s: s.sid)
         for shard in shards:
             shard.save_into(folder)
-        return [{"name": s.name, "rows": s.rows, "live": s.live, "sid": s.sid} for s in shards]
+        return [
+            {"name": s.name, "rows": s.rows, "live": s.live, "sid": s.sid, "digest": s.file_digest()} for s in shards
+        ]
 
     def keep(self, shard: Shard) -> None:
         """Give a loaded shard a hard link in the scratch folder, so that it outlives the folder it was loaded from
@@ -1110,17 +1214,29 @@ def _grow(array: np.ndarray, size: int, fill) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------ saved folders
+def parse_state_file(file: str) -> dict:
+    """A state file (``state.json`` or a kept snapshot), parsed and validated (`pool_check.parse_state`)."""
+    try:
+        with open(file, "rb") as f:
+            text = f.read(_MAX_STATE_BYTES + 1)
+    except OSError as e:
+        raise PoolFormatError(file, f"cannot be read ({e.strerror}).") from None
+    if len(text) > _MAX_STATE_BYTES:
+        raise PoolFormatError(file, f"is larger than {_MAX_STATE_BYTES} bytes; a pool's state is far smaller.")
+    return parse_state(text, file, FORMAT_VERSION, (TRAJECTORIES_DIR, TASK_ROWS_DIR), TASKS_DIR)
+
+
 def read_state(path: str, snapshot: int | None = None) -> dict:
-    """The committed state of the pool saved at `path` (or an older kept `snapshot`)."""
-    state_path = os.path.join(path, STATE_FILE)
-    with open(state_path) as f:
-        state = json.load(f)
+    """The committed state of the pool saved at `path` (or an older kept `snapshot`), validated."""
+    state_path = PoolFolder(path).file(STATE_FILE)
+    state = parse_state_file(state_path)
     if snapshot is not None and state.get("snapshot") != snapshot:
-        history = os.path.join(path, HISTORY_DIR, f"{snapshot:08d}.json")
+        if not isinstance(snapshot, int) or isinstance(snapshot, bool) or snapshot < 1:
+            raise ValueError(f"snapshot must be an integer >= 1, got {snapshot!r}.")
+        history = PoolFolder(path).file(f"{HISTORY_DIR}/{snapshot:08d}.json")
         if not os.path.isfile(history):
             raise FileNotFoundError(f"No snapshot {snapshot} in the experience pool at {path}.")
-        with open(history) as f:
-            state = json.load(f)
+        state = parse_state_file(history)
     return state
 
 
@@ -1140,9 +1256,8 @@ def kept_states(path: str) -> list[dict]:
         for name in sorted(os.listdir(history), reverse=True):
             if name.endswith(".json") and not name.startswith("."):
                 try:
-                    with open(os.path.join(history, name)) as f:
-                        states.append(json.load(f))
-                except (OSError, ValueError):
+                    states.append(parse_state_file(os.path.join(history, name)))
+                except (OSError, ValueError):  # a damaged old snapshot is not kept: its files may be pruned
                     continue
     return states
 
