@@ -32,6 +32,7 @@ REPLAY_FIELDS = {
     "max_tokens_per_turn",
     "env_step_timeout",
     "env_workers",
+    "resume_without_pool",
     "system_prompt_column",
 }
 

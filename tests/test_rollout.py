@@ -624,3 +624,20 @@ def test_run_concurrently_times_out_one_call(release):
     assert time.perf_counter() - start < 2.0
     assert results[0][:2] == (1, None) and results[2][:2] == (3, None)
     assert results[1][0] is None and isinstance(results[1][1], TimeoutError)
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_reward_is_a_counted_fault_that_keeps_the_penalties(tok, reward):
+    """A NaN or infinite reward from `step` must never reach the advantages (NaN loss, or a group swamped by one
+    row): the episode fails like any malformed answer, counted as `nonfinite_reward`, its penalties kept."""
+    engine = engine_for(tok, Factory())
+    task = {
+        "task_id": "nan",
+        "observation": "you see a key",
+        "steps": [("k", -0.25, False, {}), ("x", reward, True, {})],
+    }
+    healthy = {"task_id": "ok", "observation": "you see a key", "steps": [("x", 1.0, True, {})]}
+    bad, ok = engine.run([task, healthy], ScriptedGenerate(tok, ["take the key <eos>"] * 2))
+    assert bad.error == "nonfinite_reward" and bad.reward == -0.25 and bad.finished
+    assert ok.error is None and ok.reward == 1.0
+    assert engine.errors == {"nonfinite_reward": 1}

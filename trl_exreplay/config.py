@@ -55,7 +55,8 @@ class ExReplayGRPOConfig(GRPOConfig):
         default=0.5,
         metadata={
             "help": "Fraction of the tasks of each generation batch drawn from the replay pool once replay has "
-            "started (batch size unchanged). In [0, 1]."
+            "started (batch size unchanged): int(exp_ratio * groups) of its groups. In [0, 1]; a value > 0 that "
+            "replays no group at the configured batch is refused (the error gives the smallest that replays one)."
         },
     )
     replay_start_ratio: float = field(
@@ -185,6 +186,14 @@ class ExReplayGRPOConfig(GRPOConfig):
             "help": "Multi-turn: environment calls running at once (threads), so a slow one does not serialise."
         },
     )
+    resume_without_pool: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume from a checkpoint that holds no saved experience pool (`exreplay_pool/`) with an empty pool "
+            "on purpose. Otherwise such a resume still starts empty but warns loudly: the checkpoint was expected to "
+            "hold the pool the run had built."
+        },
+    )
     system_prompt_column: str = field(
         default="system_prompt",
         metadata={"help": "Multi-turn: dataset column with an optional system prompt for the episode."},
@@ -213,10 +222,16 @@ def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
         raise ValueError(f"Invalid value {value!r} for `{name}`: allowed values are {allowed}.")
 
 
-def validate_replay_options(options: dict[str, Any], num_generations: int | None) -> None:
-    """Raise `ValueError` naming the field, its value and its allowed values for the first invalid replay option."""
+def validate_replay_options(
+    options: dict[str, Any], num_generations: int | None, generation_batch_size: int | None = None
+) -> None:
+    """Raise `ValueError` naming the field, its value and its allowed values for the first invalid replay option.
+
+    Given `num_generations` and the global `generation_batch_size`, also refuses an `exp_ratio` that would replay no
+    task of a generation batch (``int(exp_ratio * groups) == 0`` with ``exp_ratio > 0``).
+    """
     o = options
-    for name in ("enable_experience_replay", "use_current_policy_entropy", "exp_is_correct"):
+    for name in ("enable_experience_replay", "use_current_policy_entropy", "exp_is_correct", "resume_without_pool"):
         _check(isinstance(o[name], bool), name, o[name], "True or False (a bool, not a string)")
     for name in ("exp_ratio", "replay_start_ratio"):
         value = o[name]
@@ -225,6 +240,16 @@ def validate_replay_options(options: dict[str, Any], num_generations: int | None
             name,
             value,
             "numbers in [0, 1]",
+        )
+    groups = generation_batch_size // num_generations if generation_batch_size and num_generations else None
+    ratio = o["exp_ratio"]
+    if o["enable_experience_replay"] and groups and ratio > 0 and int(ratio * groups) == 0:
+        raise ValueError(
+            f"Invalid value {ratio!r} for `exp_ratio`: a generation batch holds {groups} task group(s) "
+            f"(generation_batch_size {generation_batch_size} / num_generations {num_generations}), and "
+            f"int(exp_ratio * {groups}) = 0, so no task would ever be replayed. The smallest exp_ratio that replays one "
+            f"is {1 / groups:g}; or give each generation batch more groups (steps_per_generation, "
+            "per_device_train_batch_size or more processes), or set exp_ratio=0 to fill the pool without replaying."
         )
     k = o["offpolicy_trajectories_per_task"]
     upper = f"num_generations - 1 = {num_generations - 1}" if num_generations else "num_generations - 1"

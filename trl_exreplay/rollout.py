@@ -13,6 +13,7 @@ different numbers of episodes or turns (or none at all) make the same collective
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -284,6 +285,8 @@ class MultiTurnRollout:
                     try:  # everything that depends on what the environment returned
                         observation, reward, done, info = result
                         reward, done, info = float(reward), bool(done), {} if info is None else info
+                        if not math.isfinite(reward):
+                            raise NonFiniteReward(f"step() returned the reward {reward}")
                         if not isinstance(info, dict):
                             raise TypeError(f"step() info must be a dict, got {type(info).__name__}")
                         invalid = bool(info.get("invalid_action", False))
@@ -364,7 +367,14 @@ def generate_batch(
     return [row[:n] for row, n in zip(generated.tolist(), lengths)]
 
 
+class NonFiniteReward(ValueError):
+    """An environment returned a NaN or infinite reward: its episode is a fault (counted, trains nothing, never
+    stored as a success), not a number that would reach the advantages."""
+
+
 def _fault_kind(error: BaseException, default: str) -> str:
+    if isinstance(error, NonFiniteReward):
+        return "nonfinite_reward"
     return "timeout" if isinstance(error, TimeoutError) else default
 
 

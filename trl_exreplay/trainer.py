@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from collections import Counter
 from collections.abc import Callable
 
@@ -103,7 +104,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             _check_multi_turn_vllm(config.vllm_mode, config.vllm_tensor_parallel_size)
         super().__init__(*args, **kwargs)
         self.replay = replay_options(self.args)
-        validate_replay_options(self.replay, self.num_generations)
+        validate_replay_options(self.replay, self.num_generations, self.args.generation_batch_size)
         self._replay_enabled = bool(self.replay["enable_experience_replay"])
         if self._replay_enabled:
             self._check_supported()
@@ -123,7 +124,10 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             "seed": self.args.seed,
         }
         self._tokenizer_fingerprint = tokenizer_fingerprint(self.processing_class) if self._replay_enabled else None
+        self._vocab_size = _vocab_size(self.model)
         self.pool = ExperiencePool(**self._pool_settings, work_dir=self._pool_work_dir())
+        if self._vocab_size is not None:
+            self.pool.set_vocab_size(self._vocab_size)
         if self._tokenizer_fingerprint is not None:
             self.pool.bind_tokenizer(self._tokenizer_fingerprint)
         if experience_pool is not None:
@@ -308,6 +312,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        infinite = torch.isinf(rewards_per_func)
+        if infinite.any():
+            # TRL would carry an infinite reward into the advantages (NaN loss, or a group that swamps the others);
+            # it becomes a missing reward (NaN), which TRL handles: left out of the sum over reward functions.
+            self._count("nonfinite_rewards", "a reward function returned an infinite reward; it is treated as missing")
+            self._replay_counts["nonfinite_rewards"] += int(infinite.sum()) - 1
+            rewards_per_func = rewards_per_func.masked_fill(infinite, float("nan"))
         active = self._active
         if active is None:
             return rewards_per_func
@@ -410,7 +421,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         success = (totals >= self.replay["success_threshold"]).cpu().tolist()
         # One outcome per task, over all its groups in the batch (a dataset may repeat a task), fresh rows only.
         outcomes: dict[str, list] = {}  # task -> [successes, fresh rows, winning rows]
-        fresh_rows = [r for r in range(len(row_tasks)) if not plan.is_replayed(r)]
+        # A row with no reward at all (every function returned None, NaN or inf) says nothing about its task.
+        missing = torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
+        fresh_rows = [r for r in range(len(row_tasks)) if not plan.is_replayed(r) and not missing[r]]
         if self.env_factory is not None:  # an episode the environment failed says nothing about the task
             faulted = self._gather_row_flags(self._faulted_rows, len(inputs))
             fresh_rows = [r for r in fresh_rows if not faulted[r]]
@@ -654,12 +667,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 sum(steps),
                 len(steps),
                 sum(self._rollout_engine.errors.values()),
+                self._rollout_engine.errors["nonfinite_reward"],
             ],
             dtype=torch.float64,
             device=self.accelerator.device,
         )
         totals = self.accelerator.gather(local.view(1, -1)).view(-1, local.numel()).sum(dim=0).tolist()
-        count, turns, wins, truncated, invalid, seconds, num_steps, errors = totals
+        count, turns, wins, truncated, invalid, seconds, num_steps, errors, nonfinite = totals
         metrics = self._metrics[mode]
         if count > 0:
             metrics["env/turns_mean"].append(turns / count)
@@ -669,6 +683,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if num_steps > 0:
             metrics["env/step_seconds"].append(seconds / num_steps)
         metrics["env/errors"] = [errors]  # a running total: the latest value, not a mean over the logging window
+        metrics["env/nonfinite_rewards"] = [nonfinite]  # among the errors, also a running total
 
     # --------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
@@ -819,10 +834,23 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if self._replay_enabled and checkpoint is not None and os.path.isdir(os.path.join(checkpoint, POOL_DIR)):
-            pool = ExperiencePool.load(os.path.join(checkpoint, POOL_DIR), work_dir=self._pool_work_dir())
-            self._adopt_pool(pool, checkpoint)
-            self._pending = None
+        if not self._replay_enabled or checkpoint is None:
+            return
+        if not os.path.lexists(os.path.join(checkpoint, POOL_DIR)):
+            if not self.replay["resume_without_pool"]:
+                message = (
+                    f"trl_exreplay: the checkpoint {checkpoint} holds no experience pool ({POOL_DIR}/): training "
+                    "resumes with an EMPTY pool, so nothing is replayed until it fills again. If the pool was lost, "
+                    "stop and restore it; to start empty on purpose, set resume_without_pool=True."
+                )
+                logger.warning(message)
+                warnings.warn(message, stacklevel=2)
+            return
+        pool = ExperiencePool.load(
+            os.path.join(checkpoint, POOL_DIR), vocab_size=self._vocab_size, work_dir=self._pool_work_dir()
+        )
+        self._adopt_pool(pool, checkpoint)
+        self._pending = None
 
     def _pool_work_dir(self) -> str:
         return os.path.join(self.args.output_dir, POOL_WORK_DIR)
@@ -830,9 +858,19 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     def _adopt_pool(self, pool: ExperiencePool, source: str) -> None:
         """Use `pool` under this run's configuration (the config wins over the settings the pool was saved with).
 
-        A pool recorded with another tokenizer is refused: its token ids would mean other tokens here."""
+        A pool recorded with another tokenizer is refused: its token ids would mean other tokens here; so is one holding
+        trajectories but no tokenizer fingerprint, unless the caller bound it (`pool.bind_tokenizer`). Trajectories
+        with token ids outside the model's vocabulary are removed and counted."""
         if self._tokenizer_fingerprint is not None:
+            if pool.tokenizer_fingerprint is None and pool.num_trajectories:
+                raise ValueError(
+                    f"The experience pool from {source} holds {pool.num_trajectories} trajectories but records no "
+                    "tokenizer fingerprint, so nothing says its token ids are this tokenizer's. If they are, bind it "
+                    "first: pool.bind_tokenizer(trl_exreplay.pool.tokenizer_fingerprint(tokenizer))."
+                )
             pool.bind_tokenizer(self._tokenizer_fingerprint, source)
+        if self._vocab_size is not None and pool.vocab_size != self._vocab_size:
+            pool.set_vocab_size(self._vocab_size)
         changed = pool.configure(**self._pool_settings)
         if changed:
             logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, changed)
@@ -861,6 +899,15 @@ def _check_multi_turn_vllm(vllm_mode: str, tensor_parallel_size: int) -> None:
             "Multi-turn rollouts (`env_factory`) with vLLM need vllm_mode='colocate' and vllm_tensor_parallel_size=1 "
             f"(got vllm_mode={vllm_mode!r}, vllm_tensor_parallel_size={tensor_parallel_size}); or set use_vllm=False."
         )
+
+
+def _vocab_size(model) -> int | None:
+    """The number of token ids the model embeds (its config's, after any resize), None when it does not say."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    size = getattr(config, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

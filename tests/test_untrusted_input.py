@@ -1,0 +1,337 @@
+"""Untrusted and bad input: a damaged or crafted pool folder, non-finite rewards and rows, impossible configs, and
+what a killed run leaves behind (issue 24). Each test fails on the code before these checks existed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from helpers import as_format_2, load_script, make_args, make_trainer, reseal_pool
+
+from trl_exreplay import ExReplayGRPOTrainer
+from trl_exreplay.config import validate_replay_options
+from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
+from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, tokenizer_fingerprint
+from trl_exreplay.pool_check import PoolFormatError
+from trl_exreplay.pool_store import Scratch, remove_dead_scratch
+from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+
+
+def trajectory(task="t", logps=(-0.5, -0.25), ids=(3, 4), mask=(1, 1), reward=1.0, entropy=0.5):
+    return Trajectory(task, [1, 2], list(ids), list(mask), list(logps), [reward], reward, entropy, policy_version=0)
+
+
+def saved_pool(path, tokenizer=None, shard_rows=2) -> ExperiencePool:
+    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4, shard_rows=shard_rows)
+    if tokenizer is not None:
+        pool.bind_tokenizer(tokenizer_fingerprint(tokenizer))
+    for task, entropies in (("a", (0.1, 0.2)), ("b", (0.3,)), ("c", (0.4, 0.5))):
+        successes = [trajectory(task, entropy=e) for e in entropies]
+        pool.record_outcome(TaskOutcome(task, len(successes), 4, successes, task_row=json.dumps({"p": task})))
+    pool.save(str(path))
+    return pool
+
+
+def edit_state(path, edit, reseal=True):
+    with open(path / "state.json") as f:
+        state = json.load(f)
+    edit(state)
+    with open(path / "state.json", "w") as f:
+        json.dump(state, f)
+    if reseal:
+        reseal_pool(str(path))
+
+
+# --------------------------------------------------------------------------------------- 1, 6: damaged pools
+def test_fuzzed_pools_never_crash_and_are_never_read_as_other_data():
+    fuzz = load_script("benchmarks/pool_fuzz.py", "pool_fuzz")
+    result = fuzz.main(["--mutations", "100", "--seed", "7"])
+    assert result["mutations"] == 100
+    assert result["signals"] == 0 and result["silent_differences"] == 0, result["bad_cases"]
+    assert result["unclear_errors"] == 0 and result["hangs"] == 0, result["bad_cases"]
+    assert result["clear_errors"] > 50 and result["counted_rejections"] > 0
+
+
+def test_damage_is_one_error_naming_the_file(tmp_path):
+    saved_pool(tmp_path / "pool")
+    shard = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(PoolFormatError, match=f"{shard.name}: checksum mismatch"):
+        ExperiencePool.load(str(tmp_path / "pool"))
+    (tmp_path / "pool" / "state.json").write_text('{"format_version": 3, "snapshot": ')
+    with pytest.raises(PoolFormatError, match="state.json: not valid JSON"):
+        ExperiencePool.load(str(tmp_path / "pool"))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s["settings"].update(max_trajectories_per_task=1), "a task holds 2 trajectories, above"),
+        (lambda s: s["settings"].update(exp_select_mode="median"), "exp_select_mode"),
+        (lambda s: s["settings"].update(experience_rbound=-1), "experience_rbound"),
+        (lambda s: s["shards"]["trajectories"][0].update(live=99), "live"),
+        (lambda s: s.update(num_tasks=7), "has 3 tasks; the state records 7"),
+    ],
+)
+def test_resealed_state_edits_no_pool_can_have_are_refused(tmp_path, edit, message):
+    saved_pool(tmp_path / "pool")
+    edit_state(tmp_path / "pool", edit)
+    with pytest.raises(PoolFormatError, match=message):
+        ExperiencePool.load(str(tmp_path / "pool"))
+
+
+# ------------------------------------------------------------------------------------ 2: paths stay inside
+def _rename_first_shard(state, new_name, folder=None):
+    entry = state["shards"]["trajectories"][0]
+    if folder is not None:  # a real copy where the name leads, for a loader that would follow it
+        target = os.path.normpath(os.path.join(folder, "trajectories", new_name))
+        if not os.path.exists(target) and os.path.isdir(os.path.dirname(target)):
+            with open(os.path.join(folder, "trajectories", entry["name"]), "rb") as f, open(target, "wb") as out:
+                out.write(f.read())
+    state["files"][f"trajectories/{new_name}"] = state["files"].pop(f"trajectories/{entry['name']}")
+    entry["name"] = new_name
+
+
+@pytest.mark.parametrize(
+    "name", ["../../outside.arrow", "../tasks/x.arrow", "sub/dir.arrow", ".hidden.arrow", "/abs.arrow"]
+)
+def test_shard_names_that_leave_the_folder_are_refused(tmp_path, name):
+    saved_pool(tmp_path / "pool")
+    edit_state(tmp_path / "pool", lambda s: _rename_first_shard(s, name, str(tmp_path / "pool")))
+    with pytest.raises(PoolFormatError, match="is not a file name inside `trajectories/`"):
+        ExperiencePool.load(str(tmp_path / "pool"))
+
+
+def test_an_absolute_tasks_file_is_refused_and_never_pushed(tmp_path, monkeypatch):
+    saved_pool(tmp_path / "pool")
+    outside = tmp_path / "outside.arrow"
+
+    def edit(state):
+        os.replace(tmp_path / "pool" / state["tasks_file"], outside)
+        state["files"][str(outside)] = state["files"].pop(state["tasks_file"])
+        state["tasks_file"] = str(outside)
+
+    edit_state(tmp_path / "pool", edit)  # resealed: the checksums hold, the name must still be refused
+    with pytest.raises(PoolFormatError, match="`tasks_file`"):
+        ExperiencePool.load(str(tmp_path / "pool"))
+    from trl_exreplay.hub import push_pool
+
+    uploads = []
+    monkeypatch.setattr("huggingface_hub.HfApi.create_commit", lambda self, *a, **k: uploads.append(a))
+    with pytest.raises(PoolFormatError):
+        push_pool(str(tmp_path / "pool"), "me/pool")
+    assert uploads == []
+
+
+def test_links_leading_out_are_refused_and_the_hub_cache_layout_loads(tmp_path, monkeypatch):
+    pool = saved_pool(tmp_path / "pool")
+    shard = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]
+    # a symlink to a copy outside (same bytes): refused by where it leads
+    outside = tmp_path / "outside.arrow"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.raises(PoolFormatError, match="outside the pool folder"):
+        ExperiencePool.load(str(tmp_path / "pool"))
+    # a hard link to a file with other content (what an attacker would want read or uploaded): refused by content
+    shard.unlink()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not a shard" * 100)
+    os.link(secret, shard)
+    with pytest.raises(PoolFormatError, match="has 1100 bytes; the pool recorded"):
+        ExperiencePool.load(str(tmp_path / "pool"))
+    from trl_exreplay.hub import push_pool
+
+    uploads = []
+    monkeypatch.setattr("huggingface_hub.HfApi.create_commit", lambda self, *a, **k: uploads.append(a))
+    with pytest.raises(PoolFormatError):
+        push_pool(str(tmp_path / "pool"), "me/pool")
+    assert uploads == []
+
+    # the Hugging Face cache: <repo>/snapshots/<rev>/ holds symlinks into <repo>/blobs/, accepted exactly there
+    pool.save(str(tmp_path / "clean"))
+    repo = tmp_path / "cache" / "datasets--me--pool"
+    snapshot = repo / "snapshots" / "abc"
+    for i, file in enumerate(sorted(p for p in (tmp_path / "clean").rglob("*") if p.is_file())):
+        blob = repo / "blobs" / f"blob{i}"
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(file.read_bytes())
+        link = snapshot / file.relative_to(tmp_path / "clean")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(blob)
+    assert ExperiencePool.load(str(snapshot)).content_hash() == pool.content_hash()
+    elsewhere = tmp_path / "cache" / "other-blob"
+    first = sorted((snapshot / "trajectories").iterdir())[0]
+    elsewhere.write_bytes(first.read_bytes())
+    first.unlink()
+    first.symlink_to(elsewhere)  # inside the cache, but not in this repository's blobs/
+    with pytest.raises(PoolFormatError, match="outside the pool folder"):
+        ExperiencePool.load(str(snapshot))
+
+
+# ------------------------------------------------------------------------------ 3: non-finite values, bad rows
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (dict(logps=(-0.5, float("nan"))), "non-finite logps"),
+        (dict(reward=float("inf")), "non-finite reward"),
+        (dict(entropy=float("nan")), "non-finite entropy"),
+        (dict(mask=(1, 2)), "completion_mask not 0/1"),
+        (dict(ids=(3, -1)), "token id outside the vocabulary"),
+    ],
+)
+def test_rows_a_model_cannot_train_on_are_refused_and_counted(bad, reason):
+    pool = ExperiencePool(experience_rbound=4)
+    assert not pool.add(trajectory(**bad))
+    assert pool.num_trajectories == 0 and pool.rejected_reasons == {reason: 1}
+    pool.record_outcome(TaskOutcome("t", 1, 4, [trajectory(**bad)]))
+    assert pool.num_trajectories == 0 and pool.rejected_rows == 2 and pool.stats()["pool_rejected_rows"] == 2.0
+
+
+def test_token_ids_past_the_vocabulary_are_refused_at_load_and_when_the_vocabulary_is_set(tmp_path):
+    pool = saved_pool(tmp_path / "pool")
+    pool.add(trajectory("d", ids=(3, 40)))
+    assert pool.set_vocab_size(32) == 1 and pool.trajectories("d") == []
+    assert not pool.add(trajectory("d", ids=(3, 40))) and pool.rejected_rows == 2
+    loaded = ExperiencePool.load(str(tmp_path / "pool"), vocab_size=4)  # ids 3 and 4: the id 4 rows are out
+    assert loaded.num_trajectories == 0 and loaded.rejected_reasons == {"token id outside the vocabulary": 5}
+
+
+def test_an_infinite_reward_is_a_counted_missing_reward_never_stored(tmp_path):
+    def inf_for_one(completions, target, **kwargs):
+        rewards = said_target(completions, target)
+        return [float("inf") if i == 0 else r for i, r in enumerate(rewards)]
+
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    trainer = ExReplayGRPOTrainer(
+        model=build_tiny_model(tokenizer, seed=0),
+        reward_funcs=inf_for_one,
+        args=make_args(tmp_path, max_steps=2, replay_start_ratio=1.0),
+        train_dataset=say_word_dataset(num_tasks=4, repeats=8),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    assert trainer._replay_counts["nonfinite_rewards"] >= 1
+    stored = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.trajectories(task)]
+    assert stored  # the other rows were stored as usual
+    assert all(np.isfinite(t.reward) and np.isfinite(t.rewards).all() for t in stored)
+    assert all(np.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+
+
+# ----------------------------------------------------------------------------------------------- 4: configs
+def test_an_exp_ratio_that_replays_no_group_is_refused_with_the_smallest_that_does():
+    options = dict(
+        enable_experience_replay=True, use_current_policy_entropy=True, exp_is_correct=True, resume_without_pool=False,
+        exp_ratio=0.5, replay_start_ratio=0.35, offpolicy_trajectories_per_task=1, max_trajectories_per_task=5,
+        experience_lbound=0, experience_rbound=None, success_threshold=1.0, exp_select_mode="argmin",
+        off_policy_shaping="clip", replay_bucket_weighting="normal", pool_store_mode="all", off_cliprange_high=100.0,
+        off_clip_ratio_c=3.0, off_policy_shaping_beta=0.1, max_policy_age=None, replay_window=None,
+        task_id_column="task_id", max_turns=1, max_tokens_per_turn=None, env_step_timeout=60.0, env_workers=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"`exp_ratio`.*holds 1 task group.*smallest exp_ratio that replays one is 1"):
+        validate_replay_options(options, num_generations=8, generation_batch_size=8)
+    with pytest.raises(ValueError, match="smallest exp_ratio that replays one is 0.25"):
+        validate_replay_options({**options, "exp_ratio": 0.2}, num_generations=4, generation_batch_size=16)
+    validate_replay_options({**options, "exp_ratio": 0.25}, num_generations=4, generation_batch_size=16)
+    validate_replay_options({**options, "exp_ratio": 0.0}, num_generations=8, generation_batch_size=8)  # fill only
+
+
+# -------------------------------------------------------------------------- 5: scratch, resume, fingerprints
+_HOLD_A_POOL = textwrap.dedent(
+    """
+    import sys, time
+    from trl_exreplay.pool import ExperiencePool, Trajectory
+    pool = ExperiencePool(work_dir=sys.argv[1], shard_rows=1)
+    pool.add(Trajectory("t", [1], [2], [1], [-0.1], [1.0], 1.0, 0.5, 0))
+    pool.flush(wait=True)
+    print(pool._scratch.path, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_scratch_of_killed_runs_is_removed_and_a_live_runs_kept(tmp_path):
+    work = tmp_path / "work"
+    children = [
+        subprocess.Popen([sys.executable, "-c", _HOLD_A_POOL, str(work)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        folders = [child.stdout.readline().strip() for child in children]
+        assert all(os.path.isdir(f) and os.listdir(os.path.join(f, "trajectories")) for f in folders)
+        os.kill(children[0].pid, signal.SIGKILL)
+        children[0].wait()
+        pool = ExperiencePool(work_dir=str(work))
+        pool.add(trajectory())
+        pool.flush(wait=True)  # its first write makes its scratch folder, and clears the dead ones first
+        assert not os.path.exists(folders[0]) and os.path.isdir(folders[1])
+        assert remove_dead_scratch(str(work)) == []  # the live ones (this one's, the child's) are kept
+        pool.close()
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert remove_dead_scratch(str(work)) == [folders[1]]
+    assert os.listdir(work) == []
+    assert Scratch.PREFIX == "exreplay-pool-"
+
+
+def test_a_resume_without_the_pool_warns_and_says_how_to_start_empty(tmp_path):
+    first = make_trainer(tmp_path / "a", max_steps=1, save_strategy="steps", save_steps=1)
+    first.train()
+    checkpoint = tmp_path / "a" / "out" / "checkpoint-1"
+    import shutil
+
+    shutil.rmtree(checkpoint / "exreplay_pool")
+    resumed = make_trainer(tmp_path / "b", max_steps=2, save_strategy="steps", save_steps=1)
+    with pytest.warns(UserWarning, match="EMPTY pool.*resume_without_pool=True"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    quiet = make_trainer(tmp_path / "c", max_steps=2, save_strategy="no", resume_without_pool=True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*EMPTY pool.*")
+        quiet.train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_a_pool_without_fingerprint_is_refused_with_a_tokenizer_unless_allowed(tmp_path):
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    pool = saved_pool(tmp_path / "pool")  # no tokenizer bound
+    with pytest.raises(ValueError, match="records no tokenizer fingerprint.*allow_missing_fingerprint=True"):
+        ExperiencePool.load(str(tmp_path / "pool"), tokenizer=tokenizer)
+    loaded = ExperiencePool.load(str(tmp_path / "pool"), tokenizer=tokenizer, allow_missing_fingerprint=True)
+    assert loaded.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+    pool.bind_tokenizer(tokenizer_fingerprint(tokenizer))
+    assert loaded.content_hash() == pool.content_hash()
+    with pytest.raises(ValueError, match="records no\ntokenizer fingerprint|records no tokenizer fingerprint"):
+        ExReplayGRPOTrainer(
+            model=build_tiny_model(tokenizer),
+            reward_funcs=said_target,
+            args=make_args(tmp_path),
+            train_dataset=say_word_dataset(4),
+            processing_class=tokenizer,
+            experience_pool=ExperiencePool.load(str(tmp_path / "pool")),
+        )
+
+
+def test_saving_over_another_format_or_a_damaged_state_says_so(tmp_path):
+    pool = saved_pool(tmp_path / "old")
+    as_format_2(str(tmp_path / "old"))
+    assert ExperiencePool.load(str(tmp_path / "old")).content_hash() == pool.content_hash()  # still read
+    with pytest.raises(ValueError, match="holds an experience pool of the older format_version 2 .*another folder"):
+        pool.save(str(tmp_path / "old"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "state.json").write_text("garbage")
+    with pytest.raises(ValueError, match="Not saving into .*bad: its state.json is not that of a usable"):
+        pool.save(str(tmp_path / "bad"))
+    edit_state(tmp_path / "old", lambda s: s.update(format_version=9), reseal=False)
+    with pytest.raises(PoolFormatError, match="format_version 9 .* upgrade trl_exreplay"):
+        ExperiencePool.load(str(tmp_path / "old"))
