@@ -68,6 +68,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--keep", type=int, default=2)
     parser.add_argument("--every", type=int, default=100, help="print the figures every this many steps")
     parser.add_argument("--warmup", type=int, default=200, help="slopes are fitted after this many steps")
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=2e-4,
+        help="slow enough that the pool stays busy (at 2e-3 the game is learnt by step 300 and the pool drains)",
+    )
     parser.add_argument("--json", help="write the samples and slopes here")
     args = parser.parse_args(argv)
 
@@ -127,7 +133,7 @@ def main(argv=None) -> dict:
             per_device_train_batch_size=16,
             num_generations=8,
             max_steps=args.steps,
-            learning_rate=2e-3,
+            learning_rate=args.learning_rate,
             replay_start_ratio=0.05,
             save_strategy="steps",
             save_steps=args.save_steps,

@@ -71,6 +71,43 @@ def test_damage_is_one_error_naming_the_file(tmp_path):
         ExperiencePool.load(str(tmp_path / "pool"))
 
 
+def test_a_shard_with_columns_of_another_type_is_refused(tmp_path):
+    import pyarrow as pa
+
+    from trl_exreplay.pool_store import read_arrow
+
+    saved_pool(tmp_path / "pool")
+    shard = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]
+    table = read_arrow(str(shard))
+    strings = pa.array(
+        [[str(i) for i in ids] for ids in table.column("prompt_ids").to_pylist()], pa.list_(pa.string())
+    )
+    table = table.set_column(table.schema.get_field_index("prompt_ids"), "prompt_ids", strings)
+    shard.unlink()
+    with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    reseal_pool(str(tmp_path / "pool"))
+    with pytest.raises(PoolFormatError, match=f"{shard.name}: columns .*'prompt_ids', 'list<item: string>'"):
+        ExperiencePool.load(str(tmp_path / "pool"))
+
+
+def test_an_older_state_put_in_place_of_the_current_one_is_refused(tmp_path):
+    pool = saved_pool(tmp_path / "pool")
+    pool.add(trajectory("d"))
+    pool.save(str(tmp_path / "pool"), save_total_limit=2)
+    pool.add(trajectory("e"))
+    pool.save(str(tmp_path / "pool"), save_total_limit=2)  # keeps history/00000002.json
+    state, kept = tmp_path / "pool" / "state.json", tmp_path / "pool" / "history" / "00000002.json"
+    current, older = state.read_bytes(), kept.read_bytes()
+    state.write_bytes(older)
+    kept.write_bytes(current)  # swapped: state.json holds snapshot 2, the kept copy snapshot 3
+    with pytest.raises(PoolFormatError, match=r"is snapshot 2, but the folder keeps history/00000002.json"):
+        ExperiencePool.load(str(tmp_path / "pool"))
+    (tmp_path / "pool" / "history" / "00000007.json").write_bytes(current)
+    with pytest.raises(PoolFormatError, match="replaced by an older one"):
+        ExperiencePool.load(str(tmp_path / "pool"))
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -89,6 +126,17 @@ def test_resealed_state_edits_no_pool_can_have_are_refused(tmp_path, edit, messa
 
 
 # ------------------------------------------------------------------------------------ 2: paths stay inside
+def assert_refused_by_push_pool(folder, monkeypatch):
+    """`push_pool` refuses the folder before any upload."""
+    from trl_exreplay.hub import push_pool
+
+    uploads = []
+    monkeypatch.setattr("huggingface_hub.HfApi.create_commit", lambda self, *a, **k: uploads.append(a))
+    with pytest.raises(PoolFormatError):
+        push_pool(str(folder), "me/pool")
+    assert uploads == []
+
+
 def _rename_first_shard(state, new_name, folder=None):
     entry = state["shards"]["trajectories"][0]
     if folder is not None:  # a real copy where the name leads, for a loader that would follow it
@@ -122,13 +170,7 @@ def test_an_absolute_tasks_file_is_refused_and_never_pushed(tmp_path, monkeypatc
     edit_state(tmp_path / "pool", edit)  # resealed: the checksums hold, the name must still be refused
     with pytest.raises(PoolFormatError, match="`tasks_file`"):
         ExperiencePool.load(str(tmp_path / "pool"))
-    from trl_exreplay.hub import push_pool
-
-    uploads = []
-    monkeypatch.setattr("huggingface_hub.HfApi.create_commit", lambda self, *a, **k: uploads.append(a))
-    with pytest.raises(PoolFormatError):
-        push_pool(str(tmp_path / "pool"), "me/pool")
-    assert uploads == []
+    assert_refused_by_push_pool(tmp_path / "pool", monkeypatch)
 
 
 def test_links_leading_out_are_refused_and_the_hub_cache_layout_loads(tmp_path, monkeypatch):
@@ -148,13 +190,7 @@ def test_links_leading_out_are_refused_and_the_hub_cache_layout_loads(tmp_path, 
     os.link(secret, shard)
     with pytest.raises(PoolFormatError, match="has 1100 bytes; the pool recorded"):
         ExperiencePool.load(str(tmp_path / "pool"))
-    from trl_exreplay.hub import push_pool
-
-    uploads = []
-    monkeypatch.setattr("huggingface_hub.HfApi.create_commit", lambda self, *a, **k: uploads.append(a))
-    with pytest.raises(PoolFormatError):
-        push_pool(str(tmp_path / "pool"), "me/pool")
-    assert uploads == []
+    assert_refused_by_push_pool(tmp_path / "pool", monkeypatch)
 
     # the Hugging Face cache: <repo>/snapshots/<rev>/ holds symlinks into <repo>/blobs/, accepted exactly there
     pool.save(str(tmp_path / "clean"))

@@ -313,7 +313,9 @@ def _pool_card(repo_id: str, state: dict) -> str:
             "",
             f"`{STATE_FILE}` holds the pool state and names its files; `{TRAJECTORIES_DIR}/` holds Arrow shards, one "
             "row per trajectory, with columns: " + ", ".join(f"`{c}`" for c in TRAJECTORY_FEATURES) + f"; "
-            f"`{TASK_ROWS_DIR}/` the dataset row of each task (JSON), so a replayed task can be rolled out again.",
+            f"`{TASK_ROWS_DIR}/` the dataset row of each task (JSON), so a replayed task can be rolled out again. "
+            f"`{STATE_FILE}` records every file's size and xxh3-64 checksum: `from_hub` verifies them all before it "
+            "maps anything.",
             "",
             "## Usage",
             "",

@@ -42,11 +42,13 @@ from .planner import TaskBuckets
 from .pool_check import (
     CHECKSUM,
     SETTINGS,
+    TASKS_SCHEMA,
     PoolFolder,
     PoolFormatError,
     bad_trajectory_rows,
     check_arrow,
     check_settings,
+    check_tasks_table,
     file_checksum,
     state_checksum,
     trajectory_problem,
@@ -1084,7 +1086,7 @@ class ExperiencePool:
                 "traj_row": lists(traj_row),
                 "traj_id": lists(self._key_traj_id[keys]),
             },
-            schema=_tasks_schema(),
+            schema=TASKS_SCHEMA,
         )
 
     @classmethod
@@ -1158,7 +1160,7 @@ class ExperiencePool:
             tasks = read_arrow(tasks_path)
         except (OSError, pa.ArrowException) as e:
             raise PoolFormatError(tasks_path, f"is not an Arrow file ({e}).") from None
-        _check_tasks_table(tasks, state, tasks_path)
+        check_tasks_table(tasks, state, tasks_path, TRAJECTORIES_DIR, TASK_ROWS_DIR)
         pool = cls(**state["settings"], work_dir=work_dir, shard_rows=shard_rows)
         try:
             pool._fill_from_snapshot(folder, state, tasks, vocab_size, verify)
@@ -1419,76 +1421,6 @@ def _digest(path: str) -> tuple[int, str]:
 
 def _file_entry(size: int, checksum: str) -> dict:
     return {"size": size, CHECKSUM: checksum}
-
-
-def _tasks_schema(with_places: bool = True):
-    """The Arrow schema of a snapshot's tasks table (format 2 tables may lack ``bucket_pos``)."""
-    import pyarrow as pa
-
-    fields = [
-        ("task_id", pa.string()),
-        ("difficulty", pa.int32()),
-        ("difficulty_order", pa.int64()),
-        ("bucket_pos", pa.int32()),
-        ("skip_order", pa.int64()),
-        ("store_order", pa.int64()),
-        ("row_shard", pa.int32()),
-        ("row_index", pa.int32()),
-        ("traj_shard", pa.list_(pa.int32())),
-        ("traj_row", pa.list_(pa.int32())),
-        ("traj_id", pa.list_(pa.int64())),
-    ]
-    return pa.schema([f for f in fields if with_places or f[0] != "bucket_pos"])
-
-
-def _check_tasks_table(tasks, state: dict, file: str) -> None:
-    """A snapshot's tasks table must be one the pool could have written: schema, no null, one row per task, ids
-    unique, values in range, lists that agree, no task holding more trajectories than the capacity, shard numbers
-    that exist. Damage here is an error (`PoolFormatError`), not a rejected row: the table is the index itself."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    # format 2 tables written before bucket positions lack them
-    check_arrow(tasks, _tasks_schema(state["verified"] or "bucket_pos" in tasks.schema.names), file)
-
-    def need(condition, problem):
-        if not condition:
-            raise PoolFormatError(file, problem)
-
-    need(tasks.num_rows == state["num_tasks"], f"has {tasks.num_rows} tasks; the state records {state['num_tasks']}.")
-    for column in tasks.columns:
-        need(column.null_count == 0, "holds a null value.")
-        if pa.types.is_list(column.type):
-            need(all(chunk.values.null_count == 0 for chunk in column.chunks), "holds a null value in a list.")
-    need(pc.count_distinct(tasks.column("task_id")).as_py() == tasks.num_rows, "lists a task id twice.")
-    stamp = state["counters"]["stamp"]
-    for name in ("difficulty", "difficulty_order", "skip_order", "store_order"):
-        values = tasks.column(name).to_numpy()
-        need(len(values) == 0 or values.min() >= -1, f"`{name}` holds a value below -1.")
-        if name != "difficulty":
-            need(len(values) == 0 or values.max() <= stamp, f"`{name}` holds a value above counters.stamp.")
-    num_rows, num_trajs = len(state["shards"][TASK_ROWS_DIR]), len(state["shards"][TRAJECTORIES_DIR])
-    row_shard = tasks.column("row_shard").to_numpy()
-    need(len(row_shard) == 0 or (row_shard.min() >= -1 and row_shard.max() < num_rows), "`row_shard` out of range.")
-    need(len(row_shard) == 0 or tasks.column("row_index").to_numpy().min() >= -1, "`row_index` below -1.")
-    lists = [tasks.column(name).combine_chunks() for name in _SLOT_COLUMNS]
-    offsets = [np.asarray(c.offsets.to_numpy()) for c in lists]
-    need(
-        all(np.array_equal(offsets[0], o) for o in offsets[1:]),
-        "`traj_shard`, `traj_row`, `traj_id` differ in length.",
-    )
-    counts = np.diff(offsets[0])
-    capacity = state["settings"]["max_trajectories_per_task"]
-    need(
-        len(counts) == 0 or counts.max() <= capacity,
-        f"a task holds {int(counts.max(initial=0))} trajectories, above max_trajectories_per_task={capacity}.",
-    )
-    shard, row, traj_id = (c.values.to_numpy() for c in lists)
-    need(len(shard) == 0 or (shard.min() >= 0 and shard.max() < num_trajs), "`traj_shard` out of range.")
-    need(len(row) == 0 or row.min() >= 0, "`traj_row` below 0.")
-    need(len(traj_id) == len(np.unique(traj_id)), "lists a trajectory id twice.")
-    next_id = state["counters"]["next_traj_id"]
-    need(len(traj_id) == 0 or (traj_id.min() >= 0 and traj_id.max() < next_id), "`traj_id` outside [0, next_traj_id).")
 
 
 def _check_settings(settings: dict) -> None:

@@ -1230,6 +1230,8 @@ def read_state(path: str, snapshot: int | None = None) -> dict:
     """The committed state of the pool saved at `path` (or an older kept `snapshot`), validated."""
     state_path = PoolFolder(path).file(STATE_FILE)
     state = parse_state_file(state_path)
+    if state["format_version"] != 1:
+        _check_latest(path, state, state_path)
     if snapshot is not None and state.get("snapshot") != snapshot:
         if not isinstance(snapshot, int) or isinstance(snapshot, bool) or snapshot < 1:
             raise ValueError(f"snapshot must be an integer >= 1, got {snapshot!r}.")
@@ -1237,7 +1239,32 @@ def read_state(path: str, snapshot: int | None = None) -> dict:
         if not os.path.isfile(history):
             raise FileNotFoundError(f"No snapshot {snapshot} in the experience pool at {path}.")
         state = parse_state_file(history)
+        if state.get("snapshot") != snapshot:
+            raise PoolFormatError(history, f"holds snapshot {state.get('snapshot')!r}, not {snapshot}.")
     return state
+
+
+def _check_latest(path: str, state: dict, state_path: str) -> None:
+    """``state.json`` must be the newest snapshot of its folder: an older state put in its place (a swap with a kept
+    snapshot, a restored backup of the file alone) would load an older pool as if it were the current one. A kept
+    snapshot numbered as the current one is the copy an interrupted save made of it, and must hold it."""
+    history = os.path.join(path, HISTORY_DIR)
+    if not os.path.isdir(history):
+        return
+    current = state["snapshot"]
+    for name in os.listdir(history):
+        stem = name[: -len(".json")] if name.endswith(".json") else ""
+        if not (stem.isdigit() and int(stem) >= current):
+            continue
+        problem = f"is snapshot {current}, but the folder keeps {HISTORY_DIR}/{name}: {STATE_FILE} was replaced"
+        if int(stem) > current:
+            raise PoolFormatError(state_path, f"{problem} by an older one.")
+        try:
+            kept = parse_state_file(os.path.join(history, name))
+        except (OSError, ValueError):
+            continue  # a damaged copy of the current state: pruned by the next save
+        if kept.get("snapshot") != current:
+            raise PoolFormatError(state_path, f"{problem} (that file holds snapshot {kept.get('snapshot')!r}).")
 
 
 def state_files(state: dict) -> list[str]:

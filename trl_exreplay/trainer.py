@@ -316,8 +316,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if infinite.any():
             # TRL would carry an infinite reward into the advantages (NaN loss, or a group that swamps the others);
             # it becomes a missing reward (NaN), which TRL handles: left out of the sum over reward functions.
-            self._count("nonfinite_rewards", "a reward function returned an infinite reward; it is treated as missing")
-            self._replay_counts["nonfinite_rewards"] += int(infinite.sum()) - 1
+            message = "a reward function returned an infinite reward; it is treated as missing"
+            self._count("nonfinite_rewards", message, int(infinite.sum()))
             rewards_per_func = rewards_per_func.masked_fill(infinite, float("nan"))
         active = self._active
         if active is None:
@@ -813,8 +813,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         for name, count in self._replay_counts.items():
             metrics[f"replay/{name}"] = [float(count)]  # running totals
 
-    def _count(self, kind: str, message: str) -> None:
-        self._replay_counts[kind] += 1
+    def _count(self, kind: str, message: str, number: int = 1) -> None:
+        self._replay_counts[kind] += number
         if kind not in self._warned:
             self._warned.add(kind)
             logger.warning("trl_exreplay: %s (counted in replay/%s; logged once).", message, kind)
