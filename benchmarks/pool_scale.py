@@ -230,18 +230,24 @@ def ours_load(size: int, folder: str, prompt_tokens: int, completion_tokens: int
     parts = template(prompt_tokens, completion_tokens)
     base = Trajectory("t", rewards=[1.0], reward=1.0, entropy=0.5, policy_version=0, **parts)
     empty = ExperiencePool(work_dir=folder)
-    # The integrity checks' cost: a load without the checksums (sizes, names, Arrow layout and row values still
-    # checked), then the default load (every file's xxh3-64 too). The first also brings the files into the page
-    # cache where RAM allows, so both read from the same cache state.
-    start = time.perf_counter()
-    ExperiencePool.load(os.path.join(folder, "pool"), work_dir=folder, verify=False).close()
-    unverified_s = time.perf_counter() - start
+
+    # The integrity checks' cost: the default load (every file's size, name, xxh3-64 checksum, Arrow layout and row
+    # values checked) against one without the checksums, both after a first load that brings the files into the page
+    # cache where RAM allows (so both read from the same cache state), the second twice to see the spread.
+    def unverified() -> float:
+        start = time.perf_counter()
+        ExperiencePool.load(os.path.join(folder, "pool"), work_dir=folder, verify=False).close()
+        return time.perf_counter() - start
+
+    first_s = unverified()
+    unverified_s = unverified()
     gc.collect()
     before = rss_mb()
     start = time.perf_counter()
     pool = ExperiencePool.load(os.path.join(folder, "pool"), work_dir=folder)
     load_s = time.perf_counter() - start
     after_load = rss_mb()
+    unverified_again_s = unverified()
     sample_ms, sample_cpu_ms = median_ms(
         lambda i: pool.sample(SAMPLE, rng=np.random.default_rng(100 + i)), 50, cpu=True
     )
@@ -255,6 +261,8 @@ def ours_load(size: int, folder: str, prompt_tokens: int, completion_tokens: int
     return {
         "load_s": load_s,
         "load_without_checksums_s": unverified_s,
+        "load_without_checksums_again_s": unverified_again_s,
+        "first_load_s": first_s,
         "sample_after_load_ms": sample_ms,
         "sample_after_load_cpu_ms": sample_cpu_ms,
         "rss_empty_mb": before,
@@ -555,7 +563,8 @@ def main() -> None:
             b, lo = r["ours"]["build"], r["ours"]["load"]
             print(
                 f"{int(size):,} trajectories ({b['disk_gb']:.2f} GB of shards): load {lo['load_s']:.2f} s with "
-                f"checksums, {lo['load_without_checksums_s']:.2f} s without; sample 64 after load "
+                f"checksums, {lo['load_without_checksums_s']:.2f} and {lo['load_without_checksums_again_s']:.2f} s "
+                f"without (first load: {lo['first_load_s']:.2f} s); sample 64 after load "
                 f"{fmt_ms(lo['sample_after_load_ms'])}; RSS growth {lo['rss_growth_mb']:.0f} MB"
             )
     else:

@@ -374,7 +374,7 @@ def bad_trajectory_rows(
 
 def trajectory_problem(trajectory, vocab_size: int | None) -> str | None:
     """Why a model cannot be trained on `trajectory` (a `pool.Trajectory`), as `bad_trajectory_rows` judges a
-    stored row; None when it can. Plain Python over the lists (~50 us for 1k tokens: it runs on every stored one)."""
+    stored row; None when it can. Plain Python over the lists (~30 us for 1k tokens: it runs on every stored one)."""
     for name in ("reward", "entropy"):
         if not math.isfinite(getattr(trajectory, name)):
             return f"non-finite {name}"
@@ -383,7 +383,8 @@ def trajectory_problem(trajectory, vocab_size: int | None) -> str | None:
         # A sum is finite when every value is (log-probs are <= 0 and rewards small: no overflow to inf).
         if not math.isfinite(sum(values)) and not all(map(math.isfinite, values)):
             return f"non-finite {name}"
-    if not set(trajectory.completion_mask) <= {0, 1}:
+    mask = trajectory.completion_mask
+    if mask.count(1) + mask.count(0) != len(mask):
         return "completion_mask not 0/1"
     for name in ("prompt_ids", "completion_ids"):
         ids = getattr(trajectory, name)
