@@ -136,6 +136,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             self.add_callback(_AtTrainEnd(self))
         self._pending: dict | None = None  # outcomes of the last generation step, flushed into the pool later
         self._entropy_stash = None  # "armed", then the entropies of TRL's old-log-probs forward
+        self._loss_inputs: dict | None = None  # the batch of TRL's own loss, whose forward fills the pool records
         self._active: dict | None = None  # the replay plan of the generation step in progress
         self._generation_replay: dict[int, Trajectory] | None = None  # local row -> replayed trajectory
         self._replay_counts: Counter = Counter()  # faults and mismatches, logged once per kind
@@ -232,7 +233,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         try:
             output = super()._generate_and_score_completions(new_inputs)
             rewards_per_func = self._active["rewards"]
-            self._attach_replay_tensors(output, replayed_local)
+            self._attach_replay_tensors(output, replayed_local, replaying=bool(plan.replay_groups))
             self._queue_outcomes(output, task_rows, row_tasks, plan, rewards_per_func, offset)
             self._log_generation_metrics(plan, len(row_keys), step)
         finally:
@@ -249,6 +250,12 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         return misaligned or (self.use_vllm and self.vllm_importance_sampling_correction)
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        inputs, self._loss_inputs = self._loss_inputs, None  # TRL's loss makes one policy forward: the first call
+        if inputs is not None:
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            if entropies is not None:
+                self._capture(inputs, logps, entropies, inputs["completion_mask"] * inputs.get("tool_mask", 1))
+            return logps, entropies, aux
         if self._entropy_stash != "armed" or model is not self.model:
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         # TRL's first policy forward of a generation step is the old-log-probs one (the reference forward follows).
@@ -394,10 +401,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         return [float(gathered[i % world, i // world]) for i in range(total)]
 
     # ---------------------------------------------------------------------------------- batch post-processing
-    def _attach_replay_tensors(self, output: dict, replayed_local: dict[int, Trajectory]) -> None:
+    def _attach_replay_tensors(self, output: dict, replayed_local: dict[int, Trajectory], replaying: bool) -> None:
         completion_ids = output["completion_ids"]
         batch, length = completion_ids.shape
         device = completion_ids.device
+        # One value for the whole generation batch, on every rank (the plan is global), so that every micro-batch of
+        # every rank takes the same loss path: TRL's own when nothing of the batch is replayed.
+        output["exreplay_replaying"] = torch.full((batch,), int(replaying), dtype=torch.long, device=device)
         exp_mask = torch.zeros(batch, length, dtype=torch.long, device=device)
         recorded = torch.zeros(batch, length, dtype=torch.float32, device=device)
         for i, trajectory in replayed_local.items():
@@ -687,8 +697,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     # --------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
-        if not self._replay_enabled:
-            return super()._compute_loss(model, inputs)
+        if not self._replay_enabled or not self._replays(inputs):
+            # TRL's own loss. Its policy forward still gives the pool's records their log-probs and entropies.
+            self._loss_inputs = inputs if "exreplay_row" in inputs else None
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                self._loss_inputs = None
         mode = "train" if self.model.training else "eval"
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
@@ -754,14 +769,21 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["kl"].append(self._global_mean(per_token_kl, mask))
         if self.loss_type != "dapo":
             loss = loss / accumulation
-        if self._entropy_bonus_enabled:
-            mean_entropy = (entropies * mask).sum() / mask.sum().clamp(min=1.0)
+        if self._entropy_bonus_enabled:  # over the tokens the policy term trains, as TRL's bonus
+            bonus_mask = mask if entropy_mask is None else mask * entropy_mask
+            mean_entropy = (entropies * bonus_mask).sum() / bonus_mask.sum().clamp(min=1.0)
             loss = loss - self.entropy_coef * mean_entropy / accumulation
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
         self._metrics[mode]["entropy"].append(self._global_mean(entropies, mask))
         self._log_loss_metrics(mode, metrics)
         return loss
+
+    @staticmethod
+    def _replays(inputs: dict) -> bool:
+        """Whether the generation batch of `inputs` holds replayed rows (the same answer on every rank)."""
+        flag = inputs.get("exreplay_replaying")
+        return flag is not None and bool(flag.numel()) and bool(flag[0])
 
     def _global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
         totals = torch.stack([(values.detach() * mask).sum(), mask.sum().float()])
