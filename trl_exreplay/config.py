@@ -8,6 +8,8 @@ from typing import Any
 
 from trl import GRPOConfig
 
+from . import compat  # noqa: F401 - refuses a TRL outside the supported range
+
 SELECT_MODES = ("argmin", "argmax", "random")
 SHAPING_MODES = ("clip", "exgrpo")
 BUCKET_WEIGHTINGS = ("uniform", "normal", "linear")

@@ -31,6 +31,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
+from . import compat  # noqa: F401 - refuses a TRL outside the supported range
 from .config import REPLAY_LOSS_TYPES, replay_options, validate_replay_options
 from .envs import env_reward
 from .hub import CITATIONS
