@@ -70,3 +70,36 @@ def test_the_supported_range_is_the_declared_pin_and_is_enforced():
     for outside in ("1.15.2", TRL_BELOW + ".0", "2.0.0"):
         with pytest.raises(ImportError, match=re.escape(f"supports {TRL_SUPPORTED}") + f".*found trl {outside}"):
             check_trl_version(outside)
+
+
+def _weather(city: str) -> str:
+    """The weather in a city.
+
+    Args:
+        city: the city's name.
+    """
+    return "sunny"
+
+
+# `tools` is refused by the same check, but TRL first refuses the tiny tokenizer's chat template (no tool calls).
+@pytest.mark.parametrize("option", ["rollout_func"])
+def test_trls_own_multi_turn_paths_are_refused_with_replay_on_and_named(tmp_path, option):
+    from helpers import make_args
+
+    from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
+    from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+
+    def build(**args):
+        tokenizer = build_tiny_tokenizer(VOCABULARY)
+        return ExReplayGRPOTrainer(
+            model=build_tiny_model(tokenizer, seed=0),
+            reward_funcs=said_target,
+            args=make_args(tmp_path, **args),
+            train_dataset=say_word_dataset(num_tasks=4, repeats=8),
+            processing_class=tokenizer,
+            **{option: [_weather] if option == "tools" else (lambda prompts, trainer: {})},
+        )
+
+    with pytest.raises(ValueError, match="TRL tool calls, a custom `rollout_func` or TRL's `environment_factory`"):
+        build()
+    assert not build(enable_experience_replay=False)._replay_enabled  # TRL's own, with replay off
