@@ -1172,19 +1172,18 @@ class ExperiencePool:
     def _fill_from_snapshot(self, folder: PoolFolder, state: dict, tasks, vocab_size, verify) -> None:
         import pyarrow as pa
 
-        pool = self
-        pool.tokenizer_fingerprint = state.get("tokenizer_fingerprint")
+        self.tokenizer_fingerprint = state.get("tokenizer_fingerprint")
         counters = state["counters"]
-        pool._next_traj_id = int(counters["next_traj_id"])
-        pool._num_outcomes = int(counters["num_outcomes"])
-        pool._stored_count = int(counters["stored_count"])
-        pool._stamp = int(counters["stamp"])
+        self._next_traj_id = int(counters["next_traj_id"])
+        self._num_outcomes = int(counters["num_outcomes"])
+        self._stored_count = int(counters["stored_count"])
+        self._stamp = int(counters["stamp"])
         n = tasks.num_rows
-        pool._task_ids = tasks.column("task_id").to_pylist()
-        pool._task_index = {task_id: i for i, task_id in enumerate(pool._task_ids)}
-        pool._ensure_tasks(n)
+        self._task_ids = tasks.column("task_id").to_pylist()
+        self._task_index = {task_id: i for i, task_id in enumerate(self._task_ids)}
+        self._ensure_tasks(n)
         for name in ("difficulty", "difficulty_order", "skip_order", "store_order"):
-            getattr(pool, f"_{name}")[:n] = tasks.column(name).to_numpy()
+            getattr(self, f"_{name}")[:n] = tasks.column(name).to_numpy()
         places = tasks.column("bucket_pos") if "bucket_pos" in tasks.schema.names else None  # absent before
         places = places.to_numpy() if places is not None else None
 
@@ -1210,7 +1209,7 @@ class ExperiencePool:
             shard.release()  # validation read offsets and ids through the mapping: unmap them again
             log.keep(shard)  # unmapped too, when a hard link in the scratch folder keeps the file
 
-        reasons = pool.rejected_reasons
+        reasons = self.rejected_reasons
         row_shard = tasks.column("row_shard").to_numpy()
         row_index = tasks.column("row_index").to_numpy().astype(np.int64)
         placed = np.zeros(n, bool)
@@ -1221,9 +1220,9 @@ class ExperiencePool:
                 continue
             rows = row_index[owners]
             good = ~invalid_rows(shard.table(), rows, ("task_row",), ())
-            pool._row_key[owners[good]] = pool._task_rows.adopt(shard, rows[good])
+            self._row_key[owners[good]] = self._task_rows.adopt(shard, rows[good])
             placed[owners[good]] = True
-            settle(pool._task_rows, shard)
+            settle(self._task_rows, shard)
         lost = int(((row_shard >= 0) & ~placed).sum())
         if lost:
             reasons["missing or malformed task row"] += lost
@@ -1257,20 +1256,20 @@ class ExperiencePool:
             if len(good) == 0:
                 shard.release()
                 continue
-            keys = pool._trajectories.adopt(shard, rows)
-            pool._ensure_keys(int(keys.max()) + 1)
-            pool._key_task[keys] = entry_task[good]
-            pool._key_entropy[keys] = columns["entropy"][rows]
-            pool._key_version[keys] = columns["policy_version"][rows]
-            pool._key_traj_id[keys] = columns["traj_id"][rows]
-            pool._key_seq[keys] = columns["store_seq"][rows]
+            keys = self._trajectories.adopt(shard, rows)
+            self._ensure_keys(int(keys.max()) + 1)
+            self._key_task[keys] = entry_task[good]
+            self._key_entropy[keys] = columns["entropy"][rows]
+            self._key_version[keys] = columns["policy_version"][rows]
+            self._key_traj_id[keys] = columns["traj_id"][rows]
+            self._key_seq[keys] = columns["store_seq"][rows]
             entry_key[good] = keys
             del table, columns
-            settle(pool._trajectories, shard)
+            settle(self._trajectories, shard)
         ok = entry_key >= 0
-        pool._place_slots(entry_task[ok], entry_key[ok], n)
-        pool._rebuild_buckets(places)
-        pool.vocab_size = vocab_size
+        self._place_slots(entry_task[ok], entry_key[ok], n)
+        self._rebuild_buckets(places)
+        self.vocab_size = vocab_size
         trim_heap()
 
     def _place_slots(self, entry_task: np.ndarray, entry_key: np.ndarray, n: int) -> None:
