@@ -68,8 +68,13 @@ def test_a_gloo_thread_freeing_a_tensor_during_finalization_aborts_a_plain_exit(
         "recipes/accelerate/ddp_cpu.yaml", GLOO_EXIT, "forced", "plain", timeout=120, check=False
     )
     assert result.returncode != 0
-    assert "terminate called without an active exception" in result.stderr
-    assert "failed (exitcode: -6) local_rank: 0" in result.stderr  # SIGABRT, in the rank whose worker was late
+    # Rank 0, whose worker was late, dies of a signal in finalization: SIGABRT ("terminate called") in all but one
+    # of ~90 launches seen (80 of them in a loop with cores enabled, 60 under a full test run's load); once (a
+    # full-suite run, no core kept) SIGSEGV, which fits the worker waking later still, into interpreter state already
+    # torn down. Either is the race that exit_distributed avoids; the SIGSEGV stack was never caught.
+    aborted = "terminate called without an active exception" in result.stderr
+    assert aborted or "Signal 11 (SIGSEGV)" in result.stderr, result.stderr[-2000:]
+    assert "failed (exitcode: -6) local_rank: 0" in result.stderr or "exitcode: -11" in result.stderr
 
 
 def test_exit_distributed_skips_finalization_after_running_the_exit_handlers():

@@ -411,7 +411,7 @@ class OutcomeRecordingTrainer(RecordingTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training:
-            self.outcomes = getattr(self, "outcomes", []) + [self._pending["outcomes"]]
+            self.outcomes = getattr(self, "outcomes", []) + [self._pending.outcomes]
         return output
 
 

@@ -100,7 +100,8 @@ def record_rollouts(trainer) -> list[tuple[dict, dict]]:
     seen, rollout = [], trainer.rollout_func
 
     def recording(prompts, trainer_):
-        replayed = dict(trainer._generation_replay or {})  # consumed by the rollout
+        step = trainer._generation  # the generation step in progress: its replayed rows, before the rollout takes them
+        replayed = dict(step.replayed_local) if step.plan is not None and step.plan.replay_groups else {}
         output = rollout(prompts, trainer_)
         seen.append((output, replayed))
         return output

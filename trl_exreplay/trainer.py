@@ -39,6 +39,7 @@ from .loss import aggregate_loss, compute_exreplay_loss
 from .planner import ReplayPlan, plan_replay
 from .pool import ExperiencePool, TaskOutcome, Trajectory, task_key, tokenizer_fingerprint
 from .rollout import MultiTurnRollout, generate_batch
+from .step import GenerationStep, PendingOutcomes
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if self._replay_enabled:
             self._check_supported()
         self.env_factory = env_factory
-        self._rollout_rows: list[dict] | None = None
+        self._generation: GenerationStep | None = None  # the generation step in progress (see `trl_exreplay.step`)
         if env_factory is not None:
             self._setup_multi_turn(env_factory)
         rbound = self.replay["experience_rbound"]
@@ -135,11 +136,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             self._adopt_pool(experience_pool, "the given experience_pool")
         if self._replay_enabled or env_factory is not None:
             self.add_callback(_AtTrainEnd(self))
-        self._pending: dict | None = None  # outcomes of the last generation step, flushed into the pool later
-        self._entropy_stash = None  # "armed", then the entropies of TRL's old-log-probs forward
+        self._pending: PendingOutcomes | None = None  # the last step's outcomes, recorded in the pool later
         self._loss_inputs: dict | None = None  # the batch of TRL's own loss, whose forward fills the pool records
-        self._active: dict | None = None  # the replay plan of the generation step in progress
-        self._generation_replay: dict[int, Trajectory] | None = None  # local row -> replayed trajectory
         self._replay_counts: Counter = Counter()  # faults and mismatches, logged once per kind
         self._warned: set[str] = set()
 
@@ -176,11 +174,11 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     # -------------------------------------------------------------------------------------------- generation
     def _generate_and_score_completions(self, inputs):
         if not self._replay_enabled or not self.model.training:
-            self._rollout_rows = [self._with_prompt(row) for row in inputs]
+            self._generation = GenerationStep(rows=[self._with_prompt(row) for row in inputs])
             try:
-                return super()._generate_and_score_completions(self._rollout_rows)
+                return super()._generate_and_score_completions(self._generation.rows)
             finally:
-                self._rollout_rows = None
+                self._generation = None
         self._flush_pending()
         num_generations = self.num_generations
         rank, local_rows = self.accelerator.process_index, len(inputs)
@@ -225,23 +223,23 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             for start in range(0, len(row_keys), local_rows)
         ]
 
-        # Every rank takes the replay path of `_generate_single_turn` when any rank replays (its calls stay aligned).
-        self._generation_replay = replayed_local if plan.replay_groups else None
-        self._active = {"plan": plan, "selected": selected, "rewards": None, "fresh_per_rank": fresh_per_rank}
-        self._rollout_rows = new_inputs
-        # When TRL runs its old-log-probs forward (right after generation), its entropies are the generating policy's.
-        self._entropy_stash = "armed" if self._trl_computes_old_logps() else None
+        self._generation = GenerationStep(
+            rows=new_inputs,
+            plan=plan,
+            selected=selected,
+            replayed_local=replayed_local,
+            fresh_per_rank=fresh_per_rank,
+            # When TRL runs its old-log-probs forward (right after generation), its entropies are the generating
+            # policy's.
+            wants_entropies=self._trl_computes_old_logps(),
+        )
         try:
             output = super()._generate_and_score_completions(new_inputs)
-            rewards_per_func = self._active["rewards"]
             self._attach_replay_tensors(output, replayed_local, replaying=bool(plan.replay_groups))
-            self._queue_outcomes(output, task_rows, row_tasks, plan, rewards_per_func, offset)
+            self._queue_outcomes(output, task_rows, row_tasks, self._generation, offset)
             self._log_generation_metrics(plan, len(row_keys), step)
         finally:
-            self._generation_replay = None
-            self._active = None
-            self._entropy_stash = None
-            self._rollout_rows = None
+            self._generation = None
         return output
 
     def _trl_computes_old_logps(self) -> bool:
@@ -257,13 +255,14 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             if entropies is not None:
                 self._capture(inputs, logps, entropies, inputs["completion_mask"] * inputs.get("tool_mask", 1))
             return logps, entropies, aux
-        if self._entropy_stash != "armed" or model is not self.model:
+        step = self._generation
+        if step is None or not step.wants_entropies or step.entropies is not None or model is not self.model:
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         # TRL's first policy forward of a generation step is the old-log-probs one (the reference forward follows).
         logps, entropies, aux = super()._get_per_token_logps_and_entropies(
             model, *args, **{**kwargs, "compute_entropy": True}
         )
-        self._entropy_stash = entropies.detach()
+        step.entropies = entropies.detach()
         return logps, (entropies if kwargs.get("compute_entropy") else None), aux
 
     def _replay_started(self) -> bool:
@@ -271,12 +270,11 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         return self.state.global_step / max_steps >= self.replay["replay_start_ratio"]
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        replayed = self._generation_replay
+        replayed = self._generation.take_replay() if self._generation is not None else None
         if replayed is None:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        self._generation_replay = None  # one-shot: later calls (if any) generate normally
         if images is not None or multimodal_fields:
             raise NotImplementedError("Experience replay with multimodal prompts is not supported yet.")
         fresh = [i for i in range(len(prompt_ids)) if i not in replayed]
@@ -304,7 +302,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     def _padding_rows(self, num_fresh: int) -> int:
         """Rows to generate and discard so every rank makes the same generation calls (vLLM server / TP, ZeRO-3)."""
-        most = max(self._active["fresh_per_rank"])
+        most = max(self._generation.fresh_per_rank)
         if self.use_vllm and (self.vllm_mode == "server" or self.vllm_tensor_parallel_size > 1):
             return most - num_fresh  # vLLM slices its output by equal per-rank shares
         # Sharded models (ZeRO-3, FSDP) gather parameters collectively inside generation: a rank whose rows are all
@@ -327,10 +325,10 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             message = "a reward function returned an infinite reward; it is treated as missing"
             self._count("nonfinite_rewards", message, int(infinite.sum()))
             rewards_per_func = rewards_per_func.masked_fill(infinite, float("nan"))
-        active = self._active
-        if active is None:
+        step = self._generation
+        if step is None or step.plan is None:
             return rewards_per_func
-        plan, selected = active["plan"], active["selected"]
+        plan, selected = step.plan, step.selected
         k = plan.num_replayed
         for group, task_id in plan.replay_groups.items():
             for j, trajectory in enumerate(selected[task_id]):
@@ -343,7 +341,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 if not torch.allclose(rewards_per_func[row], recorded, equal_nan=True, atol=1e-4):
                     self._replay_counts["reward_mismatch"] += 1
                 rewards_per_func[row] = recorded
-        active["rewards"] = rewards_per_func
+        step.rewards = rewards_per_func
         return rewards_per_func
 
     def _select_trajectories(self, plan: ReplayPlan, step: int, seed=None) -> dict[str, list[Trajectory]]:
@@ -425,8 +423,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             rows = torch.tensor(sorted(replayed_local), device=device)
             output["importance_sampling_ratio"][rows] = 1.0
 
-    def _queue_outcomes(self, output, inputs, row_tasks, plan, rewards_per_func, offset) -> None:
+    def _queue_outcomes(self, output, inputs, row_tasks, step: GenerationStep, offset) -> None:
         """Compute each task's outcome from the gathered rewards; keep this rank's successful fresh rows."""
+        plan, rewards_per_func = step.plan, step.rewards
         weights = self.reward_weights.to(rewards_per_func.device)
         totals = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
         success = (totals >= self.replay["success_threshold"]).cpu().tolist()
@@ -436,7 +435,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         missing = torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
         fresh_rows = [r for r in range(len(row_tasks)) if not plan.is_replayed(r) and not missing[r]]
         if self.env_factory is not None:  # an episode the environment failed says nothing about the task
-            faulted = self._gather_row_flags(self._faulted_rows, len(inputs))
+            faulted = self._gather_row_flags(step.faulted_rows, len(inputs))
             fresh_rows = [r for r in fresh_rows if not faulted[r]]
         for row in fresh_rows:
             outcome = outcomes.setdefault(row_tasks[row], [0, 0, []])
@@ -451,7 +450,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         wanted = {r - offset for _, _, winners in outcomes.values() for r in winners if 0 <= r - offset < local_rows}
         old = output.get("old_per_token_logps")
         model_mask = output["completion_mask"] * output.get("tool_mask", 1)
-        stash = self._entropy_stash if isinstance(self._entropy_stash, torch.Tensor) else None
+        stash = step.entropies
         records = {}
         for i in sorted(wanted):
             n = int(output["completion_mask"][i].sum())
@@ -475,13 +474,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 "task_row": task_row,
             }
         outcomes = [(task_id, *outcome) for task_id, outcome in outcomes.items()]
-        self._pending = {"outcomes": outcomes, "records": records, "offset": offset}
+        self._pending = PendingOutcomes(outcomes, records, offset)
 
     def _capture(self, inputs, per_token_logps, entropies, mask) -> None:
         """Fill the pending records with the log-probs and entropies of the loss forward (no extra forward)."""
         if self._pending is None or not self.model.training:
             return
-        records, offset = self._pending["records"], self._pending["offset"]
+        records, offset = self._pending.records, self._pending.offset
         entropies = entropies.detach()
         for j, local_row in enumerate(inputs["exreplay_row"].tolist()):
             record = records.get(offset + local_row)
@@ -498,7 +497,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         pending, self._pending = self._pending, None
         local = []
         if pending is not None:
-            for row, record in pending["records"].items():
+            for row, record in pending.records.items():
                 if record["entropy"] is None:
                     self._count("uncaptured_rows", "a successful row was never seen by the loss; not stored")
                     continue
@@ -506,7 +505,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         merged = dict(gather_object(local)) if self.accelerator.num_processes > 1 else dict(local)
         if pending is None:
             return
-        for task_id, successes, num_fresh, winners in pending["outcomes"]:
+        for task_id, successes, num_fresh, winners in pending.outcomes:
             trajectories, task_row = [], None
             for row in winners:
                 record = merged.get(row)
@@ -536,7 +535,6 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:
             # Not ours to fix: GRPOTrainer alone fails its first backward this way (TRL 1.16, DeepSpeed 0.19.8, CPU).
             raise ValueError("Multi-turn rollouts under ZeRO-3 need `ds3_gather_for_generation=True`.")
-        self._faulted_rows: set[int] = set()  # this rank's rows whose episode the environment failed
         self._rollout_engine = MultiTurnRollout(
             env_factory,
             self.processing_class,
@@ -559,8 +557,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     def _multi_turn_rollout(self, prompts, trainer) -> dict:
         """TRL `rollout_func`: episodes for the fresh rows, stored trajectories for the replayed ones."""
-        rows = self._rollout_rows
-        replayed, self._generation_replay = self._generation_replay or {}, None
+        step = self._generation
+        rows = step.rows
+        replayed = step.take_replay() or {}
         fresh = [i for i in range(len(rows)) if i not in replayed]
         # One gather context for all turns (entered and left once by every rank). Inside it, a forward of a sharded
         # model is still collective (ZeRO-3's start-of-forward hook; FSDP), so ranks agree on the number of turns
@@ -573,7 +572,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         else:
             episodes = self._generate_episodes_hf(tasks, sync)
         by_row = dict(zip(fresh, episodes))
-        self._faulted_rows = {i for i, episode in by_row.items() if episode.error is not None}
+        step.faulted_rows = {i for i, episode in by_row.items() if episode.error is not None}
         column = self.replay["task_id_column"]
         real_prompts = {}
         for i, episode in by_row.items():
@@ -828,7 +827,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         metrics["replay/rows_fraction"].append(replayed_rows / total_rows)
         metrics["replay/tasks"].append(float(plan.num_tasks))
         metrics["replay/generated_rows"].append(float(total_rows - replayed_rows))
-        ages = [step - t.policy_version for ts in self._active["selected"].values() for t in ts]
+        ages = [step - t.policy_version for ts in self._generation.selected.values() for t in ts]
         if ages:
             metrics["replay/policy_age"].append(float(np.mean(ages)))
         for name, value in self.pool.stats().items():
