@@ -1,0 +1,212 @@
+"""Multi-turn rollouts of `ExReplayGRPOTrainer`: its `env_factory` games played as TRL's `rollout_func`.
+
+`MultiTurnRollouts` is a mixin of the trainer (it reads the trainer's TRL state: accelerator, model, vLLM settings):
+fresh rows are played by `rollout.MultiTurnRollout` in lockstep over ranks (so sharded models' collective forwards stay
+aligned), replayed rows return their stored trajectories, and the environment's metrics are logged under ``env/``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from trl.models import unwrap_model_for_generation
+
+from .envs import env_reward
+from .pool import task_key
+from .rollout import MultiTurnRollout, generate_batch
+
+logger = logging.getLogger(__name__)
+
+
+class MultiTurnRollouts:
+    """The trainer's multi-turn methods (`env_factory`)."""
+
+    def _setup_multi_turn(self, env_factory) -> None:
+        column = self.replay["task_id_column"]
+        names = getattr(self.train_dataset, "column_names", None)
+        if names is not None and column not in names:
+            raise ValueError(
+                f"Multi-turn rollouts need a task id column: the train dataset has no `{column}` column "
+                f"(`task_id_column`; columns: {names}). Tasks without prompts cannot be told apart otherwise."
+            )
+        if self.use_vllm:
+            check_multi_turn_vllm(self.vllm_mode, self.args.vllm_tensor_parallel_size)
+            if self.args.vllm_enable_sleep_mode:
+                logger.warning(
+                    "trl_exreplay: vllm_enable_sleep_mode with multi-turn rollouts reloads vLLM's weights before every "
+                    "turn (TRL's engine sleeps after each generate call); it is correct but slow."
+                )
+        if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:
+            # Not ours to fix: GRPOTrainer alone fails its first backward this way (TRL 1.16, DeepSpeed 0.19.8, CPU).
+            raise ValueError("Multi-turn rollouts under ZeRO-3 need `ds3_gather_for_generation=True`.")
+        self._rollout_engine = MultiTurnRollout(
+            env_factory,
+            self.processing_class,
+            max_turns=self.replay["max_turns"],
+            max_completion_length=self.max_completion_length,
+            max_tokens_per_turn=self.replay["max_tokens_per_turn"],
+            step_timeout=self.replay["env_step_timeout"],
+            workers=self.replay["env_workers"],
+            system_prompt_column=self.replay["system_prompt_column"],
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+        self.rollout_func = self._multi_turn_rollout
+
+    def _with_prompt(self, row: dict) -> dict:
+        """Multi-turn: a copy of the row with a placeholder prompt (TRL requires one); the rollout replaces it in place
+        with the real one, the environment's first observation, which is what reward functions and logs then see."""
+        if self.env_factory is None:
+            return row
+        return {**row, "prompt": [{"role": "user", "content": f"task {task_key(row, self.replay['task_id_column'])}"}]}
+
+    def _multi_turn_rollout(self, prompts, trainer) -> dict:
+        """TRL `rollout_func`: episodes for the fresh rows, stored trajectories for the replayed ones."""
+        step = self._generation
+        rows = step.rows
+        replayed = step.take_replay() or {}
+        fresh = [i for i in range(len(rows)) if i not in replayed]
+        # One gather context for all turns (entered and left once by every rank). Inside it, a forward of a sharded
+        # model is still collective (ZeRO-3's start-of-forward hook; FSDP), so ranks agree on the number of turns
+        # (`sync`) and a rank with nothing left to play generates a dummy row: every rank calls generate as often.
+        sharded = self._dist.is_zero3 or self._dist.is_fsdp
+        sync = self._any_rank_active if sharded and self.accelerator.num_processes > 1 else None
+        tasks = [rows[i] for i in fresh]
+        if self.use_vllm:  # TRL synced vLLM's weights for this step before calling us
+            episodes = self._rollout_engine.run(tasks, self._generate_turn_vllm, sync)
+        else:
+            episodes = self._generate_episodes_hf(tasks, sync)
+        by_row = dict(zip(fresh, episodes))
+        step.faulted_rows = {i for i, episode in by_row.items() if episode.error is not None}
+        column = self.replay["task_id_column"]
+        real_prompts = {}
+        for i, episode in by_row.items():
+            system = episode.task.get(self.replay["system_prompt_column"])
+            messages = [{"role": "system", "content": system}] if system else []
+            real_prompts[i] = messages + [{"role": "user", "content": episode.observation}]
+            real_prompts.setdefault(task_key(rows[i], column), real_prompts[i])
+        for i, row in enumerate(rows):  # in place: the very lists TRL hands to reward functions and logs
+            row["prompt"][:] = real_prompts.get(i, real_prompts.get(task_key(row, column), row["prompt"]))
+        env_index = next((j for j, f in enumerate(self.reward_funcs) if f is env_reward), None)
+        # vLLM's sampling log-probs feed TRL's importance-sampling correction; tokens without one (environment
+        # tokens, replayed rows: their correction is our off-policy loss) get None, i.e. no correction.
+        output = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "env_reward": []}
+        for i in range(len(rows)):
+            if i in replayed:
+                trajectory = replayed[i]
+                completion = self._fit_completion(trajectory.completion_ids)
+                output["prompt_ids"].append(trajectory.prompt_ids)
+                output["completion_ids"].append(completion)
+                output["env_mask"].append(trajectory.completion_mask[: len(completion)])
+                output["logprobs"].append([None] * len(completion))
+                recorded = trajectory.rewards
+                has_env_reward = env_index is not None and env_index < len(recorded)
+                output["env_reward"].append(recorded[env_index] if has_env_reward else trajectory.reward)
+            else:
+                episode = by_row[i]
+                output["prompt_ids"].append(episode.prompt_ids)
+                output["completion_ids"].append(episode.completion_ids)
+                output["env_mask"].append(episode.env_mask)
+                output["logprobs"].append(episode.logprobs)
+                output["env_reward"].append(episode.reward)
+        if not self.use_vllm:
+            output["logprobs"] = None  # TRL computes the behaviour log-probs itself
+        self._log_env_metrics(episodes)
+        return output
+
+    def _generate_episodes_hf(self, tasks: list[dict], sync) -> list:
+        """Episodes generated by the training model itself (transformers `generate`)."""
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            episodes = self._rollout_engine.run(
+                tasks, lambda contexts, n: self._generate_turn(unwrapped_model, contexts, n), sync
+            )
+        return episodes
+
+    def _generate_turn_vllm(self, contexts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:
+        """One turn through TRL's colocated vLLM engine (its weights were synced for this step by TRL)."""
+        if not contexts:
+            return [], []
+        engine = self.vllm_generation
+        # TRL's engine reads its token limit on every call; a turn has its own.
+        limit, engine.max_completion_length = engine.max_completion_length, max_new_tokens
+        try:
+            _, completion_ids, logprobs, _ = engine.generate([list(c) for c in contexts], None, num_generations=1)
+        finally:
+            engine.max_completion_length = limit
+        # one log-prob per token: TRL asks vLLM for the sampled token's only (`logprobs=0`), first in each list
+        logprobs = [[lp[0] if lp else None for lp in row] for row in logprobs]
+        return [list(ids)[:max_new_tokens] for ids in completion_ids], [row[:max_new_tokens] for row in logprobs]
+
+    def _gather_row_flags(self, local_rows: set[int], num_local: int) -> list[bool]:
+        """This rank's flagged row indices -> a flag per row of the whole (gathered) batch; collective."""
+        flags = torch.zeros(num_local, device=self.accelerator.device)
+        flags[sorted(local_rows)] = 1.0
+        return self.accelerator.gather(flags).bool().tolist()
+
+    def _any_rank_active(self, active: bool) -> bool:
+        flag = torch.tensor([1.0 if active else 0.0], device=self.accelerator.device)
+        return self.accelerator.reduce(flag, reduction="sum").item() > 0
+
+    def _generate_turn(self, model, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """One batched generation over the active episodes; each result stops after its first eos."""
+        return generate_batch(
+            model,
+            contexts,
+            max_new_tokens,
+            pad_token_id=self.processing_class.pad_token_id,
+            eos_token_ids=self.eos_token_ids,
+            generation_config=self.generation_config,
+        )
+
+    def _log_env_metrics(self, episodes) -> None:
+        mode = "train" if self.model.training else "eval"
+        threshold = self.replay["success_threshold"]
+        steps = [s for e in episodes for s in e.step_seconds]
+        local = torch.tensor(
+            [
+                len(episodes),
+                sum(e.turns for e in episodes),
+                sum(e.reward >= threshold for e in episodes),
+                sum(e.truncated for e in episodes),
+                sum(e.invalid_actions for e in episodes),
+                sum(steps),
+                len(steps),
+                sum(self._rollout_engine.errors.values()),
+                self._rollout_engine.errors["nonfinite_reward"],
+            ],
+            dtype=torch.float64,
+            device=self.accelerator.device,
+        )
+        totals = self.accelerator.gather(local.view(1, -1)).view(-1, local.numel()).sum(dim=0).tolist()
+        count, turns, wins, truncated, invalid, seconds, num_steps, errors, nonfinite = totals
+        metrics = self._metrics[mode]
+        if count > 0:
+            metrics["env/turns_mean"].append(turns / count)
+            metrics["env/success_rate"].append(wins / count)
+            metrics["env/truncated_fraction"].append(truncated / count)
+            metrics["env/invalid_actions"].append(invalid / count)
+        if num_steps > 0:
+            metrics["env/step_seconds"].append(seconds / num_steps)
+        metrics["env/errors"] = [errors]  # a running total: the latest value, not a mean over the logging window
+        metrics["env/nonfinite_rewards"] = [nonfinite]  # among the errors, also a running total
+
+
+def check_multi_turn_vllm(vllm_mode: str, tensor_parallel_size: int) -> None:
+    """Multi-turn rollouts generate through TRL's colocated vLLM engine, one call per turn. Server mode and tensor
+    parallelism gather equal-sized prompt lists across ranks on every call, but the episodes still playing differ in
+    number between ranks."""
+    if vllm_mode != "colocate" or tensor_parallel_size != 1:
+        raise NotImplementedError(
+            "Multi-turn rollouts (`env_factory`) with vLLM need vllm_mode='colocate' and vllm_tensor_parallel_size=1 "
+            f"(got vllm_mode={vllm_mode!r}, vllm_tensor_parallel_size={tensor_parallel_size}); or set use_vllm=False."
+        )
