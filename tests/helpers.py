@@ -47,16 +47,28 @@ def make_args(tmp_path, config_cls=ExReplayGRPOConfig, **overrides):
     return config_cls(**{name: value for name, value in kwargs.items() if name in known})
 
 
-def make_trainer(tmp_path, trainer_cls=ExReplayGRPOTrainer, args=None, num_tasks=4, **overrides):
+def make_trainer(
+    tmp_path,
+    trainer_cls=ExReplayGRPOTrainer,
+    args=None,
+    num_tasks=4,
+    *,
+    model=None,
+    reward_funcs=said_target,
+    trainer_kwargs: dict | None = None,
+    **overrides,
+):
+    """`trainer_cls` on the say-the-word task: the tiny model (or `model`, e.g. a saved one's path), `overrides` of
+    the config's fields (or `args`), and further keyword arguments of the trainer in `trainer_kwargs`."""
     tokenizer = build_tiny_tokenizer(VOCABULARY)
-    model = build_tiny_model(tokenizer, seed=0)
     args = args if args is not None else make_args(tmp_path, **overrides)
     return trainer_cls(
-        model=model,
-        reward_funcs=said_target,
+        model=build_tiny_model(tokenizer, seed=0) if model is None else model,
+        reward_funcs=reward_funcs,
         args=args,
         train_dataset=say_word_dataset(num_tasks=num_tasks, repeats=8),
         processing_class=tokenizer,
+        **(trainer_kwargs or {}),
     )
 
 

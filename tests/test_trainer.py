@@ -222,16 +222,8 @@ def test_a_pool_recorded_with_another_tokenizer_is_refused(tmp_path):
     other = build_tiny_tokenizer(list(reversed(VOCABULARY)))  # as many tokens; every id means another word
     given = ExperiencePool()
     given.bind_tokenizer(tokenizer_fingerprint(other))
-    tokenizer = build_tiny_tokenizer(VOCABULARY)
     with pytest.raises(ValueError, match="recorded with another tokenizer"):
-        ExReplayGRPOTrainer(
-            model=build_tiny_model(tokenizer),
-            reward_funcs=said_target,
-            args=make_args(tmp_path),
-            train_dataset=say_word_dataset(4),
-            processing_class=tokenizer,
-            experience_pool=given,
-        )
+        make_trainer(tmp_path, trainer_kwargs={"experience_pool": given})
 
     first = make_trainer(tmp_path / "a", max_steps=1, save_strategy="steps", save_steps=1)
     first.train()

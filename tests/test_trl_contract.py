@@ -86,21 +86,11 @@ def _weather(city: str) -> str:
 # `tools` is refused by the same check, but TRL first refuses the tiny tokenizer's chat template (no tool calls).
 @pytest.mark.parametrize("option", ["rollout_func"])
 def test_trls_own_multi_turn_paths_are_refused_with_replay_on_and_named(tmp_path, option):
-    from helpers import make_args
-
-    from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
-    from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+    from helpers import make_trainer
 
     def build(**args):
-        tokenizer = build_tiny_tokenizer(VOCABULARY)
-        return ExReplayGRPOTrainer(
-            model=build_tiny_model(tokenizer, seed=0),
-            reward_funcs=said_target,
-            args=make_args(tmp_path, **args),
-            train_dataset=say_word_dataset(num_tasks=4, repeats=8),
-            processing_class=tokenizer,
-            **{option: [_weather] if option == "tools" else (lambda prompts, trainer: {})},
-        )
+        value = [_weather] if option == "tools" else (lambda prompts, trainer: {})
+        return make_trainer(tmp_path, trainer_kwargs={option: value}, **args)
 
     with pytest.raises(ValueError, match="TRL tool calls, a custom `rollout_func` or TRL's `environment_factory`"):
         build()

@@ -12,12 +12,12 @@ import math
 
 import pytest
 import torch
-from helpers import make_args
+from helpers import make_args, make_trainer
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 from trl_exreplay.config import REPLAY_LOSS_TYPES
-from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
+from trl_exreplay.examples import VOCABULARY
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -58,13 +58,7 @@ def _trained(tmp_path, model_dir, trainer_cls=ExReplayGRPOTrainer, **options):
     reference model when beta > 0)."""
     config_cls = GRPOConfig if trainer_cls is GRPOTrainer else ExReplayGRPOConfig
     args = make_args(tmp_path, config_cls, max_steps=STEPS, learning_rate=1e-2, **options)
-    trainer = trainer_cls(
-        model=model_dir,
-        reward_funcs=said_target,
-        args=args,
-        train_dataset=say_word_dataset(num_tasks=4, repeats=8),
-        processing_class=build_tiny_tokenizer(VOCABULARY),
-    )
+    trainer = make_trainer(tmp_path, trainer_cls, args, model=model_dir)
     trainer.train()
     return trainer
 

@@ -9,11 +9,10 @@ from typing import Any
 from trl import GRPOConfig
 
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
+from .pool_check import SELECT_MODES, STORE_MODES  # one list of each, shared with saved pools' checks
 
-SELECT_MODES = ("argmin", "argmax", "random")
 SHAPING_MODES = ("clip", "exgrpo")
 BUCKET_WEIGHTINGS = ("uniform", "normal", "linear")
-STORE_MODES = ("all", "best")
 # Loss types whose aggregation `trl_exreplay.loss.compute_exreplay_loss` reproduces exactly.
 REPLAY_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 

@@ -1425,9 +1425,9 @@ def _file_entry(size: int, checksum: str) -> dict:
 def _check_settings(settings: dict) -> None:
     """`pool_check.check_settings` for settings given in code: a plain `ValueError` naming the setting."""
     try:
-        check_settings(settings, "settings")
+        check_settings(settings, "settings", where="")
     except PoolFormatError as e:
-        raise ValueError(f"ExperiencePool: {e.problem}".replace("`settings.", "`")) from None
+        raise ValueError(f"ExperiencePool: {e.problem}") from None
 
 
 def _gather(items: list, indices: list[int]) -> list:

@@ -126,37 +126,36 @@ def _int(mapping: dict, key: str, file: str, low: int = 0, where: str = "") -> i
     return value
 
 
-def check_settings(settings, file: str) -> dict:
-    """The pool settings saved in a state (or given to `ExperiencePool`), refused unless a pool can run with them."""
+def check_settings(settings, file: str, where: str = "settings.") -> dict:
+    """The pool settings saved in a state (or given to `ExperiencePool`), refused unless a pool can run with them;
+    `where` prefixes the names in messages (``settings.`` in a state file)."""
     _need(isinstance(settings, dict), file, f"`settings` must be an object, got {type(settings).__name__}.")
     unknown = sorted(set(settings) - set(SETTINGS))
     _need(not unknown, file, f"unknown settings {unknown}; allowed: {list(SETTINGS)}.")
     missing = [name for name in SETTINGS if name not in settings]
     _need(not missing, file, f"settings {missing} are missing.")
-    _int(settings, "max_trajectories_per_task", file, 1, "settings.")
+    _int(settings, "max_trajectories_per_task", file, 1, where)
     lbound = settings["experience_lbound"]
     rbound = settings["experience_rbound"]
     _need(
-        _is_int(lbound) and lbound >= 0, file, f"`settings.experience_lbound` must be an integer >= 0, got {lbound!r}."
+        _is_int(lbound) and lbound >= 0, file, f"`{where}experience_lbound` must be an integer >= 0, got {lbound!r}."
     )
     _need(
         _is_int(rbound) and rbound >= lbound + 2,
         file,
-        f"`settings.experience_rbound` must be an integer >= experience_lbound + 2 = {lbound + 2} (a task's "
+        f"`{where}experience_rbound` must be an integer >= experience_lbound + 2 = {lbound + 2} (a task's "
         f"trajectories are stored when lbound < successes < rbound), got {rbound!r}.",
     )
     for key, allowed in (("exp_select_mode", SELECT_MODES), ("pool_store_mode", STORE_MODES)):
-        _need(
-            settings[key] in allowed, file, f"`settings.{key}` must be one of {list(allowed)}, got {settings[key]!r}."
-        )
+        _need(settings[key] in allowed, file, f"`{where}{key}` must be one of {list(allowed)}, got {settings[key]!r}.")
     for key, low in (("max_policy_age", 0), ("replay_window", 1)):
         value = settings[key]
         _need(
             value is None or (_is_int(value) and value >= low),
             file,
-            f"`settings.{key}` must be null or an integer >= {low}, got {value!r}.",
+            f"`{where}{key}` must be null or an integer >= {low}, got {value!r}.",
         )
-    _need(_is_int(settings["seed"]), file, f"`settings.seed` must be an integer, got {settings['seed']!r}.")
+    _need(_is_int(settings["seed"]), file, f"`{where}seed` must be an integer, got {settings['seed']!r}.")
     return settings
 
 
