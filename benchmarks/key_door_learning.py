@@ -56,21 +56,21 @@ def _corrupt(advantages, exp_mask, fault: str):
 @contextlib.contextmanager
 def fault_in_loss(fault: str):
     """Within the block, the trainer's loss sees advantages broken as `fault` says."""
-    import trl_exreplay.trainer as trainer_module
+    from trl_exreplay import ExReplayGRPOTrainer
 
     if fault not in FAULTS:
         raise ValueError(f"Invalid value {fault!r} for `fault`: allowed values are {', '.join(map(repr, FAULTS))}.")
-    loss = trainer_module.compute_exreplay_loss
+    compute_loss = ExReplayGRPOTrainer._compute_loss
 
-    def broken(per_token_logps, old, advantages, completion_mask, exp_mask, **kwargs):
-        advantages = _corrupt(advantages, exp_mask, fault)
-        return loss(per_token_logps, old, advantages, completion_mask, exp_mask, **kwargs)
+    def broken(self, model, inputs):
+        advantages = _corrupt(inputs["advantages"], inputs["exp_mask"], fault)
+        return compute_loss(self, model, {**inputs, "advantages": advantages})
 
-    trainer_module.compute_exreplay_loss = broken
+    ExReplayGRPOTrainer._compute_loss = broken
     try:
         yield
     finally:
-        trainer_module.compute_exreplay_loss = loss
+        ExReplayGRPOTrainer._compute_loss = compute_loss
 
 
 def train_key_door(output_dir: str, fault: str = "none", episodes_per_task: int = 16) -> dict:

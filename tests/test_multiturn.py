@@ -12,7 +12,7 @@ from helpers import TRAINER_DEFAULTS
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 from trl_exreplay.envs import KeyDoorEnv
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
-from trl_exreplay.loss import compute_exreplay_loss
+from trl_exreplay.loss import aggregate_loss, off_policy_loss
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model
 
 MULTI_TURN = dict(max_completion_length=48, max_tokens_per_turn=4, max_turns=5, learning_rate=5e-2)
@@ -84,18 +84,20 @@ def test_environment_tokens_get_no_gradient(tmp_path):
     env_tokens = (output["completion_mask"] == 1) & (output["tool_mask"] == 0)
     replayed = output["exp_mask"].bool().any(dim=1)
     assert env_tokens[replayed].any() and env_tokens[~replayed].any()  # in fresh and replayed rows
+    assert not (output["exp_mask"].bool() & env_tokens).any()  # replayed rows train their model tokens only
+    # The replayed rows' term (TRL masks the fresh rows' environment tokens with `tool_mask` in its own loss).
     torch.manual_seed(0)
     logps = (-torch.rand(mask.shape)).requires_grad_()
-    old = logps.detach() + 0.3 * torch.randn(mask.shape)
-    old = torch.where(output["exp_mask"].bool(), output["recorded_per_token_logps"], old)
-    kwargs = dict(loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2)
-    loss, _ = compute_exreplay_loss(logps, old, output["advantages"], mask, output["exp_mask"], **kwargs)
+    exp_mask = output["exp_mask"] * mask
+    behaviour = logps.detach() + 0.05 * torch.randn(mask.shape)  # ratios near 1: inside the clip, so a gradient
+    per_token, _ = off_policy_loss(logps, behaviour, output["advantages"], exp_mask)
+    loss = aggregate_loss(per_token, mask, loss_type="grpo")
     loss.backward()
     assert logps.grad[env_tokens].abs().max() == 0
-    assert logps.grad[mask.bool()].abs().max() > 0
+    assert logps.grad[exp_mask.bool()].abs().max() > 0
     perturbed = (logps.detach() + 5.0 * env_tokens).requires_grad_()
-    perturbed_loss, _ = compute_exreplay_loss(perturbed, old, output["advantages"], mask, output["exp_mask"], **kwargs)
-    assert perturbed_loss.item() == loss.item()
+    per_token, _ = off_policy_loss(perturbed, behaviour + 5.0 * env_tokens, output["advantages"], exp_mask)
+    assert aggregate_loss(per_token, mask, loss_type="grpo").item() == loss.item()
 
 
 class FaultyKeyDoorEnv(KeyDoorEnv):

@@ -309,9 +309,7 @@ def test_replay_metrics_are_logged(tmp_path):
         "replay/pool_tasks",
         "replay/pool_trajectories",
         "replay/skip_set",
-        "replay/on_policy_loss",
         "replay/off_policy_loss",
-        "replay/on_clip_fraction",
         "replay/off_clip_fraction",
         "replay/importance_ratio_min",
         "replay/importance_ratio_mean",
@@ -343,26 +341,17 @@ def test_plain_grpo_config_replays_with_defaults(tmp_path):
     assert max(e.get("replay/tasks", 0) for e in trainer.state.log_history) > 0
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("loss_type", "cispo"), ("importance_sampling_level", "sequence")],
-)
-def test_unsupported_grpo_options_are_refused_with_replay(tmp_path, field, value):
-    with pytest.raises(ValueError, match=field):
-        make_trainer(tmp_path, **{field: value})
-
-
 def test_top_entropy_quantile_trains_the_highest_entropy_tokens_fresh_and_replayed(tmp_path, monkeypatch):
     import trl_exreplay.trainer as trainer_module
 
     losses_seen, selections = [], []
-    compute = trainer_module.compute_exreplay_loss
+    term = trainer_module.off_policy_loss
 
-    def spy_loss(*args, token_mask=None, **kwargs):
-        losses_seen.append((args[3].clone(), args[4].clone(), token_mask))  # mask, exp_mask, selection
-        return compute(*args, token_mask=token_mask, **kwargs)
+    def spy_loss(logps, behaviour, advantages, exp_mask, token_mask=None, **kwargs):
+        losses_seen.append((exp_mask.clone(), token_mask))
+        return term(logps, behaviour, advantages, exp_mask, token_mask=token_mask, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "compute_exreplay_loss", spy_loss)
+    monkeypatch.setattr(trainer_module, "off_policy_loss", spy_loss)
     trainer = make_trainer(tmp_path, max_steps=6, top_entropy_quantile=0.5)
     select = trainer.get_high_entropy_mask  # TRL's own selection
 
@@ -374,17 +363,20 @@ def test_top_entropy_quantile_trains_the_highest_entropy_tokens_fresh_and_replay
     monkeypatch.setattr(trainer, "get_high_entropy_mask", spy_select)
     trainer.train()
 
-    # Steps before replay starts take TRL's own loss (its selection too); the replaying ones ours, with TRL's selection.
-    assert len(selections) == 6 and 0 < len(losses_seen) < 6
-    assert any((exp_mask * mask).sum() > 0 for mask, exp_mask, _ in losses_seen)  # replayed tokens were selected from
-    for (_, _, given), (_, _, selected, _) in zip(losses_seen, selections[-len(losses_seen) :]):
-        assert given is selected
+    # Every step calls TRL's selection in TRL's loss; a replaying step calls it once more, with the same arguments,
+    # for the replayed tokens' term, which gets the same selection.
+    replaying = len(losses_seen)
+    assert 0 < replaying < 6 and len(selections) == 6 + replaying
+    assert any((exp_mask.bool() & given).any() for exp_mask, given in losses_seen)  # replayed tokens selected from
     for entropies, mask, selected, threshold in selections:
         assert threshold == 0.5
         assert not (selected & ~mask).any()
         kept, dropped = entropies[selected], entropies[mask & ~selected]
         assert kept.numel() >= mask.sum() / 2 and dropped.numel() > 0
         assert kept.min() >= dropped.max()
+    pairs = [(a, b) for a, b in zip(selections, selections[1:]) if torch.equal(a[0], b[0])]
+    assert len(pairs) == replaying and all(torch.equal(a[2], b[2]) for a, b in pairs)
+    assert all(torch.equal(given, b[2]) for (_, given), (_, b) in zip(losses_seen, pairs))
 
 
 def test_saving_mid_generation_batch_loses_no_trajectory(tmp_path):

@@ -17,7 +17,7 @@ _LAZY = {
     "ExperiencePool": "pool",
     "TaskOutcome": "pool",
     "Trajectory": "pool",
-    "compute_exreplay_loss": "loss",
+    "off_policy_loss": "loss",
 }
 
 __all__ = [
@@ -26,12 +26,12 @@ __all__ = [
     "ExperiencePool",
     "TaskOutcome",
     "Trajectory",
-    "compute_exreplay_loss",
+    "off_policy_loss",
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from .config import ExReplayGRPOConfig
-    from .loss import compute_exreplay_loss
+    from .loss import off_policy_loss
     from .pool import ExperiencePool, TaskOutcome, Trajectory
     from .trainer import ExReplayGRPOTrainer
 

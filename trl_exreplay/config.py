@@ -13,8 +13,6 @@ from .pool_check import SELECT_MODES, STORE_MODES  # one list of each, shared wi
 
 SHAPING_MODES = ("clip", "exgrpo")
 BUCKET_WEIGHTINGS = ("uniform", "normal", "linear")
-# Loss types whose aggregation `trl_exreplay.loss.compute_exreplay_loss` reproduces exactly.
-REPLAY_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 @dataclass

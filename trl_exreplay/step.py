@@ -4,7 +4,7 @@ TRL's `_generate_and_score_completions` calls, in turn, generation (`_generate_s
 the reward functions (`_calculate_rewards`) and the old-log-probs forward (`_get_per_token_logps_and_entropies`).
 The trainer overrides each to replay; what they share is one `GenerationStep`, made before TRL's method runs and
 dropped after it. What outlives the step, the outcomes waiting for the loss forward's log-probs and entropies before
-they enter the pool, is one `PendingOutcomes`.
+they enter the pool, is one `PendingOutcomes`. In the loss, TRL's policy forward is kept in one `LossForward`.
 
 Example:
 
@@ -57,3 +57,13 @@ class PendingOutcomes:
     outcomes: list[tuple]  # (task id, successes, fresh rollouts, winning global rows)
     records: dict[int, dict]  # global row -> the trajectory's fields
     offset: int  # this rank's first global row
+
+
+@dataclass
+class LossForward:
+    """TRL's loss forward in progress: the batch TRL's `_compute_loss` was given, and the log-probs (with grad) and
+    entropies its one policy forward returned, kept for the replayed tokens' term and the pool's records."""
+
+    inputs: dict
+    logps: Any = None
+    entropies: Any = None

@@ -7,7 +7,9 @@ Overrides (each calls `super()` and post-processes; no TRL method body is copied
   the step's outcomes for the pool;
 * `_generate_single_turn`: generate the fresh rows only and splice in the replayed completions;
 * `_calculate_rewards`: replayed rows keep their recorded rewards (they still count in their group's mean and std);
-* `_compute_loss`: forward, then `compute_exreplay_loss` (on/off-policy split) plus TRL's KL and entropy terms;
+* `_compute_loss`: TRL's loss (replayed rows at advantage 0 there) plus the replayed tokens' term of `loss.py`;
+* `_get_per_token_logps_and_entropies`: keeps TRL's loss forward (for that term and the pool's records, no extra
+  forward) and the entropies of its old-log-probs forward (the generating policy's, for the pool);
 * `save_model` / `_load_optimizer_and_scheduler`: the pool travels with every checkpoint (an incremental save: the
   checkpoint hard-links the shards it shares with the previous one, so TRL's rotation under `save_total_limit` prunes
   the pool with the checkpoint).
@@ -31,14 +33,14 @@ from trl import GRPOTrainer
 from trl.trainer.utils import pad
 
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
-from .config import REPLAY_LOSS_TYPES, replay_options, validate_replay_options
+from .config import replay_options, validate_replay_options
 from .envs import env_reward
 from .hub import CITATIONS
-from .loss import aggregate_loss, compute_exreplay_loss
+from .loss import TOKEN_SUM_LOSS_TYPES, aggregate_loss, off_policy_loss
 from .multiturn import MultiTurnRollouts, check_multi_turn_vllm
 from .planner import ReplayPlan, plan_replay
 from .pool import ExperiencePool, TaskOutcome, Trajectory, task_key, tokenizer_fingerprint
-from .step import GenerationStep, PendingOutcomes
+from .step import GenerationStep, LossForward, PendingOutcomes
 
 logger = logging.getLogger(__name__)
 
@@ -136,28 +138,13 @@ class ExReplayGRPOTrainer(MultiTurnRollouts, GRPOTrainer):
         if self._replay_enabled or env_factory is not None:
             self.add_callback(_AtTrainEnd(self))
         self._pending: PendingOutcomes | None = None  # the last step's outcomes, recorded in the pool later
-        self._loss_inputs: dict | None = None  # the batch of TRL's own loss, whose forward fills the pool records
+        self._loss_forward: LossForward | None = None  # TRL's loss forward in progress (see `_compute_loss`)
         self._replay_counts: Counter = Counter()  # faults and mismatches, logged once per kind
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------------------------------------ checks
     def _check_supported(self) -> None:
-        def reject(name, value, allowed):
-            raise ValueError(
-                f"Experience replay does not support `{name}={value!r}`; use {allowed}, or set "
-                "`enable_experience_replay=False`."
-            )
-
-        if self.loss_type not in REPLAY_LOSS_TYPES:
-            reject("loss_type", self.loss_type, "one of " + ", ".join(repr(t) for t in REPLAY_LOSS_TYPES))
-        if self.importance_sampling_level != "token":
-            reject("importance_sampling_level", self.importance_sampling_level, "'token'")
-        if self.off_policy_mask_threshold is not None:
-            reject("off_policy_mask_threshold", self.off_policy_mask_threshold, "None")
-        if self.args.delta is not None:
-            reject("delta", self.args.delta, "None")
-        if self.use_adaptive_entropy:
-            reject("use_adaptive_entropy", True, "a static entropy_coef")
+        """Refuse, before any step, what replay cannot train (docs/support.md gives each reason)."""
         if self._is_vlm:
             raise ValueError(
                 "Experience replay with vision-language models is not supported yet; set `enable_experience_replay="
@@ -248,11 +235,12 @@ class ExReplayGRPOTrainer(MultiTurnRollouts, GRPOTrainer):
         return misaligned or (self.use_vllm and self.vllm_importance_sampling_correction)
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        inputs, self._loss_inputs = self._loss_inputs, None  # TRL's loss makes one policy forward: the first call
-        if inputs is not None:
+        forward = self._loss_forward
+        if forward is not None and forward.logps is None:  # TRL's loss makes one policy forward: the first call
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-            if entropies is not None:
-                self._capture(inputs, logps, entropies, inputs["completion_mask"] * inputs.get("tool_mask", 1))
+            forward.logps, forward.entropies = logps, entropies
+            inputs = forward.inputs
+            self._capture(inputs, logps, entropies, inputs["completion_mask"] * inputs.get("tool_mask", 1))
             return logps, entropies, aux
         step = self._generation
         if step is None or not step.wants_entropies or step.entropies is not None or model is not self.model:
@@ -517,87 +505,71 @@ class ExReplayGRPOTrainer(MultiTurnRollouts, GRPOTrainer):
 
     # --------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
-        if not self._replay_enabled or not self._replays(inputs):
-            # TRL's own loss. Its policy forward still gives the pool's records their log-probs and entropies.
-            self._loss_inputs = inputs if "exreplay_row" in inputs else None
-            try:
-                return super()._compute_loss(model, inputs)
-            finally:
-                self._loss_inputs = None
+        """TRL's loss. In a generation batch that replays, TRL sees the replayed rows at advantage 0 (nothing in its
+        policy term, but in every normaliser, the KL and the entropy terms), and `loss.off_policy_loss` adds their
+        term, reduced by the loss type's normaliser (`loss.aggregate_loss`: linear, so the sum is the whole loss)."""
+        if not self._replay_enabled or "exreplay_row" not in inputs:
+            return super()._compute_loss(model, inputs)
+        replaying = self._replays(inputs)
+        if replaying:
+            advantages = inputs["advantages"]
+            replayed_rows = inputs["exp_mask"].bool().any(-1).view(-1, *([1] * (advantages.dim() - 1)))
+            inputs = {**inputs, "advantages": advantages.masked_fill(replayed_rows, 0.0)}
+        # TRL's loss makes one policy forward; the hook keeps its log-probs and entropies (the pool's records too).
+        self._loss_forward = forward = LossForward(inputs)
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._loss_forward = None
+        if replaying:
+            loss = loss + self._off_policy_term(inputs, advantages, forward)
+        return loss
+
+    def _off_policy_term(self, inputs: dict, advantages: torch.Tensor, forward: LossForward) -> torch.Tensor:
         mode = "train" if self.model.training else "eval"
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            inputs["completion_ids"].size(1),
-            compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled,
-        )
-        if "exreplay_row" in inputs:
-            self._capture(inputs, per_token_logps, entropies, mask)
-
-        exp_mask = inputs.get("exp_mask", torch.zeros_like(mask)) * mask
-        old = inputs.get("old_per_token_logps")
-        old = per_token_logps.detach() if old is None else old
-        if "recorded_per_token_logps" in inputs:
-            replay_old = (
-                inputs["recorded_per_token_logps"] if self.replay["exp_is_correct"] else per_token_logps.detach()
-            )
-            old = torch.where(exp_mask.bool(), replay_old, old)
-
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        normalizer = None
-        if self.loss_type == "dapo":
-            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-            if mode == "train":
-                normalizer = normalizer * accumulation / self.args.steps_per_generation
-        loss_kwargs = {
-            "loss_type": self.loss_type,
-            "max_completion_length": self.max_completion_length,
-            "loss_normalizer": normalizer,
-        }
-        is_ratio = inputs.get("importance_sampling_ratio") if self.use_vllm else None
-        entropy_mask = None
-        if self.top_entropy_quantile < 1.0:  # TRL's selection, over fresh and replayed tokens alike
-            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-        loss, metrics = compute_exreplay_loss(
-            per_token_logps,
-            old,
-            inputs["advantages"],
-            mask,
-            exp_mask,
+        logps = forward.logps
+        behaviour = inputs["recorded_per_token_logps"] if self.replay["exp_is_correct"] else logps.detach()
+        token_mask = None
+        if self.top_entropy_quantile < 1.0:  # TRL's selection, the same call as in its loss: fresh and replayed alike
+            token_mask = self.get_high_entropy_mask(forward.entropies, mask, 1 - self.top_entropy_quantile)
+        args = self.args
+        per_token_loss, metrics = off_policy_loss(
+            logps,
+            behaviour,
+            advantages,
+            inputs["exp_mask"] * mask,
+            loss_type=self.loss_type,
+            importance_sampling_level=self.importance_sampling_level,
             epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
+            delta=args.delta,
             off_cliprange_high=self.replay["off_cliprange_high"],
             off_clip_ratio_c=self.replay["off_clip_ratio_c"],
             off_policy_shaping=self.replay["off_policy_shaping"],
             off_policy_shaping_beta=self.replay["off_policy_shaping_beta"],
-            importance_sampling_ratio=is_ratio,
-            token_mask=entropy_mask,
-            **loss_kwargs,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            token_mask=token_mask,
         )
-        if self.beta != 0.0:
-            ref = inputs["ref_per_token_logps"]
-            per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
-            if self.args.use_bias_correction_kl:  # TRL's correction on fresh tokens; replayed ones use ratio 1
-                fresh_log_ratio = torch.where(exp_mask.bool(), torch.zeros_like(old), per_token_logps - old)
-                per_token_kl = per_token_kl * torch.exp(fresh_log_ratio)
-            loss = loss + self.beta * aggregate_loss(per_token_kl, mask, **loss_kwargs)
-            self._metrics[mode]["kl"].append(self._global_mean(per_token_kl, mask))
-        if self.loss_type != "dapo":
-            loss = loss / accumulation
-        if self._entropy_bonus_enabled:  # over the tokens the policy term trains, as TRL's bonus
-            bonus_mask = mask if entropy_mask is None else mask * entropy_mask
-            mean_entropy = (entropies * bonus_mask).sum() / bonus_mask.sum().clamp(min=1.0)
-            loss = loss - self.entropy_coef * mean_entropy / accumulation
-        if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
-        self._metrics[mode]["entropy"].append(self._global_mean(entropies, mask))
-        self._log_loss_metrics(mode, metrics)
-        return loss
+        # The loss type's normaliser and gradient-accumulation scaling, as TRL's `_compute_loss` applies them.
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        if self.loss_type in TOKEN_SUM_LOSS_TYPES:
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * accumulation / args.steps_per_generation
+            term = aggregate_loss(per_token_loss, mask, loss_type=self.loss_type, loss_normalizer=normalizer)
+        else:
+            term = aggregate_loss(
+                per_token_loss, mask, loss_type=self.loss_type, max_completion_length=self.max_completion_length
+            )
+            term = term / accumulation
+        self._log_off_policy_metrics(mode, metrics)
+        return term
 
     @staticmethod
     def _replays(inputs: dict) -> bool:
@@ -605,38 +577,19 @@ class ExReplayGRPOTrainer(MultiTurnRollouts, GRPOTrainer):
         flag = inputs.get("exreplay_replaying")
         return flag is not None and bool(flag.numel()) and bool(flag[0])
 
-    def _global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
-        totals = torch.stack([(values.detach() * mask).sum(), mask.sum().float()])
-        totals = self.accelerator.reduce(totals, reduction="sum")
-        return (totals[0] / totals[1].clamp(min=1.0)).item()
-
-    def _log_loss_metrics(self, mode: str, m: dict) -> None:
-        fresh, replayed = m["fresh_tokens"].float(), m["replayed_tokens"].float()
-        sums = torch.stack(
-            [
-                fresh,
-                replayed,
-                m["on_policy_loss"] * fresh,
-                m["off_policy_loss"] * replayed,
-                m["on_clip_fraction"] * fresh,
-                m["off_clip_fraction"] * replayed,
-                m["importance_ratio_mean"] * replayed,
-                m["logp_drift"] * replayed,
-            ]
-        ).to(self.accelerator.device)
-        sums = self.accelerator.reduce(sums, reduction="sum").tolist()
-        extremes = torch.stack([m["importance_ratio_min"], -m["importance_ratio_max"]]).to(self.accelerator.device)
+    def _log_off_policy_metrics(self, mode: str, m: dict) -> None:
+        names = ("replayed_tokens", "loss_sum", "clipped_tokens", "ratio_sum", "logp_drift_sum")
+        sums = torch.stack([m[name] for name in names]).to(self.accelerator.device)
+        sums = dict(zip(names, self.accelerator.reduce(sums, reduction="sum").tolist()))
+        extremes = torch.stack([m["ratio_min"], -m["ratio_max"]]).to(self.accelerator.device)
         extremes = self.accelerator.gather(extremes.view(1, 2)).view(-1, 2).min(dim=0).values.tolist()
-        n_fresh, n_replayed = sums[0], sums[1]
-        metrics = self._metrics[mode]
-        if n_fresh > 0:
-            metrics["replay/on_policy_loss"].append(sums[2] / n_fresh)
-            metrics["replay/on_clip_fraction"].append(sums[4] / n_fresh)
-        if n_replayed > 0:
-            metrics["replay/off_policy_loss"].append(sums[3] / n_replayed)
-            metrics["replay/off_clip_fraction"].append(sums[5] / n_replayed)
-            metrics["replay/importance_ratio_mean"].append(sums[6] / n_replayed)
-            metrics["replay/logp_drift"].append(sums[7] / n_replayed)
+        tokens = sums["replayed_tokens"]
+        if tokens > 0:
+            metrics = self._metrics[mode]
+            metrics["replay/off_policy_loss"].append(sums["loss_sum"] / tokens)
+            metrics["replay/off_clip_fraction"].append(sums["clipped_tokens"] / tokens)
+            metrics["replay/importance_ratio_mean"].append(sums["ratio_sum"] / tokens)
+            metrics["replay/logp_drift"].append(sums["logp_drift_sum"] / tokens)
             metrics["replay/importance_ratio_min"].append(extremes[0])
             metrics["replay/importance_ratio_max"].append(-extremes[1])
 

@@ -1,0 +1,219 @@
+"""Replay under each TRL option it supports (issue 25, point 3; the "yes" rows of docs/support.md).
+
+Each case trains 2 steps with replay on from a pool filled beforehand, so both steps replay. At every replaying loss
+call the test checks, on the very batch the trainer was given, that the trainer's loss is
+
+    TRL's `GRPOTrainer._compute_loss` on the batch with the replayed rows at advantage 0
+    + the replayed tokens' term of `trl_exreplay.loss.off_policy_loss`, reduced by `aggregate_loss`,
+
+both recomputed here from a forward of their own, that the replayed term is not zero, and that TRL's own metrics
+(its `clip_ratio/*` among them) are logged on replaying steps. A second test checks the whole loss of the clip family
+against the mixed objective written out by hand (fresh tokens: TRL's clipped surrogate, replayed: the dual clip).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import shutil
+
+import pytest
+import torch
+from helpers import make_trainer
+from trl import GRPOTrainer
+
+from trl_exreplay import ExReplayGRPOTrainer
+from trl_exreplay.examples import VOCABULARY
+from trl_exreplay.loss import TOKEN_SUM_LOSS_TYPES, aggregate_loss, off_policy_loss
+from trl_exreplay.pool import ExperiencePool
+from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+
+# (name, options): every loss type, and the options that change what a replayed token gets.
+CASES = [
+    *((f"loss_type={t}", {"loss_type": t}) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")),
+    ("loss_type=vespo", {"loss_type": "vespo", "vespo_k_pos": 0.5, "vespo_lambda_pos": 0.5}),
+    ("sequence level (GSPO)", {"importance_sampling_level": "sequence", "loss_type": "grpo"}),
+    ("sequence level, cispo", {"importance_sampling_level": "sequence", "loss_type": "cispo"}),
+    ("beta=0.04, bias-corrected KL", {"beta": 0.04, "use_bias_correction_kl": True}),
+    ("delta=1.05", {"delta": 1.05, "off_cliprange_high": 0.02}),
+    ("off_policy_mask_threshold", {"off_policy_mask_threshold": 0.01}),
+    ("top_entropy_quantile, entropy_coef", {"top_entropy_quantile": 0.5, "entropy_coef": 0.5}),
+    ("use_adaptive_entropy", {"use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 5.0}),
+    ("exgrpo shaping", {"off_policy_shaping": "exgrpo"}),
+    ("exgrpo shaping, sapo", {"off_policy_shaping": "exgrpo", "loss_type": "sapo"}),
+    ("exp_is_correct=False", {"exp_is_correct": False}),
+    ("num_iterations=2", {"num_iterations": 2}),
+    ("gradient_accumulation_steps=2", {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 8}),
+    ("steps_per_generation=2", {"steps_per_generation": 2, "per_device_train_batch_size": 8}),
+    ("mask_truncated_completions", {"mask_truncated_completions": True}),
+    ("scale_rewards=batch, epsilon_high", {"scale_rewards": "batch", "epsilon_high": 0.28}),
+]
+# Long enough for some completions to end (EOS) rather than be cut: `mask_truncated_completions` keeps those.
+LENGTH = {"max_completion_length": 8}
+# TRL's adaptive-entropy controller state, which its `_compute_loss` updates.
+TRL_STATE = ("entropy_coef", "_entropy_window_stats", "_last_world_entropy")
+
+
+@pytest.fixture(scope="module")
+def filled_pool(tmp_path_factory):
+    """The tiny model saved (a path, so that TRL can load it again as the reference model when beta > 0), and a pool
+    from 4 steps of training that fill it and replay nothing."""
+    folder = tmp_path_factory.mktemp("filled")
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    build_tiny_model(tokenizer, seed=0).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    trainer = make_trainer(folder, model=str(folder / "model"), max_steps=4, replay_start_ratio=1.0, **LENGTH)
+    trainer.train()
+    assert trainer.pool.num_trajectories >= 2
+    trainer.pool.save(str(folder / "pool"))
+    return folder
+
+
+class CheckingTrainer(ExReplayGRPOTrainer):
+    """Recomputes each replaying loss from its parts (TRL's loss, `off_policy_loss`) before training on it."""
+
+    checks: list
+
+    def _compute_loss(self, model, inputs):
+        parts = self._parts(model, inputs) if self._replays(inputs) else None  # before the controller moves
+        loss = super()._compute_loss(model, inputs)
+        if parts is not None:
+            self.checks.append((loss.detach(), *parts))
+        return loss
+
+    @torch.no_grad()
+    def _parts(self, model, inputs):
+        mode = "train"
+        saved = {name: copy.copy(getattr(self, name, None)) for name in TRL_STATE}
+        metrics = {name: list(values) for name, values in self._metrics[mode].items()}
+        advantages = inputs["advantages"]
+        replayed_rows = inputs["exp_mask"].bool().any(-1)
+        zeroed = {**inputs, "advantages": torch.where(replayed_rows, 0.0, advantages)}
+        trl_loss = GRPOTrainer._compute_loss(self, model, zeroed)  # TRL's own, unchanged by us
+        for name, value in saved.items():  # undo the controller's and the logs' side effects of that extra call
+            setattr(self, name, value)
+        self._metrics[mode].clear()
+        self._metrics[mode].update(metrics)
+
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            self, model, input_ids, attention_mask, inputs["completion_ids"].size(1), compute_entropy=True
+        )
+        args = self.args
+        behaviour = inputs["recorded_per_token_logps"] if args.exp_is_correct else logps
+        selection = None
+        if args.top_entropy_quantile < 1:
+            selection = self.get_high_entropy_mask(entropies, mask, 1 - args.top_entropy_quantile)
+        per_token, _ = off_policy_loss(
+            logps,
+            behaviour,
+            advantages,
+            inputs["exp_mask"] * mask,
+            loss_type=args.loss_type,
+            importance_sampling_level=args.importance_sampling_level,
+            epsilon_low=args.epsilon,
+            delta=args.delta,
+            off_cliprange_high=args.off_cliprange_high,
+            off_clip_ratio_c=args.off_clip_ratio_c,
+            off_policy_shaping=args.off_policy_shaping,
+            off_policy_shaping_beta=args.off_policy_shaping_beta,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+            off_policy_mask_threshold=args.off_policy_mask_threshold,
+            token_mask=selection,
+        )
+        accumulation = self.current_gradient_accumulation_steps
+        if args.loss_type in TOKEN_SUM_LOSS_TYPES:
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) * accumulation / args.steps_per_generation
+            term = aggregate_loss(per_token, mask, loss_type=args.loss_type, loss_normalizer=normalizer)
+        else:
+            term = aggregate_loss(
+                per_token, mask, loss_type=args.loss_type, max_completion_length=self.max_completion_length
+            )
+            term = term / accumulation
+        return trl_loss, term, int((inputs["exp_mask"] * mask).sum())
+
+
+def _train(tmp_path, filled, trainer_cls=CheckingTrainer, **options):
+    shutil.copytree(filled / "pool", tmp_path / "pool")
+    pool = ExperiencePool.load(str(tmp_path / "pool"), work_dir=str(tmp_path / "pool-work"))
+    trainer = make_trainer(
+        tmp_path,
+        trainer_cls,
+        model=str(filled / "model"),
+        trainer_kwargs={"experience_pool": pool},
+        **{"max_steps": 2, "replay_start_ratio": 0.0, **LENGTH, **options},
+    )
+    trainer.checks = []
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("name, options", CASES, ids=[name for name, _ in CASES])
+def test_replayed_term_is_loss_py_added_to_trls_loss(tmp_path, filled_pool, name, options):
+    trainer = _train(tmp_path, filled_pool, **options)
+    assert len(trainer.checks) >= 2  # both steps replayed
+    for loss, trl_loss, term, _ in trainer.checks:
+        torch.testing.assert_close(loss, trl_loss + term, atol=1e-6, rtol=1e-6)
+    assert sum(replayed_tokens for *_, replayed_tokens in trainer.checks) > 0
+    assert any(abs(term.item()) > 1e-4 for _, _, term, _ in trainer.checks), "the replayed term never counted"
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 2 and all(math.isfinite(entry["loss"]) for entry in logged)
+    assert logged[0]["replay/rows_fraction"] > 0  # (with num_iterations=2, step 2 reuses step 1's generation)
+    assert any("replay/off_policy_loss" in entry for entry in logged)
+    for entry in logged:
+        if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            assert "clip_ratio/region_mean" in entry  # TRL's own metrics, replaying steps included
+        assert "entropy" in entry and ("kl" in entry) == (trainer.beta != 0)
+
+
+class HandCheckingTrainer(ExReplayGRPOTrainer):
+    """Keeps, for each replaying loss call, the loss and the mixed objective written out by hand on the same model."""
+
+    checks: list
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        if self._replays(inputs):
+            self.checks.append((loss.detach().double(), self._by_hand(model, inputs), inputs["exp_mask"].sum()))
+        return loss
+
+    @torch.no_grad()
+    def _by_hand(self, model, inputs):
+        mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).double()
+        length = inputs["completion_ids"].size(1)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, -length - 1 : -1].double()
+        logps = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        advantages = inputs["advantages"].double().unsqueeze(1).expand_as(logps)
+        replayed = inputs["exp_mask"].bool() & mask.bool()
+        log_ratio = (logps - inputs["recorded_per_token_logps"].double()).clamp(-20, 20)
+        ratio = torch.exp(torch.where(replayed, log_ratio, 0.0))
+        clipped = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.5))
+        dual = torch.where(advantages < 0, torch.minimum(clipped, -3.0 * advantages), clipped)
+        per_token = torch.where(replayed, dual, -advantages) * mask
+        return {
+            "grpo": (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean(),
+            "bnpo": per_token.sum() / mask.sum(),
+            "dr_grpo": per_token.sum() / (per_token.size(0) * self.max_completion_length),
+            "dapo": per_token.sum() / inputs["num_items_in_batch"].double(),
+            "luspo": per_token.sum(-1).mean(),
+        }[self.loss_type]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
+def test_clip_family_loss_is_the_mixed_objective_by_hand(tmp_path, filled_pool, loss_type):
+    """Written out without TRL or loss.py: fresh tokens at ratio 1 (one iteration: old = current) lose -A; a replayed
+    token the dual-clipped surrogate of its ratio to the recorded log-probs; the loss type's normaliser over all
+    tokens."""
+    trainer = _train(tmp_path, filled_pool, HandCheckingTrainer, loss_type=loss_type, off_cliprange_high=0.5)
+    assert len(trainer.checks) >= 2 and all(replayed_tokens > 0 for *_, replayed_tokens in trainer.checks)
+    for loss, expected, _ in trainer.checks:
+        torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
