@@ -18,13 +18,19 @@ def launch(config: str, out_dir: Path, *script_args: str) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def check_rank_identical_replay(ranks: list[dict]) -> None:
+def check_rank_identical(ranks: list[dict]) -> None:
     rank0, rank1 = ranks
     assert rank0["world_size"] == rank1["world_size"] == 2
     assert rank0["pool_hash"] == rank1["pool_hash"]
     assert rank0["pool_trajectories"] > 0
     assert rank0["plans"] == rank1["plans"]
     assert rank0["losses"] == rank1["losses"]
+    assert any(rank0["replay_tasks"])
+
+
+def check_rank_identical_replay(ranks: list[dict]) -> None:
+    check_rank_identical(ranks)
+    rank0, rank1 = ranks
     # 3 tasks per batch, exp_ratio 1: every replay step replays all 3 groups, one row each (k = 1)
     assert rank0["replay_tasks"][:2] == [0.0, 0.0]
     assert rank0["replay_tasks"][2:] == [3.0] * 4
@@ -41,8 +47,9 @@ def test_ddp_two_processes_rank_identical_pools(tmp_path):
 
 @pytest.mark.slow
 def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
-    ranks = launch("recipes/accelerate/zero3_cpu.yaml", tmp_path)
-    check_rank_identical_replay(ranks)
+    """With TRL options whose replayed term gathers over ranks (entropy selection) and a non-default loss type."""
+    ranks = launch("recipes/accelerate/zero3_cpu.yaml", tmp_path, "trl-options")
+    check_rank_identical(ranks)  # (what it learns, hence how many tasks replay, is cispo's)
     assert (tmp_path / "run" / "checkpoint-3" / "exreplay_pool" / "state.json").exists()
 
 

@@ -133,7 +133,9 @@ while ((launches < N)); do
       launches=$((launches + 1))
       ;;
     *)
-      if launch "$dir" "$config" "$SCRIPT" "$dir/out"; then status=0; else status=$?; fi
+      extra=()
+      [[ $kind == zero3 ]] && extra=(trl-options)  # as tests/test_multiprocess.py launches it
+      if launch "$dir" "$config" "$SCRIPT" "$dir/out" "${extra[@]}"; then status=0; else status=$?; fi
       launches=$((launches + 1))
       ;;
   esac

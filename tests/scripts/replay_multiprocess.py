@@ -1,9 +1,12 @@
 """Launched by tests/test_multiprocess.py with `accelerate launch`: train with replay active, dump what each rank saw.
 
 Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR [multi-turn] [resume=CKPT]
+       [trl-options]
 Each rank writes OUT_DIR/rank{r}.json with its pool hash, the replay plans it made, losses and generated rows (and,
 multi-turn, the episodes it played per step). With `resume=CKPT` the run resumes from that checkpoint (pool, model,
-optimizer, RNG) of an earlier run with the same settings.
+optimizer, RNG) of an earlier run with the same settings. `trl-options` trains with TRL options whose replayed term
+makes collective calls of its own (TRL's entropy selection gathers every rank's entropies) or is not the default
+clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`.
 
 single-turn: 12 rows per step over 2 ranks, G=4, so group 1 spans both ranks.
 multi-turn: 4 rows per step, one group of G=4 over both ranks, k=2: once replay starts, rank 1's rows are both
@@ -65,6 +68,7 @@ class CountingTrainer(ExReplayGRPOTrainer):
             self._rollout_engine.run = recording_run
 
 
+TRL_OPTIONS = dict(loss_type="cispo", top_entropy_quantile=0.5, entropy_coef=0.01, off_policy_mask_threshold=0.5)
 episodes = []
 tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY if multi_turn else VOCABULARY)
 single_turn_settings = dict(
@@ -95,6 +99,7 @@ config = ExReplayGRPOConfig(
     replay_start_ratio=0.3,
     ds3_gather_for_generation=os.environ.get("EXREPLAY_TEST_DS3_GATHER", "1") == "1",
     **(multi_turn_settings if multi_turn else single_turn_settings),
+    **(TRL_OPTIONS if "trl-options" in options else {}),
 )
 if multi_turn:
     task_setup = dict(env_factory=KeyDoorEnv, train_dataset=key_door_dataset(num_tasks=1, repeats=40))
