@@ -3,8 +3,8 @@
 TRL's `_generate_and_score_completions` calls, in turn, generation (`_generate_single_turn`, or a `rollout_func`),
 the reward functions (`_calculate_rewards`) and the old-log-probs forward (`_get_per_token_logps_and_entropies`).
 The trainer overrides each to replay; what they share is one `GenerationStep`, made before TRL's method runs and
-dropped after it. What outlives the step, the outcomes waiting for the loss forward's log-probs and entropies before
-they enter the pool, is one `PendingOutcomes`. In the loss, TRL's policy forward is kept in one `LossForward`.
+dropped after it (what outlives it, the outcomes waiting for the pool, is `trl_exreplay.outcomes.PendingOutcomes`).
+In the loss, TRL's policy forward is kept in one `LossForward`.
 
 Example:
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from .planner import ReplayPlan
 
@@ -50,16 +52,6 @@ class GenerationStep:
 
 
 @dataclass
-class PendingOutcomes:
-    """A step's task outcomes and this rank's successful fresh rows, kept until the loss forward has given the rows
-    their log-probs and entropies (no extra forward), then recorded in the pool at the next generation step."""
-
-    outcomes: list[tuple]  # (task id, successes, fresh rollouts, winning global rows)
-    records: dict[int, dict]  # global row -> the trajectory's fields
-    offset: int  # this rank's first global row
-
-
-@dataclass
 class LossForward:
     """TRL's loss forward in progress: the batch TRL's `_compute_loss` was given, and the log-probs (with grad) and
     entropies its one policy forward returned, kept for the replayed tokens' term and the pool's records."""
@@ -67,3 +59,29 @@ class LossForward:
     inputs: dict
     logps: Any = None
     entropies: Any = None
+
+
+def attach_replay_tensors(output: dict, replayed_local: dict[int, Any], replaying: bool) -> None:
+    """Add to TRL's generation `output` what the loss needs to tell replayed rows apart: `exp_mask` (the replayed
+    model tokens), `recorded_per_token_logps` (their behaviour log-probs), `exreplay_row` (each row's index, which
+    survives TRL's shuffling into micro-batches) and `exreplay_replaying` (whether the generation batch replays)."""
+    completion_ids = output["completion_ids"]
+    batch, length = completion_ids.shape
+    device = completion_ids.device
+    # One value for the whole generation batch, on every rank (the plan is global), so that every micro-batch of every
+    # rank takes the same loss path (TRL's loss alone, or with the replayed term and its collective metrics).
+    output["exreplay_replaying"] = torch.full((batch,), int(replaying), dtype=torch.long, device=device)
+    exp_mask = torch.zeros(batch, length, dtype=torch.long, device=device)
+    recorded = torch.zeros(batch, length, dtype=torch.float32, device=device)
+    for i, trajectory in replayed_local.items():
+        n = min(len(trajectory.completion_ids), length)
+        exp_mask[i, :n] = torch.tensor(trajectory.completion_mask[:n], device=device)
+        recorded[i, :n] = torch.tensor(trajectory.logps[:n], device=device)
+    output["exp_mask"] = exp_mask * output["completion_mask"]
+    output["recorded_per_token_logps"] = recorded
+    output["exreplay_row"] = torch.arange(batch, device=device)
+    if "importance_sampling_ratio" in output and replayed_local:
+        # The vLLM sampler correction does not apply to replayed rows: their ratio is taken against the recorded
+        # behaviour log-probs in the loss.
+        rows = torch.tensor(sorted(replayed_local), device=device)
+        output["importance_sampling_ratio"][rows] = 1.0

@@ -1,0 +1,53 @@
+"""The `replay/*` metrics, appended to TRL's metric lists (`GRPOTrainer._metrics[mode]`), which TRL averages and
+logs with its own. The replayed tokens' figures are reduced over ranks (sums and extremes), so every rank logs the
+same values; the generation ones are computed from the global replay plan and the rank-identical pool."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import torch
+
+from .planner import ReplayPlan
+
+OFF_POLICY_SUMS = ("replayed_tokens", "loss_sum", "clipped_tokens", "ratio_sum", "logp_drift_sum")
+
+
+def log_off_policy(metrics: dict[str, list], accelerator, m: dict[str, torch.Tensor]) -> None:
+    """Log the replayed tokens' figures of `trl_exreplay.loss.off_policy_loss` over all ranks. Collective: every rank
+    calls it for the same micro-batches. Nothing is logged for a micro-batch without replayed tokens on any rank."""
+    sums = torch.stack([m[name] for name in OFF_POLICY_SUMS]).to(accelerator.device)
+    sums = dict(zip(OFF_POLICY_SUMS, accelerator.reduce(sums, reduction="sum").tolist()))
+    extremes = torch.stack([m["ratio_min"], -m["ratio_max"]]).to(accelerator.device)
+    extremes = accelerator.gather(extremes.view(1, 2)).view(-1, 2).min(dim=0).values.tolist()
+    tokens = sums["replayed_tokens"]
+    if tokens > 0:
+        metrics["replay/off_policy_loss"].append(sums["loss_sum"] / tokens)
+        metrics["replay/off_clip_fraction"].append(sums["clipped_tokens"] / tokens)
+        metrics["replay/importance_ratio_mean"].append(sums["ratio_sum"] / tokens)
+        metrics["replay/logp_drift"].append(sums["logp_drift_sum"] / tokens)
+        metrics["replay/importance_ratio_min"].append(extremes[0])
+        metrics["replay/importance_ratio_max"].append(-extremes[1])
+
+
+def log_generation(
+    metrics: dict[str, list],
+    plan: ReplayPlan,
+    total_rows: int,
+    ages: list[int],
+    pool_stats: dict[str, float],
+    counts: Counter,
+) -> None:
+    """A generation step's replay figures: rows and tasks replayed, rows generated, the replayed trajectories' mean
+    policy age (steps since they were sampled), the pool's statistics, and the running totals of counted faults."""
+    replayed_rows = len(plan.replayed_rows())
+    metrics["replay/rows_fraction"].append(replayed_rows / total_rows)
+    metrics["replay/tasks"].append(float(plan.num_tasks))
+    metrics["replay/generated_rows"].append(float(total_rows - replayed_rows))
+    if ages:
+        metrics["replay/policy_age"].append(float(np.mean(ages)))
+    for name, value in pool_stats.items():
+        metrics[f"replay/{name}"].append(value)
+    for name, count in counts.items():
+        metrics[f"replay/{name}"] = [float(count)]  # running totals

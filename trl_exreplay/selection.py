@@ -1,0 +1,74 @@
+"""Which stored trajectories a replayed group gets: the pool's choice on its index (by saved entropy, or at random),
+or, with `use_current_policy_entropy`, the lowest entropy under the current policy, scored by one no-grad forward
+sharded over ranks. A mixin of `ExReplayGRPOTrainer` (it needs the model and the accelerator).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from trl.trainer.utils import pad
+
+from .planner import ReplayPlan
+from .pool import Trajectory
+
+
+class ReplaySelection:
+    """The trajectories chosen for a step's replay plan (identical on every rank)."""
+
+    def _select_trajectories(self, plan: ReplayPlan, step: int, seed=None) -> dict[str, list[Trajectory]]:
+        k, age, window = plan.num_replayed, self.replay["max_policy_age"], self.replay["replay_window"]
+        mode = self.replay["exp_select_mode"]
+        rng = np.random.default_rng([*(seed or [self.args.seed, step]), 1])
+        if not self.replay["use_current_policy_entropy"] or mode == "random":
+            # By saved entropy (or at random): chosen on the pool's index; only the chosen trajectories are read.
+            return self.pool.choose(list(plan.replay_groups.values()), k, step, age, window, rng)
+        # By entropy under the current policy: every candidate of a task with more than k is scored.
+        candidates = {t: self.pool.candidates(t, step, age, window) for t in plan.replay_groups.values()}
+        entropies: dict[str, list[float]] = {}
+        ranked = [t for t in candidates if len(candidates[t]) > k]
+        flat = [trajectory for t in ranked for trajectory in candidates[t]]
+        values = self._current_policy_entropies(flat)
+        start = 0
+        for t in ranked:
+            entropies[t] = values[start : start + len(candidates[t])]
+            start += len(candidates[t])
+        return {t: self.pool.select(c, k, entropies.get(t), rng) for t, c in candidates.items()}
+
+    @torch.no_grad()
+    def _current_policy_entropies(self, trajectories: list[Trajectory]) -> list[float]:
+        """Mean entropy of each trajectory's model tokens under the current policy.
+
+        Sharded over processes (rank r scores trajectories r, r+W, ...), every rank making the same number of forward
+        calls (short shards are padded), then gathered, so all ranks see identical values and ZeRO-3 cannot deadlock.
+        """
+        total = len(trajectories)
+        if total == 0:
+            return []
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        per_rank = math.ceil(total / world)
+        mine = [trajectories[i] for i in range(rank, total, world)]
+        mine += [trajectories[0]] * (per_rank - len(mine))
+        device = self.accelerator.device
+        pad_id = self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id") else 0
+        prompts = [torch.tensor(t.prompt_ids) for t in mine]
+        completions = [torch.tensor(t.completion_ids) for t in mine]
+        prompt_ids = pad(prompts, padding_value=pad_id, padding_side="left").to(device)
+        prompt_mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device)
+        completion_ids = pad(completions, padding_value=pad_id, padding_side="right").to(device)
+        completion_mask = pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right")
+        model_mask = pad([torch.tensor(t.completion_mask) for t in mine], padding_value=0, padding_side="right")
+        model_mask = (model_mask * completion_mask).to(device)
+        _, entropies, _ = self._get_per_token_logps_and_entropies(
+            self.model,
+            torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([prompt_mask, completion_mask.to(device)], dim=1),
+            completion_ids.size(1),
+            batch_size=self.args.per_device_train_batch_size,
+            compute_entropy=True,
+        )
+        means = (entropies * model_mask).sum(-1) / model_mask.sum(-1).clamp(min=1)
+        gathered = self.accelerator.gather(means.float()).view(world, per_rank).cpu()
+        return [float(gathered[i % world, i // world]) for i in range(total)]
