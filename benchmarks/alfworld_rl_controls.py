@@ -115,7 +115,11 @@ def rl_on(recipe_args, warm_start: str, tokenizer, env_pool, tasks, options, wor
     training_args.learning_rate, training_args.max_steps = options.learning_rate, options.steps
     training_args.output_dir = os.path.join(work, "rl")
     trainer = ExReplayGRPOTrainer(
-        model=warm_start, args=training_args, processing_class=tokenizer, train_dataset=tasks, env_factory=env_pool
+        model=warm_start,
+        args=training_args,
+        processing_class=tokenizer,
+        train_dataset=tasks,
+        text_env_factory=env_pool,
     )
     trainer.train()
     curve = [float(e["env/success_rate"]) for e in trainer.state.log_history if "env/success_rate" in e]

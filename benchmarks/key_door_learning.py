@@ -103,7 +103,7 @@ def train_key_door(output_dir: str, fault: str = "none", episodes_per_task: int 
         args=args,
         train_dataset=key_door_dataset(num_tasks=6, repeats=400),
         processing_class=tokenizer,
-        env_factory=KeyDoorEnv,
+        text_env_factory=KeyDoorEnv,
     )
     with fault_in_loss(fault):
         trainer.train()

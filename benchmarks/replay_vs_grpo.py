@@ -12,7 +12,7 @@ fewer fresh rollouts per step, so curves are drawn against **fresh rollouts cons
 environment episodes), not steps.
 
 `grpo` is `ExReplayGRPOTrainer` with `enable_experience_replay=False`. For the first seed of a testbed TRL's own
-`GRPOTrainer` can train (the single-turn one; multi-turn testbeds use this library's `env_factory`), the harness also
+`GRPOTrainer` can train (the single-turn one; multi-turn testbeds use this library's `text_env_factory`), the harness also
 trains `GRPOTrainer` on the same run and records whether every logged loss and every point of its curve is identical
 to `grpo`'s (the drop-in claim, measured; `--no-trl-check` skips it).
 
@@ -217,8 +217,8 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
         else:
             args = ExReplayGRPOConfig(output_dir=output_dir, **settings)
             trainer_cls = ExReplayGRPOTrainer
-        env_factory = testbed.env_factory()
-        kwargs = {"env_factory": env_factory} if env_factory is not None else {}
+        text_env_factory = testbed.text_env_factory()
+        kwargs = {"text_env_factory": text_env_factory} if text_env_factory is not None else {}
         trainer = trainer_cls(
             model=model,
             reward_funcs=testbed.reward_funcs(),

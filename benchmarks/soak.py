@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
             args=config,
             train_dataset=key_door_dataset(num_tasks=24, repeats=args.steps),
             processing_class=tokenizer,
-            env_factory=KeyDoorEnv,
+            text_env_factory=KeyDoorEnv,
             callbacks=[Sample()],
         )
         trainer.train()

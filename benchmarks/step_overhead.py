@@ -115,9 +115,11 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
             clock["on"] = False
 
     model, tokenizer = copy.deepcopy(initial[0]), initial[1]
-    env_factory = testbed.env_factory()
+    text_env_factory = testbed.text_env_factory()
     try:
-        kwargs = {"env_factory": timed_env_factory(env_factory, clock)} if env_factory is not None else {}
+        kwargs = (
+            {"text_env_factory": timed_env_factory(text_env_factory, clock)} if text_env_factory is not None else {}
+        )
         trainer = timed_trainer_class(clock)(
             model=model,
             reward_funcs=testbed.reward_funcs(),

@@ -48,7 +48,7 @@ trainer = ExReplayGRPOTrainer(
     args=config,
     train_dataset=key_door_dataset(num_tasks=4, repeats=200),
     processing_class=tokenizer,
-    env_factory=KeyDoorEnv,  # reward: the environment's (trl_exreplay.envs.env_reward)
+    text_env_factory=KeyDoorEnv,  # reward: the environment's (trl_exreplay.envs.env_reward)
 )
 trainer.train()
 

@@ -266,7 +266,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         args=training_args,
         processing_class=tokenizer,
         train_dataset=train_tasks,
-        env_factory=env_pool,  # reward: the environment's (1 on a win, less invalid_action_penalty)
+        text_env_factory=env_pool,  # reward: the environment's (1 on a win, less invalid_action_penalty)
         peft_config=get_peft_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # with its pool

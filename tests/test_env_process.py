@@ -234,18 +234,18 @@ def test_workers_exit_when_the_pool_process_is_gone():
 def test_factory_errors_surface_on_the_first_call():
     with EnvProcessPool(broken_factory, workers=1) as pool:
         env = pool()  # built on first use: creating the proxy does not wait for the worker
-        with pytest.raises(RemoteEnvError, match="OSError: no game files \\(raised by env_factory\\(\\)"):
+        with pytest.raises(RemoteEnvError, match="OSError: no game files \\(raised by text_env_factory\\(\\)"):
             env.reset({"name": "x"})
         assert pool.restarts == 0
     with EnvProcessPool(UnloadableFactory(), workers=1) as pool:
-        with pytest.raises(RemoteEnvError, match="could not load env_factory: ImportError: textworld is not"):
+        with pytest.raises(RemoteEnvError, match="could not load text_env_factory: ImportError: textworld is not"):
             pool().reset({"name": "x"})
         assert pool.restarts == 1  # that worker exited; the next environment gets a new one
 
 
 @pytest.mark.parametrize("factory", [lambda: KeyDoorEnv(), type("LocalEnv", (KeyDoorEnv,), {})])
 def test_unpicklable_factory_is_refused(factory):
-    with pytest.raises(TypeError, match="env_factory must be picklable"):
+    with pytest.raises(TypeError, match="text_env_factory must be picklable"):
         EnvProcessPool(factory, workers=1)
 
 

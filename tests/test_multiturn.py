@@ -37,7 +37,7 @@ class RecordingMultiTurnTrainer(ExReplayGRPOTrainer):
         return output
 
 
-def make_multi_turn_trainer(tmp_path, env_factory=KeyDoorEnv, trainer_cls=RecordingMultiTurnTrainer, **overrides):
+def make_multi_turn_trainer(tmp_path, text_env_factory=KeyDoorEnv, trainer_cls=RecordingMultiTurnTrainer, **overrides):
     tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
     kwargs = {**TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path / "out"), **overrides}
     return trainer_cls(
@@ -45,7 +45,7 @@ def make_multi_turn_trainer(tmp_path, env_factory=KeyDoorEnv, trainer_cls=Record
         args=ExReplayGRPOConfig(**kwargs),
         train_dataset=key_door_dataset(num_tasks=2, repeats=40),
         processing_class=tokenizer,
-        env_factory=env_factory,
+        text_env_factory=text_env_factory,
     )
 
 
@@ -128,7 +128,7 @@ class FaultyKeyDoorEnv(KeyDoorEnv):
 
 def test_environment_faults_are_counted_and_training_completes(tmp_path):
     FaultyKeyDoorEnv.steps = FaultyKeyDoorEnv.resets = 0
-    trainer = make_multi_turn_trainer(tmp_path, env_factory=FaultyKeyDoorEnv, max_steps=3, env_step_timeout=0.5)
+    trainer = make_multi_turn_trainer(tmp_path, text_env_factory=FaultyKeyDoorEnv, max_steps=3, env_step_timeout=0.5)
     outcomes = []
     record = trainer.pool.record_outcome
     trainer.pool.record_outcome = lambda outcome: (outcomes.append(outcome), record(outcome))[1]
@@ -178,14 +178,14 @@ def test_reward_functions_see_the_real_prompt_and_rows_need_a_task_id(tmp_path):
     dataset = key_door_dataset(num_tasks=2, repeats=8)
     trainer = ExReplayGRPOTrainer(
         model=build_tiny_model(tokenizer), reward_funcs=spy, args=args, train_dataset=dataset,
-        processing_class=tokenizer, env_factory=KeyDoorEnv,
+        processing_class=tokenizer, text_env_factory=KeyDoorEnv,
     )  # fmt: skip
     trainer.train()
     assert len(seen) == 16 and all(text.startswith("you see a ") and text.endswith(" door and a key") for text in seen)
     with pytest.raises(ValueError, match="task_id_column"):
         ExReplayGRPOTrainer(
             model=build_tiny_model(tokenizer), args=args, train_dataset=dataset.remove_columns("task_id"),
-            processing_class=tokenizer, env_factory=KeyDoorEnv,
+            processing_class=tokenizer, text_env_factory=KeyDoorEnv,
         )  # fmt: skip
 
 
@@ -200,7 +200,7 @@ def test_trainer_loss_with_kl_and_entropy_ignores_environment_tokens(tmp_path):
         args=ExReplayGRPOConfig(**kwargs),
         train_dataset=key_door_dataset(num_tasks=2, repeats=40),
         processing_class=tokenizer,
-        env_factory=KeyDoorEnv,
+        text_env_factory=KeyDoorEnv,
     )
     trainer.train()
     batch = next(b for b in trainer.batches if b["exp_mask"].any())
@@ -227,8 +227,35 @@ def test_environments_in_worker_processes_train_like_in_process_ones(tmp_path):
     local = make_multi_turn_trainer(tmp_path / "local", max_steps=3, replay_start_ratio=0.3)
     local.train()
     with EnvProcessPool(KeyDoorEnv, workers=2, call_timeout=30) as pool:
-        remote = make_multi_turn_trainer(tmp_path / "remote", env_factory=pool, max_steps=3, replay_start_ratio=0.3)
+        remote = make_multi_turn_trainer(
+            tmp_path / "remote", text_env_factory=pool, max_steps=3, replay_start_ratio=0.3
+        )
         remote.train()
         stats = pool.stats()
     assert stats["workers"] == 2 and stats["calls"] > 0 and stats["restarts"] == 0
     assert history(remote) == history(local) and len(history(local)) == 3
+
+
+def test_the_old_env_factory_name_still_works_with_a_warning(tmp_path):
+    from helpers import make_args
+
+    tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
+    with pytest.warns(FutureWarning, match="renamed `text_env_factory`"):
+        trainer = ExReplayGRPOTrainer(
+            model=build_tiny_model(tokenizer, seed=0),
+            args=make_args(tmp_path, max_steps=1, max_completion_length=48, max_tokens_per_turn=4, max_turns=5),
+            train_dataset=key_door_dataset(num_tasks=1, repeats=16),
+            processing_class=tokenizer,
+            env_factory=KeyDoorEnv,
+        )
+    assert trainer.text_env_factory is KeyDoorEnv
+
+
+def test_multi_turn_replaying_losses_are_trls_plus_the_replayed_term(tmp_path):
+    from loss_check import CheckingTrainer, assert_replaying_losses_compose
+
+    trainer = make_multi_turn_trainer(
+        tmp_path, trainer_cls=CheckingTrainer, max_steps=6, offpolicy_trajectories_per_task=2, replay_start_ratio=0.3
+    )
+    trainer.train()
+    assert_replaying_losses_compose(trainer)

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from helpers import make_args
+from loss_check import CheckingTrainer, assert_replaying_losses_compose
 
 from trl_exreplay import ExperiencePool, ExReplayGRPOTrainer
 from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
@@ -23,10 +24,10 @@ def lora_config():
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
 
 
-def make_peft_trainer(tmp_path, **overrides):
+def make_peft_trainer(tmp_path, trainer_cls=ExReplayGRPOTrainer, **overrides):
     tokenizer = build_tiny_tokenizer(VOCABULARY)
     args = make_args(tmp_path, temperature=TEMPERATURE, **overrides)
-    return ExReplayGRPOTrainer(
+    return trainer_cls(
         model=build_tiny_model(tokenizer, seed=0),
         reward_funcs=said_target,
         args=args,
@@ -115,7 +116,7 @@ def test_recorded_logps_are_the_adapted_models(tmp_path, schedule):
 
 
 def test_lora_learns_with_replay_and_saves_an_adapter(tmp_path):
-    trainer = make_peft_trainer(tmp_path, max_steps=4, learning_rate=5e-2, replay_start_ratio=0.25)
+    trainer = make_peft_trainer(tmp_path, CheckingTrainer, max_steps=4, learning_rate=5e-2, replay_start_ratio=0.25)
     before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
     after = trainer.model.state_dict()
@@ -124,6 +125,7 @@ def test_lora_learns_with_replay_and_saves_an_adapter(tmp_path):
     assert all(lora_parameter(k) for k in changed), sorted(k for k in changed if not lora_parameter(k))
     assert any("lora_A" in k for k in changed) and any("lora_B" in k for k in changed)
     assert max(e.get("replay/rows_fraction", 0) for e in trainer.state.log_history) > 0
+    assert_replaying_losses_compose(trainer)  # TRL's loss of the adapted model plus the replayed term
 
     out = tmp_path / "saved"
     trainer.save_model(str(out))

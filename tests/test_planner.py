@@ -451,3 +451,15 @@ def test_a_bucket_mostly_not_replayable_is_scanned_once_not_listed(weighting):
     assert len(set(drawn)) == 64 and all(t >= 100_000 for t in drawn)
     assert "listing" not in calls
     assert calls.count(100_000) == 1 and sum(calls) < 100_000 + 64 * 40
+
+
+def test_rank_rows_and_fresh_rows_per_rank():
+    # 3 groups of G=4 over 2 ranks of 6 rows; groups 0 and 2 replay pool tasks "p" and "c" (group 2's own), k=2.
+    plan = ReplayPlan(4, 2, {0: "p", 2: "c"})
+    group_keys = ["a", "b", "c"]
+    selected = {"p": ["p0", "p1"], "c": ["c0", "c1"]}
+    assert plan.fresh_rows_per_rank(12, 6) == [4, 4]  # rank 0: rows 2, 3 replayed; rank 1: rows 10, 11
+    swapped, replayed = plan.rank_rows(0, 6, group_keys, selected)
+    assert swapped == {0: "p", 1: "p", 2: "p", 3: "p"} and replayed == {2: "p0", 3: "p1"}
+    swapped, replayed = plan.rank_rows(6, 6, group_keys, selected)
+    assert swapped == {} and replayed == {4: "c0", 5: "c1"}  # group 2's task is its own: no row swapped

@@ -13,18 +13,16 @@ against the mixed objective written out by hand (fresh tokens: TRL's clipped sur
 
 from __future__ import annotations
 
-import copy
 import math
 import shutil
 
 import pytest
 import torch
 from helpers import make_trainer
-from trl import GRPOTrainer
+from loss_check import CheckingTrainer, assert_replaying_losses_compose
 
 from trl_exreplay import ExReplayGRPOTrainer
 from trl_exreplay.examples import VOCABULARY
-from trl_exreplay.loss import TOKEN_SUM_LOSS_TYPES, aggregate_loss, off_policy_loss
 from trl_exreplay.pool import ExperiencePool
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -50,8 +48,6 @@ CASES = [
 ]
 # Long enough for some completions to end (EOS) rather than be cut: `mask_truncated_completions` keeps those.
 LENGTH = {"max_completion_length": 8}
-# TRL's adaptive-entropy controller state, which its `_compute_loss` updates.
-TRL_STATE = ("entropy_coef", "_entropy_window_stats", "_last_world_entropy")
 
 
 @pytest.fixture(scope="module")
@@ -67,77 +63,6 @@ def filled_pool(tmp_path_factory):
     assert trainer.pool.num_trajectories >= 2
     trainer.pool.save(str(folder / "pool"))
     return folder
-
-
-class CheckingTrainer(ExReplayGRPOTrainer):
-    """Recomputes each replaying loss from its parts (TRL's loss, `off_policy_loss`) before training on it."""
-
-    checks: list
-
-    def _compute_loss(self, model, inputs):
-        parts = self._parts(model, inputs) if self._replays(inputs) else None  # before the controller moves
-        loss = super()._compute_loss(model, inputs)
-        if parts is not None:
-            self.checks.append((loss.detach(), *parts))
-        return loss
-
-    @torch.no_grad()
-    def _parts(self, model, inputs):
-        mode = "train"
-        saved = {name: copy.copy(getattr(self, name, None)) for name in TRL_STATE}
-        metrics = {name: list(values) for name, values in self._metrics[mode].items()}
-        advantages = inputs["advantages"]
-        replayed_rows = inputs["exp_mask"].bool().any(-1)
-        zeroed = {**inputs, "advantages": torch.where(replayed_rows, 0.0, advantages)}
-        trl_loss = GRPOTrainer._compute_loss(self, model, zeroed)  # TRL's own, unchanged by us
-        for name, value in saved.items():  # undo the controller's and the logs' side effects of that extra call
-            setattr(self, name, value)
-        self._metrics[mode].clear()
-        self._metrics[mode].update(metrics)
-
-        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-            self, model, input_ids, attention_mask, inputs["completion_ids"].size(1), compute_entropy=True
-        )
-        args = self.args
-        behaviour = inputs["recorded_per_token_logps"] if args.exp_is_correct else logps
-        selection = None
-        if args.top_entropy_quantile < 1:
-            selection = self.get_high_entropy_mask(entropies, mask, 1 - args.top_entropy_quantile)
-        per_token, _ = off_policy_loss(
-            logps,
-            behaviour,
-            advantages,
-            inputs["exp_mask"] * mask,
-            loss_type=args.loss_type,
-            importance_sampling_level=args.importance_sampling_level,
-            epsilon_low=args.epsilon,
-            delta=args.delta,
-            off_cliprange_high=args.off_cliprange_high,
-            off_clip_ratio_c=args.off_clip_ratio_c,
-            off_policy_shaping=args.off_policy_shaping,
-            off_policy_shaping_beta=args.off_policy_shaping_beta,
-            sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg,
-            vespo_k_pos=args.vespo_k_pos,
-            vespo_lambda_pos=args.vespo_lambda_pos,
-            vespo_k_neg=args.vespo_k_neg,
-            vespo_lambda_neg=args.vespo_lambda_neg,
-            off_policy_mask_threshold=args.off_policy_mask_threshold,
-            token_mask=selection,
-        )
-        accumulation = self.current_gradient_accumulation_steps
-        if args.loss_type in TOKEN_SUM_LOSS_TYPES:
-            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) * accumulation / args.steps_per_generation
-            term = aggregate_loss(per_token, mask, loss_type=args.loss_type, loss_normalizer=normalizer)
-        else:
-            term = aggregate_loss(
-                per_token, mask, loss_type=args.loss_type, max_completion_length=self.max_completion_length
-            )
-            term = term / accumulation
-        return trl_loss, term, int((inputs["exp_mask"] * mask).sum())
 
 
 def _train(tmp_path, filled, trainer_cls=CheckingTrainer, **options):
@@ -159,10 +84,7 @@ def _train(tmp_path, filled, trainer_cls=CheckingTrainer, **options):
 def test_replayed_term_is_loss_py_added_to_trls_loss(tmp_path, filled_pool, name, options):
     trainer = _train(tmp_path, filled_pool, **options)
     assert len(trainer.checks) >= 2  # both steps replayed
-    for loss, trl_loss, term, _ in trainer.checks:
-        torch.testing.assert_close(loss, trl_loss + term, atol=1e-6, rtol=1e-6)
-    assert sum(replayed_tokens for *_, replayed_tokens in trainer.checks) > 0
-    assert any(abs(term.item()) > 1e-4 for _, _, term, _ in trainer.checks), "the replayed term never counted"
+    assert_replaying_losses_compose(trainer)
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logged) == 2 and all(math.isfinite(entry["loss"]) for entry in logged)
     assert logged[0]["replay/rows_fraction"] > 0  # (with num_iterations=2, step 2 reuses step 1's generation)

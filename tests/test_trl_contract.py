@@ -23,6 +23,9 @@ OVERRIDDEN = {
     ],
     "_generate_single_turn": ["self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"],
     "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],
+    "_tool_call_loop": [
+        "self", "prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images", "multimodal_fields",
+    ],
     "_compute_loss": ["self", "model", "inputs"],
     "save_model": ["self", "output_dir", "_internal_call"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
@@ -33,7 +36,8 @@ USED = [
     "importance_sampling_level", "off_policy_mask_threshold", "use_adaptive_entropy", "_entropy_bonus_enabled",
     "entropy_coef", "aux_loss_enabled", "router_aux_loss_coef", "epsilon_low", "epsilon_high", "beta",
     "top_entropy_quantile", "max_completion_length", "reward_weights", "use_vllm", "tools", "rollout_func",
-    "environment_factories", "_is_vlm",
+    "environment_factories", "_is_vlm", "environments", "vllm_mode", "vllm_tensor_parallel_size", "is_fsdp_enabled",
+    "is_deepspeed_enabled",
 ]  # fmt: skip
 
 
@@ -72,26 +76,3 @@ def test_the_supported_range_is_the_declared_pin_and_is_enforced():
     for outside in ("1.15.2", TRL_BELOW + ".0", "2.0.0"):
         with pytest.raises(ImportError, match=re.escape(f"supports {TRL_SUPPORTED}") + f".*found trl {outside}"):
             check_trl_version(outside)
-
-
-def _weather(city: str) -> str:
-    """The weather in a city.
-
-    Args:
-        city: the city's name.
-    """
-    return "sunny"
-
-
-# `tools` is refused by the same check, but TRL first refuses the tiny tokenizer's chat template (no tool calls).
-@pytest.mark.parametrize("option", ["rollout_func"])
-def test_trls_own_multi_turn_paths_are_refused_with_replay_on_and_named(tmp_path, option):
-    from helpers import make_trainer
-
-    def build(**args):
-        value = [_weather] if option == "tools" else (lambda prompts, trainer: {})
-        return make_trainer(tmp_path, trainer_kwargs={option: value}, **args)
-
-    with pytest.raises(ValueError, match="TRL tool calls, a custom `rollout_func` or TRL's `environment_factory`"):
-        build()
-    assert not build(enable_experience_replay=False)._replay_enabled  # TRL's own, with replay off

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (`env_factory`) through TRL's colocated vLLM engine, with a stand-in for the engine.
+"""Multi-turn rollouts (`text_env_factory`) through TRL's colocated vLLM engine, with a stand-in for the engine.
 
 vLLM cannot run here (no GPU), so `FakeVLLMGeneration` keeps the contract of TRL 1.16's `VLLMGeneration` that the
 trainer relies on: `max_completion_length` read on every `generate(prompts, images, num_generations)` call, which
@@ -91,7 +91,7 @@ def make_trainer(tmp_path, **overrides) -> ExReplayGRPOTrainer:
         args=ExReplayGRPOConfig(**kwargs),
         train_dataset=key_door_dataset(num_tasks=2, repeats=40),
         processing_class=tokenizer,
-        env_factory=KeyDoorEnv,
+        text_env_factory=KeyDoorEnv,
     )
 
 

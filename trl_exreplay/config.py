@@ -163,7 +163,7 @@ class ExReplayGRPOConfig(GRPOConfig):
         },
     )
 
-    # ---- multi-turn rollouts (used when the trainer gets an `env_factory`)
+    # ---- multi-turn rollouts (used when the trainer gets an `text_env_factory`)
     max_turns: int = field(
         default=10,
         metadata={"help": "Multi-turn: model turns per episode at most (the episode then ends unsuccessful)."},

@@ -88,7 +88,7 @@ def evaluate_policy(
     model,
     tokenizer,
     tasks: Iterable[dict[str, Any]],
-    env_factory: Callable[[], Any],
+    text_env_factory: Callable[[], Any],
     *,
     max_turns: int,
     max_completion_length: int,
@@ -113,7 +113,7 @@ def evaluate_policy(
 
     rows = [dict(task) for task in tasks]
     rollout = MultiTurnRollout(
-        env_factory,
+        text_env_factory,
         tokenizer,
         max_turns=max_turns,
         max_completion_length=max_completion_length,

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts of `ExReplayGRPOTrainer`: its `env_factory` games played as TRL's `rollout_func`.
+"""Multi-turn rollouts of `ExReplayGRPOTrainer`: its `text_env_factory` games played as TRL's `rollout_func`.
 
 `MultiTurnRollouts` is a mixin of the trainer (it reads the trainer's TRL state: accelerator, model, vLLM settings):
 fresh rows are played by `rollout.MultiTurnRollout` in lockstep over ranks (so sharded models' collective forwards stay
@@ -20,9 +20,9 @@ logger = logging.getLogger(__name__)
 
 
 class MultiTurnRollouts:
-    """The trainer's multi-turn methods (`env_factory`)."""
+    """The trainer's multi-turn methods (`text_env_factory`)."""
 
-    def _setup_multi_turn(self, env_factory) -> None:
+    def _setup_multi_turn(self, text_env_factory) -> None:
         column = self.replay["task_id_column"]
         names = getattr(self.train_dataset, "column_names", None)
         if names is not None and column not in names:
@@ -41,7 +41,7 @@ class MultiTurnRollouts:
             # Not ours to fix: GRPOTrainer alone fails its first backward this way (TRL 1.16, DeepSpeed 0.19.8, CPU).
             raise ValueError("Multi-turn rollouts under ZeRO-3 need `ds3_gather_for_generation=True`.")
         self._rollout_engine = MultiTurnRollout(
-            env_factory,
+            text_env_factory,
             self.processing_class,
             max_turns=self.replay["max_turns"],
             max_completion_length=self.max_completion_length,
@@ -56,7 +56,7 @@ class MultiTurnRollouts:
     def _with_prompt(self, row: dict) -> dict:
         """Multi-turn: a copy of the row with a placeholder prompt (TRL requires one); the rollout replaces it in place
         with the real one, the environment's first observation, which is what reward functions and logs then see."""
-        if self.env_factory is None:
+        if self.text_env_factory is None:
             return row
         return {**row, "prompt": [{"role": "user", "content": f"task {task_key(row, self.replay['task_id_column'])}"}]}
 
@@ -201,12 +201,14 @@ class MultiTurnRollouts:
         metrics["env/nonfinite_rewards"] = [nonfinite]  # among the errors, also a running total
 
 
-def check_multi_turn_vllm(vllm_mode: str, tensor_parallel_size: int) -> None:
-    """Multi-turn rollouts generate through TRL's colocated vLLM engine, one call per turn. Server mode and tensor
-    parallelism gather equal-sized prompt lists across ranks on every call, but the episodes still playing differ in
-    number between ranks."""
+def check_multi_turn_vllm(
+    vllm_mode: str, tensor_parallel_size: int, path: str = "Multi-turn rollouts (`text_env_factory`)"
+) -> None:
+    """Multi-turn rollouts generate through vLLM one call per turn, and ranks play different numbers of turns (a rank
+    whose rows are all replayed plays none). Server mode and tensor parallelism gather equal-sized prompt lists across
+    ranks on every call. `path` names the rollouts in the error: ours, or TRL's tool loop with replay."""
     if vllm_mode != "colocate" or tensor_parallel_size != 1:
         raise NotImplementedError(
-            "Multi-turn rollouts (`env_factory`) with vLLM need vllm_mode='colocate' and vllm_tensor_parallel_size=1 "
+            f"{path} with vLLM need vllm_mode='colocate' and vllm_tensor_parallel_size=1 "
             f"(got vllm_mode={vllm_mode!r}, vllm_tensor_parallel_size={tensor_parallel_size}); or set use_vllm=False."
         )

@@ -44,6 +44,28 @@ class ReplayPlan:
         group = row // self.num_generations
         return self.replay_groups.get(group, group_keys[group])
 
+    def fresh_rows_per_rank(self, total_rows: int, rows_per_rank: int) -> list[int]:
+        """How many rows each rank generates (its rows that are not replayed)."""
+        return [
+            sum(not self.is_replayed(r) for r in range(start, start + rows_per_rank))
+            for start in range(0, total_rows, rows_per_rank)
+        ]
+
+    def rank_rows(self, offset: int, num_rows: int, group_keys: Sequence[str], selected: dict) -> tuple[dict, dict]:
+        """A rank's rows `offset .. offset + num_rows - 1` under the plan: {local row: the pool task whose dataset row
+        replaces the row's own} (a replayed group's rows, where the group's task is another), and {local row: the
+        trajectory it replays} from `selected` (task -> its chosen trajectories, in the order they take the group's
+        last `num_replayed` rows)."""
+        swapped, replayed = {}, {}
+        for i in range(num_rows):
+            group, position = divmod(offset + i, self.num_generations)
+            task_id = self.replay_groups.get(group)
+            if task_id is not None and task_id != group_keys[group]:
+                swapped[i] = task_id
+            if self.is_replayed(offset + i):
+                replayed[i] = selected[task_id][position - (self.num_generations - self.num_replayed)]
+        return swapped, replayed
+
 
 def _bucket_mass(difficulties: np.ndarray, num_generations: int, weighting: str) -> np.ndarray | None:
     """Weight of each bucket (of `difficulties`), shared by the bucket's tasks; None for "uniform" (a task weighs 1,

@@ -159,7 +159,7 @@ class MultiTurnRollout:
     """Runs the episodes of one rank's fresh rows.
 
     Args:
-        env_factory: builds a `TextEnv`; instances are pooled and reused, faulted ones (and any whose `alive` is
+        text_env_factory: builds a `TextEnv`; instances are pooled and reused, faulted ones (and any whose `alive` is
             False) are discarded. A faulted episode's `env_mask` is all 0: it trains nothing.
         tokenizer: the policy's tokenizer (chat template, eos).
         max_turns: model turns per episode at most.
@@ -172,7 +172,7 @@ class MultiTurnRollout:
 
     def __init__(
         self,
-        env_factory: Callable[[], Any],
+        text_env_factory: Callable[[], Any],
         tokenizer,
         *,
         max_turns: int,
@@ -183,7 +183,7 @@ class MultiTurnRollout:
         system_prompt_column: str = "system_prompt",
         chat_template_kwargs: dict | None = None,
     ):
-        self.env_factory = env_factory
+        self.text_env_factory = text_env_factory
         self.tokenizer = tokenizer
         self.turns = ChatTurns(tokenizer, chat_template_kwargs)
         self.max_turns = max_turns
@@ -205,7 +205,7 @@ class MultiTurnRollout:
                 return env, None
             _close_quietly(env)  # e.g. a RemoteEnv whose worker process was replaced meanwhile
         try:
-            return self.env_factory(), None
+            return self.text_env_factory(), None
         except Exception as error:  # noqa: BLE001 - a broken factory fails its episode, not the run
             return None, error
 

@@ -40,7 +40,28 @@ class GenerationStep:
     entropies: Any = None  # those entropies, (rows, tokens)
     rewards: Any = None  # rewards per function, the replayed rows' being their recorded ones
     faulted_rows: set[int] = field(default_factory=set)  # this rank's rows whose episode the environment failed
+    tool_loop_lockstep: bool = False  # inside TRL's tool loop, each generation call is agreed on by every rank
     _replay_taken: bool = False
+
+    def put_recorded_rewards(self, rewards_per_func: torch.Tensor, compare: bool = True) -> dict[str, int]:
+        """Give the replayed rows (global rows of `rewards_per_func`, rows x reward functions) their recorded rewards,
+        in place; count those that differ from the recomputed ones (`compare`) and those recorded for another set of
+        reward functions (left as recomputed)."""
+        counts = {"reward_mismatch": 0, "reward_arity_mismatch": 0}
+        plan = self.plan
+        first_replayed = plan.num_generations - plan.num_replayed
+        for group, task_id in plan.replay_groups.items():
+            for j, trajectory in enumerate(self.selected[task_id]):
+                row = group * plan.num_generations + first_replayed + j
+                recorded = torch.tensor(trajectory.rewards, dtype=rewards_per_func.dtype)
+                if recorded.numel() != rewards_per_func.size(1):
+                    counts["reward_arity_mismatch"] += 1
+                    continue
+                recorded = recorded.to(rewards_per_func.device)
+                if compare and not torch.allclose(rewards_per_func[row], recorded, equal_nan=True, atol=1e-4):
+                    counts["reward_mismatch"] += 1
+                rewards_per_func[row] = recorded
+        return counts
 
     def take_replay(self) -> dict[int, Any] | None:
         """The replayed rows for generation, once (a later generation call in the same step generates normally).

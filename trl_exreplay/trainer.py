@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections import Counter
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from trl import GRPOTrainer
 
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
 from .config import replay_options, validate_replay_options
+from .custom_rollouts import replaying_rollout
 from .envs import env_reward
 from .hub import CITATIONS
 from .loss import TOKEN_SUM_LOSS_TYPES, aggregate_loss, off_policy_loss
@@ -46,6 +48,9 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
     * `_generate_and_score_completions`: to swap the planned replay tasks into their groups (the plan is drawn on
       global rows, identical on every rank) and to tag the batch's replayed rows for the loss and queue its outcomes;
     * `_generate_single_turn`: to generate the fresh rows only and splice in the replayed completions;
+    * `_tool_call_loop`: so that TRL's tool loop (`tools`, `environment_factory`) skips replayed rows, which are
+      finished episodes, keeps their tool results masked, and runs in lockstep over ranks where generation is
+      collective (ZeRO-3, FSDP);
     * `_calculate_rewards`: so that replayed rows keep their recorded rewards (they count in their group's advantage);
     * `_compute_loss`: to add the replayed tokens' term (`loss.off_policy_loss`) to TRL's loss, given the replayed
       rows at advantage 0;
@@ -95,26 +100,39 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         self,
         *args,
         experience_pool: ExperiencePool | None = None,
-        env_factory: Callable[[], object] | None = None,
+        text_env_factory: Callable[[], object] | None = None,
         **kwargs,
     ):
-        if env_factory is not None and len(args) < 2 and kwargs.get("reward_funcs") is None:
+        if "env_factory" in kwargs:  # the name before 0.1 (TRL's `environment_factory` is a different contract)
+            warnings.warn(
+                "`env_factory` is renamed `text_env_factory` (a `trl_exreplay.envs.TextEnv` factory: reset/step "
+                "games); it is not TRL's `environment_factory` (tool-calling environments), which also replays.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            text_env_factory = kwargs.pop("env_factory")
+        if text_env_factory is not None and len(args) < 2 and kwargs.get("reward_funcs") is None:
             kwargs["reward_funcs"] = env_reward  # the environment's reward, unless the user scores rollouts
         config = args[2] if len(args) > 2 else kwargs.get("args")
-        if env_factory is not None and getattr(config, "use_vllm", False):  # before TRL starts vLLM or waits for it
-            check_multi_turn_vllm(config.vllm_mode, config.vllm_tensor_parallel_size)
+        if getattr(config, "use_vllm", False):  # before TRL starts vLLM or waits for its server
+            if text_env_factory is not None:
+                check_multi_turn_vllm(config.vllm_mode, config.vllm_tensor_parallel_size)
+            tool_loop = kwargs.get("tools") or kwargs.get("environment_factory") is not None
+            if tool_loop and getattr(config, "enable_experience_replay", True):
+                path = "Experience replay through TRL's tool loop (`tools`, `environment_factory`)"
+                check_multi_turn_vllm(config.vllm_mode, config.vllm_tensor_parallel_size, path)
         super().__init__(*args, **kwargs)
         self.replay = replay_options(self.args)
         validate_replay_options(self.replay, self.num_generations, self.args.generation_batch_size)
         self._replay_enabled = bool(self.replay["enable_experience_replay"])
         if self._replay_enabled:
             self._check_supported()
-        self.env_factory = env_factory
+        self.text_env_factory = text_env_factory
         self._generation: GenerationStep | None = None  # the generation step in progress (see `trl_exreplay.step`)
-        if env_factory is not None:
-            self._setup_multi_turn(env_factory)
+        if text_env_factory is not None:
+            self._setup_multi_turn(text_env_factory)
         self._setup_pool(experience_pool)
-        if self._replay_enabled or env_factory is not None:
+        if self._replay_enabled or text_env_factory is not None:
             self.add_callback(_AtTrainEnd(self))
         self._loss_forward: LossForward | None = None  # TRL's loss forward in progress (see `_compute_loss`)
         self._replay_counts: Counter = Counter()  # faults and mismatches, logged once per kind
@@ -128,12 +146,8 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
                 "Experience replay with vision-language models is not supported yet; set `enable_experience_replay="
                 "False`."
             )
-        if self.tools or self.rollout_func is not None or self.environment_factories is not None:
-            raise ValueError(
-                "Experience replay of TRL tool calls, a custom `rollout_func` or TRL's `environment_factory` is not "
-                "supported: use `env_factory` (a `trl_exreplay.envs.TextEnv`) for multi-turn replay, or set "
-                "`enable_experience_replay=False`."
-            )
+        if self.rollout_func is not None:
+            self.rollout_func = replaying_rollout(self.rollout_func, self)
 
     # -------------------------------------------------------------------------------------------- generation
     def _generate_and_score_completions(self, inputs):
@@ -170,22 +184,12 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
             )
         selected = self._select_trajectories(plan, step, draw_seed)
 
-        task_rows, replayed_local = [], {}  # the dataset rows as they are (stored with trajectories)
-        for i, row in enumerate(inputs):
-            global_row = offset + i
-            group, position = divmod(global_row, num_generations)
-            task_id = plan.replay_groups.get(group)
-            if task_id is not None and task_id != group_keys[group]:
-                row = self.pool.task_row(task_id)
-            if plan.is_replayed(global_row):
-                replayed_local[i] = selected[task_id][position - (num_generations - plan.num_replayed)]
-            task_rows.append(row)
+        swapped, replayed_local = plan.rank_rows(offset, local_rows, group_keys, selected)
+        # The dataset rows as they are (stored with trajectories): a replayed group's task row from the pool.
+        task_rows = [self.pool.task_row(swapped[i]) if i in swapped else row for i, row in enumerate(inputs)]
         new_inputs = [self._with_prompt(row) for row in task_rows]
         row_tasks = [plan.task_of_row(r, group_keys) for r in range(len(row_keys))]
-        fresh_per_rank = [
-            sum(not plan.is_replayed(r) for r in range(start, start + local_rows))
-            for start in range(0, len(row_keys), local_rows)
-        ]
+        fresh_per_rank = plan.fresh_rows_per_rank(len(row_keys), local_rows)
 
         self._generation = GenerationStep(
             rows=new_inputs,
@@ -239,6 +243,8 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         return self.state.global_step / max_steps >= self.replay["replay_start_ratio"]
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self._generation is not None and self._generation.tool_loop_lockstep:
+            self._any_rank_active(True)  # this rank plays one more round of TRL's tool loop (see `_tool_call_loop`)
         replayed = self._generation.take_replay() if self._generation is not None else None
         if replayed is None:
             return super()._generate_single_turn(
@@ -285,6 +291,39 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
             return completion_ids[:limit]
         return completion_ids
 
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        step = self._generation
+        if step is None or step.plan is None:
+            return super()._tool_call_loop(
+                prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+            )
+        for i in step.replayed_local:  # a finished episode, tool results included: its tool calls are not run again
+            text = self.processing_class.decode(completion_ids[i], skip_special_tokens=True)
+            completions[i] = [{"role": "assistant", "content": text}]
+        # Ranks take different numbers of tool rounds; where generation is collective, each round is agreed on.
+        step.tool_loop_lockstep = self._generation_is_collective()
+        try:
+            result = super()._tool_call_loop(
+                prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+            )
+            while step.tool_loop_lockstep and self._any_rank_active(False):
+                super()._generate_single_turn([prompt_ids[0]], None, {}, 1)  # a round another rank still plays
+        finally:
+            step.tool_loop_lockstep = False
+        tool_mask = result[0]
+        for i, trajectory in step.replayed_local.items():  # tool results masked out of the loss, as TRL masks them
+            tool_mask[i] = list(trajectory.completion_mask[: len(completion_ids[i])])
+        return result
+
+    def _generation_is_collective(self) -> bool:
+        """Whether a generation call needs every rank (sharded parameters gathered, or one vLLM server's batch)."""
+        if self.accelerator.num_processes == 1:
+            return False
+        sharded = self.is_fsdp_enabled or (
+            self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        )
+        return sharded or (self.use_vllm and self.vllm_mode == "server")
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         infinite = torch.isinf(rewards_per_func)
@@ -297,19 +336,13 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         step = self._generation
         if step is None or step.plan is None:
             return rewards_per_func
-        plan, selected = step.plan, step.selected
-        k = plan.num_replayed
-        for group, task_id in plan.replay_groups.items():
-            for j, trajectory in enumerate(selected[task_id]):
-                row = group * plan.num_generations + plan.num_generations - k + j
-                recorded = torch.tensor(trajectory.rewards, dtype=rewards_per_func.dtype)
-                if recorded.numel() != rewards_per_func.size(1):
-                    self._count("reward_arity_mismatch", "recorded rewards do not match the reward functions")
-                    continue
-                recorded = recorded.to(rewards_per_func.device)
-                if not torch.allclose(rewards_per_func[row], recorded, equal_nan=True, atol=1e-4):
-                    self._replay_counts["reward_mismatch"] += 1
-                rewards_per_func[row] = recorded
+        # (TRL's environments are not played for replayed rows: their `get_reward` says nothing to compare.)
+        counts = step.put_recorded_rewards(rewards_per_func, compare=self.environments is None)
+        if counts["reward_mismatch"]:
+            self._replay_counts["reward_mismatch"] += counts["reward_mismatch"]
+        if counts["reward_arity_mismatch"]:
+            message = "recorded rewards do not match the reward functions"
+            self._count("reward_arity_mismatch", message, counts["reward_arity_mismatch"])
         step.rewards = rewards_per_func
         return rewards_per_func
 
@@ -423,5 +456,5 @@ class _AtTrainEnd(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.trainer._replay_enabled:
             self.trainer._flush_pending()
-        if self.trainer.env_factory is not None:
+        if self.trainer.text_env_factory is not None:
             self.trainer._rollout_engine.close()

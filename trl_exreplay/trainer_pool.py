@@ -100,7 +100,7 @@ class TrainerPool:
         # A row with no reward at all (every function returned None, NaN or inf) says nothing about its task.
         missing = torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
         fresh_rows = [r for r in range(len(row_tasks)) if not step.plan.is_replayed(r) and not missing[r]]
-        if self.env_factory is not None:  # an episode the environment failed says nothing about the task
+        if self.text_env_factory is not None:  # an episode the environment failed says nothing about the task
             faulted = self._gather_row_flags(step.faulted_rows, len(inputs))
             fresh_rows = [r for r in fresh_rows if not faulted[r]]
         if fresh_rows:

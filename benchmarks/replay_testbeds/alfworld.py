@@ -43,7 +43,7 @@ class AlfWorld(Testbed):
         "the recipe's tiny default (200 games, warm start, 16 steps); held-out: valid_seen + valid_unseen, greedy"
     )
     measure = "held-out success (greedy, valid_seen + valid_unseen)"
-    trl_comparable = False  # played through `env_factory`
+    trl_comparable = False  # played through `text_env_factory`
     eval_every = 8
     data_dir = os.environ.get("ALFWORLD_TESTBED_DATA", str(REPOSITORY / "data" / "alfworld"))
 
@@ -92,7 +92,7 @@ class AlfWorld(Testbed):
         self._setup()
         return AutoModelForCausalLM.from_pretrained(self.warm_start_path), self.tokenizer
 
-    def env_factory(self):
+    def text_env_factory(self):
         self._setup()
         return self._env_pool
 

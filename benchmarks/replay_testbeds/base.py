@@ -20,7 +20,7 @@ class Testbed:
     training: dict[str, Any] = {}  # ExReplayGRPOConfig fields shared by every method of the testbed
     eval_every: int = 10  # optimizer steps between held-out measurements
     measure: str = "held-out success (sampled)"  # what `heldout_success` measures, as plots and tables say it
-    # Whether TRL's own GRPOTrainer can train it (single-turn reward functions); `env_factory` is this library's API.
+    # Whether TRL's own GRPOTrainer can train it (single-turn reward functions); `text_env_factory` is this library's API.
     trl_comparable: bool = True
 
     def build(self, seed: int):
@@ -41,7 +41,7 @@ class Testbed:
     def reward_funcs(self):
         return None
 
-    def env_factory(self):
+    def text_env_factory(self):
         return None
 
     def trainer_kwargs(self) -> dict[str, Any]:

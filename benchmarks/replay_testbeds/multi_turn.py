@@ -1,4 +1,4 @@
-"""`multi-turn`: the key-and-door game grown into a family of rooms with distractors, played through `env_factory`.
+"""`multi-turn`: the key-and-door game grown into a family of rooms with distractors, played through `text_env_factory`.
 
 A room has 1 to 3 doors of different colours and a key of each door's colour; the goal names one door. The agent
 must take the goal's key ("take blue key"), then open the goal's door ("open blue door"): reward 1. Opening another
@@ -86,7 +86,7 @@ class MultiTurn(Testbed):
     )
     limits = dict(max_turns=3, max_completion_length=48, max_tokens_per_turn=4)
     eval_every = 20
-    trl_comparable = False  # played through `env_factory`, which TRL's GRPOTrainer does not have
+    trl_comparable = False  # played through `text_env_factory`, which TRL's GRPOTrainer does not have
 
     def __init__(self):
         self.split = rooms()
@@ -94,7 +94,7 @@ class MultiTurn(Testbed):
     def trainer_kwargs(self):
         return {**self.limits, "env_workers": 1}
 
-    def env_factory(self):
+    def text_env_factory(self):
         return DoorsEnv
 
     def train_dataset(self, repeats: int):

@@ -102,7 +102,7 @@ config = ExReplayGRPOConfig(
     **(TRL_OPTIONS if "trl-options" in options else {}),
 )
 if multi_turn:
-    task_setup = dict(env_factory=KeyDoorEnv, train_dataset=key_door_dataset(num_tasks=1, repeats=40))
+    task_setup = dict(text_env_factory=KeyDoorEnv, train_dataset=key_door_dataset(num_tasks=1, repeats=40))
 else:
     task_setup = dict(reward_funcs=said_target, train_dataset=say_word_dataset(num_tasks=3, repeats=20))
 trainer = CountingTrainer(

@@ -1,4 +1,4 @@
-"""`TextEnv`: what a text environment implements to be rolled out by `ExReplayGRPOTrainer(env_factory=...)`."""
+"""`TextEnv`: what a text environment implements to be rolled out by `ExReplayGRPOTrainer(text_env_factory=...)`."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Multi-turn rollouts call `reset`/`step` from up to `env_workers` threads, which is enough for environments that wait
 (on I/O, a server, a subprocess) but not for ones that compute in Python (ALFWorld's textworld engine): those hold
-the GIL and use one core however many threads call them. Pass an `EnvProcessPool` as the trainer's `env_factory`
+the GIL and use one core however many threads call them. Pass an `EnvProcessPool` as the trainer's `text_env_factory`
 and each environment lives in one of `workers` processes instead; the trainer gets `RemoteEnv` proxies with the
 same `reset`/`step`/`close` methods.
 
@@ -12,7 +12,7 @@ import functools
 from trl_exreplay.envs.alfworld import AlfWorldEnv
 
 pool = EnvProcessPool(functools.partial(AlfWorldEnv, max_steps=50), workers=16)
-trainer = ExReplayGRPOTrainer(..., env_factory=pool)
+trainer = ExReplayGRPOTrainer(..., text_env_factory=pool)
 trainer.train()
 pool.close()
 ```
@@ -254,15 +254,15 @@ def _preload_in_forkserver(context, modules: Sequence[str]) -> None:
 
 
 class EnvProcessPool:
-    """An environment factory whose environments live in worker processes: pass it as `env_factory`.
+    """An environment factory whose environments live in worker processes: pass it as `text_env_factory`.
 
     Calling the pool returns a `RemoteEnv`, a proxy whose `reset`, `step`, `close` and other public methods run on
-    an environment built by `env_factory()` inside one of `workers` processes. Each worker hosts many environments
+    an environment built by `text_env_factory()` inside one of `workers` processes. Each worker hosts many environments
     and serves one call at a time, so calls on environments of different workers run in parallel (no GIL shared)
     and calls on environments of the same worker wait for each other. Workers start when first needed: a new proxy
     goes to a worker not started yet while fewer than `workers` run, else to the one with the fewest environments.
     The environment itself is built on the proxy's first call, so creating proxies never waits for a worker to
-    start (an error of `env_factory` is raised by that first call).
+    start (an error of `text_env_factory` is raised by that first call).
 
     Faults: a call taking longer than `call_timeout` seconds raises `TimeoutError`, a worker that dies makes its
     call raise `RemoteEnvError`; either way the worker is killed (counted in `restarts`) and a fresh one starts for
@@ -273,15 +273,15 @@ class EnvProcessPool:
     threads making calls) at least `workers`, or some workers sit idle.
 
     Args:
-        env_factory: builds one environment; it is pickled to the workers, so it must be picklable (a class, a
+        text_env_factory: builds one environment; it is pickled to the workers, so it must be picklable (a class, a
             module-level function, or a `functools.partial` of one), and importable in a fresh interpreter.
         workers: worker processes at most (None: `os.cpu_count()`). With several ranks, each rank has its own pool.
         call_timeout: seconds one call may take (None: no limit); the default stays below the trainer's default
             `env_step_timeout` (60).
         start_method: "forkserver" (default where available) or "spawn". Never "fork": the trainer's process has
             threads (torch, CUDA) that a forked child cannot rely on.
-        start_timeout: seconds a new worker may take to start (import modules and load `env_factory`).
-        preload: with "forkserver", have the fork server import this module and `env_factory`'s module once
+        start_timeout: seconds a new worker may take to start (import modules and load `text_env_factory`).
+        preload: with "forkserver", have the fork server import this module and `text_env_factory`'s module once
             (`multiprocessing.set_forkserver_preload`, process-wide; effective only if the fork server is not
             running yet), plus the module names given if a sequence: those the environment imports only when it
             is built, e.g. `trl_exreplay.envs.alfworld.engine.ENGINE_MODULES` for `AlfWorldEnv`.
@@ -306,7 +306,7 @@ class EnvProcessPool:
 
     def __init__(
         self,
-        env_factory: Callable[[], Any],
+        text_env_factory: Callable[[], Any],
         workers: int | None = None,
         call_timeout: float | None = 50.0,
         start_method: str | None = None,
@@ -314,14 +314,14 @@ class EnvProcessPool:
         start_timeout: float | None = 300.0,
         preload: bool | Sequence[str] = True,
     ):
-        if not callable(env_factory):
-            raise TypeError(f"env_factory must be callable, got {type(env_factory).__name__}")
+        if not callable(text_env_factory):
+            raise TypeError(f"text_env_factory must be callable, got {type(text_env_factory).__name__}")
         try:
-            self._factory_bytes = pickle.dumps(env_factory)
+            self._factory_bytes = pickle.dumps(text_env_factory)
         except Exception as error:
             raise TypeError(
-                f"env_factory must be picklable to reach the worker processes (use a class, a module-level "
-                f"function or a functools.partial of one, not a lambda or a local function); got {env_factory!r}: "
+                f"text_env_factory must be picklable to reach the worker processes (use a class, a module-level "
+                f"function or a functools.partial of one, not a lambda or a local function); got {text_env_factory!r}: "
                 f"{error}"
             ) from error
         workers = (os.cpu_count() or 1) if workers is None else workers
@@ -342,14 +342,14 @@ class EnvProcessPool:
             raise ValueError(
                 f"start_method must be one of {[m for m in methods if m != 'fork']}, got {start_method!r}"
             )
-        self.env_factory = env_factory
+        self.text_env_factory = text_env_factory
         self.workers = workers
         self.call_timeout = call_timeout
         self.start_timeout = start_timeout
         self.start_method = start_method
         self._context = multiprocessing.get_context(start_method)
         if start_method == "forkserver" and preload:
-            modules = [__name__, _module_of(env_factory)]
+            modules = [__name__, _module_of(text_env_factory)]
             modules += [] if preload is True else list(preload)
             _preload_in_forkserver(self._context, [name for name in modules if name])
         self._lock = threading.Lock()  # guards the slots, counters and env id sets; taken after a worker's lock
@@ -431,7 +431,7 @@ class EnvProcessPool:
 
     def __repr__(self) -> str:
         return (
-            f"EnvProcessPool({self.env_factory!r}, workers={self.workers}, call_timeout={self.call_timeout}, "
+            f"EnvProcessPool({self.text_env_factory!r}, workers={self.workers}, call_timeout={self.call_timeout}, "
             f"start_method={self.start_method!r})"
         )
 
@@ -455,7 +455,7 @@ class EnvProcessPool:
         """Build the proxy's environment in its worker unless done; the caller holds the worker's lock."""
         self._check_alive(proxy._worker)
         if proxy._methods is None:
-            proxy._methods = self._exchange(proxy._worker, (_CREATE, proxy._env_id, None, None), "env_factory()")
+            proxy._methods = self._exchange(proxy._worker, (_CREATE, proxy._env_id, None, None), "text_env_factory()")
 
     def _close_env(self, proxy: RemoteEnv) -> None:
         worker = proxy._worker
@@ -485,7 +485,7 @@ class EnvProcessPool:
                     name, text, trace = value
                     self._lose(worker, f"start-up failed: {name}: {text}")
                     raise RemoteEnvError(
-                        f"the worker process could not load env_factory: {name}: {text}", name, text, trace
+                        f"the worker process could not load text_env_factory: {name}: {text}", name, text, trace
                     ) from _RemoteTraceback(trace)
                 worker.ready = True
             worker.conn.send_bytes(data)

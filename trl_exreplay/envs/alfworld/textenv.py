@@ -8,7 +8,7 @@ are laid out the same way. Needs the `alfworld` extra: `pip install "trl-exrepla
 from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
 
 tasks = alfworld_tasks("data/alfworld/json_2.1.1/train")  # official or generated
-trainer = ExReplayGRPOTrainer(model=..., args=..., train_dataset=tasks, env_factory=AlfWorldEnv)
+trainer = ExReplayGRPOTrainer(model=..., args=..., train_dataset=tasks, text_env_factory=AlfWorldEnv)
 ```
 """
 

@@ -1,0 +1,84 @@
+"""Launched by tests/test_trl_tools.py with `accelerate launch`: TRL's `environment_factory` tool loop with replay
+under DDP or ZeRO-3 (2 ranks), then a dump of what each rank saw in OUT_DIR/rank{r}.json.
+
+Usage: accelerate launch --config_file CONFIG tests/scripts/tool_replay_multiprocess.py OUT_DIR
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for tool_env
+
+from tool_env import ButtonsEnv, build_tool_model, build_tool_tokenizer, buttons_dataset  # noqa: E402
+
+from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer  # noqa: E402
+from trl_exreplay.distributed import exit_distributed  # noqa: E402
+
+out_dir = sys.argv[1]
+replayed_rows, masked_tool_tokens, fresh_tool_tokens, generation_calls = [], [], [], []
+
+
+class RecordingTrainer(ExReplayGRPOTrainer):
+    def _generate_single_turn(self, *args, **kwargs):
+        generation_calls[-1] += 1
+        return super()._generate_single_turn(*args, **kwargs)
+
+    def _generate_and_score_completions(self, inputs):
+        generation_calls.append(0)
+        output = super()._generate_and_score_completions(inputs)
+        replayed = output["exp_mask"].bool().any(-1)
+        tool_tokens = (output["completion_mask"] == 1) & (output["tool_mask"] == 0)
+        replayed_rows.append(int(replayed.sum()))
+        masked_tool_tokens.append(int(tool_tokens[replayed].sum()))
+        fresh_tool_tokens.append(int(tool_tokens[~replayed].sum()))
+        assert not (output["exp_mask"].bool() & tool_tokens).any()  # tool results never trained as replayed tokens
+        return output
+
+
+tokenizer = build_tool_tokenizer()
+config = ExReplayGRPOConfig(
+    output_dir=os.path.join(out_dir, "run"),
+    use_cpu=True,
+    bf16=False,
+    seed=0,
+    learning_rate=5e-2,
+    num_generations=4,
+    per_device_train_batch_size=8,
+    max_completion_length=48,
+    max_steps=8,
+    beta=0.0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    exp_ratio=1.0,
+    offpolicy_trajectories_per_task=2,
+    replay_start_ratio=0.3,
+)
+trainer = RecordingTrainer(
+    model=build_tool_model(tokenizer),
+    args=config,
+    train_dataset=buttons_dataset(),
+    processing_class=tokenizer,
+    environment_factory=ButtonsEnv,
+)
+trainer.train()
+rank = trainer.accelerator.process_index
+with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    json.dump(
+        {
+            "rank": rank,
+            "pool_hash": trainer.pool.content_hash(),
+            "pool_trajectories": trainer.pool.num_trajectories,
+            "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "replayed_rows": replayed_rows,
+            "masked_tool_tokens": masked_tool_tokens,
+            "fresh_tool_tokens": fresh_tool_tokens,
+            "generation_calls": generation_calls,
+        },
+        f,
+    )
+exit_distributed()
