@@ -7,6 +7,7 @@
 #   tools/stress_launch.sh N [OUT_DIR] [KIND ...]
 #
 # KIND is any of: ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume
+# ddp-tools zero3-tools (TRL's tool loop with replay, tests/scripts/tool_replay_multiprocess.py)
 # (default: these, in turn; a resume first runs the whole run it resumes from, and both count as launches), or
 # exit-race, exit-race-destroy, exit-race-plain: tests/scripts/gloo_exit.py's "natural" exit race (DDP, 3 s a launch)
 # ended by exit_distributed(), by barrier + destroy_process_group(), or not at all; name them to compare the endings
@@ -18,12 +19,13 @@
 # Environment: PYTHON (default python3), LAUNCH_TIMEOUT (seconds a launch may run, default 480).
 set -uo pipefail
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [[ $# -ge 1 && "$1" =~ ^[0-9]+$ ]] || usage
 N=$1
 OUT=${2:-stress-launch-$(date +%Y%m%d-%H%M%S)}
 shift $(( $# >= 2 ? 2 : 1 ))
-SUITE_KINDS=(ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume)
+SUITE_KINDS=(ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume ddp-tools
+  zero3-tools)
 ALL_KINDS=("${SUITE_KINDS[@]}" exit-race exit-race-destroy exit-race-plain)
 KINDS=("${@:-${SUITE_KINDS[@]}}")
 for kind in "${KINDS[@]}"; do
@@ -36,6 +38,7 @@ LAUNCH_TIMEOUT=${LAUNCH_TIMEOUT:-480}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 SCRIPT="$REPO/tests/scripts/replay_multiprocess.py"
 EXIT_RACE="$REPO/tests/scripts/gloo_exit.py"
+TOOLS_SCRIPT="$REPO/tests/scripts/tool_replay_multiprocess.py"
 
 ulimit -c unlimited 2>/dev/null || echo "warning: could not raise the core size limit; failures will have no core" >&2
 pattern=$(cat /proc/sys/kernel/core_pattern 2>/dev/null || echo unknown)
@@ -127,6 +130,10 @@ while ((launches < N)); do
         fi
         launches=$((launches + 1))
       fi
+      ;;
+    *-tools)
+      if launch "$dir" "$config" "$TOOLS_SCRIPT" "$dir/out"; then status=0; else status=$?; fi
+      launches=$((launches + 1))
       ;;
     *-multi-turn)
       if launch "$dir" "$config" "$SCRIPT" "$dir/out" multi-turn; then status=0; else status=$?; fi
