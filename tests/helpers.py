@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
+from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, Trajectory
 from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -109,3 +109,62 @@ def as_format_2(path: str) -> None:
     state.pop("checksum")
     with open(state_path, "w") as f:
         json.dump(state, f)
+
+
+class RecordingTrainer(ExReplayGRPOTrainer):
+    """Keeps every generation batch as the trainer builds it (before TRL shuffles it)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches = []
+        self.generated_rows = []
+        generate = self.model.generate
+
+        def counting_generate(*a, **kw):
+            self.generated_rows.append(kw["input_ids"].size(0))
+            return generate(*a, **kw)
+
+        self.model.generate = counting_generate
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            # the pool as the plan saw it: pending outcomes are flushed before planning, the new ones only queued
+            self.batches.append((output, {t: self.pool.trajectories(t) for t in self.pool.stored_tasks()}))
+        return output
+
+
+def traj(task_id, entropy, version=0, n=3, first=10):
+    return Trajectory(
+        task_id,
+        prompt_ids=[1, 2],
+        completion_ids=list(range(first, first + n)),
+        completion_mask=[1] * (n - 1) + [0],
+        logps=[-0.25 * (i + 1) for i in range(n)],
+        rewards=[1.0, 0.5],
+        reward=1.0,
+        entropy=entropy,
+        policy_version=version,
+    )
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    """Token ids of whitespace-separated words, by vocabulary look-up (every word must be known)."""
+    out = tokenizer.convert_tokens_to_ids(text.split())
+    assert tokenizer.unk_token_id not in out, text
+    return out
+
+
+class ScriptedGenerate:
+    """`generate(contexts, max_new_tokens)` returning a fixed action per turn (a string, or a function of the
+    context's ids returning one); records every call."""
+
+    def __init__(self, tokenizer, turns):
+        self.tokenizer = tokenizer
+        self.turns = list(turns)
+        self.calls: list[tuple[list[list[int]], int]] = []
+
+    def __call__(self, contexts, max_new_tokens):
+        self.calls.append(([list(c) for c in contexts], max_new_tokens))
+        action = self.turns[len(self.calls) - 1]
+        return [ids(self.tokenizer, action(c) if callable(action) else action) for c in contexts]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 from trl import GRPOConfig
 
@@ -49,42 +51,69 @@ def make(tmp_path, config_cls=ExReplayGRPOConfig, **kwargs):
     return config_cls(**{**base, **kwargs})
 
 
+# Every field ExReplayGRPOConfig adds to GRPOConfig, with its default (the design documents' values where they give one).
+DEFAULTS = {
+    "enable_experience_replay": True,
+    "exp_ratio": 0.5,
+    "replay_start_ratio": 0.35,
+    "offpolicy_trajectories_per_task": 1,
+    "max_trajectories_per_task": 5,
+    "experience_lbound": 0,
+    "experience_rbound": None,
+    "success_threshold": 1.0,
+    "exp_select_mode": "argmin",
+    "use_current_policy_entropy": True,
+    "exp_is_correct": True,
+    "off_cliprange_high": 1.0,
+    "off_clip_ratio_c": 3.0,
+    "off_policy_shaping": "clip",
+    "off_policy_shaping_beta": 0.1,
+    "replay_bucket_weighting": "uniform",
+    "max_policy_age": None,
+    "replay_window": None,
+    "task_id_column": "task_id",
+    "pool_store_mode": "all",
+    "max_turns": 10,
+    "max_tokens_per_turn": None,
+    "env_step_timeout": 60.0,
+    "env_workers": 16,
+    "resume_without_pool": False,
+    "system_prompt_column": "system_prompt",
+}
+
+
 def test_defaults(tmp_path):
     c = make(tmp_path)
-    assert c.enable_experience_replay is True
-    assert (c.exp_ratio, c.replay_start_ratio) == (0.5, 0.35)
-    assert (c.offpolicy_trajectories_per_task, c.max_trajectories_per_task) == (1, 5)
-    assert (c.experience_lbound, c.experience_rbound) == (0, None)
-    assert (c.exp_select_mode, c.off_policy_shaping, c.replay_bucket_weighting) == ("argmin", "clip", "uniform")
-    assert (c.off_cliprange_high, c.off_clip_ratio_c, c.off_policy_shaping_beta) == (1.0, 3.0, 0.1)
-    assert (c.max_policy_age, c.task_id_column, c.pool_store_mode) == (None, "task_id", "all")
-    assert c.replay_window is None
+    added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)}
+    assert added == set(DEFAULTS), "a field was added or removed: give its default here"
+    assert {name: getattr(c, name) for name in DEFAULTS} == DEFAULTS
     assert isinstance(c, GRPOConfig)
 
 
 def test_boundary_values_are_valid(tmp_path):
-    c = make(
-        tmp_path,
-        exp_ratio=1.0,
-        replay_start_ratio=0.0,
-        offpolicy_trajectories_per_task=3,  # G - 1
-        max_trajectories_per_task=3,  # == k
-        experience_lbound=2,  # rbound None = G = 4: s = 3 stores
-        off_cliprange_high=0.0,
-        off_clip_ratio_c=1.0,
-        off_policy_shaping_beta=1e-6,
-        max_policy_age=0,
-        replay_window=1,
-        exp_select_mode="random",
-        off_policy_shaping="exgrpo",
-        replay_bucket_weighting="linear",
-        pool_store_mode="best",
-    )
-    assert c.offpolicy_trajectories_per_task == 3 and c.experience_lbound == 2
-    c = make(tmp_path, exp_ratio=0.0, replay_start_ratio=1.0, experience_lbound=1, experience_rbound=3)
-    assert (c.experience_lbound, c.experience_rbound) == (1, 3)  # s = 2 stores
-    c = make(tmp_path, exp_select_mode="argmax", replay_bucket_weighting="normal", task_id_column="id")
-    assert c.task_id_column == "id"
+    boundaries = [
+        dict(
+            exp_ratio=1.0,
+            replay_start_ratio=0.0,
+            offpolicy_trajectories_per_task=3,  # G - 1
+            max_trajectories_per_task=3,  # == k
+            experience_lbound=2,  # rbound None = G = 4: s = 3 stores
+            off_cliprange_high=0.0,
+            off_clip_ratio_c=1.0,
+            off_policy_shaping_beta=1e-6,
+            max_policy_age=0,
+            replay_window=1,
+            exp_select_mode="random",
+            off_policy_shaping="exgrpo",
+            replay_bucket_weighting="linear",
+            pool_store_mode="best",
+        ),
+        dict(exp_ratio=0.0, replay_start_ratio=1.0, experience_lbound=1, experience_rbound=3),  # s = 2 stores
+        dict(exp_select_mode="argmax", replay_bucket_weighting="normal", task_id_column="id"),
+    ]
+    for values in boundaries:
+        c = make(tmp_path, **values)
+        assert {name: getattr(c, name) for name in values} == values  # accepted and kept as given
 
 
 INVALID = [

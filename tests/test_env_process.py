@@ -16,8 +16,8 @@ from collections import Counter
 from dataclasses import asdict
 
 import pytest
+from helpers import ScriptedGenerate
 from process_envs import ProbeEnv, UnloadableFactory, broken_factory
-from test_rollout import ScriptedGenerate
 
 from trl_exreplay.envs import EnvProcessPool, KeyDoorEnv, RemoteEnv, RemoteEnvError
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY

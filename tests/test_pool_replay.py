@@ -17,8 +17,7 @@ from dataclasses import asdict
 
 import numpy as np
 import pytest
-from helpers import as_format_2
-from test_pool_store import traj
+from helpers import as_format_2, traj
 
 from trl_exreplay import planner
 from trl_exreplay.planner import plan_replay

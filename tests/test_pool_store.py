@@ -18,8 +18,9 @@ import time
 import datasets
 import numpy as np
 import pytest
+from helpers import traj
 
-from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, tokenizer_fingerprint
+from trl_exreplay.pool import ExperiencePool, TaskOutcome, tokenizer_fingerprint
 from trl_exreplay.pool_check import PoolFormatError
 from trl_exreplay.pool_store import (
     STATE_FILE,
@@ -37,20 +38,6 @@ SAVER = os.path.join(os.path.dirname(__file__), "scripts", "pool_saver.py")
 
 def f32(x: float) -> float:
     return float(np.float32(x))
-
-
-def traj(task_id, entropy, version=0, n=3, first=10):
-    return Trajectory(
-        task_id,
-        prompt_ids=[1, 2],
-        completion_ids=list(range(first, first + n)),
-        completion_mask=[1] * (n - 1) + [0],
-        logps=[-0.25 * (i + 1) for i in range(n)],
-        rewards=[1.0, 0.5],
-        reward=1.0,
-        entropy=entropy,
-        policy_version=version,
-    )
 
 
 def row(task_id, variant=0):

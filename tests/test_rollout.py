@@ -11,6 +11,7 @@ import time
 from collections import Counter
 
 import pytest
+from helpers import ScriptedGenerate, ids
 
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, KeyDoorEnv
 from trl_exreplay.rollout import ChatTurns, MultiTurnRollout, call_with_timeout, run_concurrently
@@ -61,28 +62,6 @@ def sep_tok():
     tokenizer = build_tiny_tokenizer([*KEY_DOOR_VOCABULARY, "<sep>"])
     tokenizer.chat_template = SEP_TEMPLATE
     return tokenizer
-
-
-def ids(tokenizer, text: str) -> list[int]:
-    """Token ids of whitespace-separated words, by vocabulary look-up (every word must be known)."""
-    out = tokenizer.convert_tokens_to_ids(text.split())
-    assert tokenizer.unk_token_id not in out, text
-    return out
-
-
-class ScriptedGenerate:
-    """`generate(contexts, max_new_tokens)` returning a fixed action per turn (a string, or a function of the
-    context's ids returning one); records every call."""
-
-    def __init__(self, tokenizer, turns):
-        self.tokenizer = tokenizer
-        self.turns = list(turns)
-        self.calls: list[tuple[list[list[int]], int]] = []
-
-    def __call__(self, contexts, max_new_tokens):
-        self.calls.append(([list(c) for c in contexts], max_new_tokens))
-        action = self.turns[len(self.calls) - 1]
-        return [ids(self.tokenizer, action(c) if callable(action) else action) for c in contexts]
 
 
 RAISE, HANG = object(), object()  # scripted behaviours of FakeEnv's reset and step

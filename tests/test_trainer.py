@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import losses, make_args, make_trainer
+from helpers import RecordingTrainer, losses, make_args, make_trainer
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -34,29 +34,6 @@ def test_disabled_replay_is_grpo_trainer(tmp_path):
     for (name, ours_param), (_, their_param) in zip(ours.model.named_parameters(), theirs.model.named_parameters()):
         assert torch.equal(ours_param, their_param), name
     assert ours.pool.num_trajectories == 0
-
-
-class RecordingTrainer(ExReplayGRPOTrainer):
-    """Keeps every generation batch as the trainer builds it (before TRL shuffles it)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.batches = []
-        self.generated_rows = []
-        generate = self.model.generate
-
-        def counting_generate(*a, **kw):
-            self.generated_rows.append(kw["input_ids"].size(0))
-            return generate(*a, **kw)
-
-        self.model.generate = counting_generate
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        if self.model.training:
-            # the pool as the plan saw it: pending outcomes are flushed before planning, the new ones only queued
-            self.batches.append((output, {t: self.pool.trajectories(t) for t in self.pool.stored_tasks()}))
-        return output
 
 
 def test_replay_group_layout_and_generated_rows(tmp_path):

@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-from helpers import make_trainer
-from test_trainer import RecordingTrainer
+from helpers import RecordingTrainer, make_trainer
 
 
 class ServerModeStandIn:

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import TRAINER_DEFAULTS
+from helpers import TRAINER_DEFAULTS, ids
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 from trl_exreplay.envs import KeyDoorEnv
@@ -176,10 +176,10 @@ def test_multi_turn_rollouts_through_vllm_carry_sampling_logprobs(tmp_path):
         logprobs = output["logprobs"]
         assert isinstance(logprobs, list) and len(logprobs) == len(output["completion_ids"]) == 16
         assert len(episodes) == 16 - len(replayed)
-        for i, (row, ids, env_mask) in enumerate(zip(logprobs, output["completion_ids"], output["env_mask"])):
-            assert isinstance(row, list) and len(row) == len(ids) == len(env_mask)
+        for i, (row, completion, env_mask) in enumerate(zip(logprobs, output["completion_ids"], output["env_mask"])):
+            assert isinstance(row, list) and len(row) == len(completion) == len(env_mask)
             if i in replayed:
-                assert row == [None] * len(ids)
+                assert row == [None] * len(completion)
                 replayed_rows += 1
                 continue
             for lp, trained in zip(row, env_mask):
@@ -187,7 +187,7 @@ def test_multi_turn_rollouts_through_vllm_carry_sampling_logprobs(tmp_path):
                     assert isinstance(lp, float) and math.isfinite(lp) and lp <= 0.0
                 else:
                     assert lp is None
-            closing_eos += ids[-1] == trainer.processing_class.eos_token_id and env_mask[-1] == 0
+            closing_eos += completion[-1] == trainer.processing_class.eos_token_id and env_mask[-1] == 0
         fresh_rows = [i for i in range(16) if i not in replayed]
         assert [output["completion_ids"][i] for i in fresh_rows] == [e.completion_ids for e in episodes]
         assert [output["logprobs"][i] for i in fresh_rows] == [e.logprobs for e in episodes]
@@ -246,12 +246,6 @@ def test_vllm_colocate_without_tensor_parallelism_is_accepted(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the rollout engine
-def ids(tokenizer, text: str) -> list[int]:
-    out = tokenizer.convert_tokens_to_ids(text.split())
-    assert tokenizer.unk_token_id not in out, text
-    return out
-
-
 class ScriptedGenerate:
     """A fixed action per turn; with `logprobs`, returns (ids, log-probs) with log-prob -(turn + 1 + j / 10) for the
     j-th token of the turn (turns counted from 0)."""
