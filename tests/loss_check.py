@@ -1,7 +1,11 @@
 """`CheckingTrainer`: an `ExReplayGRPOTrainer` that recomputes every replaying loss from its two parts, TRL's
 `GRPOTrainer._compute_loss` on the batch with the replayed rows at advantage 0 and the replayed tokens' term of
 `trl_exreplay.loss`, each from a forward of its own, before training on it. Shared by the tests of each path that
-replays (single turn under every TRL option, TRL's tool loop, a `rollout_func`, our multi-turn games)."""
+replays (single turn under every TRL option, TRL's tool loop, a `rollout_func`, our multi-turn games, PEFT).
+
+It checks the glue (which rows TRL sees at advantage 0, which options reach `loss.py`, the normaliser), not the
+formulas: those are pinned by hand in `tests/test_loss.py`, and the whole objective, value and gradient, is written
+out without `loss.py` in `tests/test_replay_objective.py`."""
 
 from __future__ import annotations
 
@@ -82,7 +86,8 @@ class CheckingTrainer(ExReplayGRPOTrainer):
         )
         accumulation = self.current_gradient_accumulation_steps
         if args.loss_type in TOKEN_SUM_LOSS_TYPES:
-            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) * accumulation / args.steps_per_generation
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            normalizer = normalizer * accumulation / args.steps_per_generation
             term = aggregate_loss(per_token, mask, loss_type=args.loss_type, loss_normalizer=normalizer)
         else:
             term = aggregate_loss(

@@ -7,8 +7,8 @@ call the test checks, on the very batch the trainer was given, that the trainer'
     + the replayed tokens' term of `trl_exreplay.loss.off_policy_loss`, reduced by `aggregate_loss`,
 
 both recomputed here from a forward of their own, that the replayed term is not zero, and that TRL's own metrics
-(its `clip_ratio/*` among them) are logged on replaying steps. A second test checks the whole loss of the clip family
-against the mixed objective written out by hand (fresh tokens: TRL's clipped surrogate, replayed: the dual clip).
+(its `clip_ratio/*` among them) are logged on replaying steps. The objective itself, value and gradient, is written out
+by hand in `tests/test_replay_objective.py`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ import math
 import shutil
 
 import pytest
-import torch
 from helpers import make_trainer
 from loss_check import CheckingTrainer, assert_replaying_losses_compose
 
-from trl_exreplay import ExReplayGRPOTrainer
 from trl_exreplay.examples import VOCABULARY
 from trl_exreplay.pool import ExperiencePool
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
@@ -93,49 +91,3 @@ def test_replayed_term_is_loss_py_added_to_trls_loss(tmp_path, filled_pool, name
         if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
             assert "clip_ratio/region_mean" in entry  # TRL's own metrics, replaying steps included
         assert "entropy" in entry and ("kl" in entry) == (trainer.beta != 0)
-
-
-class HandCheckingTrainer(ExReplayGRPOTrainer):
-    """Keeps, for each replaying loss call, the loss and the mixed objective written out by hand on the same model."""
-
-    checks: list
-
-    def _compute_loss(self, model, inputs):
-        loss = super()._compute_loss(model, inputs)
-        if self._replays(inputs):
-            self.checks.append((loss.detach().double(), self._by_hand(model, inputs), inputs["exp_mask"].sum()))
-        return loss
-
-    @torch.no_grad()
-    def _by_hand(self, model, inputs):
-        mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).double()
-        length = inputs["completion_ids"].size(1)
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, -length - 1 : -1].double()
-        logps = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
-        advantages = inputs["advantages"].double().unsqueeze(1).expand_as(logps)
-        replayed = inputs["exp_mask"].bool() & mask.bool()
-        log_ratio = (logps - inputs["recorded_per_token_logps"].double()).clamp(-20, 20)
-        ratio = torch.exp(torch.where(replayed, log_ratio, 0.0))
-        clipped = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.5))
-        dual = torch.where(advantages < 0, torch.minimum(clipped, -3.0 * advantages), clipped)
-        per_token = torch.where(replayed, dual, -advantages) * mask
-        return {
-            "grpo": (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean(),
-            "bnpo": per_token.sum() / mask.sum(),
-            "dr_grpo": per_token.sum() / (per_token.size(0) * self.max_completion_length),
-            "dapo": per_token.sum() / inputs["num_items_in_batch"].double(),
-            "luspo": per_token.sum(-1).mean(),
-        }[self.loss_type]
-
-
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
-def test_clip_family_loss_is_the_mixed_objective_by_hand(tmp_path, filled_pool, loss_type):
-    """Written out without TRL or loss.py: fresh tokens at ratio 1 (one iteration: old = current) lose -A; a replayed
-    token the dual-clipped surrogate of its ratio to the recorded log-probs; the loss type's normaliser over all
-    tokens."""
-    trainer = _train(tmp_path, filled_pool, HandCheckingTrainer, loss_type=loss_type, off_cliprange_high=0.5)
-    assert len(trainer.checks) >= 2 and all(replayed_tokens > 0 for *_, replayed_tokens in trainer.checks)
-    for loss, expected, _ in trainer.checks:
-        torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)

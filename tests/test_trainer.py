@@ -417,3 +417,18 @@ def test_trls_model_card_names_exreplay(tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     assert "- exreplay" in card and "- grpo" in card and "- trl" in card
     assert "ExReplay GRPO" in card and "2510.02245" in card and "zhan2025exgrpo" in card
+
+
+def test_a_replayed_episode_with_environment_tokens_keeps_them_out_of_a_single_turn_loss():
+    """A pool made by a multi-turn or tool run, replayed where TRL's batch has no `tool_mask`: the replayed row gets
+    one from its stored model-token mask, and is flagged replayed whatever its mask."""
+    from trl_exreplay.step import attach_replay_tensors
+
+    output = {"completion_ids": torch.zeros(3, 5, dtype=torch.long), "completion_mask": torch.tensor([[1] * 5] * 3)}
+    output["completion_mask"][2, 3:] = 0
+    stored = Trajectory("t", [1], [7, 8, 9, 10], [1, 0, 0, 1], [-0.5, 0.0, 0.0, -0.25], [1.0], 1.0, 0.1, 0)
+    attach_replay_tensors(output, {1: stored}, replaying=True)
+    assert output["tool_mask"].tolist() == [[1] * 5, [1, 0, 0, 1, 0], [1] * 5]
+    assert output["exp_mask"].tolist() == [[0] * 5, [1, 0, 0, 1, 0], [0] * 5]
+    assert output["exreplay_replayed"].tolist() == [0, 1, 0]
+    assert output["recorded_per_token_logps"][1].tolist() == [-0.5, 0.0, 0.0, -0.25, 0.0]

@@ -68,6 +68,8 @@ def _check_replayed_rows(trainer) -> int:
         for row, trajectory in replayed.items():
             n = len(trajectory.completion_ids)
             assert output["completion_ids"][row, :n].tolist() == trajectory.completion_ids
+            prompt = output["prompt_ids"][row][output["prompt_mask"][row].bool()].tolist()
+            assert prompt == trajectory.prompt_ids  # trained after the context it was sampled in
             assert output["completion_mask"][row, n:].sum() == 0  # TRL's tool loop added nothing to it
             assert output["tool_mask"][row, :n].tolist() == trajectory.completion_mask  # masked as it was, fresh
             assert output["exp_mask"][row, :n].tolist() == trajectory.completion_mask
@@ -112,6 +114,8 @@ def test_standalone_tools_replay(tmp_path):
     trainer.train()
     assert _check_replayed_rows(trainer) > 0
     assert_replaying_losses_compose(trainer)
+    # Replayed tool calls are not run again, so their recomputed reward is not compared with the recorded one.
+    assert not any("replay/reward_mismatch" in entry for entry in trainer.state.log_history)
 
 
 # ---------------------------------------------------------------------------------------------------- rollout_func
@@ -166,8 +170,37 @@ def test_rollout_func_is_asked_for_the_fresh_rows_only(tmp_path):
             n = len(trajectory.completion_ids)
             assert output["completion_ids"][row, :n].tolist() == trajectory.completion_ids
             prompt = output["prompt_ids"][row][output["prompt_mask"][row].bool()].tolist()
+            assert prompt == trajectory.prompt_ids  # trained after the context it was sampled in
+            prompt = output["prompt_ids"][row][output["prompt_mask"][row].bool()].tolist()
             assert prompt == trajectory.prompt_ids
             assert output["exp_mask"][row, :n].tolist() == trajectory.completion_mask
+
+
+def test_rollout_func_extra_fields_reach_reward_functions_on_replaying_steps(tmp_path):
+    """A per-row field a rollout_func returns (TRL passes it to the reward functions) has a value for replayed rows
+    too, so a reward function that reads it does not fail when replay starts."""
+    calls: list[int] = []
+    words = _word_rollout(calls)
+
+    def rollout(prompts, trainer):
+        output = words(prompts, trainer)
+        return {**output, "env_reward": [0.5] * len(output["completion_ids"])}
+
+    def env_reward(completions, env_reward, **kwargs):
+        return [float(value) for value in env_reward]
+
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    trainer = RecordingTrainer(
+        model=build_tiny_model(tokenizer, seed=0),
+        reward_funcs=[said_target, env_reward],
+        args=make_args(tmp_path, max_steps=6),
+        train_dataset=say_word_dataset(num_tasks=4, repeats=8),
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )
+    trainer.batches = []
+    trainer.train()
+    assert any(len(replayed) for _, replayed in trainer.batches)
 
 
 def test_rollout_func_that_cannot_return_fewer_completions_is_refused_clearly(tmp_path):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .envs.base import renamed_env_factory
 from .rollout import Episode, MultiTurnRollout, generate_batch
 
 
@@ -88,7 +89,7 @@ def evaluate_policy(
     model,
     tokenizer,
     tasks: Iterable[dict[str, Any]],
-    text_env_factory: Callable[[], Any],
+    text_env_factory: Callable[[], Any] | None = None,
     *,
     max_turns: int,
     max_completion_length: int,
@@ -111,6 +112,9 @@ def evaluate_policy(
     """
     import torch
 
+    text_env_factory = renamed_env_factory(
+        text_env_factory, generate_kwargs.pop("env_factory", None), "evaluate_policy"
+    )
     rows = [dict(task) for task in tasks]
     rollout = MultiTurnRollout(
         text_env_factory,

@@ -85,7 +85,8 @@ class LossForward:
 def attach_replay_tensors(output: dict, replayed_local: dict[int, Any], replaying: bool) -> None:
     """Add to TRL's generation `output` what the loss needs to tell replayed rows apart: `exp_mask` (the replayed
     model tokens), `recorded_per_token_logps` (their behaviour log-probs), `exreplay_row` (each row's index, which
-    survives TRL's shuffling into micro-batches) and `exreplay_replaying` (whether the generation batch replays)."""
+    survives TRL's shuffling into micro-batches), `exreplay_replayed` (per row) and `exreplay_replaying` (whether the
+    generation batch replays); and a replayed row's `tool_mask` from its stored model-token mask."""
     completion_ids = output["completion_ids"]
     batch, length = completion_ids.shape
     device = completion_ids.device
@@ -101,6 +102,19 @@ def attach_replay_tensors(output: dict, replayed_local: dict[int, Any], replayin
     output["exp_mask"] = exp_mask * output["completion_mask"]
     output["recorded_per_token_logps"] = recorded
     output["exreplay_row"] = torch.arange(batch, device=device)
+    replayed = torch.zeros(batch, dtype=torch.long, device=device)
+    replayed[sorted(replayed_local)] = 1
+    output["exreplay_replayed"] = replayed  # per row: TRL's loss must give it advantage 0, whatever its mask
+    environment_tokens = exp_mask[replayed.bool()] == 0
+    if "tool_mask" not in output and bool(
+        (environment_tokens & output["completion_mask"][replayed.bool()].bool()).any()
+    ):
+        # A stored episode with environment tokens (a pool from a multi-turn or tool run) replayed in a single-turn
+        # run: its environment tokens stay out of TRL's loss, its KL, entropy and normalisers, as where it was made.
+        output["tool_mask"] = torch.ones_like(output["completion_mask"])
+    if "tool_mask" in output:
+        for i in replayed_local:
+            output["tool_mask"][i] = exp_mask[i] | (1 - output["completion_mask"][i])
     if "importance_sampling_ratio" in output and replayed_local:
         # The vLLM sampler correction does not apply to replayed rows: their ratio is taken against the recorded
         # behaviour log-probs in the loss.

@@ -138,6 +138,11 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         self._replay_counts: Counter = Counter()  # faults and mismatches, logged once per kind
         self._warned: set[str] = set()
 
+    @property
+    def env_factory(self):
+        """The old name of `text_env_factory` (kept for code that reads it)."""
+        return self.text_env_factory
+
     # ------------------------------------------------------------------------------------------------ checks
     def _check_supported(self) -> None:
         """Refuse, before any step, what replay cannot train (docs/support.md gives each reason)."""
@@ -269,10 +274,13 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
                 logprobs[i] = generated_logps[j]
         for i, trajectory in replayed.items():
             completion_ids[i] = self._fit_completion(trajectory.completion_ids)
-            if logprobs is not None:
-                logprobs[i] = trajectory.logps[: len(completion_ids[i])]
+            if logprobs is not None:  # not sampled now: no sampler log-probs (TRL reads None as NaN, and skips it)
+                logprobs[i] = [None] * len(completion_ids[i])
             if list(prompt_ids[i]) != trajectory.prompt_ids:
                 self._count("prompt_mismatch", "a replayed trajectory's prompt tokenizes differently now")
+                # The completion is trained after the prompt it was sampled with (TRL keeps this list of prompts), or its
+                # recorded log-probs would be those of another context.
+                prompt_ids[i] = list(trajectory.prompt_ids)
         return completion_ids, logprobs
 
     def _padding_rows(self, num_fresh: int) -> int:
@@ -293,7 +301,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         step = self._generation
-        if step is None or step.plan is None:
+        if step is None or not self._replay_enabled or (step.plan is None and not self._generation_is_collective()):
             return super()._tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
             )
@@ -336,8 +344,9 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         step = self._generation
         if step is None or step.plan is None:
             return rewards_per_func
-        # (TRL's environments are not played for replayed rows: their `get_reward` says nothing to compare.)
-        counts = step.put_recorded_rewards(rewards_per_func, compare=self.environments is None)
+        # Replayed rows' tool calls are not run again and their environments are not played: with tools, what the
+        # reward functions see of them says nothing to compare the recorded rewards with.
+        counts = step.put_recorded_rewards(rewards_per_func, compare=not self.tools and self.environments is None)
         if counts["reward_mismatch"]:
             self._replay_counts["reward_mismatch"] += counts["reward_mismatch"]
         if counts["reward_arity_mismatch"]:
@@ -357,7 +366,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         replaying = self._replays(inputs)
         if replaying:
             advantages = inputs["advantages"]
-            replayed_rows = inputs["exp_mask"].bool().any(-1).view(-1, *([1] * (advantages.dim() - 1)))
+            replayed_rows = inputs["exreplay_replayed"].bool().view(-1, *([1] * (advantages.dim() - 1)))
             inputs = {**inputs, "advantages": advantages.masked_fill(replayed_rows, 0.0)}
         # TRL's loss makes one policy forward; the hook keeps its log-probs and entropies (the pool's records too).
         self._loss_forward = forward = LossForward(inputs)
@@ -373,6 +382,11 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         mode = "train" if self.model.training else "eval"
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
         logps = forward.logps
+        if logps is None:
+            raise RuntimeError(
+                "TRL's _compute_loss made no policy forward through _get_per_token_logps_and_entropies, so the replayed "
+                "tokens' term has no log-probs: a subclass that overrides one of them must call super()."
+            )
         behaviour = inputs["recorded_per_token_logps"] if self.replay["exp_is_correct"] else logps.detach()
         token_mask = None
         if self.top_entropy_quantile < 1.0:  # TRL's selection, the same call as in its loss: fresh and replayed alike

@@ -50,3 +50,25 @@ def env_reward(completions, env_reward=None, **kwargs) -> list[float]:
     if env_reward is None:
         raise ValueError("env_reward needs the `env_reward` column that multi-turn rollouts add to each row.")
     return [float(r) for r in env_reward]
+
+
+def renamed_env_factory(text_env_factory, env_factory, where: str):
+    """The factory given as `text_env_factory`, or under its name before 0.1, `env_factory` (with a FutureWarning;
+    it is not TRL's `environment_factory`, a different contract)."""
+    import warnings
+
+    if env_factory is not None:
+        if text_env_factory is not None:
+            raise TypeError(
+                f"{where} got both `text_env_factory` and its old name `env_factory`; pass only the first."
+            )
+        warnings.warn(
+            f"{where}: `env_factory` is renamed `text_env_factory` (a factory of reset/step `TextEnv` games; not TRL's "
+            "`environment_factory`).",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return env_factory
+    if text_env_factory is None:
+        raise TypeError(f"{where} needs `text_env_factory` (a callable that builds a `TextEnv`).")
+    return text_env_factory

@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
+from .base import renamed_env_factory
+
 __all__ = ["EnvProcessPool", "RemoteEnv", "RemoteEnvError", "default_start_method"]
 
 # Messages parent -> worker: (op, env_id, method, payload). Answers: (True, result) or (False, remote error).
@@ -306,14 +308,16 @@ class EnvProcessPool:
 
     def __init__(
         self,
-        text_env_factory: Callable[[], Any],
+        text_env_factory: Callable[[], Any] | None = None,
         workers: int | None = None,
         call_timeout: float | None = 50.0,
         start_method: str | None = None,
         *,
         start_timeout: float | None = 300.0,
         preload: bool | Sequence[str] = True,
+        env_factory: Callable[[], Any] | None = None,
     ):
+        text_env_factory = renamed_env_factory(text_env_factory, env_factory, "EnvProcessPool")
         if not callable(text_env_factory):
             raise TypeError(f"text_env_factory must be callable, got {type(text_env_factory).__name__}")
         try:
