@@ -14,3 +14,11 @@ torch.set_num_threads(1)
 def _quiet_torch_threads():
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(scope="session")
+def filled_pool(tmp_path_factory):
+    """A saved tiny model and a pool filled by 4 steps with it (`tests/loss_check.build_filled_pool`), built once."""
+    from loss_check import build_filled_pool
+
+    return build_filled_pool(tmp_path_factory.mktemp("filled"))

@@ -10,6 +10,7 @@ out without `loss.py` in `tests/test_replay_objective.py`."""
 from __future__ import annotations
 
 import copy
+import shutil
 
 import torch
 from trl import GRPOTrainer
@@ -104,3 +105,45 @@ def assert_replaying_losses_compose(trainer: CheckingTrainer) -> None:
         torch.testing.assert_close(loss, trl_loss + term, atol=1e-6, rtol=1e-6)
     assert sum(replayed_tokens for *_, replayed_tokens in trainer.checks) > 0
     assert any(abs(term.item()) > 1e-4 for _, _, term, _ in trainer.checks), "the replayed term never counted"
+
+
+# Long enough for some completions to end (EOS) rather than be cut: `mask_truncated_completions` keeps those.
+LENGTH = {"max_completion_length": 8}
+
+
+def build_filled_pool(folder):
+    """The tiny model saved (a path, so that TRL can load it again as the reference model when beta > 0), and a pool
+    from 4 steps of training that fill it and replay nothing: `folder/model`, `folder/pool`."""
+    from helpers import make_trainer
+
+    from trl_exreplay.examples import VOCABULARY
+    from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    build_tiny_model(tokenizer, seed=0).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    trainer = make_trainer(folder / "fill", model=str(folder / "model"), max_steps=4, replay_start_ratio=1.0, **LENGTH)
+    trainer.train()
+    assert trainer.pool.num_trajectories >= 2
+    trainer.pool.save(str(folder / "pool"))
+    return folder
+
+
+def train_replaying(tmp_path, filled, trainer_cls, **options):
+    """`trainer_cls` from the model and a copy of the pool of `build_filled_pool`, 2 steps that both replay."""
+    from helpers import make_trainer
+
+    from trl_exreplay.pool import ExperiencePool
+
+    shutil.copytree(filled / "pool", tmp_path / "pool")
+    pool = ExperiencePool.load(str(tmp_path / "pool"), work_dir=str(tmp_path / "pool-work"))
+    trainer = make_trainer(
+        tmp_path,
+        trainer_cls,
+        model=str(filled / "model"),
+        trainer_kwargs={"experience_pool": pool},
+        **{"max_steps": 2, "replay_start_ratio": 0.0, **LENGTH, **options},
+    )
+    trainer.checks = []
+    trainer.train()
+    return trainer

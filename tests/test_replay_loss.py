@@ -14,15 +14,9 @@ by hand in `tests/test_replay_objective.py`.
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
-from helpers import make_trainer
-from loss_check import CheckingTrainer, assert_replaying_losses_compose
-
-from trl_exreplay.examples import VOCABULARY
-from trl_exreplay.pool import ExperiencePool
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+from loss_check import CheckingTrainer, assert_replaying_losses_compose, train_replaying
 
 # (name, options): every loss type, and the options that change what a replayed token gets.
 CASES = [
@@ -44,43 +38,11 @@ CASES = [
     ("mask_truncated_completions", {"mask_truncated_completions": True}),
     ("scale_rewards=batch, epsilon_high", {"scale_rewards": "batch", "epsilon_high": 0.28}),
 ]
-# Long enough for some completions to end (EOS) rather than be cut: `mask_truncated_completions` keeps those.
-LENGTH = {"max_completion_length": 8}
-
-
-@pytest.fixture(scope="module")
-def filled_pool(tmp_path_factory):
-    """The tiny model saved (a path, so that TRL can load it again as the reference model when beta > 0), and a pool
-    from 4 steps of training that fill it and replay nothing."""
-    folder = tmp_path_factory.mktemp("filled")
-    tokenizer = build_tiny_tokenizer(VOCABULARY)
-    build_tiny_model(tokenizer, seed=0).save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
-    trainer = make_trainer(folder, model=str(folder / "model"), max_steps=4, replay_start_ratio=1.0, **LENGTH)
-    trainer.train()
-    assert trainer.pool.num_trajectories >= 2
-    trainer.pool.save(str(folder / "pool"))
-    return folder
-
-
-def _train(tmp_path, filled, trainer_cls=CheckingTrainer, **options):
-    shutil.copytree(filled / "pool", tmp_path / "pool")
-    pool = ExperiencePool.load(str(tmp_path / "pool"), work_dir=str(tmp_path / "pool-work"))
-    trainer = make_trainer(
-        tmp_path,
-        trainer_cls,
-        model=str(filled / "model"),
-        trainer_kwargs={"experience_pool": pool},
-        **{"max_steps": 2, "replay_start_ratio": 0.0, **LENGTH, **options},
-    )
-    trainer.checks = []
-    trainer.train()
-    return trainer
 
 
 @pytest.mark.parametrize("name, options", CASES, ids=[name for name, _ in CASES])
 def test_replayed_term_is_loss_py_added_to_trls_loss(tmp_path, filled_pool, name, options):
-    trainer = _train(tmp_path, filled_pool, **options)
+    trainer = train_replaying(tmp_path, filled_pool, CheckingTrainer, **options)
     assert len(trainer.checks) >= 2  # both steps replayed
     assert_replaying_losses_compose(trainer)
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]

@@ -9,18 +9,13 @@ bound, missing `detach` or normaliser inside `loss.py` would pass there and fail
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
-from helpers import make_trainer
+from loss_check import train_replaying
 
 from trl_exreplay import ExReplayGRPOTrainer
-from trl_exreplay.examples import VOCABULARY
-from trl_exreplay.pool import ExperiencePool
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
-LENGTH = {"max_completion_length": 8}
 CLIP_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 CASES = [
     *({"loss_type": t} for t in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")),
@@ -145,32 +140,9 @@ class ObjectiveTrainer(ExReplayGRPOTrainer):
         return loss
 
 
-@pytest.fixture(scope="module")
-def filled(tmp_path_factory):
-    """The tiny model saved (TRL reloads it as the reference when beta > 0) and a pool filled by 4 steps."""
-    folder = tmp_path_factory.mktemp("objective")
-    tokenizer = build_tiny_tokenizer(VOCABULARY)
-    build_tiny_model(tokenizer, seed=0).save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
-    trainer = make_trainer(folder / "fill", model=str(folder / "model"), max_steps=4, replay_start_ratio=1.0, **LENGTH)
-    trainer.train()
-    trainer.pool.save(str(folder / "pool"))
-    return folder
-
-
 @pytest.mark.parametrize("options", CASES, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in CASES])
-def test_replaying_loss_and_gradient_are_the_objective_by_hand(tmp_path, filled, options):
-    shutil.copytree(filled / "pool", tmp_path / "pool")
-    pool = ExperiencePool.load(str(tmp_path / "pool"), work_dir=str(tmp_path / "pool-work"))
-    trainer = make_trainer(
-        tmp_path,
-        ObjectiveTrainer,
-        model=str(filled / "model"),
-        trainer_kwargs={"experience_pool": pool},
-        **{"max_steps": 2, "replay_start_ratio": 0.0, **LENGTH, **options},
-    )
-    trainer.checks = []
-    trainer.train()
+def test_replaying_loss_and_gradient_are_the_objective_by_hand(tmp_path, filled_pool, options):
+    trainer = train_replaying(tmp_path, filled_pool, ObjectiveTrainer, **options)
     assert trainer.checks and sum(c[4] for c in trainer.checks) > 0
     for loss, hand, gap, size, _ in trainer.checks:
         assert loss == pytest.approx(hand, rel=1e-5, abs=1e-6)
