@@ -225,6 +225,12 @@ def test_tool_loop_replay_on_two_processes(tmp_path, config):
     assert sum(sum(rank["replayed_rows"]) for rank in ranks) > 0
     assert sum(sum(rank["masked_tool_tokens"]) for rank in ranks) > 0  # replayed tool results, masked
     assert all(torch.isfinite(torch.tensor(rank["losses"])).all() for rank in ranks)
+    for rank in ranks:  # every replaying loss call of each rank: TRL's part plus the replayed term of loss.py
+        assert rank["loss_checks"]
+        for loss, trl, term in rank["loss_checks"]:
+            assert loss == pytest.approx(trl + term, abs=1e-6, rel=1e-6)
+    # (a rank whose rows of a step are all fresh adds a zero term; the replayed rows are on the other)
+    assert any(abs(term) > 1e-4 for rank in ranks for _, _, term in rank["loss_checks"])
     uneven = [a != b for a, b in zip(ranks[0]["generation_calls"], ranks[1]["generation_calls"])]
     assert any(uneven)  # the ranks did take different numbers of tool rounds (the case that needs the lockstep)
 

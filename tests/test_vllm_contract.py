@@ -12,6 +12,7 @@ import math
 
 import torch
 from helpers import RecordingTrainer, make_trainer
+from loss_check import CheckingTrainer, assert_replaying_losses_compose
 
 
 class ServerModeStandIn:
@@ -41,9 +42,13 @@ class ServerModeStandIn:
         return prompt_ids, completions, logprobs, None
 
 
+class CheckedRecordingTrainer(RecordingTrainer, CheckingTrainer):
+    """Records the batches and checks each replaying loss against its parts (`tests/loss_check.py`)."""
+
+
 def test_vllm_server_contract(tmp_path):
     trainer = make_trainer(
-        tmp_path, trainer_cls=RecordingTrainer, max_steps=8, vllm_importance_sampling_correction=True
+        tmp_path, trainer_cls=CheckedRecordingTrainer, max_steps=8, vllm_importance_sampling_correction=True
     )
     tokenizer = trainer.processing_class
     words = [tokenizer.convert_tokens_to_ids(w) for w in ("red", "green", "blue", "cat", "dog", "sun", "say")]
@@ -79,5 +84,6 @@ def test_vllm_server_contract(tmp_path):
         )
     assert replay_steps >= 3
     assert stand_in.syncs == 8  # weights pushed once per step
+    assert_replaying_losses_compose(trainer)  # TRL's loss with its IS correction on fresh rows, plus the term
     sampling = [v for e in trainer.state.log_history for k, v in e.items() if k.startswith("sampling/")]
     assert sampling and all(math.isfinite(v) for v in sampling)  # replayed rows do not reach TRL's sampler metrics

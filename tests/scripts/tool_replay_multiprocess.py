@@ -12,16 +12,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for tool_env
 
+from loss_check import CheckingTrainer  # noqa: E402
 from tool_env import ButtonsEnv, build_tool_model, build_tool_tokenizer, buttons_dataset  # noqa: E402
 
-from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer  # noqa: E402
+from trl_exreplay import ExReplayGRPOConfig  # noqa: E402
 from trl_exreplay.distributed import exit_distributed  # noqa: E402
 
 out_dir = sys.argv[1]
 replayed_rows, masked_tool_tokens, fresh_tool_tokens, generation_calls = [], [], [], []
 
 
-class RecordingTrainer(ExReplayGRPOTrainer):
+class RecordingTrainer(CheckingTrainer):
     def _generate_single_turn(self, *args, **kwargs):
         generation_calls[-1] += 1
         return super()._generate_single_turn(*args, **kwargs)
@@ -78,6 +79,8 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             "masked_tool_tokens": masked_tool_tokens,
             "fresh_tool_tokens": fresh_tool_tokens,
             "generation_calls": generation_calls,
+            # each replaying loss call: the trainer's loss, TRL's part and the replayed term (tests/loss_check.py)
+            "loss_checks": [[float(loss), float(trl), float(term)] for loss, trl, term, _ in trainer.checks],
         },
         f,
     )
