@@ -62,29 +62,11 @@ class CheckingTrainer(ExReplayGRPOTrainer):
         behaviour = inputs["recorded_per_token_logps"] if args.exp_is_correct else logps
         selection = None
         if args.top_entropy_quantile < 1:
-            selection = self.get_high_entropy_mask(entropies, mask, 1 - args.top_entropy_quantile)
-        per_token, _ = off_policy_loss(
-            logps,
-            behaviour,
-            advantages,
-            inputs["exp_mask"] * mask,
-            loss_type=args.loss_type,
-            importance_sampling_level=args.importance_sampling_level,
-            epsilon_low=args.epsilon,
-            delta=args.delta,
-            off_cliprange_high=args.off_cliprange_high,
-            off_clip_ratio_c=args.off_clip_ratio_c,
-            off_policy_shaping=args.off_policy_shaping,
-            off_policy_shaping_beta=args.off_policy_shaping_beta,
-            sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg,
-            vespo_k_pos=args.vespo_k_pos,
-            vespo_lambda_pos=args.vespo_lambda_pos,
-            vespo_k_neg=args.vespo_k_neg,
-            vespo_lambda_neg=args.vespo_lambda_neg,
-            off_policy_mask_threshold=args.off_policy_mask_threshold,
-            token_mask=selection,
-        )
+            selection = GRPOTrainer.get_high_entropy_mask(self, entropies, mask, 1 - args.top_entropy_quantile)
+        # The option mapping is the trainer's (that each option reaches `loss.py` as it should is checked by hand in
+        # tests/test_replay_objective.py); this check is of the composition: the rows, the selection, the normaliser.
+        options = self._off_policy_options(selection)
+        per_token, _ = off_policy_loss(logps, behaviour, advantages, inputs["exp_mask"] * mask, **options)
         accumulation = self.current_gradient_accumulation_steps
         if args.loss_type in TOKEN_SUM_LOSS_TYPES:
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes

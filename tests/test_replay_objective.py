@@ -32,6 +32,8 @@ CASES = [
     {"loss_type": "sapo", "off_policy_shaping": "exgrpo"},
     {"loss_type": "grpo", "exp_is_correct": False},
     {"loss_type": "grpo", "mask_truncated_completions": True},
+    {"loss_type": "grpo", "off_policy_mask_threshold": 0.05},
+    {"loss_type": "dapo", "top_entropy_quantile": 0.5},
 ]
 
 
@@ -99,7 +101,21 @@ def objective_by_hand(trainer, model, inputs) -> torch.Tensor:
     else:
         gammas = (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg)
         off = -gamma_weight(adv, (off_log.detach() * replayed_f).sum(-1, keepdim=True), *gammas) * adv * logp
+    if args.off_policy_mask_threshold is not None:  # OPSM: a row with A < 0 far from its sampling policy drops out
+
+        def kept(sampling, tokens):
+            drift = ((sampling - logp.detach()) * tokens).sum(-1, keepdim=True) / tokens.sum(-1, keepdim=True).clamp(
+                min=1
+            )
+            return ((adv >= 0) | (drift <= args.off_policy_mask_threshold)).double()
+
+        fresh, off = fresh * kept(old, mask), off * kept(behaviour, replayed_f)
     per_token = torch.where(replayed, off.expand_as(logp), fresh.expand_as(logp))
+    if args.top_entropy_quantile < 1:  # only the highest-entropy tokens of the batch, fresh and replayed alike
+        scaled = logits.float().detach()  # in float32, as TRL computes them: the cut falls between the same tokens
+        entropy = -(torch.softmax(scaled, -1) * torch.log_softmax(scaled, -1)).sum(-1)
+        cut = torch.quantile(entropy[mask.bool()], 1 - args.top_entropy_quantile)
+        per_token = per_token * ((entropy >= cut) & mask.bool())
     if trainer.beta != 0:
         ref = inputs["ref_per_token_logps"].double()
         kl = torch.exp(ref - logp) - (ref - logp) - 1

@@ -27,6 +27,7 @@ OVERRIDDEN = {
         "self", "prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images", "multimodal_fields",
     ],
     "_compute_loss": ["self", "model", "inputs"],
+    "get_high_entropy_mask": ["self", "entropies", "mask", "threshold"],
     "save_model": ["self", "output_dir", "_internal_call"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
 }  # fmt: skip
@@ -37,7 +38,7 @@ USED = [
     "entropy_coef", "aux_loss_enabled", "router_aux_loss_coef", "epsilon_low", "epsilon_high", "beta",
     "top_entropy_quantile", "max_completion_length", "reward_weights", "use_vllm", "tools", "rollout_func",
     "environment_factories", "_is_vlm", "environments", "vllm_mode", "vllm_tensor_parallel_size", "is_fsdp_enabled",
-    "is_deepspeed_enabled",
+    "is_deepspeed_enabled", "_dist",
 ]  # fmt: skip
 
 

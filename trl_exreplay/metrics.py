@@ -15,20 +15,21 @@ OFF_POLICY_SUMS = ("replayed_tokens", "loss_sum", "clipped_tokens", "ratio_sum",
 
 
 def log_off_policy(metrics: dict[str, list], accelerator, m: dict[str, torch.Tensor]) -> None:
-    """Log the replayed tokens' figures of `trl_exreplay.loss.off_policy_loss` over all ranks. Collective: every rank
-    calls it for the same micro-batches. Nothing is logged for a micro-batch without replayed tokens on any rank."""
-    sums = torch.stack([m[name] for name in OFF_POLICY_SUMS]).to(accelerator.device)
-    sums = dict(zip(OFF_POLICY_SUMS, accelerator.reduce(sums, reduction="sum").tolist()))
-    extremes = torch.stack([m["ratio_min"], -m["ratio_max"]]).to(accelerator.device)
-    extremes = accelerator.gather(extremes.view(1, 2)).view(-1, 2).min(dim=0).values.tolist()
+    """Log the replayed tokens' figures of `trl_exreplay.loss.off_policy_loss` over all ranks, with one gather.
+    Collective: every rank calls it for the same micro-batches. Nothing is logged for a micro-batch without replayed
+    tokens on any rank."""
+    local = torch.stack([*(m[name] for name in OFF_POLICY_SUMS), m["ratio_min"], m["ratio_max"]]).float()
+    ranks = accelerator.gather(local.to(accelerator.device).view(1, -1)).view(-1, local.numel())
+    sums = dict(zip(OFF_POLICY_SUMS, ranks[:, : len(OFF_POLICY_SUMS)].sum(dim=0).tolist()))
+    ratio_min, ratio_max = ranks[:, -2].min().item(), ranks[:, -1].max().item()
     tokens = sums["replayed_tokens"]
     if tokens > 0:
         metrics["replay/off_policy_loss"].append(sums["loss_sum"] / tokens)
         metrics["replay/off_clip_fraction"].append(sums["clipped_tokens"] / tokens)
         metrics["replay/importance_ratio_mean"].append(sums["ratio_sum"] / tokens)
         metrics["replay/logp_drift"].append(sums["logp_drift_sum"] / tokens)
-        metrics["replay/importance_ratio_min"].append(extremes[0])
-        metrics["replay/importance_ratio_max"].append(-extremes[1])
+        metrics["replay/importance_ratio_min"].append(ratio_min)
+        metrics["replay/importance_ratio_max"].append(ratio_max)
 
 
 def log_generation(

@@ -69,8 +69,7 @@ class MultiTurnRollouts:
         # One gather context for all turns (entered and left once by every rank). Inside it, a forward of a sharded
         # model is still collective (ZeRO-3's start-of-forward hook; FSDP), so ranks agree on the number of turns
         # (`sync`) and a rank with nothing left to play generates a dummy row: every rank calls generate as often.
-        sharded = self._dist.is_zero3 or self._dist.is_fsdp
-        sync = self._any_rank_active if sharded and self.accelerator.num_processes > 1 else None
+        sync = self._any_rank_active if self._generation_is_collective() else None
         tasks = [rows[i] for i in fresh]
         if self.use_vllm:  # TRL synced vLLM's weights for this step before calling us
             episodes = self._rollout_engine.run(tasks, self._generate_turn_vllm, sync)
@@ -152,6 +151,11 @@ class MultiTurnRollouts:
         flags = torch.zeros(num_local, device=self.accelerator.device)
         flags[sorted(local_rows)] = 1.0
         return self.accelerator.gather(flags).bool().tolist()
+
+    def _generation_is_collective(self) -> bool:
+        """Whether a generation call needs every rank: a sharded model (ZeRO-3, FSDP) gathers its parameters
+        collectively in every forward, so ranks must make their generation calls in lockstep."""
+        return self.accelerator.num_processes > 1 and (self._dist.is_zero3 or self._dist.is_fsdp)
 
     def _any_rank_active(self, active: bool) -> bool:
         flag = torch.tensor([1.0 if active else 0.0], device=self.accelerator.device)

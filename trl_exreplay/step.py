@@ -80,6 +80,7 @@ class LossForward:
     inputs: dict
     logps: Any = None
     entropies: Any = None
+    entropy_mask: Any = None  # the tokens TRL's `top_entropy_quantile` selection kept (None: no selection)
 
 
 def attach_replay_tensors(output: dict, replayed_local: dict[int, Any], replaying: bool) -> None:

@@ -1,4 +1,4 @@
-"""`ExReplayGRPOTrainer`: TRL's `GRPOTrainer` with experience replay, as glue over seven small overrides (listed in
+"""`ExReplayGRPOTrainer`: TRL's `GRPOTrainer` with experience replay, as glue over small overrides (listed in
 the class docstring). What is not glue lives in the module whose job it is: the replay plan (`planner.py`), the
 replayed tokens' loss (`loss.py`), the pool (`pool.py`; the trainer's side of it in `trainer_pool.py`, the outcomes
 it records in `outcomes.py`), the choice of trajectories (`selection.py`), multi-turn rollouts (`multiturn.py`), one
@@ -56,6 +56,8 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
       rows at advantage 0;
     * `_get_per_token_logps_and_entropies`: to keep TRL's loss forward (for that term and the pool's records: no extra
       forward) and the entropies of its old-log-probs forward (the generating policy's);
+    * `get_high_entropy_mask`: to keep the tokens TRL's loss selects (`top_entropy_quantile`) for the replayed term,
+      instead of gathering every rank's entropies a second time;
     * `save_model` / `_load_optimizer_and_scheduler`: so that the pool travels with every checkpoint (saved
       incrementally, hard-linking the shards it shares with the previous one) and is restored on resume.
 
@@ -323,15 +325,6 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
             tool_mask[i] = list(trajectory.completion_mask[: len(completion_ids[i])])
         return result
 
-    def _generation_is_collective(self) -> bool:
-        """Whether a generation call needs every rank (sharded parameters gathered, or one vLLM server's batch)."""
-        if self.accelerator.num_processes == 1:
-            return False
-        sharded = self.is_fsdp_enabled or (
-            self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        )
-        return sharded or (self.use_vllm and self.vllm_mode == "server")
-
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         infinite = torch.isinf(rewards_per_func)
@@ -388,38 +381,15 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
                 "tokens' term has no log-probs: a subclass that overrides one of them must call super()."
             )
         behaviour = inputs["recorded_per_token_logps"] if self.replay["exp_is_correct"] else logps.detach()
-        token_mask = None
-        if self.top_entropy_quantile < 1.0:  # TRL's selection, the same call as in its loss: fresh and replayed alike
-            token_mask = self.get_high_entropy_mask(forward.entropies, mask, 1 - self.top_entropy_quantile)
-        args = self.args
         per_token_loss, metrics = off_policy_loss(
-            logps,
-            behaviour,
-            advantages,
-            inputs["exp_mask"] * mask,
-            loss_type=self.loss_type,
-            importance_sampling_level=self.importance_sampling_level,
-            epsilon_low=self.epsilon_low,
-            delta=args.delta,
-            off_cliprange_high=self.replay["off_cliprange_high"],
-            off_clip_ratio_c=self.replay["off_clip_ratio_c"],
-            off_policy_shaping=self.replay["off_policy_shaping"],
-            off_policy_shaping_beta=self.replay["off_policy_shaping_beta"],
-            sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg,
-            vespo_k_pos=args.vespo_k_pos,
-            vespo_lambda_pos=args.vespo_lambda_pos,
-            vespo_k_neg=args.vespo_k_neg,
-            vespo_lambda_neg=args.vespo_lambda_neg,
-            off_policy_mask_threshold=self.off_policy_mask_threshold,
-            token_mask=token_mask,
+            logps, behaviour, advantages, inputs["exp_mask"] * mask, **self._off_policy_options(forward.entropy_mask)
         )
         # The loss type's normaliser and gradient-accumulation scaling, as TRL's `_compute_loss` applies them.
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         if self.loss_type in TOKEN_SUM_LOSS_TYPES:
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
-                normalizer = normalizer * accumulation / args.steps_per_generation
+                normalizer = normalizer * accumulation / self.args.steps_per_generation
             term = aggregate_loss(per_token_loss, mask, loss_type=self.loss_type, loss_normalizer=normalizer)
         else:
             term = aggregate_loss(
@@ -428,6 +398,34 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
             term = term / accumulation
         log_off_policy(self._metrics[mode], self.accelerator, metrics)
         return term
+
+    def _off_policy_options(self, token_mask=None) -> dict:
+        """The keyword arguments of `loss.off_policy_loss` under this run's configuration (TRL's and ours)."""
+        args = self.args
+        return {
+            "loss_type": self.loss_type,
+            "importance_sampling_level": self.importance_sampling_level,
+            "epsilon_low": self.epsilon_low,
+            "delta": args.delta,
+            "off_cliprange_high": self.replay["off_cliprange_high"],
+            "off_clip_ratio_c": self.replay["off_clip_ratio_c"],
+            "off_policy_shaping": self.replay["off_policy_shaping"],
+            "off_policy_shaping_beta": self.replay["off_policy_shaping_beta"],
+            "sapo_temperature_pos": args.sapo_temperature_pos,
+            "sapo_temperature_neg": args.sapo_temperature_neg,
+            "vespo_k_pos": args.vespo_k_pos,
+            "vespo_lambda_pos": args.vespo_lambda_pos,
+            "vespo_k_neg": args.vespo_k_neg,
+            "vespo_lambda_neg": args.vespo_lambda_neg,
+            "off_policy_mask_threshold": self.off_policy_mask_threshold,
+            "token_mask": token_mask,  # TRL's `top_entropy_quantile` selection in its loss, fresh and replayed alike
+        }
+
+    def get_high_entropy_mask(self, entropies, mask, threshold):
+        selected = super().get_high_entropy_mask(entropies, mask, threshold)
+        if self._loss_forward is not None:  # TRL's loss selecting its tokens: the replayed term takes the same
+            self._loss_forward.entropy_mask = selected
+        return selected
 
     @staticmethod
     def _replays(inputs: dict) -> bool:

@@ -7,15 +7,16 @@ Usage: accelerate launch --config_file CONFIG tests/scripts/tool_replay_multipro
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for tool_env
 
+from helpers import make_args  # noqa: E402
 from loss_check import CheckingTrainer  # noqa: E402
 from tool_env import ButtonsEnv, build_tool_model, build_tool_tokenizer, buttons_dataset  # noqa: E402
 
-from trl_exreplay import ExReplayGRPOConfig  # noqa: E402
 from trl_exreplay.distributed import exit_distributed  # noqa: E402
 
 out_dir = sys.argv[1]
@@ -40,21 +41,12 @@ class RecordingTrainer(CheckingTrainer):
 
 
 tokenizer = build_tool_tokenizer()
-config = ExReplayGRPOConfig(
-    output_dir=os.path.join(out_dir, "run"),
-    use_cpu=True,
-    bf16=False,
-    seed=0,
-    learning_rate=5e-2,
-    num_generations=4,
+# The test suite's trainer settings (tests/helpers.py), with this run's batch, length and replay.
+config = make_args(
+    Path(out_dir),
     per_device_train_batch_size=8,
     max_completion_length=48,
     max_steps=8,
-    beta=0.0,
-    logging_steps=1,
-    save_strategy="no",
-    report_to="none",
-    disable_tqdm=True,
     exp_ratio=1.0,
     offpolicy_trajectories_per_task=2,
     replay_start_ratio=0.3,
