@@ -3,11 +3,17 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("EXREPLAY_TEST_DEVICE", "cpu") == "cuda":
+    # cuBLAS picks among reduction orders unless its workspace is fixed; with deterministic algorithms a training run
+    # repeats bit for bit, as the equality tests against TRL's GRPOTrainer need.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+if os.environ.get("EXREPLAY_TEST_DEVICE", "cpu") == "cuda":
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 @pytest.fixture(autouse=True)

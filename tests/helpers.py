@@ -4,6 +4,7 @@ loader of the repository's scripts (recipes, benchmarks), which are files, not m
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -23,9 +24,15 @@ def load_script(path: str, name: str):
     return module
 
 
+# The trainer tests train on the CPU unless EXREPLAY_TEST_DEVICE=cuda (tools/gpu_check.sh sets it on a lent GPU):
+# then the same tests train the model on the GPU, and EXREPLAY_TEST_BF16=1 adds bf16 autocast for the runs whose
+# assertions allow it. conftest.py makes CUDA deterministic, so that tests of bit-equality still compare like with like.
+ON_CUDA = os.environ.get("EXREPLAY_TEST_DEVICE", "cpu") == "cuda"
+BF16 = ON_CUDA and os.environ.get("EXREPLAY_TEST_BF16", "0") == "1"
+
 TRAINER_DEFAULTS = dict(
-    use_cpu=True,
-    bf16=False,
+    use_cpu=not ON_CUDA,
+    bf16=BF16,
     report_to="none",
     seed=0,
     per_device_train_batch_size=16,

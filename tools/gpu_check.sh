@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU checks of a lent session (../shared/GPU.md), in one call of the device tool:
+#
+#     bash tools/gpu_wheels.sh     # here, once: the wheels the device image lacks, into .whl/ (ignored)
+#     device run: carry [".whl"], timeout_s 480, command "bash tools/gpu_check.sh"
+#
+# Stages (GPU_CHECK_STAGES picks some; each has its own time limit, so one that hangs does not cost the others):
+#   tests       the trainer, loss, multi-turn, PEFT, tool-loop and replay tests with the model on the GPU
+#               (EXREPLAY_TEST_DEVICE=cuda: tests/helpers.py trains there; conftest.py makes CUDA deterministic)
+#   bf16        the trainer and multi-turn tests again under bf16 autocast (EXREPLAY_TEST_BF16=1)
+#   recipe      recipes/alfworld.py with its tiny config on one GPU: bf16, a larger model built from scratch,
+#               GRPO with replay for RECIPE_STEPS steps, ALFWorld in an EnvProcessPool of 16 worker processes
+#   zero2       the same recipe under DeepSpeed ZeRO-2 on one GPU, a few steps, from the cached games and warm start
+#   throughput  benchmarks/alfworld_env_throughput.py with 16 workers
+# Logs land in $OUT (at most 8 files come back); the last lines printed are a table of each stage's exit status.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+STAGES=${GPU_CHECK_STAGES:-"tests bf16 recipe zero2 throughput"}
+RECIPE_STEPS=${RECIPE_STEPS:-24}
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && mkdir -p /tmp/site && tar xzf .whl/compiled_site.tgz -C /tmp/site || { echo "install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export PATH=/tmp/site/bin:$PATH
+
+{
+    date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2
+    python3 -c "import sys, torch, transformers, trl, accelerate, datasets, deepspeed, peft
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())
+print({m.__name__: m.__version__ for m in (transformers, trl, accelerate, datasets, deepspeed, peft)})" 2>&1 | grep -v WARNING
+    git log -1 --format='commit %H' 2>/dev/null || echo "commit: not a git checkout"
+} | tee "$OUT/machine.txt"
+
+stage() {  # stage NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, record exit status and seconds
+    local name=$1 limit=$2; shift 2
+    case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
+    local start=$SECONDS
+    echo "== $name: $*" | tee "$OUT/$name.log"
+    timeout --kill-after=10 "$limit" "$@" >>"$OUT/$name.log" 2>&1
+    local rc=$?
+    printf '%-11s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-150)" \
+        | tee -a "$SUMMARY"
+}
+
+TESTS=(tests/test_trainer.py tests/test_multiturn.py tests/test_peft_replay.py tests/test_pool_replay.py
+    tests/test_replay_loss.py tests/test_replay_objective.py tests/test_trl_equivalence.py tests/test_trl_tools.py
+    tests/test_rollout.py tests/test_learning.py tests/test_loss.py)
+PYTEST=(python3 -m pytest -q -p no:cacheprovider -rfE -n 8 --timeout 240 -k "not two_processes")
+stage tests 150 env EXREPLAY_TEST_DEVICE=cuda "${PYTEST[@]}" "${TESTS[@]}"
+stage bf16 70 env EXREPLAY_TEST_DEVICE=cuda EXREPLAY_TEST_BF16=1 "${PYTEST[@]}" tests/test_trainer.py tests/test_multiturn.py
+
+# The tiny config on a GPU: bf16 and a model 4x wider and 2x deeper than the CPU default (~30M parameters),
+# evaluated greedily on 20 valid_seen games before and after RL.
+RECIPE=(recipes/alfworld.py --use_cpu false --bf16 true --tiny_hidden_size 512 --tiny_num_layers 8 --tiny_num_heads 8
+    --env_processes 16 --data_dir /tmp/alfworld_data --eval_splits valid_seen --num_eval_games 20 --report_to none)
+stage recipe 200 accelerate launch --config_file recipes/accelerate/single_gpu.yaml "${RECIPE[@]}" \
+    --max_steps "$RECIPE_STEPS" --output_dir /tmp/alfworld_gpu
+stage zero2 90 accelerate launch --config_file recipes/accelerate/zero2_gpu.yaml --num_processes 1 "${RECIPE[@]}" \
+    --max_steps 3 --max_eval_games 4 --output_dir /tmp/alfworld_zero2
+stage throughput 60 python3 benchmarks/alfworld_env_throughput.py --workers 16 --envs 32 --num-games 32 --steps 20
+
+echo "== summary"; cat "$SUMMARY"
