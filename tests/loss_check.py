@@ -104,7 +104,12 @@ def build_filled_pool(folder):
     tokenizer = build_tiny_tokenizer(VOCABULARY)
     build_tiny_model(tokenizer, seed=0).save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
-    trainer = make_trainer(folder / "fill", model=str(folder / "model"), max_steps=4, replay_start_ratio=1.0, **LENGTH)
+    # On the CPU whatever device the tests train on: the pool is the tests' input, and sampling on another device
+    # draws other completions (on CUDA every stored one could be truncated, and mask_truncated_completions would
+    # leave the replayed term nothing to check).
+    trainer = make_trainer(
+        folder / "fill", model=str(folder / "model"), max_steps=4, replay_start_ratio=1.0, use_cpu=True, **LENGTH
+    )
     trainer.train()
     assert trainer.pool.num_trajectories >= 2
     trainer.pool.save(str(folder / "pool"))

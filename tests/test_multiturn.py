@@ -80,6 +80,7 @@ def test_environment_tokens_get_no_gradient(tmp_path):
     trainer = make_multi_turn_trainer(tmp_path, max_steps=6, replay_start_ratio=0.3)
     trainer.train()
     output = next(b for b in trainer.batches if b["exp_mask"].any())
+    output = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in output.items()}
     mask = output["completion_mask"] * output["tool_mask"]
     env_tokens = (output["completion_mask"] == 1) & (output["tool_mask"] == 0)
     replayed = output["exp_mask"].bool().any(dim=1)

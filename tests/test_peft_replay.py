@@ -40,11 +40,11 @@ def make_peft_trainer(tmp_path, trainer_cls=ExReplayGRPOTrainer, **overrides):
 def completion_logps(model, trajectory, temperature):
     """Per-token log-probs and entropies of the completion tokens, computed here from the logits (not through the
     trainer): one forward on prompt + completion, log_softmax(logits / temperature), gather the sampled tokens."""
-    ids = torch.tensor([trajectory.prompt_ids + trajectory.completion_ids])
+    ids = torch.tensor([trajectory.prompt_ids + trajectory.completion_ids], device=model.device)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
     n = len(trajectory.completion_ids)
-    logits = logits[0, -n - 1 : -1].float() / temperature  # position t predicts token t + 1
+    logits = logits[0, -n - 1 : -1].float().cpu() / temperature  # position t predicts token t + 1
     logps = torch.log_softmax(logits, dim=-1)
     entropies = -(logps.exp() * logps).sum(-1)
     return logps.gather(-1, torch.tensor(trajectory.completion_ids).unsqueeze(-1)).squeeze(-1), entropies
@@ -82,7 +82,7 @@ def test_recorded_logps_are_the_adapted_models(tmp_path, schedule):
     # the adapter is not a no-op: adapted and base logits differ
     prompt = [{"role": "user", "content": "say the word red"}]
     probe = trainer.processing_class.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True)
-    probe = torch.tensor([probe["input_ids"]])
+    probe = torch.tensor([probe["input_ids"]], device=model.device)
     with torch.no_grad():
         adapted_logits = model(input_ids=probe).logits
         with model.disable_adapter():
@@ -138,7 +138,8 @@ def test_lora_learns_with_replay_and_saves_an_adapter(tmp_path):
 
     # the saved adapter on a fresh base model is the trained policy
     reloaded = peft.PeftModel.from_pretrained(build_tiny_model(trainer.processing_class, seed=0), str(out))
+    reloaded.to(trainer.model.device)
     trainer.model.eval()
-    ids = torch.tensor([saved_pool.trajectories(next(iter(saved_pool._store)))[0].prompt_ids])
+    ids = torch.tensor([saved_pool.trajectories(next(iter(saved_pool._store)))[0].prompt_ids], device=reloaded.device)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits)

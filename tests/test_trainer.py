@@ -91,7 +91,7 @@ def test_replayed_rewards_enter_the_group_baseline(tmp_path):
             rewards = torch.tensor(said_target([[{"content": t}] for t in texts], [word] * 4))
             assert rewards[-1] == 1.0  # the replayed trajectory was a success
             expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
-            torch.testing.assert_close(output["advantages"][list(rows)], expected, atol=1e-5, rtol=0)
+            torch.testing.assert_close(output["advantages"][list(rows)].cpu(), expected, atol=1e-5, rtol=0)
             checked += 1
     assert checked >= 3
 
@@ -104,6 +104,7 @@ class SnapshotCallback(TrainerCallback):
         self.weights[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.float32  # recorded log-probs to 1e-5 of a float32 forward
 @pytest.mark.parametrize(
     "schedule",
     [
@@ -125,12 +126,12 @@ def test_recorded_logps_are_the_generating_policy(tmp_path, schedule):
     checked_versions = set()
     for trajectory in trajectories:
         model.load_state_dict(snapshots.weights[trajectory.policy_version])
-        ids = torch.tensor([trajectory.prompt_ids + trajectory.completion_ids])
+        ids = torch.tensor([trajectory.prompt_ids + trajectory.completion_ids], device=model.device)
         with torch.no_grad():
             logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
                 model, ids, torch.ones_like(ids), len(trajectory.completion_ids), compute_entropy=True
             )
-        torch.testing.assert_close(torch.tensor(trajectory.logps), logps[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(trajectory.logps), logps[0].cpu(), atol=1e-5, rtol=0)
         assert abs(trajectory.entropy - entropies[0].mean().item()) < 1e-5
         checked_versions.add(trajectory.policy_version)
     assert len(checked_versions) >= 2  # trajectories from several policy versions, each matched its own
@@ -245,7 +246,7 @@ def _stored_trajectories(trainer, task_id, completions, saved_entropies):
 
 
 def _entropy_alone(trainer, trajectory):
-    ids = torch.tensor([trajectory.prompt_ids + trajectory.completion_ids])
+    ids = torch.tensor([trajectory.prompt_ids + trajectory.completion_ids], device=trainer.model.device)
     with torch.no_grad():
         _, entropies, _ = trainer._get_per_token_logps_and_entropies(
             trainer.model, ids, torch.ones_like(ids), len(trajectory.completion_ids), compute_entropy=True
@@ -268,6 +269,7 @@ def test_selection_by_current_or_saved_entropy(tmp_path, use_current):
     assert int(np.argmin(current)) != int(np.argmin(saved))
 
 
+@pytest.mark.float32
 def test_sharded_entropy_forward_matches_unpadded(tmp_path):
     trainer = make_trainer(tmp_path)
     trajectories = _stored_trajectories(trainer, "t", ["red", "cat dog sun moon", "blue green", "a"], [0] * 4)
