@@ -116,7 +116,9 @@ class SnapshotCallback(TrainerCallback):
     ids=["aligned", "ga2-spg4", "spg2", "iterations2"],
 )
 def test_recorded_logps_are_the_generating_policy(tmp_path, schedule):
-    trainer = make_trainer(tmp_path, max_steps=5, temperature=0.7, replay_start_ratio=1.0, **schedule)
+    # 8 steps: enough generations that the stored successes span policy versions whatever the device's sampling (on
+    # CUDA, 5 steps with num_iterations=2 stored successes of one version only)
+    trainer = make_trainer(tmp_path, max_steps=8, temperature=0.7, replay_start_ratio=1.0, **schedule)
     snapshots = SnapshotCallback()
     trainer.add_callback(snapshots)
     trainer.train()
