@@ -147,7 +147,7 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
     add_ms, add_cpu_ms = statistics.median(a for a, _ in adds), statistics.median(c for _, c in adds)
     # The same adds without the row checks (non-finite values, mask values, token ids; issue 24), to tell the store's
     # own cost from theirs.
-    import trl_exreplay.pool as pool_module
+    import trl_exreplay.pool.experience_pool as pool_module
 
     checks = pool_module.trajectory_problem
     pool_module.trajectory_problem = lambda trajectory, vocab_size: None

@@ -603,7 +603,8 @@ def push(script_args, training_args, model_args, base_model, tasks, results) -> 
     from trl_exreplay import __version__
     from trl_exreplay.config import replay_options
     from trl_exreplay.envs.alfworld import alfworld_version
-    from trl_exreplay.hub import model_card, push_model, push_pool
+    from trl_exreplay.hub import model_card, push_model
+    from trl_exreplay.pool import push_pool
     from trl_exreplay.trainer import POOL_DIR
 
     private, token, revision = training_args.hub_private_repo, training_args.hub_token, training_args.hub_revision

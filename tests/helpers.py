@@ -89,7 +89,7 @@ def reseal_pool(path: str) -> None:
     import json
     import os
 
-    from trl_exreplay.pool_check import file_checksum, state_checksum
+    from trl_exreplay.pool.check import file_checksum, state_checksum
 
     state_path = os.path.join(path, "state.json")
     with open(state_path) as f:

@@ -21,9 +21,9 @@ import pytest
 from huggingface_hub import ModelCard
 from trl import GRPOTrainer
 
-from trl_exreplay.hub import CITATIONS, MODEL_FILE_PATTERNS, model_card, model_files, push_model, push_pool
-from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, tokenizer_fingerprint
-from trl_exreplay.pool_store import STATE_FILE, TRAJECTORIES_DIR, TRAJECTORY_FEATURES
+from trl_exreplay.hub import CITATIONS, MODEL_FILE_PATTERNS, model_card, model_files, push_model
+from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, pool_from_hub, push_pool, tokenizer_fingerprint
+from trl_exreplay.pool.store import STATE_FILE, TRAJECTORIES_DIR, TRAJECTORY_FEATURES
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
 ARXIV_IDS = ("2510.02245", "2511.10395", "2010.03768", "2402.03300")
@@ -361,10 +361,10 @@ def test_push_pool_round_trip(hub, tmp_path, empty):
     readme = files["README.md"].decode()
     card = huggingface_hub.DatasetCard(readme)
     assert {"trl", "exreplay"} <= set(card.data.tags)
-    assert 'ExperiencePool.from_hub("me/alfworld-pool"' in readme and "`completion_ids`" in readme
+    assert 'pool_from_hub("me/alfworld-pool"' in readme and "`completion_ids`" in readme
     assert 'snapshot_download("me/alfworld-pool", repo_type="dataset")' in readme
 
-    loaded = ExperiencePool.from_hub("me/alfworld-pool")
+    loaded = pool_from_hub("me/alfworld-pool")
     assert hub.snapshot_download == [
         {"repo_id": "me/alfworld-pool", "repo_type": "dataset", "revision": None, "cache_dir": None}
     ]
@@ -376,7 +376,7 @@ def test_push_pool_round_trip(hub, tmp_path, empty):
         assert len(want) == 3 and dataset_rows(download, tmp_path / "cache") == want
 
 
-def test_push_to_hub_compacts_and_from_hub_checks_the_tokenizer(hub, tmp_path):
+def test_push_pool_of_a_live_pool_compacts_and_pool_from_hub_checks_the_tokenizer(hub, tmp_path):
     tokenizer = build_tiny_tokenizer(["go", "to", "desk"])
     other = build_tiny_tokenizer(["go", "to", "shelf"])  # same size, one other word
     pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4, shard_rows=4)
@@ -389,7 +389,7 @@ def test_push_to_hub_compacts_and_from_hub_checks_the_tokenizer(hub, tmp_path):
     pool.flush(wait=True)
     assert pool.storage_stats()["trajectory_dead_rows"] == 1
 
-    pool.push_to_hub("me/pool", private=True, token="hf_fake")
+    push_pool(pool, "me/pool", private=True, token="hf_fake")
 
     files = hub.repos[("me/pool", None)]
     assert shard_rows(files, TRAJECTORIES_DIR) == pool.num_trajectories == 4  # no evicted row is published
@@ -401,7 +401,7 @@ def test_push_to_hub_compacts_and_from_hub_checks_the_tokenizer(hub, tmp_path):
         ("c", pytest.approx(0.6)),
         ("a", pytest.approx(0.3)),
     ]
-    loaded = ExperiencePool.from_hub("me/pool", tokenizer=tokenizer)
+    loaded = pool_from_hub("me/pool", tokenizer=tokenizer)
     assert loaded.content_hash() == pool.content_hash()
     assert dataset_rows(tmp_path / "hub-cache" / "me--pool" / "snapshots" / "1", tmp_path / "cache1") == want
     shutil.rmtree(tmp_path / "hub-cache" / "me--pool" / "blobs")  # the Hub cache is cleaned: the pool keeps its rows
@@ -409,13 +409,13 @@ def test_push_to_hub_compacts_and_from_hub_checks_the_tokenizer(hub, tmp_path):
     loaded.save(str(tmp_path / "from-hub"))
     assert ExperiencePool.load(str(tmp_path / "from-hub")).content_hash() == pool.content_hash()
     with pytest.raises(ValueError, match="another tokenizer"):
-        ExperiencePool.from_hub("me/pool", tokenizer=other)
+        pool_from_hub("me/pool", tokenizer=other)
 
     # A second push to the same repository: the first push's shards stay in it, unnamed; both readers see the new
     # pool only.
     pool.record_outcome(TaskOutcome("a", 4, 4, [], None))  # a leaves for the skip set
-    pool.push_to_hub("me/pool")
-    loaded = ExperiencePool.from_hub("me/pool")
+    push_pool(pool, "me/pool")
+    loaded = pool_from_hub("me/pool")
     assert loaded.content_hash() == pool.content_hash() and loaded.stored_tasks() == ["b", "c"]
     assert shard_rows(hub.repos[("me/pool", None)], TRAJECTORIES_DIR) == 4 + 2  # the old shard is still there
     assert dataset_rows(tmp_path / "hub-cache" / "me--pool" / "snapshots" / "3", tmp_path / "cache2") == (
@@ -451,7 +451,7 @@ def test_push_pool_custom_card_and_revision(hub, tmp_path):
     assert hub.repos[("me/pool", "run-2")]["README.md"] == b"my card"
     assert commit["revision"] == "run-2" and commit["commit_message"] == "pool at step 40"
     assert hub.create_branch == [{"repo_id": "me/pool", "branch": "run-2", "repo_type": "dataset", "exist_ok": True}]
-    loaded = ExperiencePool.from_hub("me/pool", revision="run-2")
+    loaded = pool_from_hub("me/pool", revision="run-2")
     assert hub.snapshot_download[-1]["revision"] == "run-2" and loaded.content_hash() == make_pool().content_hash()
 
 

@@ -15,7 +15,7 @@ import pytest
 from helpers import reseal_pool
 
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, task_key
-from trl_exreplay.pool_store import TRAJECTORY_SCHEMA, read_arrow, read_state, state_files
+from trl_exreplay.pool.store import TRAJECTORY_SCHEMA, read_arrow, read_state, state_files
 
 
 def f32(x: float) -> float:
@@ -595,7 +595,7 @@ def test_load_missing_pool_raises(tmp_path):
 
 
 def test_failed_save_keeps_previous_pool_and_cleans_up(tmp_path, monkeypatch):
-    import trl_exreplay.pool as pool_module
+    import trl_exreplay.pool.persistence as pool_module
 
     pool = build_pool()
     path = tmp_path / "pool"

@@ -22,7 +22,7 @@ from helpers import as_format_2, traj
 from trl_exreplay import planner
 from trl_exreplay.planner import plan_replay
 from trl_exreplay.pool import ExperiencePool, TaskOutcome
-from trl_exreplay.pool_store import Shard, read_arrow, read_state, write_arrow
+from trl_exreplay.pool.store import Shard, read_arrow, read_state, write_arrow
 
 
 def record(pool, task_id, successes, entropies=(), version=0, num_fresh=4, task_row="default", n=3):

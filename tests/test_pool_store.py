@@ -21,8 +21,8 @@ import pytest
 from helpers import traj
 
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, tokenizer_fingerprint
-from trl_exreplay.pool_check import PoolFormatError
-from trl_exreplay.pool_store import (
+from trl_exreplay.pool.check import PoolFormatError
+from trl_exreplay.pool.store import (
     STATE_FILE,
     TASK_ROW_FEATURES,
     TASK_ROW_SCHEMA,
@@ -392,39 +392,15 @@ def test_tokenizer_fingerprint_identifies_the_token_ids(tmp_path):
         pool.bind_tokenizer(tokenizer_fingerprint(build_tiny_tokenizer(["other"])))
 
 
-def test_a_first_format_pool_is_read_and_never_written_over(tmp_path):
-    """Format 1: one `datasets` table (save_to_disk) and a JSON state; read, then saved in the sharded format."""
-    reference = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
-    record(reference, "a", 2, [0.31, 0.12], version=1)
-    record(reference, "b", 1, [0.77], version=2)
-    record(reference, "d", 4)
-    record(reference, "a", 1, [0.05], version=3)  # evicts 0.31
+def test_a_first_format_pool_is_refused_clearly_on_load_and_save(tmp_path):
+    """Format 1 (one `datasets` table and a JSON state) predates the first release: no loader reads it any more."""
     old = tmp_path / "old"
-    rows = [dict(t.__dict__) for task in ("a", "b") for t in reference.trajectories(task)]
-    features = datasets.Features.from_dict({k: v for k, v in TRAJECTORY_FEATURES.items() if k != "store_seq"})
-    datasets.Dataset.from_list(rows, features=features).save_to_disk(str(old / "trajectories"))
-    state = {
-        "format_version": 1,
-        "settings": {k: v for k, v in reference._settings().items() if k != "replay_window"},
-        "difficulty": [["b", 1], ["a", 1]],
-        "skip_set": ["d"],
-        "task_rows": {t: row(t) for t in "abd"},
-        "next_traj_id": 4,
-        "num_outcomes": 4,
-        "store_order": [["a", [3, 1]], ["b", [2]]],
-        "num_trajectories": 3,
-    }
-    (old / STATE_FILE).write_text(json.dumps(state))
-    loaded = ExperiencePool.load(str(old))
-    assert loaded.rejected_rows == 0
-    assert loaded.buckets() == reference.buckets() and loaded.skip_set == ["d"]
-    for task in "ab":
-        assert loaded.trajectories(task) == reference.trajectories(task)
-    assert loaded.task_row("d") == reference.task_row("d")
-    with pytest.raises(ValueError, match="format_version 1"):
-        loaded.save(str(old))
-    loaded.save(str(tmp_path / "new"))
-    assert ExperiencePool.load(str(tmp_path / "new")).content_hash() == loaded.content_hash()
+    old.mkdir()
+    (old / STATE_FILE).write_text(json.dumps({"format_version": 1, "settings": {}, "num_trajectories": 0}))
+    with pytest.raises(PoolFormatError, match=r"format_version 1 is not one .* development format"):
+        ExperiencePool.load(str(old))
+    with pytest.raises(ValueError, match="Not saving into"):
+        ExperiencePool().save(str(old))
 
 
 def test_task_rows_are_stored_once_and_replaced_when_they_change(tmp_path):

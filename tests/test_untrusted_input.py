@@ -17,8 +17,8 @@ from helpers import as_format_2, load_script, make_trainer, reseal_pool
 from trl_exreplay.config import validate_replay_options
 from trl_exreplay.examples import VOCABULARY, said_target
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, tokenizer_fingerprint
-from trl_exreplay.pool_check import PoolFormatError
-from trl_exreplay.pool_store import remove_dead_scratch
+from trl_exreplay.pool.check import PoolFormatError
+from trl_exreplay.pool.store import remove_dead_scratch
 from trl_exreplay.tiny import build_tiny_tokenizer
 
 
@@ -73,7 +73,7 @@ def test_damage_is_one_error_naming_the_file(tmp_path):
 def test_a_shard_with_columns_of_another_type_is_refused(tmp_path):
     import pyarrow as pa
 
-    from trl_exreplay.pool_store import read_arrow
+    from trl_exreplay.pool.store import read_arrow
 
     saved_pool(tmp_path / "pool")
     shard = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]
@@ -127,7 +127,7 @@ def test_resealed_state_edits_no_pool_can_have_are_refused(tmp_path, edit, messa
 # ------------------------------------------------------------------------------------ 2: paths stay inside
 def assert_refused_by_push_pool(folder, monkeypatch):
     """`push_pool` refuses the folder before any upload."""
-    from trl_exreplay.hub import push_pool
+    from trl_exreplay.pool import push_pool
 
     uploads = []
     monkeypatch.setattr("huggingface_hub.HfApi.create_commit", lambda self, *a, **k: uploads.append(a))

@@ -9,7 +9,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
-from .pool_check import SELECT_MODES, STORE_MODES  # one list of each, shared with saved pools' checks
+from .pool.check import SELECT_MODES, STORE_MODES  # one list of each, shared with saved pools' checks
 
 SHAPING_MODES = ("clip", "exgrpo")
 BUCKET_WEIGHTINGS = ("uniform", "normal", "linear")

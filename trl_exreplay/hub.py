@@ -1,4 +1,4 @@
-"""Publishing to the Hugging Face Hub: a model card, the model's files and a saved experience pool.
+"""Publishing a trained model to the Hugging Face Hub: its model card and its files (pools: `trl_exreplay.pool.hub`).
 
 Uploads go through one `HfApi.create_commit` each, so a repository never holds half an upload, and only an
 allow-list of files leaves the output folder: checkpoints, optimizer states, pickles and the pool stay local.
@@ -14,16 +14,7 @@ from collections.abc import Sequence
 
 from trl import GRPOTrainer
 
-from .pool_check import PoolFolder
-from .pool_store import (
-    FORMAT_VERSION,
-    STATE_FILE,
-    TASK_ROWS_DIR,
-    TRAJECTORIES_DIR,
-    TRAJECTORY_FEATURES,
-    read_state,
-    state_files,
-)
+from .pool.hub import create_commit
 
 CITATIONS: dict[str, str] = {
     "ExGRPO": """@misc{zhan2025exgrpo,
@@ -206,17 +197,6 @@ def _write_atomic(path: str, text: str) -> None:
         raise
 
 
-def _commit(api, repo_id, repo_type, operations, *, private, revision, commit_message) -> str:
-    api.create_repo(repo_id, private=private, repo_type=repo_type, exist_ok=True)
-    if revision is not None:
-        # create_commit does not create a missing branch.
-        api.create_branch(repo_id, branch=revision, repo_type=repo_type, exist_ok=True)
-    info = api.create_commit(
-        repo_id, operations, commit_message=commit_message, repo_type=repo_type, revision=revision
-    )
-    return str(getattr(info, "commit_url", info))
-
-
 def push_model(
     output_dir: str,
     repo_id: str,
@@ -247,137 +227,10 @@ def push_model(
     operations = [
         CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(output_dir, name)) for name in files
     ]
-    return _commit(
+    return create_commit(
         HfApi(token=token),
         repo_id,
         None,
-        operations,
-        private=private,
-        revision=revision,
-        commit_message=commit_message,
-    )
-
-
-def _pool_state(pool_dir: str) -> dict:
-    """The validated state of the pool saved in `pool_dir`, after checking that every file it names is inside the
-    folder and holds the bytes recorded at save (so that nothing else, such as a hard link to a file outside, is
-    ever uploaded)."""
-    if not os.path.isfile(os.path.join(pool_dir, STATE_FILE)):
-        raise FileNotFoundError(
-            f"{pool_dir} is not a saved experience pool (no {STATE_FILE}; write one with ExperiencePool.save)."
-        )
-    state = read_state(pool_dir)
-    if state["format_version"] != FORMAT_VERSION:
-        raise ValueError(
-            f"{pool_dir} holds an experience pool of the older format_version {state['format_version']}, without "
-            f"checksums; load it with ExperiencePool.load and save it to another folder (format_version "
-            f"{FORMAT_VERSION}) to push it."
-        )
-    folder = PoolFolder(pool_dir)
-    for name in state_files(state)[1:]:
-        folder.verify(state, name)
-    return state
-
-
-def _state_bytes(state: dict) -> bytes:
-    return json.dumps({k: v for k, v in state.items() if k != "verified"}).encode()
-
-
-def _pool_card(repo_id: str, state: dict) -> str:
-    from huggingface_hub import DatasetCard, DatasetCardData
-
-    extra = {}
-    configs = []
-    # Lets `datasets.load_dataset(repo_id)` and the Hub viewer read the trajectories as a plain table. The files are
-    # named, not globbed: shards of earlier pushes to the repository stay in it (commits only add files).
-    for name, kind in (("default", TRAJECTORIES_DIR), (TASK_ROWS_DIR, TASK_ROWS_DIR)):
-        if state["shards"][kind]:
-            configs.append({"config_name": name, "data_files": [f"{kind}/{e['name']}" for e in state["shards"][kind]]})
-    if configs:
-        extra["configs"] = configs
-    data = DatasetCardData(tags=["trl", "exreplay"], **extra)
-    settings = state.get("settings", {})
-    body = "\n".join(
-        [
-            f"# {repo_id.rstrip('/').split('/')[-1]}",
-            "",
-            "An experience pool saved by trl-exreplay's `ExReplayGRPOTrainer` "
-            "(`ExperiencePool.save`): the successful trajectories of partly solved tasks that GRPO with experience "
-            "replay (ExGRPO, AgentEvolver) replays, with each task's difficulty bucket and the skip set of fully "
-            "solved tasks.",
-            "",
-            f"- trajectories: {state.get('num_trajectories', 0)}",
-            f"- tasks: {state.get('num_tasks', 0)}",
-            f"- tokenizer fingerprint: `{state.get('tokenizer_fingerprint')}`",
-            *(f"- {k}: {json.dumps(v)}" for k, v in sorted(settings.items())),
-            "",
-            f"`{STATE_FILE}` holds the pool state and names its files; `{TRAJECTORIES_DIR}/` holds Arrow shards, one "
-            "row per trajectory, with columns: " + ", ".join(f"`{c}`" for c in TRAJECTORY_FEATURES) + f"; "
-            f"`{TASK_ROWS_DIR}/` the dataset row of each task (JSON), so a replayed task can be rolled out again. "
-            f"`{STATE_FILE}` records every file's size and xxh3-64 checksum: `from_hub` verifies them all before it "
-            "maps anything.",
-            "",
-            "## Usage",
-            "",
-            _fenced(
-                "from trl_exreplay import ExperiencePool\n\n"
-                f'pool = ExperiencePool.from_hub("{repo_id}", tokenizer=tokenizer)  # refuses another tokenizer\n\n'
-                "# or, from a local copy:\n"
-                "from huggingface_hub import snapshot_download\n\n"
-                f'pool = ExperiencePool.load(snapshot_download("{repo_id}", repo_type="dataset"))\n\n'
-                "# the trajectories as a plain table:\n"
-                "import datasets\n\n"
-                f'trajectories = datasets.load_dataset("{repo_id}", split="train")',
-                "python",
-            ),
-            "",
-        ]
-    )
-    return str(DatasetCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
-
-
-def push_pool(
-    pool_dir: str,
-    repo_id: str,
-    *,
-    card: str | None = None,
-    private: bool | None = None,
-    token: str | None = None,
-    revision: str | None = None,
-    commit_message: str = "Upload experience pool from trl-exreplay",
-) -> str:
-    """Upload the pool saved in folder `pool_dir` (`ExperiencePool.save`) to a dataset repository, in one commit.
-
-    Uploaded: the committed snapshot's files with their layout, so `ExperiencePool.from_hub(repo_id)` (or
-    ``ExperiencePool.load(snapshot_download(repo_id, repo_type="dataset"))``) reads the pool back, and a
-    ``README.md`` (`card`, or a default dataset card whose configs let ``datasets.load_dataset(repo_id)`` read the
-    trajectories). When the snapshot's shards still hold evicted rows, the folder is first compacted in place (a new
-    snapshot of the same pool), so that table holds exactly the pool's trajectories. Returns the commit URL. Raises
-    when `pool_dir` is not a complete saved pool.
-    """
-    from huggingface_hub import CommitOperationAdd, HfApi
-
-    pool_dir = os.path.abspath(pool_dir)
-    state = _pool_state(pool_dir)
-    if any(e["live"] < e["rows"] for es in state["shards"].values() for e in es):
-        from .pool import ExperiencePool
-
-        with ExperiencePool.load(pool_dir) as pool:
-            pool.compact()
-            pool.save(pool_dir, save_total_limit=state.get("save_total_limit", 1))
-        state = _pool_state(pool_dir)
-    # state.json as the bytes just validated (not re-read: it cannot change between the check and the upload)
-    operations = [CommitOperationAdd(path_in_repo=STATE_FILE, path_or_fileobj=_state_bytes(state))]
-    operations += [
-        CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(pool_dir, name))
-        for name in state_files(state)[1:]
-    ]
-    text = card if card is not None else _pool_card(repo_id, state)
-    operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=text.encode("utf-8")))
-    return _commit(
-        HfApi(token=token),
-        repo_id,
-        "dataset",
         operations,
         private=private,
         revision=revision,

@@ -21,7 +21,7 @@ Every refusal is a `PoolFormatError` (a `ValueError`) that names the file and wh
 Example:
 
 ```python
-from trl_exreplay.pool_check import PoolFormatError, check_settings
+from trl_exreplay.pool.check import PoolFormatError, check_settings
 
 check_settings({"max_trajectories_per_task": 5, "experience_lbound": 0, "experience_rbound": 8,
                 "exp_select_mode": "argmin", "pool_store_mode": "all", "max_policy_age": None,
@@ -188,13 +188,13 @@ def parse_state(text: bytes | str, file: str, version: int, folders: Sequence[st
     _need(isinstance(state, dict), file, f"must hold a JSON object, got {type(state).__name__}.")
     found = state.get("format_version")
     _need(_is_int(found), file, f"`format_version` must be an integer, got {found!r}.")
-    if found == 1:
-        return state  # the first format (one `datasets` table): its own loader, refused for the Hub
     _need(
         found in (2, version),
         file,
-        f"format_version {found} is not one this version of trl_exreplay reads ({version}, and the older 1 and 2); "
-        + ("upgrade trl_exreplay." if found > version else "it was never written by trl_exreplay."),
+        f"format_version {found} is not one this version of trl_exreplay reads ({version}, and the older 2); "
+        + (
+            "upgrade trl_exreplay." if found > version else "it is a development format from before the first release."
+        ),
     )
     verified = found == version
     if verified:

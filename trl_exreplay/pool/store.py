@@ -27,7 +27,7 @@ Example:
 
 ```python
 import pyarrow as pa
-from trl_exreplay.pool_store import ShardLog, Writer, Scratch
+from trl_exreplay.pool.store import ShardLog, Writer, Scratch
 
 schema = pa.schema([("text", pa.string())])
 log = ShardLog("notes", "note", schema, lambda items: pa.record_batch([pa.array(items)], schema=schema),
@@ -60,7 +60,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .pool_check import PoolFolder, PoolFormatError, file_checksum, parse_state
+from .check import PoolFolder, PoolFormatError, file_checksum, parse_state
 
 logger = logging.getLogger(__name__)
 
@@ -1230,8 +1230,7 @@ def read_state(path: str, snapshot: int | None = None) -> dict:
     """The committed state of the pool saved at `path` (or an older kept `snapshot`), validated."""
     state_path = PoolFolder(path).file(STATE_FILE)
     state = parse_state_file(state_path)
-    if state["format_version"] != 1:
-        _check_latest(path, state, state_path)
+    _check_latest(path, state, state_path)
     if snapshot is not None and state.get("snapshot") != snapshot:
         if not isinstance(snapshot, int) or isinstance(snapshot, bool) or snapshot < 1:
             raise ValueError(f"snapshot must be an integer >= 1, got {snapshot!r}.")

@@ -1,23 +1,16 @@
-"""`ExperiencePool`: past successful trajectories per task, difficulty buckets and the skip set.
+"""`ExperiencePool`: the index of the replay pool, and the queries the trainer makes of it.
 
-Semantics follow the ExGRPO / AgentEvolver design (seed 000, section 3.1; seed 001, section 2.11):
+The pool applies the ExGRPO rules (`rules.py`) to one step's task outcomes: buckets by difficulty, the skip set, what
+is stored and what is evicted; and answers the trainer's replay queries: which tasks can be replayed
+(`replay_buckets`, drawn from by `planner.plan_replay` in O(batch)), and which of a task's trajectories
+(`choose`, by the current or the saved entropy).
 
-* a task's difficulty is its number of successes among its fresh rollouts of one step; a task lives in exactly one
-  bucket, the one of its latest difficulty;
-* a task solved by every fresh rollout enters the skip set and leaves the buckets and the store; a task of the skip
-  set that stops being fully solved leaves it;
-* a task's successful trajectories are stored only when ``lbound < successes < rbound``;
-* each task stores at most ``max_trajectories_per_task``; at capacity, ``argmin`` keeps the lowest-entropy
-  trajectories, ``argmax`` the highest, ``random`` evicts the oldest (FIFO).
-
-Storage (`trl_exreplay.pool_store`): the trajectories and the tasks' dataset rows live in memory-mapped Arrow shards;
-RAM holds an index only: per trajectory its task, entropy, policy version, id and store rank (~40 bytes), per task
-its bucket, order stamps and the keys of its trajectories. Appends are buffered and written by a background thread;
-an evicted trajectory leaves a tombstone that compaction removes. Replay queries touch the index and read only the
-trajectories they return; the buckets are also kept as arrays of task indices (O(1) per move, saved with the pool),
-from which the trainer draws replay tasks in O(batch) (`replay_buckets`, `planner.plan_replay`). `save` is incremental
-and atomic (no pickle anywhere); `push_to_hub` / `from_hub` share a pool as a `datasets` dataset repository, and a
-pool refuses a tokenizer other than the one it was recorded with.
+RAM holds an index only: per trajectory its task, entropy, policy version, id and store rank (~40 bytes); per task its
+bucket, order stamps and the keys of its trajectories. The trajectories and the tasks' dataset rows live in
+memory-mapped Arrow shards written by a background thread (`store.py`); an evicted trajectory leaves a tombstone that
+compaction removes. `save` / `load` (`persistence.py`) are incremental, atomic and checked (no pickle anywhere), and
+`hub.py` shares a pool as a `datasets` dataset repository. A pool refuses a tokenizer other than the one it was
+recorded with.
 """
 
 from __future__ import annotations
@@ -26,163 +19,35 @@ import hashlib
 import json
 import logging
 import operator
-import os
-import shutil
-import tempfile
 import threading
-import uuid
 import weakref
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 
-from .planner import TaskBuckets
-from .pool_check import (
-    CHECKSUM,
-    SETTINGS,
-    TASKS_SCHEMA,
-    PoolFolder,
-    PoolFormatError,
-    bad_trajectory_rows,
-    check_arrow,
-    check_settings,
-    check_tasks_table,
-    file_checksum,
-    state_checksum,
-    trajectory_problem,
-)
-from .pool_store import (
-    FORMAT_VERSION,
-    HISTORY_DIR,
-    STATE_FILE,
+from ..planner import TaskBuckets
+from .check import SETTINGS, PoolFormatError, bad_trajectory_rows, check_settings, trajectory_problem
+from .persistence import load_pool, save_pool
+from .records import TOKEN_COLUMNS, TaskOutcome, Trajectory, copy_trajectory
+from .rules import best_index, eviction, is_solved, selection_order, stores_successes
+from .store import (
     TASK_ROW_SCHEMA,
     TASK_ROWS_DIR,
-    TASKS_DIR,
     TRAJECTORIES_DIR,
-    TRAJECTORY_FEATURES,
     TRAJECTORY_SCHEMA,
     Scratch,
-    Shard,
     ShardLog,
     Writer,
     _grow,
-    fsync_path,
-    invalid_rows,
-    prune,
-    read_arrow,
-    read_state,
-    trim_heap,
-    write_arrow,
-    write_atomic,
-    write_json_atomic,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("trl_exreplay.pool")
 
-__all__ = ["ExperiencePool", "TaskOutcome", "Trajectory", "task_key", "tokenizer_fingerprint"]
+__all__ = ["ExperiencePool"]
 
-
-@dataclass
-class Trajectory:
-    """One stored rollout of a task (token ids, not text, so it is replayed exactly as it was generated)."""
-
-    task_id: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    completion_mask: list[int]  # 1 on model tokens (trained), 0 on environment / template tokens
-    logps: list[float]  # behaviour-policy log-prob of each completion token (0 where completion_mask is 0)
-    rewards: list[float]  # one per reward function, as recorded
-    reward: float  # total (weighted) reward
-    entropy: float  # mean entropy over model tokens under the generating policy
-    policy_version: int  # optimizer step of the generating policy
-    traj_id: int = -1  # assigned by the pool
-
-    def __post_init__(self):
-        # Normalise to the stored dtypes so a saved and reloaded pool is bit-identical to the live one.
-        for name in ("rewards", "reward", "entropy", "policy_version", "traj_id", "logps"):
-            if getattr(self, name) is None:
-                raise ValueError(f"Trajectory of task {self.task_id!r}: `{name}` is missing.")
-        if not isinstance(self.rewards, (list, tuple, np.ndarray)):
-            raise ValueError(f"Trajectory of task {self.task_id!r}: `rewards` must be a list, got {self.rewards!r}.")
-        self.traj_id = int(self.traj_id)
-        self.prompt_ids = [int(x) for x in self.prompt_ids]
-        self.completion_ids = [int(x) for x in self.completion_ids]
-        self.completion_mask = [int(x) for x in self.completion_mask]
-        self.logps = np.asarray(self.logps, dtype=np.float32).tolist()
-        self.rewards = np.asarray(self.rewards, dtype=np.float32).tolist()
-        self.reward = float(np.float32(self.reward))
-        self.entropy = float(np.float32(self.entropy))
-        self.policy_version = int(self.policy_version)
-        n = len(self.completion_ids)
-        if len(self.completion_mask) != n or len(self.logps) != n:
-            raise ValueError(
-                f"Trajectory of task {self.task_id!r}: completion_ids ({n}), completion_mask "
-                f"({len(self.completion_mask)}) and logps ({len(self.logps)}) must have the same length."
-            )
-
-
-class _LazyList:
-    """A token list of a `Trajectory` read by `ExperiencePool.sample`: kept as the bytes read, converted to the list
-    (and kept) on first access, so that a sample pays for Python lists only where they are used.
-
-    A non-data descriptor: an instance's own value (every trajectory built normally has one) is found first, at no
-    cost; this runs only for a lazily read one.
-    """
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __get__(self, trajectory, owner=None):
-        if trajectory is None:
-            return self
-        fields = trajectory.__dict__
-        lazy = fields.get("_lazy")
-        if lazy is None or self.name not in lazy:
-            raise AttributeError(f"{type(trajectory).__name__!r} object has no attribute {self.name!r}")
-        convert, data = lazy[self.name]
-        value = fields[self.name] = convert(data)
-        lazy.pop(self.name, None)
-        if not lazy:
-            fields.pop("_lazy", None)
-        return value
-
-
-@dataclass
-class TaskOutcome:
-    """What one generation step says about a task: its fresh rollouts, and the successful ones as trajectories."""
-
-    task_id: str
-    successes: int
-    num_fresh: int
-    successful: list[Trajectory] = field(default_factory=list)
-    task_row: str | None = None  # JSON of the dataset row, so a replayed task can be rolled out again
-
-
-# Columns of a trajectory shard that must be present and non-null for the row to be replayable.
-_REQUIRED = (
-    "prompt_ids",
-    "completion_ids",
-    "completion_mask",
-    "logps",
-    "rewards",
-    "reward",
-    "entropy",
-    "policy_version",
-    "traj_id",
-    "store_seq",
-)
-_SAME_LENGTH = ("completion_ids", "completion_mask", "logps")
-_INDEX_COLUMNS = ("traj_id", "entropy", "policy_version", "store_seq")  # what the RAM index keeps of a trajectory
-_SLOT_COLUMNS = ("traj_shard", "traj_row", "traj_id")  # where a snapshot's tasks table says each trajectory is
 _STORED_COLUMNS = ("prompt_ids", "completion_ids", "completion_mask", "logps", "rewards", "reward")  # read back
-_TOKEN_COLUMNS = ("prompt_ids", "completion_ids", "completion_mask", "logps")  # one value per token
-for _name in _TOKEN_COLUMNS:  # after @dataclass: its fields and methods are unchanged
-    setattr(Trajectory, _name, _LazyList(_name))
-del _name
 _LIST_DTYPES = (
     ("prompt_ids", np.int32),
     ("completion_ids", np.int32),
@@ -319,7 +184,7 @@ class ExperiencePool:
         t = self._task(outcome.task_id)
         if outcome.task_row is not None:
             self._set_task_row(t, outcome.task_row)
-        if outcome.num_fresh > 0 and outcome.successes == outcome.num_fresh:
+        if is_solved(outcome.successes, outcome.num_fresh):
             if self._skip_order[t] < 0:  # a set: a task already in it keeps its place
                 self._skip_order[t] = self._next_stamp()
             self._set_difficulty(t, -1)
@@ -329,11 +194,12 @@ class ExperiencePool:
         self._skip_order[t] = -1
         self._set_difficulty(t, outcome.successes)
         self._difficulty_order[t] = self._next_stamp()  # bucket order follows the latest update
-        if not (self.experience_lbound < outcome.successes < self.experience_rbound):
+        if not stores_successes(outcome.successes, self.experience_lbound, self.experience_rbound):
             return
         successful = list(outcome.successful)
         if self.pool_store_mode == "best" and successful:
-            successful = [self._best(successful)]
+            rng = np.random.default_rng([self.seed, self._num_outcomes])
+            successful = [successful[best_index([t.entropy for t in successful], self.exp_select_mode, rng)]]
         for trajectory in successful:
             self.add(trajectory)
 
@@ -356,29 +222,21 @@ class ExperiencePool:
             self._append_slot(t, trajectory)
             return True
         keys = self._slots[t, :n].tolist()
-        ids = self._key_traj_id[keys].tolist()
-        if self.max_policy_age is not None:
-            # Trajectories too old to replay would otherwise hold their slots forever: they go first.
-            versions = self._key_version[keys].tolist()
-            stale = [i for i in range(n) if trajectory.policy_version - versions[i] > self.max_policy_age]
-            if stale:
-                oldest = min(stale, key=lambda i: (versions[i], ids[i]))
-                self._shift_append(t, oldest, trajectory)
-                return True
-        entropies = self._key_entropy[keys].tolist()
-        if self.exp_select_mode == "argmin":
-            worst = max(range(n), key=lambda i: (entropies[i], ids[i]))
-            if trajectory.entropy < entropies[worst]:
-                self._replace_slot(t, worst, trajectory)
-                return True
+        action, i = eviction(
+            self._key_entropy[keys].tolist(),
+            self._key_traj_id[keys].tolist(),
+            self._key_version[keys].tolist(),
+            trajectory.entropy,
+            trajectory.policy_version,
+            self.exp_select_mode,
+            self.max_policy_age,
+        )
+        if action == "refuse":
             return False
-        if self.exp_select_mode == "argmax":
-            worst = min(range(n), key=lambda i: (entropies[i], -ids[i]))
-            if trajectory.entropy > entropies[worst]:
-                self._replace_slot(t, worst, trajectory)
-                return True
-            return False
-        self._shift_append(t, 0, trajectory)  # FIFO
+        if action == "replace":
+            self._replace_slot(t, i, trajectory)
+        else:
+            self._shift_append(t, i, trajectory)
         return True
 
     def _reject(self, reason: str, count: int, what: str) -> None:
@@ -440,14 +298,6 @@ class ExperiencePool:
                 f"{self.tokenizer_fingerprint[:16]}..., this one {fingerprint[:16]}...): its token ids would be read "
                 "as other tokens. Use the tokenizer the pool was recorded with, or start from an empty pool."
             )
-
-    def _best(self, trajectories: Sequence[Trajectory]) -> Trajectory:
-        if self.exp_select_mode == "argmin":
-            return min(trajectories, key=lambda t: t.entropy)
-        if self.exp_select_mode == "argmax":
-            return max(trajectories, key=lambda t: t.entropy)
-        rng = np.random.default_rng([self.seed, self._num_outcomes])
-        return trajectories[int(rng.integers(len(trajectories)))]
 
     def _next_stamp(self) -> int:
         self._stamp += 1
@@ -558,7 +408,7 @@ class ExperiencePool:
             seq = self._stored_count
             self._stored_count += 1
         size = len(trajectory.prompt_ids) + len(trajectory.completion_ids)  # tokens: bounds the Python objects held
-        key = self._trajectories.append((_copy(trajectory), seq), size)
+        key = self._trajectories.append((copy_trajectory(trajectory), seq), size)
         self._ensure_keys(key + 1)
         self._key_task[key] = t
         self._key_entropy[key] = trajectory.entropy
@@ -773,18 +623,10 @@ class ExperiencePool:
     def _selection_order(
         self, entropies: Sequence[float], traj_ids: Sequence[int], num: int, rng: np.random.Generator | None
     ) -> list[int]:
-        """Positions of the `num` candidates `exp_select_mode` picks (ties: lowest trajectory id first)."""
-        if num > len(entropies):
-            raise ValueError(f"Cannot select {num} trajectories out of {len(entropies)} candidates.")
-        order = list(range(len(entropies)))
-        if self.exp_select_mode == "argmin":
-            order.sort(key=lambda i: (entropies[i], traj_ids[i]))
-        elif self.exp_select_mode == "argmax":
-            order.sort(key=lambda i: (-entropies[i], traj_ids[i]))
-        else:
-            rng = rng if rng is not None else np.random.default_rng(self.seed)
-            order = [int(i) for i in rng.permutation(len(entropies))]
-        return order[:num]
+        """Positions of the `num` candidates `exp_select_mode` picks (`rules.selection_order`)."""
+        if self.exp_select_mode == "random" and rng is None:
+            rng = np.random.default_rng(self.seed)
+        return selection_order(entropies, traj_ids, num, self.exp_select_mode, rng)
 
     def choose(
         self,
@@ -895,10 +737,10 @@ class ExperiencePool:
         by_shard: dict[int, tuple] = {}
         for i, (place, row) in enumerate(places):
             if row is None:
-                out[i] = _copy(place[0])
+                out[i] = copy_trajectory(place[0])
             else:
                 by_shard.setdefault(id(place), (place, []))[1].append((i, row))
-        raw = _TOKEN_COLUMNS if lazy else ()
+        raw = TOKEN_COLUMNS if lazy else ()
         for shard, wanted in by_shard.values():
             for (i, _), fields in zip(wanted, shard.read(_STORED_COLUMNS, [row for _, row in wanted], raw)):
                 fields.update(
@@ -938,6 +780,57 @@ class ExperiencePool:
         self.close()
 
     # ------------------------------------------------------------------------------------------ persistence
+    def save(self, path: str, save_total_limit: int = 1) -> None:
+        """Save the pool to folder `path`: incrementally, atomically, keeping `save_total_limit` snapshots there.
+
+        Only what the folder lacks is written: shards new since the last save to it (hard links to the live pool's
+        files when on the same file system, so no trajectory is ever written twice) and the small per-task state.
+        The commit is the atomic replacement of ``state.json``; a process killed at any instant of a save leaves
+        the previous snapshot complete and loadable. Snapshots beyond `save_total_limit` and the files only they
+        used are deleted after the commit.
+        """
+        save_pool(self, path, save_total_limit)
+
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        *,
+        snapshot: int | None = None,
+        tokenizer=None,
+        vocab_size: int | None = None,
+        verify: bool = True,
+        allow_missing_fingerprint: bool = False,
+        work_dir: str | None = None,
+        shard_rows: int = 1024,
+    ) -> ExperiencePool:
+        """Load the pool saved at `path` (its committed snapshot, or an older kept `snapshot`).
+
+        The folder is untrusted input (`trl_exreplay.pool_check`): ``state.json`` is validated, every file must be
+        named inside the folder and resolve inside it, have its recorded size and (with `verify`, the default) its
+        recorded xxh3-64 checksum, and a valid Arrow layout, before anything is mapped. Any damage raises one
+        `PoolFormatError` (a `ValueError`) naming the file. Shards are then memory-mapped, not read: RAM receives the
+        index only. A row a model cannot train on (null field, lists of unequal length, wrong trajectory id,
+        non-finite log-prob or reward, a mask value other than 0/1, a token id < 0 or >= `vocab_size`) is left out,
+        counted in `rejected_rows` (by reason in `rejected_reasons`) and logged.
+
+        Given a `tokenizer`, a pool recorded with another one is refused (`ValueError`), and so is a pool recorded
+        with none, unless `allow_missing_fingerprint`. ``verify=False`` skips the checksums (sizes, names, layouts
+        and row values are still checked): for a local pool on a trusted disk (`benchmarks/pool_scale.py` measures
+        both). `pool.hub.pool_from_hub` always verifies.
+        """
+        return load_pool(
+            cls,
+            path,
+            snapshot=snapshot,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            verify=verify,
+            allow_missing_fingerprint=allow_missing_fingerprint,
+            work_dir=work_dir,
+            shard_rows=shard_rows,
+        )
+
     def _hash_state(self) -> dict:
         tasks = range(len(self._task_ids))
         return {
@@ -973,454 +866,6 @@ class ExperiencePool:
     def _settings(self) -> dict:
         return {name: getattr(self, name) for name in SETTINGS}
 
-    def save(self, path: str, save_total_limit: int = 1) -> None:
-        """Save the pool to folder `path`: incrementally, atomically, keeping `save_total_limit` snapshots there.
-
-        Only what the folder lacks is written: shards new since the last save to it (hard links to the live pool's
-        files when on the same file system, so no trajectory is ever written twice) and the small per-task state.
-        The commit is the atomic replacement of ``state.json``; a process killed at any instant of a save leaves
-        the previous snapshot complete and loadable. Snapshots beyond `save_total_limit` and the files only they
-        used are deleted after the commit.
-        """
-        if not isinstance(save_total_limit, int) or save_total_limit < 1:
-            raise ValueError(f"save_total_limit must be an integer >= 1, got {save_total_limit!r}.")
-        self.flush(wait=True)
-        path = os.path.abspath(path)
-        os.makedirs(path, exist_ok=True)
-        previous = _committed_state(path)
-        snapshot = previous["snapshot"] + 1 if previous else 1
-        try:
-            entries = {
-                TRAJECTORIES_DIR: self._trajectories.save_into(os.path.join(path, TRAJECTORIES_DIR)),
-                TASK_ROWS_DIR: self._task_rows.save_into(os.path.join(path, TASK_ROWS_DIR)),
-            }
-            tasks_file = f"{TASKS_DIR}/{snapshot:08d}-{uuid.uuid4().hex[:12]}.arrow"
-            os.makedirs(os.path.join(path, TASKS_DIR), exist_ok=True)
-            table = self._tasks_table(entries)
-            write_atomic(os.path.join(path, tasks_file), lambda tmp: write_arrow(tmp, table))
-            files = {tasks_file: _file_entry(*_digest(os.path.join(path, tasks_file)))}
-            for kind, es in entries.items():
-                files.update({f"{kind}/{e['name']}": _file_entry(*e["digest"]) for e in es})
-            for folder in (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR):
-                fsync_path(os.path.join(path, folder))
-            if save_total_limit > 1 and previous is not None:
-                os.makedirs(os.path.join(path, HISTORY_DIR), exist_ok=True)
-                kept = {k: v for k, v in previous.items() if k != "verified"}  # as it was written
-                write_json_atomic(os.path.join(path, HISTORY_DIR, f"{previous['snapshot']:08d}.json"), kept)
-                fsync_path(os.path.join(path, HISTORY_DIR))
-            state = {
-                "format_version": FORMAT_VERSION,
-                "snapshot": snapshot,
-                "save_total_limit": save_total_limit,
-                "settings": self._settings(),
-                "tokenizer_fingerprint": self.tokenizer_fingerprint,
-                "counters": {
-                    "next_traj_id": self._next_traj_id,
-                    "num_outcomes": self._num_outcomes,
-                    "stored_count": self._stored_count,
-                    "stamp": self._stamp,
-                },
-                "num_trajectories": self.num_trajectories,
-                "num_tasks": len(self._task_ids),
-                "tasks_file": tasks_file,
-                "shards": {
-                    kind: [{k: e[k] for k in ("name", "rows", "live")} for e in es] for kind, es in entries.items()
-                },
-                "files": files,
-            }
-            state["checksum"] = state_checksum(state)
-            write_json_atomic(os.path.join(path, STATE_FILE), state)  # the commit
-            fsync_path(path)
-        except BaseException:
-            try:  # remove what this save added; the committed snapshot is untouched
-                if previous is not None:
-                    prune(path, previous.get("save_total_limit", 1))
-                elif not os.path.exists(os.path.join(path, STATE_FILE)):
-                    for folder in (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR):
-                        shutil.rmtree(os.path.join(path, folder), ignore_errors=True)
-            except Exception:  # noqa: BLE001 - the save's own error is the one to report
-                logger.exception("trl_exreplay: cleaning up after a failed pool save")
-            raise
-        prune(path, save_total_limit)
-        trim_heap()  # the tasks table and the flushed buffers were large transients
-
-    def _tasks_table(self, entries: dict[str, list[dict]]):
-        """The per-task table of a snapshot: task state and where its rows are (shard number in the state, row)."""
-        import pyarrow as pa
-
-        n = len(self._task_ids)
-        counts = self._count[:n]
-        slots = self._slots[:n]
-        keys = slots[slots >= 0]  # task by task, in store order
-        offsets = np.zeros(n + 1, np.int32)
-        np.cumsum(counts, out=offsets[1:])
-
-        def where(log, keys, kind):
-            index = np.full(log._next_sid + 1, -1, np.int32)
-            for i, entry in enumerate(entries[kind]):
-                index[entry["sid"]] = i
-            locations = log.locations(keys)
-            return index[locations >> 32], (locations & 0xFFFFFFFF).astype(np.int32)
-
-        traj_shard, traj_row = where(self._trajectories, keys, TRAJECTORIES_DIR)
-        row_keys = self._row_key[:n]
-        has_row = row_keys >= 0
-        row_shard = np.full(n, -1, np.int32)
-        row_index = np.full(n, -1, np.int32)
-        row_shard[has_row], row_index[has_row] = where(self._task_rows, row_keys[has_row], TASK_ROWS_DIR)
-
-        def lists(values):
-            return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-
-        return pa.table(
-            {
-                "task_id": pa.array(self._task_ids, pa.string()),
-                "difficulty": self._difficulty[:n],
-                "difficulty_order": self._difficulty_order[:n],
-                "bucket_pos": self._bucket_pos[:n],
-                "skip_order": self._skip_order[:n],
-                "store_order": self._store_order[:n],
-                "row_shard": row_shard,
-                "row_index": row_index,
-                "traj_shard": lists(traj_shard),
-                "traj_row": lists(traj_row),
-                "traj_id": lists(self._key_traj_id[keys]),
-            },
-            schema=TASKS_SCHEMA,
-        )
-
-    @classmethod
-    def load(
-        cls,
-        path: str,
-        *,
-        snapshot: int | None = None,
-        tokenizer=None,
-        vocab_size: int | None = None,
-        verify: bool = True,
-        allow_missing_fingerprint: bool = False,
-        work_dir: str | None = None,
-        shard_rows: int = 1024,
-    ) -> ExperiencePool:
-        """Load the pool saved at `path` (its committed snapshot, or an older kept `snapshot`).
-
-        The folder is untrusted input (`trl_exreplay.pool_check`): ``state.json`` is validated, every file must be
-        named inside the folder and resolve inside it, have its recorded size and (with `verify`, the default) its
-        recorded xxh3-64 checksum, and a valid Arrow layout, before anything is mapped. Any damage raises one
-        `PoolFormatError` (a `ValueError`) naming the file. Shards are then memory-mapped, not read: RAM receives the
-        index only. A row a model cannot train on (null field, lists of unequal length, wrong trajectory id,
-        non-finite log-prob or reward, a mask value other than 0/1, a token id < 0 or >= `vocab_size`) is left out,
-        counted in `rejected_rows` (by reason in `rejected_reasons`) and logged.
-
-        Given a `tokenizer`, a pool recorded with another one is refused (`ValueError`), and so is a pool recorded
-        with none, unless `allow_missing_fingerprint`. ``verify=False`` skips the checksums (sizes, names, layouts
-        and row values are still checked): for a local pool on a trusted disk (`benchmarks/pool_scale.py` measures
-        both). `from_hub` always verifies.
-        """
-        path = os.path.abspath(path)
-        if not os.path.lexists(os.path.join(path, STATE_FILE)):
-            raise FileNotFoundError(f"No experience pool at {path} (missing {STATE_FILE}).")
-        state = read_state(path, snapshot)
-        if state["format_version"] == 1:
-            pool = cls._load_format_1(path, state, work_dir, shard_rows)
-        else:
-            if not state["verified"]:
-                logger.warning(
-                    "trl_exreplay: the experience pool at %s was saved in format_version 2, without checksums: damage "
-                    "to its files cannot be detected. Save it again (to another folder) to add them.",
-                    path,
-                )
-            pool = cls._load_snapshot(path, state, work_dir, shard_rows, vocab_size, verify)
-        if pool.rejected_rows:
-            logger.warning(
-                "trl_exreplay: %d row(s) of the experience pool at %s were left out (%s); counted in "
-                "ExperiencePool.rejected_rows.",
-                pool.rejected_rows,
-                path,
-                ", ".join(f"{n} {reason}" for reason, n in sorted(pool.rejected_reasons.items())),
-            )
-        if tokenizer is not None:
-            if pool.tokenizer_fingerprint is None and not allow_missing_fingerprint:
-                pool.close()
-                raise ValueError(
-                    f"The experience pool at {path} records no tokenizer fingerprint, so nothing says its token ids "
-                    "belong to the given tokenizer. Pass allow_missing_fingerprint=True to use it with this tokenizer "
-                    "anyway (it is then bound to it), or start from an empty pool."
-                )
-            pool.bind_tokenizer(tokenizer_fingerprint(tokenizer), source=path)
-        return pool
-
-    @classmethod
-    def _load_snapshot(cls, path: str, state: dict, work_dir, shard_rows, vocab_size, verify) -> ExperiencePool:
-        import pyarrow as pa
-
-        folder = PoolFolder(path)
-        tasks_path = folder.verify(state, state["tasks_file"], verify)
-        try:
-            tasks = read_arrow(tasks_path)
-        except (OSError, pa.ArrowException) as e:
-            raise PoolFormatError(tasks_path, f"is not an Arrow file ({e}).") from None
-        check_tasks_table(tasks, state, tasks_path, TRAJECTORIES_DIR, TASK_ROWS_DIR)
-        pool = cls(**state["settings"], work_dir=work_dir, shard_rows=shard_rows)
-        try:
-            pool._fill_from_snapshot(folder, state, tasks, vocab_size, verify)
-        except BaseException:
-            pool.close()
-            raise
-        return pool
-
-    def _fill_from_snapshot(self, folder: PoolFolder, state: dict, tasks, vocab_size, verify) -> None:
-        import pyarrow as pa
-
-        self.tokenizer_fingerprint = state.get("tokenizer_fingerprint")
-        counters = state["counters"]
-        self._next_traj_id = int(counters["next_traj_id"])
-        self._num_outcomes = int(counters["num_outcomes"])
-        self._stored_count = int(counters["stored_count"])
-        self._stamp = int(counters["stamp"])
-        n = tasks.num_rows
-        self._task_ids = tasks.column("task_id").to_pylist()
-        self._task_index = {task_id: i for i, task_id in enumerate(self._task_ids)}
-        self._ensure_tasks(n)
-        for name in ("difficulty", "difficulty_order", "skip_order", "store_order"):
-            getattr(self, f"_{name}")[:n] = tasks.column(name).to_numpy()
-        places = tasks.column("bucket_pos") if "bucket_pos" in tasks.schema.names else None  # absent before
-        places = places.to_numpy() if places is not None else None
-
-        def shards(kind, schema):
-            """(index in the state, shard) of each shard file, checked, then mapped one at a time."""
-            for i, entry in enumerate(state["shards"][kind]):
-                file = folder.verify(state, f"{kind}/{entry['name']}", verify)
-                shard = Shard(-1, entry["name"], 0, [file])
-                try:
-                    shard.map(file)
-                except (OSError, pa.ArrowException) as e:
-                    raise PoolFormatError(file, f"is not an Arrow file ({e}).") from None
-                check_arrow(shard.table(), schema, file)
-                if shard.rows != entry["rows"]:
-                    raise PoolFormatError(file, f"has {shard.rows} rows; the pool recorded {entry['rows']}.")
-                if verify and state["verified"]:  # checked just now: a later save need not hash it again
-                    recorded = state["files"][f"{kind}/{entry['name']}"]
-                    shard.digest = (recorded["size"], recorded[CHECKSUM])
-                yield i, shard
-
-        def settle(log, shard):
-            shard.layout(log.read_columns)  # so that no read pays for it
-            shard.release()  # validation read offsets and ids through the mapping: unmap them again
-            log.keep(shard)  # unmapped too, when a hard link in the scratch folder keeps the file
-
-        reasons = self.rejected_reasons
-        row_shard = tasks.column("row_shard").to_numpy()
-        row_index = tasks.column("row_index").to_numpy().astype(np.int64)
-        placed = np.zeros(n, bool)
-        row_groups = _group_by(row_shard)
-        for i, shard in shards(TASK_ROWS_DIR, TASK_ROW_SCHEMA):
-            owners = row_groups(i)
-            if len(owners) == 0:
-                continue
-            rows = row_index[owners]
-            good = ~invalid_rows(shard.table(), rows, ("task_row",), ())
-            self._row_key[owners[good]] = self._task_rows.adopt(shard, rows[good])
-            placed[owners[good]] = True
-            settle(self._task_rows, shard)
-        lost = int(((row_shard >= 0) & ~placed).sum())
-        if lost:
-            reasons["missing or malformed task row"] += lost
-
-        lengths = np.diff(tasks.column("traj_shard").combine_chunks().offsets.to_numpy())
-        entry_task = np.repeat(np.arange(n, dtype=np.int32), lengths)
-        flat = {name: tasks.column(name).combine_chunks().flatten().to_numpy() for name in _SLOT_COLUMNS}
-        del tasks
-        entry_key = np.full(len(entry_task), -1, np.int64)
-        entry_groups = _group_by(flat["traj_shard"])
-        for i, shard in shards(TRAJECTORIES_DIR, TRAJECTORY_SCHEMA):
-            entries = entry_groups(i)
-            if len(entries) == 0:
-                continue
-            rows = flat["traj_row"][entries].astype(np.int64)
-            table = shard.table()
-            bad = invalid_rows(table, rows, _REQUIRED, _SAME_LENGTH)
-            if bad.any():
-                reasons["missing or malformed row"] += int(bad.sum())
-            safe = np.where(bad, 0, rows)
-            columns = {name: table.column(name).to_numpy() for name in _INDEX_COLUMNS} if not bad.all() else {}
-            if columns:  # a row must be the trajectory the snapshot says it is, with values a model can train on
-                wrong = ~bad & (columns["traj_id"][safe] != flat["traj_id"][entries])
-                if wrong.any():
-                    reasons["row is another trajectory"] += int(wrong.sum())
-                bad |= wrong
-                unusable, why = bad_trajectory_rows(table, safe, vocab_size, skip=bad)
-                reasons.update(why)
-                bad |= unusable
-            good, rows = entries[~bad], rows[~bad]
-            if len(good) == 0:
-                shard.release()
-                continue
-            keys = self._trajectories.adopt(shard, rows)
-            self._ensure_keys(int(keys.max()) + 1)
-            self._key_task[keys] = entry_task[good]
-            self._key_entropy[keys] = columns["entropy"][rows]
-            self._key_version[keys] = columns["policy_version"][rows]
-            self._key_traj_id[keys] = columns["traj_id"][rows]
-            self._key_seq[keys] = columns["store_seq"][rows]
-            entry_key[good] = keys
-            del table, columns
-            settle(self._trajectories, shard)
-        ok = entry_key >= 0
-        self._place_slots(entry_task[ok], entry_key[ok], n)
-        self._rebuild_buckets(places)
-        self.vocab_size = vocab_size
-        trim_heap()
-
-    def _place_slots(self, entry_task: np.ndarray, entry_key: np.ndarray, n: int) -> None:
-        """Rebuild the slots from keys listed task by task, in store order."""
-        counts = np.bincount(entry_task, minlength=n).astype(np.int32) if n else np.zeros(0, np.int32)
-        width = max(1, self.max_trajectories_per_task, int(counts.max(initial=0)))
-        self._slots = np.full((len(self._difficulty), width), -1, np.int32)
-        starts = np.cumsum(counts) - counts
-        self._slots[entry_task, np.arange(len(entry_key)) - starts[entry_task]] = entry_key
-        self._count[:n] = counts
-        self._store_order[:n][counts == 0] = -1
-        self._num_live = len(entry_key)
-        self._num_stored_tasks = int((counts > 0).sum())
-
-    @classmethod
-    def _load_format_1(cls, path: str, state: dict, work_dir, shard_rows) -> ExperiencePool:
-        """A pool of the first format (one `datasets` table, `save_to_disk`), read into the sharded store."""
-        import datasets
-
-        pool = cls(**state["settings"], work_dir=work_dir, shard_rows=shard_rows)
-        for task_id, difficulty in state["difficulty"]:
-            t = pool._task(task_id)
-            pool._set_difficulty(t, int(difficulty))
-            pool._difficulty_order[t] = pool._next_stamp()
-        for task_id in state["skip_set"]:
-            pool._skip_order[pool._task(task_id)] = pool._next_stamp()
-        for task_id, row in state["task_rows"].items():
-            pool._set_task_row(pool._task(task_id), row)
-        by_id = {}
-        rows = datasets.load_from_disk(os.path.join(path, TRAJECTORIES_DIR)) if state["num_trajectories"] else []
-        for row in rows:
-            try:
-                trajectory = Trajectory(**row)
-            except (TypeError, ValueError):
-                pool.rejected_reasons["malformed row"] += 1
-                continue
-            by_id[trajectory.traj_id] = trajectory
-        rank = {traj_id: i for i, traj_id in enumerate(sorted(by_id))}
-        for task_id, traj_ids in state["store_order"]:
-            t = pool._task(task_id)
-            for traj_id in traj_ids:
-                if traj_id in by_id:
-                    pool._append_slot(t, by_id[traj_id], seq=rank[traj_id])
-        pool._next_traj_id = int(state["next_traj_id"])
-        pool._num_outcomes = int(state["num_outcomes"])
-        pool._stored_count = len(by_id)
-        return pool
-
-    # ------------------------------------------------------------------------------------------------ sharing
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        private: bool | None = None,
-        token: str | None = None,
-        revision: str | None = None,
-        commit_message: str = "Upload experience pool from trl-exreplay",
-        card: str | None = None,
-    ) -> str:
-        """Upload the pool to the Hub dataset repository `repo_id` in one commit; returns the commit URL.
-
-        The pool is compacted first, so the repository's Arrow files hold exactly its trajectories:
-        ``datasets.load_dataset(repo_id)`` reads them as a table and `from_hub` reads the pool back.
-        """
-        from .hub import push_pool
-
-        self.compact()
-        export = tempfile.mkdtemp(prefix="export-", dir=self._scratch.folder("exports"))  # same disk: hard links
-        try:
-            self.save(export)
-            return push_pool(
-                export,
-                repo_id,
-                card=card,
-                private=private,
-                token=token,
-                revision=revision,
-                commit_message=commit_message,
-            )
-        finally:
-            shutil.rmtree(export, ignore_errors=True)
-
-    @classmethod
-    def from_hub(
-        cls,
-        repo_id: str,
-        *,
-        revision: str | None = None,
-        token: str | None = None,
-        tokenizer=None,
-        vocab_size: int | None = None,
-        allow_missing_fingerprint: bool = False,
-        cache_dir: str | None = None,
-        work_dir: str | None = None,
-    ) -> ExperiencePool:
-        """Download a pool pushed by `push_to_hub` (or `hub.push_pool`) and load it (see `load`), always verifying
-        every file's checksum; a pool of an older format (no checksums) is refused.
-
-        Given a `tokenizer`, a pool recorded with another one (or with none, unless `allow_missing_fingerprint`) is
-        refused with a `ValueError`.
-        """
-        from huggingface_hub import HfApi
-
-        folder = HfApi(token=token).snapshot_download(
-            repo_id, repo_type="dataset", revision=revision, cache_dir=cache_dir
-        )
-        version = read_state(folder)["format_version"]
-        if version != FORMAT_VERSION:
-            raise ValueError(
-                f"The experience pool {repo_id} on the Hub is of the older format_version {version}, whose files have "
-                "no checksums, so its integrity cannot be checked. If you trust it, load the downloaded folder with "
-                "ExperiencePool.load and push it again."
-            )
-        return cls.load(
-            folder,
-            tokenizer=tokenizer,
-            vocab_size=vocab_size,
-            verify=True,
-            allow_missing_fingerprint=allow_missing_fingerprint,
-            work_dir=work_dir,
-        )
-
-
-def _committed_state(path: str) -> dict | None:
-    """The committed state of the pool folder `path`, None for an empty folder. A folder holding anything else (a
-    pool of an older format, which `load` reads but a save does not extend, or a damaged state) is refused."""
-    if not os.path.lexists(os.path.join(path, STATE_FILE)):
-        return None
-    try:
-        state = read_state(path)
-    except PoolFormatError as e:
-        raise ValueError(
-            f"Not saving into {path}: its {STATE_FILE} is not that of a usable experience pool ({e}). Save to another "
-            "folder, or delete this one first."
-        ) from None
-    version = state.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ValueError(
-            f"Not saving into {path}: it holds an experience pool of the older format_version {version} (this "
-            f"version writes {FORMAT_VERSION}). Load it with ExperiencePool.load and save it to another folder."
-        )
-    return state
-
-
-def _digest(path: str) -> tuple[int, str]:
-    return os.path.getsize(path), file_checksum(path)
-
-
-def _file_entry(size: int, checksum: str) -> dict:
-    return {"size": size, CHECKSUM: checksum}
-
 
 def _check_settings(settings: dict) -> None:
     """`pool_check.check_settings` for settings given in code: a plain `ValueError` naming the setting."""
@@ -1437,45 +882,12 @@ def _gather(items: list, indices: list[int]) -> list:
     return list(operator.itemgetter(*indices)(items))
 
 
-def _group_by(values: np.ndarray):
-    """``i -> indices where values == i`` (ascending), after one sort instead of one scan per `i`."""
-    order = np.argsort(values, kind="stable")
-    ordered = values[order].astype(np.int64)  # else every searchsorted casts the whole array to compare
-
-    def group(i: int) -> np.ndarray:
-        return order[np.searchsorted(ordered, i, side="left") : np.searchsorted(ordered, i, side="right")]
-
-    return group
-
-
 def _close_storage(writer: Writer, scratch: Scratch, logs: tuple[ShardLog, ...]) -> None:
     if threading.current_thread().name != "exreplay-pool-writer":
         writer.close()
     for log in logs:
         log.close_files()
     scratch.remove()
-
-
-def _trusted(**fields) -> Trajectory:
-    """A `Trajectory` from values already in the stored types (no per-token normalisation)."""
-    trajectory = object.__new__(Trajectory)
-    trajectory.__dict__.update(fields)
-    return trajectory
-
-
-def _copy(t: Trajectory) -> Trajectory:
-    return _trusted(
-        task_id=t.task_id,
-        prompt_ids=list(t.prompt_ids),
-        completion_ids=list(t.completion_ids),
-        completion_mask=list(t.completion_mask),
-        logps=list(t.logps),
-        rewards=list(t.rewards),
-        reward=t.reward,
-        entropy=t.entropy,
-        policy_version=t.policy_version,
-        traj_id=t.traj_id,
-    )
 
 
 def _mask(row) -> np.ndarray:
@@ -1522,36 +934,3 @@ def _task_row_batch(items: list):
         [pa.array([task for task, _ in items], pa.string()), pa.array([row for _, row in items], pa.string())],
         schema=TASK_ROW_SCHEMA,
     )
-
-
-def _features():
-    """The `datasets.Features` of a trajectory shard (what `datasets.load_dataset` shows for a pushed pool)."""
-    import datasets
-
-    return datasets.Features.from_dict(TRAJECTORY_FEATURES)
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """SHA-256 of what maps text to token ids: the tokenizer's vocabulary, merges, added tokens and normalisation.
-
-    Padding / truncation settings, special-token roles and the chat template do not change what an id means and are
-    left out. A processor is fingerprinted by its tokenizer.
-    """
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        spec = json.loads(backend.to_str())
-        spec.pop("truncation", None)
-        spec.pop("padding", None)
-    else:
-        spec = {"class": type(tokenizer).__name__, "vocab": sorted(tokenizer.get_vocab().items())}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
-
-
-def task_key(row: dict, task_id_column: str) -> str:
-    """A task's id: its `task_id_column` value, else a stable hash of its prompt."""
-    if task_id_column in row and row[task_id_column] is not None:
-        return str(row[task_id_column])
-    prompt = row.get("prompt")
-    blob = json.dumps(prompt, sort_keys=True, ensure_ascii=False, default=str)
-    return "prompt-" + hashlib.sha1(blob.encode()).hexdigest()[:16]

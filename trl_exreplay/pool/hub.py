@@ -1,0 +1,224 @@
+"""Sharing a pool on the Hugging Face Hub: one way to push (`push_pool`) and one to load (`pool_from_hub`).
+
+A pool goes to a dataset repository as the files of its committed snapshot, in one commit, with a dataset card whose
+configs let ``datasets.load_dataset(repo_id)`` read the trajectories as a plain table. Loading downloads the
+repository and loads it as an untrusted folder (`ExperiencePool.load`, every checksum verified).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from .check import PoolFolder
+from .experience_pool import ExperiencePool
+from .store import (
+    FORMAT_VERSION,
+    STATE_FILE,
+    TASK_ROWS_DIR,
+    TRAJECTORIES_DIR,
+    TRAJECTORY_FEATURES,
+    read_state,
+    state_files,
+)
+
+__all__ = ["create_commit", "pool_from_hub", "push_pool"]
+
+
+def _fenced(text: str, language: str = "") -> str:
+    return f"```{language}\n{text.rstrip()}\n```"
+
+
+def create_commit(api, repo_id, repo_type, operations, *, private, revision, commit_message) -> str:
+    """Create `repo_id` if needed (and the branch `revision`), then make `operations` its one new commit; returns the
+    commit URL. One commit per upload: a repository never holds half of one."""
+    api.create_repo(repo_id, private=private, repo_type=repo_type, exist_ok=True)
+    if revision is not None:
+        # create_commit does not create a missing branch.
+        api.create_branch(repo_id, branch=revision, repo_type=repo_type, exist_ok=True)
+    info = api.create_commit(
+        repo_id, operations, commit_message=commit_message, repo_type=repo_type, revision=revision
+    )
+    return str(getattr(info, "commit_url", info))
+
+
+def _pool_state(pool_dir: str) -> dict:
+    """The validated state of the pool saved in `pool_dir`, after checking that every file it names is inside the
+    folder and holds the bytes recorded at save (so that nothing else, such as a hard link to a file outside, is
+    ever uploaded)."""
+    if not os.path.isfile(os.path.join(pool_dir, STATE_FILE)):
+        raise FileNotFoundError(
+            f"{pool_dir} is not a saved experience pool (no {STATE_FILE}; write one with ExperiencePool.save)."
+        )
+    state = read_state(pool_dir)
+    if state["format_version"] != FORMAT_VERSION:
+        raise ValueError(
+            f"{pool_dir} holds an experience pool of the older format_version {state['format_version']}, without "
+            f"checksums; load it with ExperiencePool.load and save it to another folder (format_version "
+            f"{FORMAT_VERSION}) to push it."
+        )
+    folder = PoolFolder(pool_dir)
+    for name in state_files(state)[1:]:
+        folder.verify(state, name)
+    return state
+
+
+def _state_bytes(state: dict) -> bytes:
+    return json.dumps({k: v for k, v in state.items() if k != "verified"}).encode()
+
+
+def _pool_card(repo_id: str, state: dict) -> str:
+    from huggingface_hub import DatasetCard, DatasetCardData
+
+    extra = {}
+    configs = []
+    # Lets `datasets.load_dataset(repo_id)` and the Hub viewer read the trajectories as a plain table. The files are
+    # named, not globbed: shards of earlier pushes to the repository stay in it (commits only add files).
+    for name, kind in (("default", TRAJECTORIES_DIR), (TASK_ROWS_DIR, TASK_ROWS_DIR)):
+        if state["shards"][kind]:
+            configs.append({"config_name": name, "data_files": [f"{kind}/{e['name']}" for e in state["shards"][kind]]})
+    if configs:
+        extra["configs"] = configs
+    data = DatasetCardData(tags=["trl", "exreplay"], **extra)
+    settings = state.get("settings", {})
+    body = "\n".join(
+        [
+            f"# {repo_id.rstrip('/').split('/')[-1]}",
+            "",
+            "An experience pool saved by trl-exreplay's `ExReplayGRPOTrainer` "
+            "(`ExperiencePool.save`): the successful trajectories of partly solved tasks that GRPO with experience "
+            "replay (ExGRPO, AgentEvolver) replays, with each task's difficulty bucket and the skip set of fully "
+            "solved tasks.",
+            "",
+            f"- trajectories: {state.get('num_trajectories', 0)}",
+            f"- tasks: {state.get('num_tasks', 0)}",
+            f"- tokenizer fingerprint: `{state.get('tokenizer_fingerprint')}`",
+            *(f"- {k}: {json.dumps(v)}" for k, v in sorted(settings.items())),
+            "",
+            f"`{STATE_FILE}` holds the pool state and names its files; `{TRAJECTORIES_DIR}/` holds Arrow shards, one "
+            "row per trajectory, with columns: " + ", ".join(f"`{c}`" for c in TRAJECTORY_FEATURES) + f"; "
+            f"`{TASK_ROWS_DIR}/` the dataset row of each task (JSON), so a replayed task can be rolled out again. "
+            f"`{STATE_FILE}` records every file's size and xxh3-64 checksum: `pool_from_hub` verifies them all before it "
+            "maps anything.",
+            "",
+            "## Usage",
+            "",
+            _fenced(
+                "from trl_exreplay.pool import ExperiencePool, pool_from_hub\n\n"
+                f'pool = pool_from_hub("{repo_id}", tokenizer=tokenizer)  # refuses another tokenizer\n\n'
+                "# or, from a local copy:\n"
+                "from huggingface_hub import snapshot_download\n\n"
+                f'pool = ExperiencePool.load(snapshot_download("{repo_id}", repo_type="dataset"))\n\n'
+                "# the trajectories as a plain table:\n"
+                "import datasets\n\n"
+                f'trajectories = datasets.load_dataset("{repo_id}", split="train")',
+                "python",
+            ),
+            "",
+        ]
+    )
+    return str(DatasetCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
+
+
+def push_pool(
+    pool: ExperiencePool | str,
+    repo_id: str,
+    *,
+    card: str | None = None,
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    commit_message: str = "Upload experience pool from trl-exreplay",
+) -> str:
+    """Upload a pool to a dataset repository, in one commit: `pool` is an `ExperiencePool`, or the folder of one saved
+    with `ExperiencePool.save` (a checkpoint's ``exreplay_pool``). A live pool is compacted and saved to a temporary
+    folder on its own disk first (hard links: no trajectory is copied).
+
+    Uploaded: the committed snapshot's files with their layout, so `pool_from_hub(repo_id)` (or
+    ``ExperiencePool.load(snapshot_download(repo_id, repo_type="dataset"))``) reads the pool back, and a
+    ``README.md`` (`card`, or a default dataset card whose configs let ``datasets.load_dataset(repo_id)`` read the
+    trajectories). When the snapshot's shards still hold evicted rows, the folder is first compacted in place (a new
+    snapshot of the same pool), so that table holds exactly the pool's trajectories. Returns the commit URL. Raises
+    when `pool_dir` is not a complete saved pool.
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    if isinstance(pool, ExperiencePool):
+        pool.compact()
+        export = tempfile.mkdtemp(prefix="export-", dir=pool._scratch.folder("exports"))  # same disk: hard links
+        try:
+            pool.save(export)
+            return push_pool(
+                export,
+                repo_id,
+                card=card,
+                private=private,
+                token=token,
+                revision=revision,
+                commit_message=commit_message,
+            )
+        finally:
+            shutil.rmtree(export, ignore_errors=True)
+    pool_dir = os.path.abspath(pool)
+    state = _pool_state(pool_dir)
+    if any(e["live"] < e["rows"] for es in state["shards"].values() for e in es):
+        with ExperiencePool.load(pool_dir) as loaded:
+            loaded.compact()
+            loaded.save(pool_dir, save_total_limit=state.get("save_total_limit", 1))
+        state = _pool_state(pool_dir)
+    # state.json as the bytes just validated (not re-read: it cannot change between the check and the upload)
+    operations = [CommitOperationAdd(path_in_repo=STATE_FILE, path_or_fileobj=_state_bytes(state))]
+    operations += [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(pool_dir, name))
+        for name in state_files(state)[1:]
+    ]
+    text = card if card is not None else _pool_card(repo_id, state)
+    operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=text.encode("utf-8")))
+    return create_commit(
+        HfApi(token=token),
+        repo_id,
+        "dataset",
+        operations,
+        private=private,
+        revision=revision,
+        commit_message=commit_message,
+    )
+
+
+def pool_from_hub(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    tokenizer=None,
+    vocab_size: int | None = None,
+    allow_missing_fingerprint: bool = False,
+    cache_dir: str | None = None,
+    work_dir: str | None = None,
+) -> ExperiencePool:
+    """Download a pool pushed by `push_pool` and load it (`ExperiencePool.load`), always verifying every file's
+    checksum; a pool of an older format (no checksums) is refused.
+
+    Given a `tokenizer`, a pool recorded with another one (or with none, unless `allow_missing_fingerprint`) is
+    refused with a `ValueError`.
+    """
+    from huggingface_hub import HfApi
+
+    folder = HfApi(token=token).snapshot_download(repo_id, repo_type="dataset", revision=revision, cache_dir=cache_dir)
+    version = read_state(folder)["format_version"]
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"The experience pool {repo_id} on the Hub is of the older format_version {version}, whose files have "
+            "no checksums, so its integrity cannot be checked. If you trust it, load the downloaded folder with "
+            "ExperiencePool.load and push it again."
+        )
+    return ExperiencePool.load(
+        folder,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        verify=True,
+        allow_missing_fingerprint=allow_missing_fingerprint,
+        work_dir=work_dir,
+    )
