@@ -114,17 +114,17 @@ def test_invalid_action_penalty_is_taken_off_refused_steps_only(games):
 
 
 def test_evaluation_walkthrough_scores_100_and_random_is_a_seeded_baseline(games):
-    from trl_exreplay.envs.alfworld import evaluate, random_agent
+    from trl_exreplay.envs.alfworld import random_agent, score_agent
     from trl_exreplay.envs.alfworld.generate import alfworld_version
 
-    expert = evaluate(str(games), None, max_steps=50)
+    expert = score_agent(str(games), None, max_steps=50)
     assert (expert.won, expert.games) == (2, 2)
     assert expert.per_task_type == {"pick_and_place_simple": [2, 2]}
     assert expert.alfworld_version == alfworld_version() == "0.4.2"
     assert "alfworld 0.4.2" in expert.summary() and '"alfworld_version": "0.4.2"' in expert.to_json()
 
-    baseline = evaluate(str(games), random_agent, max_steps=5, seed=0, workers=2)
-    again = evaluate(str(games), random_agent, max_steps=5, seed=0, workers=1)
+    baseline = score_agent(str(games), random_agent, max_steps=5, seed=0, workers=2)
+    again = score_agent(str(games), random_agent, max_steps=5, seed=0, workers=1)
     assert baseline.games == 2 and baseline.success_rate < 1.0  # 5 random steps cannot reach and place an object
     assert (baseline.won, baseline.mean_steps) == (again.won, again.mean_steps)  # seeded, independent of workers
     assert baseline.mean_steps == 5.0
@@ -279,7 +279,7 @@ def _libdownward_copies() -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_closed_engines_are_reused_without_leaking_their_game(games):
-    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks, evaluate, random_agent
+    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks, random_agent, score_agent
 
     rows = [dict(row) for row in alfworld_tasks(str(games))]
     walkthrough = json.loads(open(rows[0]["game_file"]).read())["walkthrough"]
@@ -301,6 +301,6 @@ def test_closed_engines_are_reused_without_leaking_their_game(games):
             assert first != opening
         env.step("look")
         env.close()
-    assert evaluate(str(games), None, workers=1).won == 2  # in this process: an engine per game, given back
-    assert evaluate(str(games), random_agent, max_steps=5, workers=1).games == 2  # an AlfWorldEnv per game
+    assert score_agent(str(games), None, workers=1).won == 2  # in this process: an engine per game, given back
+    assert score_agent(str(games), random_agent, max_steps=5, workers=1).games == 2  # an AlfWorldEnv per game
     assert _libdownward_copies() == copies

@@ -159,17 +159,17 @@ def test_sft_rows_leave_out_lost_and_oversized_episodes(episodes):
     assert len(sft_dataset([longest], tokenizer, max_completion_length=4096, max_turns=50)) == 1
 
 
-def test_evaluate_plays_the_expert(tasks, episodes):
-    from trl_exreplay.envs.alfworld import evaluate
+def test_score_agent_plays_the_expert(tasks, episodes):
+    from trl_exreplay.envs.alfworld import score_agent
     from trl_exreplay.envs.alfworld.__main__ import main
-    from trl_exreplay.envs.alfworld.evaluation import EXPERT
+    from trl_exreplay.envs.alfworld.agents import EXPERT
 
-    result = evaluate(list(tasks["game_file"]), EXPERT, max_steps=50, workers=1)
+    result = score_agent(list(tasks["game_file"]), EXPERT, max_steps=50, workers=1)
     assert (result.agent, result.won, result.games) == ("expert", 6, 6)
     assert result.mean_steps == sum(len(e.actions) for e in episodes) / len(episodes)
     assert result.per_task_type == {task_type: [1, 1] for task_type in ALL_TASK_TYPES}
     with pytest.raises(ValueError, match="agent must be"):
-        evaluate(list(tasks["game_file"]), "oracle")
-    short = evaluate(list(tasks["game_file"])[:1], EXPERT, max_steps=1)  # one step cannot win any task
+        score_agent(list(tasks["game_file"]), "oracle")
+    short = score_agent(list(tasks["game_file"])[:1], EXPERT, max_steps=1)  # one step cannot win any task
     assert (short.won, short.mean_steps) == (0, 1.0)
     assert main(["evaluate", str(tasks["game_file"][0]), "--agent", "expert", "--workers", "1"]) == 0

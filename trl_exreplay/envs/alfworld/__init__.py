@@ -45,9 +45,9 @@ _LAZY = {
     "alfworld_tokenizer": "warmstart",
     "expert_episodes": "warmstart",
     "sft_dataset": "warmstart",
-    "evaluate": "evaluation",
-    "random_agent": "evaluation",
-    "EvaluationResult": "evaluation",
+    "score_agent": "agents",
+    "random_agent": "agents",
+    "AgentScore": "agents",
 }
 
 __all__ = [*_LAZY, "ALL_TASK_TYPES", "SPLIT_SCENES", "SPLITS", "TASK_TYPES", "TRAIN_SCENES", "VALID_UNSEEN_SCENES"]

@@ -61,10 +61,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "evaluate":
-        from .evaluation import EXPERT, evaluate, random_agent
+        from .agents import EXPERT, random_agent, score_agent
 
         agent = {"walkthrough": None, "expert": EXPERT, "random": random_agent}[args.agent]
-        result = evaluate(
+        result = score_agent(
             args.dir, agent, max_steps=args.max_steps, seed=args.seed, workers=args.workers, progress=True
         )
         print(result.summary())

@@ -1,4 +1,6 @@
-"""Success rate of an agent on ALFWorld games, overall and per task type, with the alfworld version recorded.
+"""Scripted ALFWorld agents and their success on games: the floor (random) and ceilings (walkthrough, expert) that a
+trained policy is measured against. A policy (a model) is evaluated by `trl_exreplay.evaluation`, the one evaluation
+module; this one only plays scripted agents, overall and per task type, with the alfworld version recorded.
 
 An agent is a callable `(observation, admissible_actions, rng) -> action` (module-level, to reach worker processes
 when `workers` > 1), `None` for the game's stored walkthrough (played by `play_walkthrough`, which wins only if every
@@ -7,9 +9,9 @@ by looking, as a policy must). `random_agent` picks uniformly among admissible c
 policy must clear.
 
 ```python
-from trl_exreplay.envs.alfworld import evaluate, random_agent
+from trl_exreplay.envs.alfworld import random_agent, score_agent
 
-result = evaluate("data/alfworld/json_2.1.1/valid_unseen", random_agent, max_steps=50, seed=0, workers=4)
+result = score_agent("data/alfworld/json_2.1.1/valid_unseen", random_agent, max_steps=50, seed=0, workers=4)
 print(result.summary())  # success overall and per task type, alfworld version
 ```
 """
@@ -38,7 +40,7 @@ def random_agent(observation: str, admissible: Sequence[str], rng: random.Random
 
 
 @dataclass
-class EvaluationResult:
+class AgentScore:
     alfworld_version: str
     agent: str
     max_steps: int
@@ -86,7 +88,7 @@ def _play(job: tuple) -> tuple[str, bool, int]:
         env.close()
 
 
-def evaluate(
+def score_agent(
     games: str | os.PathLike | Sequence[str],
     agent: Agent | str | None = None,
     *,
@@ -94,7 +96,7 @@ def evaluate(
     seed: int = 0,
     workers: int | None = 1,
     progress: bool = False,
-) -> EvaluationResult:
+) -> AgentScore:
     """Play `agent` (None: the stored walkthrough) once on each game (a folder searched for game.tw-pddl, or a list
     of game files); episodes run in `workers` processes (None: one per CPU). Seeded: the same call, the same result."""
     if isinstance(agent, str) and agent != EXPERT:
@@ -107,7 +109,7 @@ def evaluate(
         if agent == EXPERT
         else getattr(agent, "__name__", type(agent).__name__)
     )
-    result = EvaluationResult(alfworld_version=alfworld_version(), agent=name, max_steps=max_steps)
+    result = AgentScore(alfworld_version=alfworld_version(), agent=name, max_steps=max_steps)
     jobs = [(game, agent, max_steps, seed) for game in files]
     steps = 0
     for task_type, won, used in map_in_pool(_play, jobs, workers, progress=progress, desc=f"evaluating {name}"):
