@@ -169,8 +169,8 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
     assert len(pool.sample(SAMPLE)) == SAMPLE
 
     # The trainer's replay selection of one step (`_generate_and_score_completions` + `_select_trajectories`), with
-    # the defaults of `ExReplayGRPOConfig` (128 groups of G = 8, exp_ratio 0.5, k = 1, uniform bucket weighting, no age
-    # limit nor window) but use_current_policy_entropy=False: the replayed trajectory by saved entropy (scoring the
+    # the defaults of `ExReplayGRPOConfig` (128 groups of G = 8, replay_ratio 0.5, k = 1, uniform bucket weighting, no age
+    # limit nor window) but replay_select_by_current_entropy=False: the replayed trajectory by saved entropy (scoring the
     # candidates under the current policy needs a model).
     groups = [f"group-{g}" for g in range(2 * SAMPLE)]
     k, step, age, window = 1, version[0], None, None

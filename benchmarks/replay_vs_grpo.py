@@ -77,16 +77,16 @@ SCHEMA = 1
 PRESETS: dict[str, dict] = {
     "grpo": {"enable_experience_replay": False},
     "exreplay": {},
-    "exreplay-exgrpo": {"off_policy_shaping": "exgrpo"},
+    "exreplay-exgrpo": {"replay_shaping": "exgrpo"},
     # Candidates tried on the tuning seeds (0-4); see docs/results.md for what they showed.
-    "exreplay-k4": {"offpolicy_trajectories_per_task": 4},  # half of a replayed task's group is replayed
+    "exreplay-k4": {"replay_trajectories_per_group": 4},  # half of a replayed task's group is replayed
     "exreplay-early": {"replay_start_ratio": 0.1},
-    "exreplay-k4-early-r75": {"offpolicy_trajectories_per_task": 4, "replay_start_ratio": 0.1, "exp_ratio": 0.75},
+    "exreplay-k4-early-r75": {"replay_trajectories_per_group": 4, "replay_start_ratio": 0.1, "replay_ratio": 0.75},
     "exreplay-normal": {"replay_bucket_weighting": "normal"},  # ExGRPO's Gaussian over buckets (medium tasks)
     "exreplay-linear": {"replay_bucket_weighting": "linear"},  # harder tasks (fewer successes) drawn more
-    "exreplay-random": {"exp_select_mode": "random"},  # random replay, FIFO eviction (not lowest entropy)
-    "exreplay-tight-clip": {"off_cliprange_high": 0.2},  # replayed ratios clipped as fresh ones are (1 + 0.2)
-    "exreplay-saved-entropy": {"use_current_policy_entropy": False},  # rank by stored entropy: no extra forward
+    "exreplay-random": {"replay_select_mode": "random"},  # random replay, FIFO eviction (not lowest entropy)
+    "exreplay-tight-clip": {"replay_clip_high": 0.2},  # replayed ratios clipped as fresh ones are (1 + 0.2)
+    "exreplay-saved-entropy": {"replay_select_by_current_entropy": False},  # rank by stored entropy: no extra forward
 }
 COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
 

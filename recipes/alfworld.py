@@ -94,7 +94,7 @@ class AlfWorldArguments:
         default=0.0,
         metadata={
             "help": "Subtracted from the reward for each action the engine refuses ('Nothing happens.'); a won "
-            "episode must still reach `success_threshold`, so set that to at most 1 - max_turns * penalty."
+            "episode must still reach `replay_success_threshold`, so set that to at most 1 - max_turns * penalty."
         },
     )
     prompt_style: str = field(
@@ -241,7 +241,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
                         step_timeout=training_args.env_step_timeout,
                         workers=training_args.env_workers,
                         chat_template_kwargs=training_args.chat_template_kwargs,
-                        success_threshold=training_args.success_threshold,
+                        success_threshold=training_args.replay_success_threshold,
                         progress=state.is_main_process,
                         desc=f"eval {when} RL: {name}",
                         **generate_kwargs,
@@ -291,7 +291,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         "results": results,
         "intervals": intervals,  # 95% binomial (Wilson) intervals of the success rates, and the episodes behind them
         "replay": replay_over_run,
-        "success_threshold": training_args.success_threshold,
+        "success_threshold": training_args.replay_success_threshold,
         "invalid_action_penalty": script_args.invalid_action_penalty,
         "pool": pool_stats,
         "minutes": (time.time() - started) / 60,
@@ -660,7 +660,7 @@ def parse_args(argv=None):
 
 def check_reward_settings(script_args: AlfWorldArguments, training_args) -> None:
     """With `invalid_action_penalty` P a won episode's reward stays above 1 - max_turns * P and a lost one's is at most
-    0: `success_threshold`, what counts as a win for the pool, the metrics and the evaluation, must lie between."""
+    0: `replay_success_threshold`, what counts as a win for the pool, the metrics and the evaluation, must lie between."""
     penalty, max_turns = script_args.invalid_action_penalty, training_args.max_turns
     if not penalty:
         return
@@ -669,8 +669,8 @@ def check_reward_settings(script_args: AlfWorldArguments, training_args) -> None
                          f"episode's reward could fall to 0 or below; allowed values are in "
                          f"[0, {1 / max_turns:g}).")  # fmt: skip
     lowest_win = 1.0 - max_turns * penalty
-    if not 0.0 < training_args.success_threshold <= lowest_win:
-        raise ValueError(f"Invalid value {training_args.success_threshold} for `success_threshold` with "
+    if not 0.0 < training_args.replay_success_threshold <= lowest_win:
+        raise ValueError(f"Invalid value {training_args.replay_success_threshold} for `replay_success_threshold` with "
                          f"invalid_action_penalty={penalty} and max_turns={max_turns}: a won episode's reward stays "
                          f"above {lowest_win:g} and a lost one's is at most 0, so allowed values are in (0, "
                          f"{lowest_win:g}].")  # fmt: skip

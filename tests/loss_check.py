@@ -59,7 +59,7 @@ class CheckingTrainer(ExReplayGRPOTrainer):
             self, model, input_ids, attention_mask, inputs["completion_ids"].size(1), compute_entropy=True
         )
         args = self.args
-        behaviour = inputs["recorded_per_token_logps"] if args.exp_is_correct else logps
+        behaviour = inputs["recorded_per_token_logps"] if args.replay_importance_sampling else logps
         selection = None
         if args.top_entropy_quantile < 1:
             selection = GRPOTrainer.get_high_entropy_mask(self, entropies, mask, 1 - args.top_entropy_quantile)

@@ -7,34 +7,34 @@ from dataclasses import fields
 import pytest
 from trl import GRPOConfig
 
-from trl_exreplay.config import ExReplayGRPOConfig, replay_options, validate_replay_options
+from trl_exreplay.config import RENAMED_FIELDS, ExReplayGRPOConfig, replay_options, validate_replay_options
 
 REPLAY_FIELDS = {
     "enable_experience_replay",
-    "exp_ratio",
+    "replay_ratio",
     "replay_start_ratio",
-    "offpolicy_trajectories_per_task",
-    "max_trajectories_per_task",
-    "experience_lbound",
-    "experience_rbound",
-    "success_threshold",
-    "exp_select_mode",
-    "use_current_policy_entropy",
-    "exp_is_correct",
-    "off_cliprange_high",
-    "off_clip_ratio_c",
-    "off_policy_shaping",
-    "off_policy_shaping_beta",
+    "replay_trajectories_per_group",
+    "replay_max_trajectories_per_task",
+    "replay_store_lbound",
+    "replay_store_rbound",
+    "replay_success_threshold",
+    "replay_select_mode",
+    "replay_select_by_current_entropy",
+    "replay_importance_sampling",
+    "replay_clip_high",
+    "replay_dual_clip_c",
+    "replay_shaping",
+    "replay_shaping_beta",
     "replay_bucket_weighting",
-    "max_policy_age",
+    "replay_max_policy_age",
     "replay_window",
     "task_id_column",
-    "pool_store_mode",
+    "replay_store_mode",
     "max_turns",
     "max_tokens_per_turn",
     "env_step_timeout",
     "env_workers",
-    "resume_without_pool",
+    "replay_resume_without_pool",
     "system_prompt_column",
 }
 
@@ -45,7 +45,7 @@ def make(tmp_path, config_cls=ExReplayGRPOConfig, **kwargs):
         use_cpu=True,
         bf16=False,
         num_generations=4,
-        per_device_train_batch_size=8,  # 2 groups: the default exp_ratio 0.5 replays one
+        per_device_train_batch_size=8,  # 2 groups: the default replay_ratio 0.5 replays one
         report_to="none",
     )
     return config_cls(**{**base, **kwargs})
@@ -54,37 +54,37 @@ def make(tmp_path, config_cls=ExReplayGRPOConfig, **kwargs):
 # Every field ExReplayGRPOConfig adds to GRPOConfig, with its default (the design documents' values where they give one).
 DEFAULTS = {
     "enable_experience_replay": True,
-    "exp_ratio": 0.5,
+    "replay_ratio": 0.5,
     "replay_start_ratio": 0.35,
-    "offpolicy_trajectories_per_task": 1,
-    "max_trajectories_per_task": 5,
-    "experience_lbound": 0,
-    "experience_rbound": None,
-    "success_threshold": 1.0,
-    "exp_select_mode": "argmin",
-    "use_current_policy_entropy": True,
-    "exp_is_correct": True,
-    "off_cliprange_high": 1.0,
-    "off_clip_ratio_c": 3.0,
-    "off_policy_shaping": "clip",
-    "off_policy_shaping_beta": 0.1,
+    "replay_trajectories_per_group": 1,
+    "replay_max_trajectories_per_task": 5,
+    "replay_store_lbound": 0,
+    "replay_store_rbound": None,
+    "replay_success_threshold": 1.0,
+    "replay_select_mode": "argmin",
+    "replay_select_by_current_entropy": True,
+    "replay_importance_sampling": True,
+    "replay_clip_high": 1.0,
+    "replay_dual_clip_c": 3.0,
+    "replay_shaping": "clip",
+    "replay_shaping_beta": 0.1,
     "replay_bucket_weighting": "uniform",
-    "max_policy_age": None,
+    "replay_max_policy_age": None,
     "replay_window": None,
     "task_id_column": "task_id",
-    "pool_store_mode": "all",
+    "replay_store_mode": "all",
     "max_turns": 10,
     "max_tokens_per_turn": None,
     "env_step_timeout": 60.0,
     "env_workers": 16,
-    "resume_without_pool": False,
+    "replay_resume_without_pool": False,
     "system_prompt_column": "system_prompt",
 }
 
 
 def test_defaults(tmp_path):
     c = make(tmp_path)
-    added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)}
+    added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)} - set(RENAMED_FIELDS)
     assert added == set(DEFAULTS), "a field was added or removed: give its default here"
     assert {name: getattr(c, name) for name in DEFAULTS} == DEFAULTS
     assert isinstance(c, GRPOConfig)
@@ -93,23 +93,23 @@ def test_defaults(tmp_path):
 def test_boundary_values_are_valid(tmp_path):
     boundaries = [
         dict(
-            exp_ratio=1.0,
+            replay_ratio=1.0,
             replay_start_ratio=0.0,
-            offpolicy_trajectories_per_task=3,  # G - 1
-            max_trajectories_per_task=3,  # == k
-            experience_lbound=2,  # rbound None = G = 4: s = 3 stores
-            off_cliprange_high=0.0,
-            off_clip_ratio_c=1.0,
-            off_policy_shaping_beta=1e-6,
-            max_policy_age=0,
+            replay_trajectories_per_group=3,  # G - 1
+            replay_max_trajectories_per_task=3,  # == k
+            replay_store_lbound=2,  # rbound None = G = 4: s = 3 stores
+            replay_clip_high=0.0,
+            replay_dual_clip_c=1.0,
+            replay_shaping_beta=1e-6,
+            replay_max_policy_age=0,
             replay_window=1,
-            exp_select_mode="random",
-            off_policy_shaping="exgrpo",
+            replay_select_mode="random",
+            replay_shaping="exgrpo",
             replay_bucket_weighting="linear",
-            pool_store_mode="best",
+            replay_store_mode="best",
         ),
-        dict(exp_ratio=0.0, replay_start_ratio=1.0, experience_lbound=1, experience_rbound=3),  # s = 2 stores
-        dict(exp_select_mode="argmax", replay_bucket_weighting="normal", task_id_column="id"),
+        dict(replay_ratio=0.0, replay_start_ratio=1.0, replay_store_lbound=1, replay_store_rbound=3),  # s = 2 stores
+        dict(replay_select_mode="argmax", replay_bucket_weighting="normal", task_id_column="id"),
     ]
     for values in boundaries:
         c = make(tmp_path, **values)
@@ -117,32 +117,44 @@ def test_boundary_values_are_valid(tmp_path):
 
 
 INVALID = [
-    ("exp_ratio", dict(exp_ratio=-0.1), "numbers in [0, 1]"),
-    ("exp_ratio", dict(exp_ratio=1.01), "numbers in [0, 1]"),
+    ("replay_ratio", dict(replay_ratio=-0.1), "numbers in [0, 1]"),
+    ("replay_ratio", dict(replay_ratio=1.01), "numbers in [0, 1]"),
     ("replay_start_ratio", dict(replay_start_ratio=-0.5), "numbers in [0, 1]"),
     ("replay_start_ratio", dict(replay_start_ratio=2.0), "numbers in [0, 1]"),
-    ("offpolicy_trajectories_per_task", dict(offpolicy_trajectories_per_task=0), "integers 1 .. num_generations - 1"),
-    ("offpolicy_trajectories_per_task", dict(offpolicy_trajectories_per_task=4), "integers 1 .. num_generations - 1"),
-    ("offpolicy_trajectories_per_task", dict(offpolicy_trajectories_per_task=5), "integers 1 .. num_generations - 1"),
-    ("max_trajectories_per_task", dict(max_trajectories_per_task=0), "integers >= offpolicy_trajectories_per_task"),
+    ("replay_trajectories_per_group", dict(replay_trajectories_per_group=0), "integers 1 .. num_generations - 1"),
+    ("replay_trajectories_per_group", dict(replay_trajectories_per_group=4), "integers 1 .. num_generations - 1"),
+    ("replay_trajectories_per_group", dict(replay_trajectories_per_group=5), "integers 1 .. num_generations - 1"),
     (
-        "max_trajectories_per_task",
-        dict(offpolicy_trajectories_per_task=2, max_trajectories_per_task=1),
-        "integers >= offpolicy_trajectories_per_task (2)",
+        "replay_max_trajectories_per_task",
+        dict(replay_max_trajectories_per_task=0),
+        "integers >= replay_trajectories_per_group",
     ),
-    ("experience_lbound", dict(experience_lbound=-1), "integers >= 0"),
-    ("experience_lbound", dict(experience_lbound=4), "integers below experience_rbound (4"),  # rbound None = G
-    ("experience_lbound", dict(experience_lbound=2, experience_rbound=2), "integers below experience_rbound (2"),
-    ("experience_lbound", dict(experience_lbound=3, experience_rbound=1), "integers below experience_rbound (1"),
-    ("exp_select_mode", dict(exp_select_mode="median"), "'argmin', 'argmax', 'random'"),
-    ("off_policy_shaping", dict(off_policy_shaping="ppo"), "'clip', 'exgrpo'"),
+    (
+        "replay_max_trajectories_per_task",
+        dict(replay_trajectories_per_group=2, replay_max_trajectories_per_task=1),
+        "integers >= replay_trajectories_per_group (2)",
+    ),
+    ("replay_store_lbound", dict(replay_store_lbound=-1), "integers >= 0"),
+    ("replay_store_lbound", dict(replay_store_lbound=4), "integers below replay_store_rbound (4"),  # rbound None = G
+    (
+        "replay_store_lbound",
+        dict(replay_store_lbound=2, replay_store_rbound=2),
+        "integers below replay_store_rbound (2",
+    ),
+    (
+        "replay_store_lbound",
+        dict(replay_store_lbound=3, replay_store_rbound=1),
+        "integers below replay_store_rbound (1",
+    ),
+    ("replay_select_mode", dict(replay_select_mode="median"), "'argmin', 'argmax', 'random'"),
+    ("replay_shaping", dict(replay_shaping="ppo"), "'clip', 'exgrpo'"),
     ("replay_bucket_weighting", dict(replay_bucket_weighting="exponential"), "'uniform', 'normal', 'linear'"),
-    ("pool_store_mode", dict(pool_store_mode="worst"), "'all', 'best'"),
-    ("off_cliprange_high", dict(off_cliprange_high=-0.1), "numbers >= 0"),
-    ("off_clip_ratio_c", dict(off_clip_ratio_c=0.5), "numbers >= 1"),
-    ("off_policy_shaping_beta", dict(off_policy_shaping_beta=0.0), "numbers > 0"),
-    ("off_policy_shaping_beta", dict(off_policy_shaping_beta=-1.0), "numbers > 0"),
-    ("max_policy_age", dict(max_policy_age=-1), "None or integers >= 0"),
+    ("replay_store_mode", dict(replay_store_mode="worst"), "'all', 'best'"),
+    ("replay_clip_high", dict(replay_clip_high=-0.1), "numbers >= 0"),
+    ("replay_dual_clip_c", dict(replay_dual_clip_c=0.5), "numbers >= 1"),
+    ("replay_shaping_beta", dict(replay_shaping_beta=0.0), "numbers > 0"),
+    ("replay_shaping_beta", dict(replay_shaping_beta=-1.0), "numbers > 0"),
+    ("replay_max_policy_age", dict(replay_max_policy_age=-1), "None or integers >= 0"),
     ("replay_window", dict(replay_window=0), "None or integers >= 1"),
     ("replay_window", dict(replay_window=2.5), "None or integers >= 1"),
     ("replay_window", dict(replay_window=True), "None or integers >= 1"),
@@ -152,22 +164,26 @@ INVALID = [
     ("env_step_timeout", dict(env_step_timeout=0.0), "None or numbers > 0"),
     ("env_workers", dict(env_workers=0), "integers >= 1"),
     # values that parse but cannot work (issue 24, point 4)
-    ("success_threshold", dict(success_threshold=float("nan")), "finite numbers"),
-    ("success_threshold", dict(success_threshold=float("inf")), "finite numbers"),
-    ("success_threshold", dict(success_threshold="1.0"), "finite numbers"),
-    ("success_threshold", dict(success_threshold=True), "finite numbers"),
-    ("experience_rbound", dict(experience_lbound=2, experience_rbound=3), "no task can enter the pool"),
-    ("experience_rbound", dict(experience_lbound=0, experience_rbound=1), "no task can enter the pool"),
-    ("experience_lbound", dict(experience_lbound=3), "no task can enter the pool"),  # rbound None = G = 4
-    ("experience_rbound", dict(experience_rbound=-1), "None or an integer > experience_lbound"),
-    ("exp_ratio", dict(exp_ratio=True), "numbers in [0, 1]"),
+    ("replay_success_threshold", dict(replay_success_threshold=float("nan")), "finite numbers"),
+    ("replay_success_threshold", dict(replay_success_threshold=float("inf")), "finite numbers"),
+    ("replay_success_threshold", dict(replay_success_threshold="1.0"), "finite numbers"),
+    ("replay_success_threshold", dict(replay_success_threshold=True), "finite numbers"),
+    ("replay_store_rbound", dict(replay_store_lbound=2, replay_store_rbound=3), "no task can enter the pool"),
+    ("replay_store_rbound", dict(replay_store_lbound=0, replay_store_rbound=1), "no task can enter the pool"),
+    ("replay_store_lbound", dict(replay_store_lbound=3), "no task can enter the pool"),  # rbound None = G = 4
+    ("replay_store_rbound", dict(replay_store_rbound=-1), "None or an integer > replay_store_lbound"),
+    ("replay_ratio", dict(replay_ratio=True), "numbers in [0, 1]"),
     ("enable_experience_replay", dict(enable_experience_replay="false"), "True or False"),
-    ("use_current_policy_entropy", dict(use_current_policy_entropy=1), "True or False"),
-    ("exp_is_correct", dict(exp_is_correct="yes"), "True or False"),
-    ("offpolicy_trajectories_per_task", dict(offpolicy_trajectories_per_task=True), "integers 1 .."),
-    ("max_trajectories_per_task", dict(max_trajectories_per_task=True), "integers >= offpolicy"),
-    ("experience_lbound", dict(experience_lbound=False), "integers >= 0"),
-    ("max_policy_age", dict(max_policy_age=True), "None or integers >= 0"),
+    ("replay_select_by_current_entropy", dict(replay_select_by_current_entropy=1), "True or False"),
+    ("replay_importance_sampling", dict(replay_importance_sampling="yes"), "True or False"),
+    ("replay_trajectories_per_group", dict(replay_trajectories_per_group=True), "integers 1 .."),
+    (
+        "replay_max_trajectories_per_task",
+        dict(replay_max_trajectories_per_task=True),
+        "integers >= replay_trajectories_per_group",
+    ),
+    ("replay_store_lbound", dict(replay_store_lbound=False), "integers >= 0"),
+    ("replay_max_policy_age", dict(replay_max_policy_age=True), "None or integers >= 0"),
     ("max_turns", dict(max_turns=True), "integers >= 1"),
     ("max_tokens_per_turn", dict(max_tokens_per_turn=True), "None or integers >= 1"),
     ("env_workers", dict(env_workers=True), "integers >= 1"),
@@ -187,13 +203,13 @@ def test_invalid_value_raises_naming_field_and_allowed_values(tmp_path, field, k
 
 
 def test_replay_options_of_replay_config(tmp_path):
-    c = make(tmp_path, exp_ratio=0.25, exp_select_mode="argmax", max_policy_age=3, replay_window=1000,
+    c = make(tmp_path, replay_ratio=0.25, replay_select_mode="argmax", replay_max_policy_age=3, replay_window=1000,
              per_device_train_batch_size=16)  # fmt: skip
     options = replay_options(c)
     assert set(options) == REPLAY_FIELDS
-    assert options["exp_ratio"] == 0.25
-    assert options["exp_select_mode"] == "argmax"
-    assert options["max_policy_age"] == 3
+    assert options["replay_ratio"] == 0.25
+    assert options["replay_select_mode"] == "argmax"
+    assert options["replay_max_policy_age"] == 3
     assert options["replay_window"] == 1000
     assert options["task_id_column"] == "task_id"
 
@@ -210,16 +226,75 @@ def test_replay_options_of_plain_grpo_config_are_the_defaults(tmp_path):
 def test_validate_without_num_generations(tmp_path):
     options = replay_options(make(tmp_path))
     # without G, k and lbound have no upper bound to check against (rbound None)
-    validate_replay_options({**options, "offpolicy_trajectories_per_task": 9, "max_trajectories_per_task": 9}, None)
-    validate_replay_options({**options, "experience_lbound": 50}, None)
-    with pytest.raises(ValueError, match="`offpolicy_trajectories_per_task`"):
-        validate_replay_options({**options, "offpolicy_trajectories_per_task": 0}, None)
-    with pytest.raises(ValueError, match="`experience_lbound`"):
-        validate_replay_options({**options, "experience_lbound": 5, "experience_rbound": 5}, None)
+    validate_replay_options(
+        {**options, "replay_trajectories_per_group": 9, "replay_max_trajectories_per_task": 9}, None
+    )
+    validate_replay_options({**options, "replay_store_lbound": 50}, None)
+    with pytest.raises(ValueError, match="`replay_trajectories_per_group`"):
+        validate_replay_options({**options, "replay_trajectories_per_group": 0}, None)
+    with pytest.raises(ValueError, match="`replay_store_lbound`"):
+        validate_replay_options({**options, "replay_store_lbound": 5, "replay_store_rbound": 5}, None)
 
 
 def test_validate_reports_num_generations_bound(tmp_path):
     options = replay_options(make(tmp_path))
     with pytest.raises(ValueError, match=r"integers 1 \.\. num_generations - 1 = 7"):
-        validate_replay_options({**options, "offpolicy_trajectories_per_task": 8}, 8)
-    validate_replay_options({**options, "offpolicy_trajectories_per_task": 7, "max_trajectories_per_task": 7}, 8)
+        validate_replay_options({**options, "replay_trajectories_per_group": 8}, 8)
+    validate_replay_options({**options, "replay_trajectories_per_group": 7, "replay_max_trajectories_per_task": 7}, 8)
+
+
+def test_the_naming_rule_every_replay_field_starts_with_replay():
+    """The rule docs/config.md states: replay fields are `replay_<what>`, but the switch and the data columns."""
+    added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)} - set(RENAMED_FIELDS)
+    episode = {"max_turns", "max_tokens_per_turn", "env_step_timeout", "env_workers"}
+    columns = {name for name in added if name.endswith("_column")}
+    assert columns == {"task_id_column", "system_prompt_column"}
+    assert {name for name in added - episode - columns if not name.startswith("replay_")} == {
+        "enable_experience_replay"
+    }
+    assert set(RENAMED_FIELDS.values()) <= added and not set(RENAMED_FIELDS) & added
+
+
+@pytest.mark.parametrize("old, new", sorted(RENAMED_FIELDS.items()))
+def test_a_former_name_still_sets_its_field_with_a_warning_naming_the_new_one(tmp_path, old, new):
+    value = {
+        "exp_ratio": 0.25, "offpolicy_trajectories_per_task": 2, "max_trajectories_per_task": 7,
+        "experience_lbound": 1, "experience_rbound": 3, "success_threshold": 0.5, "exp_select_mode": "random",
+        "use_current_policy_entropy": False, "exp_is_correct": False, "off_cliprange_high": 0.5,
+        "off_clip_ratio_c": 2.0, "off_policy_shaping": "exgrpo", "off_policy_shaping_beta": 0.3, "max_policy_age": 4,
+        "pool_store_mode": "best", "resume_without_pool": True,
+    }[old]  # fmt: skip
+    assert value != DEFAULTS[new]  # so that the value can only have come through the former name
+    with pytest.warns(FutureWarning, match=f"`{old}` is deprecated: it is the former name of `{new}`"):
+        c = make(tmp_path, **{old: value})
+    assert getattr(c, new) == value and getattr(c, old) is None
+    assert replay_options(c)[new] == value and old not in replay_options(c)
+
+
+def test_a_former_name_in_a_yaml_config_still_works(tmp_path):
+    from trl import TrlParser
+
+    config = tmp_path / "config.yaml"
+    config.write_text("output_dir: out\nuse_cpu: true\nreport_to: none\nexp_ratio: 0.25\nexp_select_mode: random\n")
+    with pytest.warns(FutureWarning, match="former name of `replay_ratio`"):
+        (args,) = TrlParser((ExReplayGRPOConfig,)).parse_args_and_config(["--config", str(config)])
+    assert args.replay_ratio == 0.25 and args.replay_select_mode == "random"
+
+
+def test_a_former_name_and_its_field_set_differently_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="`exp_ratio` is the former name of `replay_ratio`, and both are set"):
+        make(tmp_path, exp_ratio=0.25, replay_ratio=0.75)
+    with pytest.warns(FutureWarning):  # the same value twice is only redundant
+        assert make(tmp_path, exp_ratio=0.25, replay_ratio=0.25).replay_ratio == 0.25
+
+
+def test_the_config_reference_is_what_the_config_says():
+    """docs/config.md is written from the dataclass (`tools/config_reference.py`): a field, default, help text or
+    former name changed without rewriting it fails here."""
+    from helpers import load_script
+
+    reference = load_script("tools/config_reference.py", "config_reference")
+    assert reference.main(["--check"]) == 0, "run python tools/config_reference.py"
+    text = (reference.OUTPUT).read_text()
+    for old, new in RENAMED_FIELDS.items():
+        assert f"| `{new}` |" in text and f"`{old}`" in text

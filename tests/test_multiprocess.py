@@ -31,7 +31,7 @@ def check_rank_identical(ranks: list[dict]) -> None:
 def check_rank_identical_replay(ranks: list[dict]) -> None:
     check_rank_identical(ranks)
     rank0, rank1 = ranks
-    # 3 tasks per batch, exp_ratio 1: every replay step replays all 3 groups, one row each (k = 1)
+    # 3 tasks per batch, replay_ratio 1: every replay step replays all 3 groups, one row each (k = 1)
     assert rank0["replay_tasks"][:2] == [0.0, 0.0]
     assert rank0["replay_tasks"][2:] == [3.0] * 4
     assert [len(plan) for plan in rank0["plans"]] == [3] * 4

@@ -50,9 +50,7 @@ def make_multi_turn_trainer(tmp_path, text_env_factory=KeyDoorEnv, trainer_cls=R
 
 
 def test_multi_turn_replay_groups(tmp_path):
-    trainer = make_multi_turn_trainer(
-        tmp_path, max_steps=8, offpolicy_trajectories_per_task=2, replay_start_ratio=0.25
-    )
+    trainer = make_multi_turn_trainer(tmp_path, max_steps=8, replay_trajectories_per_group=2, replay_start_ratio=0.25)
     trainer.train()
     num_generations, k = 4, 2
     replay_steps = 0
@@ -256,7 +254,7 @@ def test_multi_turn_replaying_losses_are_trls_plus_the_replayed_term(tmp_path):
     from loss_check import CheckingTrainer, assert_replaying_losses_compose
 
     trainer = make_multi_turn_trainer(
-        tmp_path, trainer_cls=CheckingTrainer, max_steps=6, offpolicy_trajectories_per_task=2, replay_start_ratio=0.3
+        tmp_path, trainer_cls=CheckingTrainer, max_steps=6, replay_trajectories_per_group=2, replay_start_ratio=0.3
     )
     trainer.train()
     assert_replaying_losses_compose(trainer)

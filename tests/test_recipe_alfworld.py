@@ -156,7 +156,7 @@ def test_recipe_end_to_end_with_tensorboard_and_hub_push(data_dir, tmp_path, mon
     from trl_exreplay.envs.alfworld import alfworld_version
 
     for text in ("trl", "grpo", "exreplay", "alfworld", alfworld_version(), "2510.02245", "2511.10395",
-                 "2010.03768", "2402.03300", "exp_ratio", "valid_seen", "valid_unseen"):  # fmt: skip
+                 "2010.03768", "2402.03300", "replay_ratio", "valid_seen", "valid_unseen"):  # fmt: skip
         assert text in card, text
     for split, rates in summary["results"].items():  # the results table's row of each split
         assert f"| {split} | {100 * rates['before']:.1f}% | {100 * rates['after']:.1f}% |" in card
@@ -305,23 +305,27 @@ def test_a_bad_sampled_evaluation_setting_is_refused(option, value):
 def test_an_invalid_action_penalty_needs_a_success_threshold_every_win_reaches(tmp_path):
     recipe = load_recipe()
     penalised = ["--output_dir", "unused", "--invalid_action_penalty", "0.02", "--max_turns", "15"]
-    with pytest.raises(ValueError, match=r"success_threshold.*stays above 0.7.*allowed values are in \(0, 0.7\]"):
+    with pytest.raises(
+        ValueError, match=r"replay_success_threshold.*stays above 0.7.*allowed values are in \(0, 0.7\]"
+    ):
         recipe.parse_args(penalised)  # the default threshold, 1.0, would count a win with a refused action as lost
-    script_args, training_args, _ = recipe.parse_args([*penalised, "--success_threshold", "0.5"])
+    script_args, training_args, _ = recipe.parse_args([*penalised, "--replay_success_threshold", "0.5"])
     assert recipe.env_options(script_args, training_args)["invalid_action_penalty"] == 0.02
     with pytest.raises(ValueError, match="invalid_action_penalty.*allowed values are finite numbers >= 0"):
         recipe.parse_args(["--output_dir", "unused", "--invalid_action_penalty", "-1"])
     with pytest.raises(ValueError, match=r"invalid_action_penalty.*max_turns=50.*allowed values are in \[0, 0.02\)"):
         recipe.parse_args(["--output_dir", "unused", "--invalid_action_penalty", "0.02", "--max_turns", "50"])
-    assert recipe.parse_args([*penalised, "--success_threshold", "0.7"])[1].success_threshold == 0.7  # the bound
-    with pytest.raises(ValueError, match="success_threshold"):
-        recipe.parse_args([*penalised, "--success_threshold", "0"])
+    assert (
+        recipe.parse_args([*penalised, "--replay_success_threshold", "0.7"])[1].replay_success_threshold == 0.7
+    )  # the bound
+    with pytest.raises(ValueError, match="replay_success_threshold"):
+        recipe.parse_args([*penalised, "--replay_success_threshold", "0"])
     # main() checks too, before any work: without its check it would stop at once on the missing games instead
     no_games = ["--data_dir", str(tmp_path / "no_games"), "--generate_missing_games", "false"]
     script_args, training_args, model_args = recipe.parse_args([*penalised[:2], *no_games])  # no penalty yet
-    assert training_args.success_threshold == 1.0
+    assert training_args.replay_success_threshold == 1.0
     script_args.invalid_action_penalty = 0.02  # set after parsing
-    with pytest.raises(ValueError, match="success_threshold"):
+    with pytest.raises(ValueError, match="replay_success_threshold"):
         recipe.main(script_args, training_args, model_args)
 
 

@@ -27,10 +27,10 @@ CASES = [
     {"loss_type": "dapo", "gradient_accumulation_steps": 2, "per_device_train_batch_size": 8},
     {"loss_type": "dapo", "steps_per_generation": 2, "per_device_train_batch_size": 8},
     {"loss_type": "grpo", "beta": 0.04, "use_bias_correction_kl": True, "num_iterations": 2},
-    {"loss_type": "grpo", "delta": 1.05, "off_cliprange_high": 0.02},
-    {"loss_type": "grpo", "off_policy_shaping": "exgrpo"},
-    {"loss_type": "sapo", "off_policy_shaping": "exgrpo"},
-    {"loss_type": "grpo", "exp_is_correct": False},
+    {"loss_type": "grpo", "delta": 1.05, "replay_clip_high": 0.02},
+    {"loss_type": "grpo", "replay_shaping": "exgrpo"},
+    {"loss_type": "sapo", "replay_shaping": "exgrpo"},
+    {"loss_type": "grpo", "replay_importance_sampling": False},
     {"loss_type": "grpo", "mask_truncated_completions": True},
     {"loss_type": "grpo", "off_policy_mask_threshold": 0.05},
     {"loss_type": "dapo", "top_entropy_quantile": 0.5},
@@ -59,7 +59,7 @@ def objective_by_hand(trainer, model, inputs) -> torch.Tensor:
     replayed_f = replayed.double()
     old = inputs.get("old_per_token_logps")
     old = logp.detach() if old is None else old.double()
-    behaviour = inputs["recorded_per_token_logps"].double() if args.exp_is_correct else logp.detach()
+    behaviour = inputs["recorded_per_token_logps"].double() if args.replay_importance_sampling else logp.detach()
     sequence = args.importance_sampling_level == "sequence"
     low, high = trainer.epsilon_low, trainer.epsilon_high
 
@@ -88,14 +88,14 @@ def objective_by_hand(trainer, model, inputs) -> torch.Tensor:
     if sequence and loss_type != "vespo":
         off_log = (off_log * replayed_f).sum(-1, keepdim=True) / replayed_f.sum(-1, keepdim=True).clamp(min=1)
     w = off_log.exp()
-    if args.off_policy_shaping == "exgrpo":
-        off = -adv * w / (w + args.off_policy_shaping_beta)
+    if args.replay_shaping == "exgrpo":
+        off = -adv * w / (w + args.replay_shaping_beta)
     elif loss_type in CLIP_FAMILY:
         capped = w if args.delta is None else w.clamp(max=args.delta)
-        clipped = torch.maximum(-adv * capped, -adv * w.clamp(1 - low, 1 + args.off_cliprange_high))
-        off = torch.where(adv < 0, torch.minimum(clipped, -adv * args.off_clip_ratio_c), clipped)
+        clipped = torch.maximum(-adv * capped, -adv * w.clamp(1 - low, 1 + args.replay_clip_high))
+        off = torch.where(adv < 0, torch.minimum(clipped, -adv * args.replay_dual_clip_c), clipped)
     elif loss_type == "cispo":
-        off = -w.clamp(max=1 + args.off_cliprange_high).detach() * adv * logp
+        off = -w.clamp(max=1 + args.replay_clip_high).detach() * adv * logp
     elif loss_type == "sapo":
         off = -torch.sigmoid(tau(adv) * (w - 1)) * 4 / tau(adv) * adv
     else:

@@ -37,7 +37,7 @@ def test_disabled_replay_is_grpo_trainer(tmp_path):
 
 
 def test_replay_group_layout_and_generated_rows(tmp_path):
-    trainer = make_trainer(tmp_path, trainer_cls=RecordingTrainer, max_steps=8, offpolicy_trajectories_per_task=2)
+    trainer = make_trainer(tmp_path, trainer_cls=RecordingTrainer, max_steps=8, replay_trajectories_per_group=2)
     trainer.train()
     num_generations, k = 4, 2
     tokenizer = trainer.processing_class
@@ -229,7 +229,7 @@ def replay_log(tmp_path, **overrides):
 def test_max_policy_age_and_replay_window_limit_what_is_replayed(tmp_path):
     tasks, ages = replay_log(tmp_path / "free")
     assert max(tasks) == 2 and max(ages) > 1  # unconstrained: two replay groups, some trajectories older than 1
-    tasks, ages = replay_log(tmp_path / "age", max_policy_age=1)
+    tasks, ages = replay_log(tmp_path / "age", replay_max_policy_age=1)
     assert max(tasks) >= 1 and max(ages) <= 1
     tasks, _ = replay_log(tmp_path / "window", replay_window=1)  # only the last stored trajectory: one task
     assert max(tasks) == 1
@@ -258,7 +258,7 @@ def _entropy_alone(trainer, trajectory):
 
 @pytest.mark.parametrize("use_current", [True, False])
 def test_selection_by_current_or_saved_entropy(tmp_path, use_current):
-    trainer = make_trainer(tmp_path, use_current_policy_entropy=use_current, exp_select_mode="argmin")
+    trainer = make_trainer(tmp_path, replay_select_by_current_entropy=use_current, replay_select_mode="argmin")
     completions = ["red red", "cat dog sun moon", "blue", "tree rock fish"]
     current = [_entropy_alone(trainer, t) for t in _stored_trajectories(trainer, "task-0", completions, [0] * 4)]
     saved = [-c for c in current]  # saved order is the reverse of the current one
@@ -305,7 +305,7 @@ def test_replay_metrics_are_logged(tmp_path):
 
 
 def test_exp_is_correct_off_uses_current_logps(tmp_path):
-    trainer = make_trainer(tmp_path, max_steps=6, exp_is_correct=False)
+    trainer = make_trainer(tmp_path, max_steps=6, replay_importance_sampling=False)
     trainer.train()
     replay_entries = [e for e in trainer.state.log_history if "replay/importance_ratio_mean" in e]
     assert replay_entries
@@ -317,7 +317,7 @@ def test_exp_is_correct_off_uses_current_logps(tmp_path):
 def test_plain_grpo_config_replays_with_defaults(tmp_path):
     args = make_args(tmp_path, GRPOConfig, max_steps=6)
     trainer = make_trainer(tmp_path, args=args)
-    assert trainer.replay["exp_ratio"] == 0.5 and trainer.replay["enable_experience_replay"]
+    assert trainer.replay["replay_ratio"] == 0.5 and trainer.replay["enable_experience_replay"]
     trainer.train()
     assert max(e.get("replay/tasks", 0) for e in trainer.state.log_history) > 0
 
@@ -403,7 +403,7 @@ def test_given_pool_takes_the_run_configuration(tmp_path, caplog):
     trainer = ExReplayGRPOTrainer(
         model=build_tiny_model(tokenizer),
         reward_funcs=said_target,
-        args=make_args(tmp_path, max_trajectories_per_task=3),
+        args=make_args(tmp_path, replay_max_trajectories_per_task=3),
         train_dataset=say_word_dataset(4),
         processing_class=tokenizer,
         experience_pool=given,

@@ -255,21 +255,23 @@ def test_an_infinite_reward_is_a_counted_missing_reward_never_stored(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- 4: configs
-def test_an_exp_ratio_that_replays_no_group_is_refused_with_the_smallest_that_does():
+def test_a_replay_ratio_that_replays_no_group_is_refused_with_the_smallest_that_does():
     options = dict(
-        enable_experience_replay=True, use_current_policy_entropy=True, exp_is_correct=True, resume_without_pool=False,
-        exp_ratio=0.5, replay_start_ratio=0.35, offpolicy_trajectories_per_task=1, max_trajectories_per_task=5,
-        experience_lbound=0, experience_rbound=None, success_threshold=1.0, exp_select_mode="argmin",
-        off_policy_shaping="clip", replay_bucket_weighting="normal", pool_store_mode="all", off_cliprange_high=100.0,
-        off_clip_ratio_c=3.0, off_policy_shaping_beta=0.1, max_policy_age=None, replay_window=None,
+        enable_experience_replay=True, replay_select_by_current_entropy=True, replay_importance_sampling=True, replay_resume_without_pool=False,
+        replay_ratio=0.5, replay_start_ratio=0.35, replay_trajectories_per_group=1, replay_max_trajectories_per_task=5,
+        replay_store_lbound=0, replay_store_rbound=None, replay_success_threshold=1.0, replay_select_mode="argmin",
+        replay_shaping="clip", replay_bucket_weighting="normal", replay_store_mode="all", replay_clip_high=100.0,
+        replay_dual_clip_c=3.0, replay_shaping_beta=0.1, replay_max_policy_age=None, replay_window=None,
         task_id_column="task_id", max_turns=1, max_tokens_per_turn=None, env_step_timeout=60.0, env_workers=1,
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"`exp_ratio`.*holds 1 task group.*smallest exp_ratio that replays one is 1"):
+    with pytest.raises(
+        ValueError, match=r"`replay_ratio`.*holds 1 task group.*smallest replay_ratio that replays one is 1"
+    ):
         validate_replay_options(options, num_generations=8, generation_batch_size=8)
-    with pytest.raises(ValueError, match="smallest exp_ratio that replays one is 0.25"):
-        validate_replay_options({**options, "exp_ratio": 0.2}, num_generations=4, generation_batch_size=16)
-    validate_replay_options({**options, "exp_ratio": 0.25}, num_generations=4, generation_batch_size=16)
-    validate_replay_options({**options, "exp_ratio": 0.0}, num_generations=8, generation_batch_size=8)  # fill only
+    with pytest.raises(ValueError, match="smallest replay_ratio that replays one is 0.25"):
+        validate_replay_options({**options, "replay_ratio": 0.2}, num_generations=4, generation_batch_size=16)
+    validate_replay_options({**options, "replay_ratio": 0.25}, num_generations=4, generation_batch_size=16)
+    validate_replay_options({**options, "replay_ratio": 0.0}, num_generations=8, generation_batch_size=8)  # fill only
 
 
 # -------------------------------------------------------------------------- 5: scratch, resume, fingerprints

@@ -140,7 +140,7 @@ def record_episodes(trainer, engine: FakeVLLMGeneration) -> list[tuple[list, int
 def test_multi_turn_rollouts_through_vllm_carry_sampling_logprobs(tmp_path):
     max_steps = 3
     trainer = make_trainer(
-        tmp_path, max_steps=max_steps, exp_ratio=0.5, replay_start_ratio=0.0, temperature=TEMPERATURE
+        tmp_path, max_steps=max_steps, replay_ratio=0.5, replay_start_ratio=0.0, temperature=TEMPERATURE
     )
     engine = FakeVLLMGeneration(
         trainer.model, trainer.processing_class, trainer.temperature, trainer.max_completion_length

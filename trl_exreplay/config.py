@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -22,11 +23,11 @@ class ExReplayGRPOConfig(GRPOConfig):
     (ExGRPO, arXiv 2510.02245; AgentEvolver). With `enable_experience_replay=False` the trainer is `GRPOTrainer`.
 
     How replay works, in the terms of these fields: after each generation step, a task's difficulty is its number of
-    successes (total reward >= `success_threshold`) among its fresh rollouts. Tasks solved by every fresh rollout go to
-    a skip set and leave the pool; successful rollouts of tasks with `experience_lbound < successes <
-    experience_rbound` enter the pool (at most `max_trajectories_per_task` per task). From `replay_start_ratio` of
-    training on, `int(exp_ratio * tasks_per_batch)` groups of each generation batch are pool tasks: each gets
-    `num_generations - offpolicy_trajectories_per_task` fresh rollouts plus `offpolicy_trajectories_per_task`
+    successes (total reward >= `replay_success_threshold`) among its fresh rollouts. Tasks solved by every fresh rollout go to
+    a skip set and leave the pool; successful rollouts of tasks with `replay_store_lbound < successes <
+    replay_store_rbound` enter the pool (at most `replay_max_trajectories_per_task` per task). From `replay_start_ratio` of
+    training on, `int(replay_ratio * tasks_per_batch)` groups of each generation batch are pool tasks: each gets
+    `num_generations - replay_trajectories_per_group` fresh rollouts plus `replay_trajectories_per_group`
     replayed trajectories in the same GRPO group. Replayed tokens are trained with their recorded log-probs as the
     behaviour policy.
 
@@ -38,10 +39,10 @@ class ExReplayGRPOConfig(GRPOConfig):
     config = ExReplayGRPOConfig(
         output_dir="out",
         num_generations=8,
-        exp_ratio=0.5,
+        replay_ratio=0.5,
         replay_start_ratio=0.35,
-        offpolicy_trajectories_per_task=1,
-        off_policy_shaping="exgrpo",
+        replay_trajectories_per_group=1,
+        replay_shaping="exgrpo",
     )
     ```
     """
@@ -50,11 +51,11 @@ class ExReplayGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "Turn experience replay on. When False the trainer behaves exactly as `GRPOTrainer`."},
     )
-    exp_ratio: float = field(
+    replay_ratio: float = field(
         default=0.5,
         metadata={
             "help": "Fraction of the tasks of each generation batch drawn from the replay pool once replay has "
-            "started (batch size unchanged): int(exp_ratio * groups) of its groups. In [0, 1]; a value > 0 that "
+            "started (batch size unchanged): int(replay_ratio * groups) of its groups. In [0, 1]; a value > 0 that "
             "replays no group at the configured batch is refused (the error gives the smallest that replays one)."
         },
     )
@@ -65,68 +66,70 @@ class ExReplayGRPOConfig(GRPOConfig):
             "In [0, 1]."
         },
     )
-    offpolicy_trajectories_per_task: int = field(
+    replay_trajectories_per_group: int = field(
         default=1,
         metadata={
             "help": "k: replayed trajectories per replay task; the task's group gets num_generations - k fresh "
             "rollouts. 1 <= k < num_generations."
         },
     )
-    max_trajectories_per_task: int = field(
+    replay_max_trajectories_per_task: int = field(
         default=5,
-        metadata={"help": "Capacity of the pool per task; beyond it a trajectory is evicted (see exp_select_mode)."},
-    )
-    experience_lbound: int = field(
-        default=0,
         metadata={
-            "help": "A task's successes s must satisfy experience_lbound < s < experience_rbound to enter the pool."
+            "help": "Capacity of the pool per task; beyond it a trajectory is evicted (see replay_select_mode)."
         },
     )
-    experience_rbound: int | None = field(
+    replay_store_lbound: int = field(
+        default=0,
+        metadata={
+            "help": "A task's successes s must satisfy replay_store_lbound < s < replay_store_rbound to enter the pool."
+        },
+    )
+    replay_store_rbound: int | None = field(
         default=None,
         metadata={"help": "Upper (exclusive) bound on successes for entering the pool. None means num_generations."},
     )
-    success_threshold: float = field(
+    replay_success_threshold: float = field(
         default=1.0,
         metadata={"help": "A rollout is a success when its total (weighted) reward is >= this value."},
     )
-    exp_select_mode: str = field(
+    replay_select_mode: str = field(
         default="argmin",
         metadata={
             "help": "Which stored trajectory to replay, and which to evict at capacity: 'argmin' (lowest entropy), "
             "'argmax' (highest entropy) or 'random' (random replay, FIFO eviction)."
         },
     )
-    use_current_policy_entropy: bool = field(
+    replay_select_by_current_entropy: bool = field(
         default=True,
         metadata={
             "help": "Rank candidate trajectories by their entropy under the current policy (one extra no-grad "
             "forward over the candidates, sharded over processes) instead of the entropy saved when stored."
         },
     )
-    exp_is_correct: bool = field(
+    replay_importance_sampling: bool = field(
         default=True,
         metadata={
             "help": "Use the recorded behaviour log-probs as the old log-probs of replayed tokens (importance "
             "sampling). When False, the current log-probs are used (ratio 1, plain policy gradient on replay)."
         },
     )
-    off_cliprange_high: float = field(
+    replay_clip_high: float = field(
         default=1.0,
         metadata={"help": "Upper clip of the replayed tokens' ratio: clamp(ratio, 1 - epsilon_low, 1 + this). >= 0."},
     )
-    off_clip_ratio_c: float = field(
+    replay_dual_clip_c: float = field(
         default=3.0,
         metadata={"help": "Dual-clip constant c bounding the replayed tokens' loss for negative advantages. >= 1."},
     )
-    off_policy_shaping: str = field(
+    replay_shaping: str = field(
         default="clip",
         metadata={
-            "help": "Objective on replayed tokens: 'clip' (dual-clip PPO with off_cliprange_high and off_clip_ratio_c) "
-            "or 'exgrpo' (-A * w / (w + off_policy_shaping_beta), w the importance ratio, no clip)."
+            "help": "Objective on replayed tokens: 'clip' (dual-clip PPO with replay_clip_high and replay_dual_clip_c) "
+            "or 'exgrpo' (-A * w / (w + replay_shaping_beta), w the importance ratio, no clip)."
         },
     )
-    off_policy_shaping_beta: float = field(
+    replay_shaping_beta: float = field(
         default=0.1,
         metadata={"help": "beta of the 'exgrpo' shaping w / (w + beta). > 0."},
     )
@@ -138,7 +141,7 @@ class ExReplayGRPOConfig(GRPOConfig):
             "weight grows linearly as tasks get harder, i.e. fewer successes)."
         },
     )
-    max_policy_age: int | None = field(
+    replay_max_policy_age: int | None = field(
         default=None,
         metadata={"help": "Replay only trajectories generated at most this many optimizer steps ago. None: no limit."},
     )
@@ -155,11 +158,11 @@ class ExReplayGRPOConfig(GRPOConfig):
             "help": "Dataset column that identifies a task. Rows without it are keyed by a stable hash of the prompt."
         },
     )
-    pool_store_mode: str = field(
+    replay_store_mode: str = field(
         default="all",
         metadata={
             "help": "'all': store every success of a qualifying task; 'best': only its best one by entropy "
-            "(per exp_select_mode)."
+            "(per replay_select_mode)."
         },
     )
 
@@ -185,7 +188,7 @@ class ExReplayGRPOConfig(GRPOConfig):
             "help": "Multi-turn: environment calls running at once (threads), so a slow one does not serialise."
         },
     )
-    resume_without_pool: bool = field(
+    replay_resume_without_pool: bool = field(
         default=False,
         metadata={
             "help": "Resume from a checkpoint that holds no saved experience pool (`exreplay_pool/`) with an empty pool "
@@ -198,9 +201,110 @@ class ExReplayGRPOConfig(GRPOConfig):
         metadata={"help": "Multi-turn: dataset column with an optional system prompt for the episode."},
     )
 
+    # ---- former names: a YAML file or script that sets one still works, with a FutureWarning naming the new field
+    exp_ratio: float | None = field(
+        default=None, metadata={"help": "Deprecated: the former name of `replay_ratio`; set that instead."}
+    )
+    offpolicy_trajectories_per_task: int | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the former name of `replay_trajectories_per_group`; set that instead."},
+    )
+    max_trajectories_per_task: int | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the former name of `replay_max_trajectories_per_task`; set that instead."},
+    )
+    experience_lbound: int | None = field(
+        default=None, metadata={"help": "Deprecated: the former name of `replay_store_lbound`; set that instead."}
+    )
+    experience_rbound: int | None = field(
+        default=None, metadata={"help": "Deprecated: the former name of `replay_store_rbound`; set that instead."}
+    )
+    success_threshold: float | None = field(
+        default=None, metadata={"help": "Deprecated: the former name of `replay_success_threshold`; set that instead."}
+    )
+    exp_select_mode: str | None = field(
+        default=None, metadata={"help": "Deprecated: the former name of `replay_select_mode`; set that instead."}
+    )
+    use_current_policy_entropy: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the former name of `replay_select_by_current_entropy`; set that instead."},
+    )
+    exp_is_correct: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the former name of `replay_importance_sampling`; set that instead."},
+    )
+    off_cliprange_high: float | None = field(
+        default=None, metadata={"help": "Deprecated: the former name of `replay_clip_high`; set that instead."}
+    )
+    off_clip_ratio_c: float | None = field(
+        default=None, metadata={"help": "Deprecated: the former name of `replay_dual_clip_c`; set that instead."}
+    )
+    off_policy_shaping: str | None = field(
+        default=None, metadata={"help": "Deprecated: the former name of `replay_shaping`; set that instead."}
+    )
+    off_policy_shaping_beta: float | None = field(
+        default=None, metadata={"help": "Deprecated: the former name of `replay_shaping_beta`; set that instead."}
+    )
+    max_policy_age: int | None = field(
+        default=None, metadata={"help": "Deprecated: the former name of `replay_max_policy_age`; set that instead."}
+    )
+    pool_store_mode: str | None = field(
+        default=None, metadata={"help": "Deprecated: the former name of `replay_store_mode`; set that instead."}
+    )
+    resume_without_pool: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the former name of `replay_resume_without_pool`; set that instead."},
+    )
+
     def __post_init__(self):
+        apply_former_names(self)
         super().__post_init__()
         validate_replay_options(replay_options(self), self.num_generations)
+
+
+# The fields' former names (most are the design documents' own: seeds 000-002) -> the fields that replaced them.
+RENAMED_FIELDS: dict[str, str] = {
+    "exp_ratio": "replay_ratio",
+    "offpolicy_trajectories_per_task": "replay_trajectories_per_group",
+    "max_trajectories_per_task": "replay_max_trajectories_per_task",
+    "experience_lbound": "replay_store_lbound",
+    "experience_rbound": "replay_store_rbound",
+    "success_threshold": "replay_success_threshold",
+    "exp_select_mode": "replay_select_mode",
+    "use_current_policy_entropy": "replay_select_by_current_entropy",
+    "exp_is_correct": "replay_importance_sampling",
+    "off_cliprange_high": "replay_clip_high",
+    "off_clip_ratio_c": "replay_dual_clip_c",
+    "off_policy_shaping": "replay_shaping",
+    "off_policy_shaping_beta": "replay_shaping_beta",
+    "max_policy_age": "replay_max_policy_age",
+    "pool_store_mode": "replay_store_mode",
+    "resume_without_pool": "replay_resume_without_pool",
+}
+
+
+def apply_former_names(config) -> None:
+    """Move values set under a former name (`RENAMED_FIELDS`) to the field's name, with a FutureWarning; the former
+    name reads None afterwards. Setting both names to different values is a `ValueError`."""
+    defaults = {f.name: f.default for f in fields(ExReplayGRPOConfig)}
+    for old, new in RENAMED_FIELDS.items():
+        value = getattr(config, old, None)
+        if value is None:
+            continue
+        current = getattr(config, new)
+        if current != defaults[new] and current != value:
+            raise ValueError(
+                f"`{old}` is the former name of `{new}`, and both are set ({old}={value!r}, {new}={current!r}): set "
+                f"`{new}` only."
+            )
+        warnings.warn(
+            f"`{old}` is deprecated: it is the former name of `{new}`; set {new}={value!r} instead (the former name "
+            "will be removed in trl-exreplay 0.3).",
+            FutureWarning,
+            stacklevel=4,
+        )
+        setattr(config, new, value)
+        setattr(config, old, None)
 
 
 def replay_options(args: Any) -> dict[str, Any]:
@@ -226,13 +330,18 @@ def validate_replay_options(
 ) -> None:
     """Raise `ValueError` naming the field, its value and its allowed values for the first invalid replay option.
 
-    Given `num_generations` and the global `generation_batch_size`, also refuses an `exp_ratio` that would replay no
-    task of a generation batch (``int(exp_ratio * groups) == 0`` with ``exp_ratio > 0``).
+    Given `num_generations` and the global `generation_batch_size`, also refuses an `replay_ratio` that would replay no
+    task of a generation batch (``int(replay_ratio * groups) == 0`` with ``replay_ratio > 0``).
     """
     o = options
-    for name in ("enable_experience_replay", "use_current_policy_entropy", "exp_is_correct", "resume_without_pool"):
+    for name in (
+        "enable_experience_replay",
+        "replay_select_by_current_entropy",
+        "replay_importance_sampling",
+        "replay_resume_without_pool",
+    ):
         _check(isinstance(o[name], bool), name, o[name], "True or False (a bool, not a string)")
-    for name in ("exp_ratio", "replay_start_ratio"):
+    for name in ("replay_ratio", "replay_start_ratio"):
         value = o[name]
         _check(
             isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
@@ -241,75 +350,77 @@ def validate_replay_options(
             "numbers in [0, 1]",
         )
     groups = generation_batch_size // num_generations if generation_batch_size and num_generations else None
-    ratio = o["exp_ratio"]
+    ratio = o["replay_ratio"]
     if o["enable_experience_replay"] and groups and ratio > 0 and int(ratio * groups) == 0:
         raise ValueError(
-            f"Invalid value {ratio!r} for `exp_ratio`: a generation batch holds {groups} task group(s) "
+            f"Invalid value {ratio!r} for `replay_ratio`: a generation batch holds {groups} task group(s) "
             f"(generation_batch_size {generation_batch_size} / num_generations {num_generations}), and "
-            f"int(exp_ratio * {groups}) = 0, so no task would ever be replayed. The smallest exp_ratio that replays one "
+            f"int(replay_ratio * {groups}) = 0, so no task would ever be replayed. The smallest replay_ratio that replays one "
             f"is {1 / groups:g}; or give each generation batch more groups (steps_per_generation, "
-            "per_device_train_batch_size or more processes), or set exp_ratio=0 to fill the pool without replaying."
+            "per_device_train_batch_size or more processes), or set replay_ratio=0 to fill the pool without replaying."
         )
-    k = o["offpolicy_trajectories_per_task"]
+    k = o["replay_trajectories_per_group"]
     upper = f"num_generations - 1 = {num_generations - 1}" if num_generations else "num_generations - 1"
-    _check(_is_int(k) and k >= 1, "offpolicy_trajectories_per_task", k, f"integers 1 .. {upper}")
+    _check(_is_int(k) and k >= 1, "replay_trajectories_per_group", k, f"integers 1 .. {upper}")
     if num_generations is not None:
-        _check(k < num_generations, "offpolicy_trajectories_per_task", k, f"integers 1 .. {upper}")
-    cap = o["max_trajectories_per_task"]
+        _check(k < num_generations, "replay_trajectories_per_group", k, f"integers 1 .. {upper}")
+    cap = o["replay_max_trajectories_per_task"]
     _check(
         _is_int(cap) and cap >= k,
-        "max_trajectories_per_task",
+        "replay_max_trajectories_per_task",
         cap,
-        f"integers >= offpolicy_trajectories_per_task ({k})",
+        f"integers >= replay_trajectories_per_group ({k})",
     )
-    lbound = o["experience_lbound"]
-    _check(_is_int(lbound) and lbound >= 0, "experience_lbound", lbound, "integers >= 0")
-    rbound = o["experience_rbound"]
+    lbound = o["replay_store_lbound"]
+    _check(_is_int(lbound) and lbound >= 0, "replay_store_lbound", lbound, "integers >= 0")
+    rbound = o["replay_store_rbound"]
     effective_rbound = num_generations if rbound is None else rbound
     if rbound is not None:
-        _check(_is_int(rbound) and rbound >= 1, "experience_rbound", rbound, "None or an integer > experience_lbound")
+        _check(
+            _is_int(rbound) and rbound >= 1, "replay_store_rbound", rbound, "None or an integer > replay_store_lbound"
+        )
     if effective_rbound is not None:
         _check(
             lbound < effective_rbound,
-            "experience_lbound",
+            "replay_store_lbound",
             lbound,
-            f"integers below experience_rbound ({effective_rbound}; lbound < successes < rbound must be satisfiable)",
+            f"integers below replay_store_rbound ({effective_rbound}; lbound < successes < rbound must be satisfiable)",
         )
         # A task's trajectories are stored when lbound < s < rbound, s its successes among its fresh rollouts;
         # s = 0 stores nothing and s = num_generations sends the task to the skip set, so 1 <= s <= G - 1.
         lowest = max(lbound + 1, 1)
         highest = effective_rbound - 1 if num_generations is None else min(effective_rbound, num_generations) - 1
         if lowest > highest:
-            name, value = ("experience_rbound", rbound) if rbound is not None else ("experience_lbound", lbound)
+            name, value = ("replay_store_rbound", rbound) if rbound is not None else ("replay_store_lbound", lbound)
             raise ValueError(
                 f"Invalid value {value!r} for `{name}`: no task can enter the pool, since its successes s must satisfy "
-                f"experience_lbound ({lbound}) < s < experience_rbound ({effective_rbound}) and 1 <= s <= "
-                f"num_generations - 1; allowed values make that range non-empty (experience_rbound >= "
-                f"experience_lbound + 2, experience_lbound <= num_generations - 2)."
+                f"replay_store_lbound ({lbound}) < s < replay_store_rbound ({effective_rbound}) and 1 <= s <= "
+                f"num_generations - 1; allowed values make that range non-empty (replay_store_rbound >= "
+                f"replay_store_lbound + 2, replay_store_lbound <= num_generations - 2)."
             )
-    threshold = o["success_threshold"]
+    threshold = o["replay_success_threshold"]
     _check(
         isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and math.isfinite(threshold),
-        "success_threshold",
+        "replay_success_threshold",
         threshold,
         "finite numbers",
     )
-    _check(o["exp_select_mode"] in SELECT_MODES, "exp_select_mode", o["exp_select_mode"], _names(SELECT_MODES))
     _check(
-        o["off_policy_shaping"] in SHAPING_MODES, "off_policy_shaping", o["off_policy_shaping"], _names(SHAPING_MODES)
+        o["replay_select_mode"] in SELECT_MODES, "replay_select_mode", o["replay_select_mode"], _names(SELECT_MODES)
     )
+    _check(o["replay_shaping"] in SHAPING_MODES, "replay_shaping", o["replay_shaping"], _names(SHAPING_MODES))
     _check(
         o["replay_bucket_weighting"] in BUCKET_WEIGHTINGS,
         "replay_bucket_weighting",
         o["replay_bucket_weighting"],
         _names(BUCKET_WEIGHTINGS),
     )
-    _check(o["pool_store_mode"] in STORE_MODES, "pool_store_mode", o["pool_store_mode"], _names(STORE_MODES))
-    _check(o["off_cliprange_high"] >= 0, "off_cliprange_high", o["off_cliprange_high"], "numbers >= 0")
-    _check(o["off_clip_ratio_c"] >= 1, "off_clip_ratio_c", o["off_clip_ratio_c"], "numbers >= 1")
-    _check(o["off_policy_shaping_beta"] > 0, "off_policy_shaping_beta", o["off_policy_shaping_beta"], "numbers > 0")
-    age = o["max_policy_age"]
-    _check(age is None or (_is_int(age) and age >= 0), "max_policy_age", age, "None or integers >= 0")
+    _check(o["replay_store_mode"] in STORE_MODES, "replay_store_mode", o["replay_store_mode"], _names(STORE_MODES))
+    _check(o["replay_clip_high"] >= 0, "replay_clip_high", o["replay_clip_high"], "numbers >= 0")
+    _check(o["replay_dual_clip_c"] >= 1, "replay_dual_clip_c", o["replay_dual_clip_c"], "numbers >= 1")
+    _check(o["replay_shaping_beta"] > 0, "replay_shaping_beta", o["replay_shaping_beta"], "numbers > 0")
+    age = o["replay_max_policy_age"]
+    _check(age is None or (_is_int(age) and age >= 0), "replay_max_policy_age", age, "None or integers >= 0")
     window = o["replay_window"]
     _check(
         window is None or (_is_int(window) and window >= 1),
@@ -334,5 +445,7 @@ def _names(values: tuple[str, ...]) -> str:
 
 
 _REPLAY_FIELD_NAMES = frozenset(
-    name for name in ExReplayGRPOConfig.__dataclass_fields__ if name not in GRPOConfig.__dataclass_fields__
+    name
+    for name in ExReplayGRPOConfig.__dataclass_fields__
+    if name not in GRPOConfig.__dataclass_fields__ and name not in RENAMED_FIELDS
 )

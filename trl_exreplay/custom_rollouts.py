@@ -1,7 +1,7 @@
 """A user's TRL `rollout_func` under replay.
 
 The contract: in a generation step that replays, the `rollout_func` is called with the prompts of the fresh rows only
-(a replayed group has `num_generations - offpolicy_trajectories_per_task` of them, not `num_generations`), in the
+(a replayed group has `num_generations - replay_trajectories_per_group` of them, not `num_generations`), in the
 batch's order, and must return one completion per prompt it is given, as TRL's `GRPOTrainer` expects of it on every
 other step. The replayed rows are then put back in place from the pool: their prompt and completion ids, no sampler
 log-probs (`None`: they were not sampled now; the loss uses their recorded ones), and their model-token

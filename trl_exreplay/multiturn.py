@@ -174,7 +174,7 @@ class MultiTurnRollouts:
 
     def _log_env_metrics(self, episodes) -> None:
         mode = "train" if self.model.training else "eval"
-        threshold = self.replay["success_threshold"]
+        threshold = self.replay["replay_success_threshold"]
         steps = [s for e in episodes for s in e.step_seconds]
         local = torch.tensor(
             [

@@ -1,5 +1,5 @@
 """Which stored trajectories a replayed group gets: the pool's choice on its index (by saved entropy, or at random),
-or, with `use_current_policy_entropy`, the lowest entropy under the current policy, scored by one no-grad forward
+or, with `replay_select_by_current_entropy`, the lowest entropy under the current policy, scored by one no-grad forward
 sharded over ranks. A mixin of `ExReplayGRPOTrainer` (it needs the model and the accelerator).
 """
 
@@ -19,10 +19,10 @@ class ReplaySelection:
     """The trajectories chosen for a step's replay plan (identical on every rank)."""
 
     def _select_trajectories(self, plan: ReplayPlan, step: int, seed=None) -> dict[str, list[Trajectory]]:
-        k, age, window = plan.num_replayed, self.replay["max_policy_age"], self.replay["replay_window"]
-        mode = self.replay["exp_select_mode"]
+        k, age, window = plan.num_replayed, self.replay["replay_max_policy_age"], self.replay["replay_window"]
+        mode = self.replay["replay_select_mode"]
         rng = np.random.default_rng([*(seed or [self.args.seed, step]), 1])
-        if not self.replay["use_current_policy_entropy"] or mode == "random":
+        if not self.replay["replay_select_by_current_entropy"] or mode == "random":
             # By saved entropy (or at random): chosen on the pool's index; only the chosen trajectories are read.
             return self.pool.choose(list(plan.replay_groups.values()), k, step, age, window, rng)
         # By entropy under the current policy: every candidate of a task with more than k is scored.

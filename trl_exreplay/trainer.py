@@ -176,14 +176,14 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         # the micro-step index (identical on every rank, 0 at every step boundary, so resume-safe) tells them apart.
         draw_seed = [self.args.seed, step, self._step % self.args.gradient_accumulation_steps]
 
-        plan = ReplayPlan(num_generations, self.replay["offpolicy_trajectories_per_task"], {})
+        plan = ReplayPlan(num_generations, self.replay["replay_trajectories_per_group"], {})
         if self._replay_started():
             plan = plan_replay(
                 group_keys,
                 self.pool.replay_buckets(  # drawn from in O(batch), whatever the pool's size
-                    plan.num_replayed, step, self.replay["max_policy_age"], self.replay["replay_window"]
+                    plan.num_replayed, step, self.replay["replay_max_policy_age"], self.replay["replay_window"]
                 ),
-                exp_ratio=self.replay["exp_ratio"],
+                exp_ratio=self.replay["replay_ratio"],
                 num_generations=num_generations,
                 num_replayed=plan.num_replayed,
                 weighting=self.replay["replay_bucket_weighting"],
@@ -380,7 +380,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
                 "TRL's _compute_loss made no policy forward through _get_per_token_logps_and_entropies, so the replayed "
                 "tokens' term has no log-probs: a subclass that overrides one of them must call super()."
             )
-        behaviour = inputs["recorded_per_token_logps"] if self.replay["exp_is_correct"] else logps.detach()
+        behaviour = inputs["recorded_per_token_logps"] if self.replay["replay_importance_sampling"] else logps.detach()
         per_token_loss, metrics = off_policy_loss(
             logps, behaviour, advantages, inputs["exp_mask"] * mask, **self._off_policy_options(forward.entropy_mask)
         )
@@ -407,10 +407,10 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
             "importance_sampling_level": self.importance_sampling_level,
             "epsilon_low": self.epsilon_low,
             "delta": args.delta,
-            "off_cliprange_high": self.replay["off_cliprange_high"],
-            "off_clip_ratio_c": self.replay["off_clip_ratio_c"],
-            "off_policy_shaping": self.replay["off_policy_shaping"],
-            "off_policy_shaping_beta": self.replay["off_policy_shaping_beta"],
+            "off_cliprange_high": self.replay["replay_clip_high"],
+            "off_clip_ratio_c": self.replay["replay_dual_clip_c"],
+            "off_policy_shaping": self.replay["replay_shaping"],
+            "off_policy_shaping_beta": self.replay["replay_shaping_beta"],
             "sapo_temperature_pos": args.sapo_temperature_pos,
             "sapo_temperature_neg": args.sapo_temperature_neg,
             "vespo_k_pos": args.vespo_k_pos,

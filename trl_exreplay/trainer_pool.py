@@ -28,14 +28,14 @@ class TrainerPool:
     """`self.pool`, and `self._pending`: the last step's outcomes, recorded in the pool at the next step."""
 
     def _setup_pool(self, experience_pool: ExperiencePool | None) -> None:
-        rbound = self.replay["experience_rbound"]
+        rbound = self.replay["replay_store_rbound"]
         self._pool_settings = {
-            "max_trajectories_per_task": self.replay["max_trajectories_per_task"],
-            "experience_lbound": self.replay["experience_lbound"],
+            "max_trajectories_per_task": self.replay["replay_max_trajectories_per_task"],
+            "experience_lbound": self.replay["replay_store_lbound"],
             "experience_rbound": self.num_generations if rbound is None else rbound,
-            "exp_select_mode": self.replay["exp_select_mode"],
-            "pool_store_mode": self.replay["pool_store_mode"],
-            "max_policy_age": self.replay["max_policy_age"],
+            "exp_select_mode": self.replay["replay_select_mode"],
+            "pool_store_mode": self.replay["replay_store_mode"],
+            "max_policy_age": self.replay["replay_max_policy_age"],
             "replay_window": self.replay["replay_window"],
             "seed": self.args.seed,
         }
@@ -77,11 +77,11 @@ class TrainerPool:
     def _resume_pool(self, checkpoint: str) -> None:
         """Take the pool saved in `checkpoint` (or, where there is none, say loudly that the run resumes empty)."""
         if not os.path.lexists(os.path.join(checkpoint, POOL_DIR)):
-            if not self.replay["resume_without_pool"]:
+            if not self.replay["replay_resume_without_pool"]:
                 message = (
                     f"trl_exreplay: the checkpoint {checkpoint} holds no experience pool ({POOL_DIR}/): training "
                     "resumes with an EMPTY pool, so nothing is replayed until it fills again. If the pool was lost, "
-                    "stop and restore it; to start empty on purpose, set resume_without_pool=True."
+                    "stop and restore it; to start empty on purpose, set replay_resume_without_pool=True."
                 )
                 logger.warning(message)
                 warnings.warn(message, stacklevel=2)
@@ -96,7 +96,7 @@ class TrainerPool:
         """Compute each task's outcome from the gathered rewards; keep this rank's successful fresh rows."""
         rewards_per_func = step.rewards
         totals = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-        success = (totals >= self.replay["success_threshold"]).cpu().tolist()
+        success = (totals >= self.replay["replay_success_threshold"]).cpu().tolist()
         # A row with no reward at all (every function returned None, NaN or inf) says nothing about its task.
         missing = torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
         fresh_rows = [r for r in range(len(row_tasks)) if not step.plan.is_replayed(r) and not missing[r]]

@@ -72,11 +72,11 @@ TRL_OPTIONS = dict(loss_type="cispo", top_entropy_quantile=0.5, entropy_coef=0.0
 episodes = []
 tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY if multi_turn else VOCABULARY)
 single_turn_settings = dict(
-    per_device_train_batch_size=6, offpolicy_trajectories_per_task=1, max_steps=6, max_completion_length=4
+    per_device_train_batch_size=6, replay_trajectories_per_group=1, max_steps=6, max_completion_length=4
 )
 multi_turn_settings = dict(
     per_device_train_batch_size=2,
-    offpolicy_trajectories_per_task=2,
+    replay_trajectories_per_group=2,
     max_steps=10,
     max_completion_length=48,
     max_tokens_per_turn=4,
@@ -95,7 +95,7 @@ config = ExReplayGRPOConfig(
     save_steps=3,
     report_to="none",
     disable_tqdm=True,
-    exp_ratio=1.0,
+    replay_ratio=1.0,
     replay_start_ratio=0.3,
     ds3_gather_for_generation=os.environ.get("EXREPLAY_TEST_DS3_GATHER", "1") == "1",
     **(multi_turn_settings if multi_turn else single_turn_settings),

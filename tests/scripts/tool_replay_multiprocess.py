@@ -47,8 +47,8 @@ config = make_args(
     per_device_train_batch_size=8,
     max_completion_length=48,
     max_steps=8,
-    exp_ratio=1.0,
-    offpolicy_trajectories_per_task=2,
+    replay_ratio=1.0,
+    replay_trajectories_per_group=2,
     replay_start_ratio=0.3,
 )
 trainer = RecordingTrainer(

@@ -11,10 +11,10 @@ import functools
 
 from trl_exreplay.envs.alfworld import AlfWorldEnv
 
-pool = EnvProcessPool(functools.partial(AlfWorldEnv, max_steps=50), workers=16)
-trainer = ExReplayGRPOTrainer(..., text_env_factory=pool)
+env_processes = EnvProcessPool(functools.partial(AlfWorldEnv, max_steps=50), workers=16)
+trainer = ExReplayGRPOTrainer(..., text_env_factory=env_processes)
 trainer.train()
-pool.close()
+env_processes.close()
 ```
 
 The environments' arguments and results travel between processes by pickling; the messages are our own and never
@@ -294,8 +294,8 @@ class EnvProcessPool:
     from trl_exreplay.envs import EnvProcessPool, KeyDoorEnv
 
     if __name__ == "__main__":  # required by spawn and forkserver in a script
-        with EnvProcessPool(KeyDoorEnv, workers=2) as pool:
-            env = pool()
+        with EnvProcessPool(KeyDoorEnv, workers=2) as env_processes:
+            env = env_processes()
             print(env.reset({"door": "red"}))  # you see a red door and a key
             print(env.step("take the key"))  # ('you have the key', 0.0, False, {})
             print(env.admissible_actions())  # ['open the red door']

@@ -1,0 +1,115 @@
+"""Write docs/config.md, the reference of `ExReplayGRPOConfig`'s own fields, from the dataclass itself.
+
+    python tools/config_reference.py            # rewrite docs/config.md
+    python tools/config_reference.py --check    # exit 1 if docs/config.md is not what the config says
+
+`tests/test_config.py` runs the check, so the page cannot drift from the code: every field with its default, its
+help text, its former name (still accepted, with a FutureWarning) and its name in the design documents (seeds 000-002,
+ExGRPO / AgentEvolver), so that readers of those documents find their way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPOSITORY))
+
+from trl import GRPOConfig  # noqa: E402
+
+from trl_exreplay.config import RENAMED_FIELDS, ExReplayGRPOConfig  # noqa: E402
+
+OUTPUT = REPOSITORY / "docs" / "config.md"
+
+# The name the design documents give each field (seed 000: ExGRPO's ExperienceManager; seed 001: the
+# AgentEvolver-style pipeline; seed 002: off-policy tokens), where they name it.
+SEED_NAMES = {
+    "enable_experience_replay": "`enable_replay` (000), `enable_exp_replay` (001)",
+    "replay_ratio": "`exp_ratio`",
+    "replay_start_ratio": "`replay_start_ratio`",
+    "replay_trajectories_per_group": "`offpolicy_trajectories_per_task`",
+    "replay_max_trajectories_per_task": "`max_trajectories_per_task`",
+    "replay_store_lbound": "`experience_lbound`",
+    "replay_store_rbound": "`experience_rbound`",
+    "replay_select_mode": "`exp_select_mode`",
+    "replay_select_by_current_entropy": "`use_current_policy_entropy`",
+    "replay_importance_sampling": "`exp_is_correct`",
+    "replay_clip_high": "`off_cliprange_high`",
+    "replay_dual_clip_c": "`clip_ratio_c` (verl's dual clip)",
+}
+
+GROUPS = (
+    ("Replay: when and how much", ("enable_experience_replay", "replay_ratio", "replay_start_ratio",
+                                   "replay_trajectories_per_group", "replay_bucket_weighting")),
+    ("The pool: what is stored and kept", ("replay_success_threshold", "replay_store_lbound", "replay_store_rbound",
+                                           "replay_max_trajectories_per_task", "replay_store_mode",
+                                           "replay_max_policy_age", "replay_window", "replay_resume_without_pool")),
+    ("Selection: which stored trajectory", ("replay_select_mode", "replay_select_by_current_entropy")),
+    ("The replayed tokens' loss", ("replay_importance_sampling", "replay_clip_high", "replay_dual_clip_c",
+                                   "replay_shaping", "replay_shaping_beta")),
+    ("Data columns", ("task_id_column", "system_prompt_column")),
+    ("Multi-turn episodes (games given as `text_env_factory`)", ("max_turns", "max_tokens_per_turn",
+                                                                 "env_step_timeout", "env_workers")),
+)  # fmt: skip
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def render() -> str:
+    own = {f.name: f for f in fields(ExReplayGRPOConfig) if f.name not in {g.name for g in fields(GRPOConfig)}}
+    listed = [name for _, names in GROUPS for name in names]
+    missing = sorted(set(own) - set(listed) - set(RENAMED_FIELDS))
+    if missing or len(listed) != len(set(listed)) or set(listed) - set(own):
+        raise SystemExit(f"tools/config_reference.py: GROUPS must list each field once; not listed: {missing}")
+    former = {new: old for old, new in RENAMED_FIELDS.items()}
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Written by `python tools/config_reference.py` from `ExReplayGRPOConfig`; tests/test_config.py checks "
+        "it. Do not edit by hand. -->",
+        "",
+        "`ExReplayGRPOConfig` is TRL's `GRPOConfig` (every field of it works as in TRL) plus the fields below. "
+        "**The naming rule:** every field of experience replay is `replay_<what>`, except the one switch "
+        "`enable_experience_replay`; dataset columns end in `_column`, as TRL's do; the multi-turn episode fields "
+        "describe episodes, not replay, and keep plain names.",
+        "",
+        "A field's **former name** (most are the design documents' own) is still accepted, in code, on the command "
+        "line and in YAML files, with a `FutureWarning` naming the new field; it will be removed in trl-exreplay "
+        "0.3. The **design documents' name** column maps each field to the name the ExGRPO / AgentEvolver design "
+        "documents use (seeds 000-002), where they name it.",
+    ]
+    for title, names in GROUPS:
+        lines += ["", f"## {title}", "", "| field | default | former name | design documents' name | what it does |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for name in names:
+            f = own[name]
+            default = f.default if f.default is not MISSING else f.default_factory()
+            old = f"`{former[name]}`" if name in former else ""
+            lines.append(
+                f"| `{name}` | `{default!r}` | {old} | {SEED_NAMES.get(name, '')} | {_cell(f.metadata['help'])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="compare with docs/config.md instead of writing it")
+    options = parser.parse_args(argv)
+    text = render()
+    if options.check:
+        if OUTPUT.read_text() != text:
+            print("docs/config.md differs from ExReplayGRPOConfig: run python tools/config_reference.py")
+            return 1
+        return 0
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT.relative_to(REPOSITORY)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
