@@ -2,10 +2,10 @@
 
 Saves a small pool (several trajectory and task row shards, a kept older snapshot, a tokenizer fingerprint), then
 applies random mutations to copies of its folder, each loaded (with the tokenizer and the model's vocabulary size),
-sampled and hashed in a forked child process (`os.fork`: no interpreter start per mutation), and classifies each:
+read and hashed in a forked child process (`os.fork`: no interpreter start per mutation), and classifies each:
 
 * ``signals``: the child died of a signal (segfault, bus error, abort): never acceptable;
-* ``silent_differences``: it loaded, rejected no row, and its content or its sample differ from the saved pool's:
+* ``silent_differences``: it loaded, rejected no row, and its content or its replay read differ from the saved pool's:
   other data read as if it were the pool: never acceptable;
 * ``clear_errors``: it refused with a `PoolFormatError`, or a `ValueError` / `FileNotFoundError` naming the pool;
 * ``counted_rejections``: it loaded with rows refused and counted (``rejected_rows > 0``);
@@ -96,9 +96,10 @@ def build_pool(folder: str, tokenizer) -> None:
 
 
 def fingerprint_of(pool: ExperiencePool) -> str:
-    """The pool's content hash and a seeded sample of it."""
-    sample = [(t.task_id, t.traj_id, t.completion_ids, t.logps) for t in pool.sample(4, rng=np.random.default_rng(1))]
-    return pool.content_hash() + json.dumps(sample)
+    """The pool's content hash and a replay read of it (each stored task's best trajectory, as the trainer reads)."""
+    chosen = pool.choose(pool.stored_tasks(), 1)
+    read = [(t.task_id, t.traj_id, t.completion_ids, t.logps) for ts in chosen.values() for t in ts]
+    return pool.content_hash() + json.dumps(read)
 
 
 # ------------------------------------------------------------------------------------------------------ mutations
@@ -343,7 +344,7 @@ MUTATIONS = {
 
 # -------------------------------------------------------------------------------------------------------- children
 def load_in_child(folder: str, tokenizer, timeout: float) -> tuple[str, dict]:
-    """Load, sample and hash the pool at `folder` in a forked child; returns (outcome, details)."""
+    """Load, read and hash the pool at `folder` in a forked child; returns (outcome, details)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, then leave without running the parent's cleanup

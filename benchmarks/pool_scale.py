@@ -5,13 +5,14 @@ For each size N (trajectories of ``--prompt-tokens`` + ``--completion-tokens`` t
 token, 5 per task, N / 5 tasks), each step in a fresh process so that memory is measured cleanly:
 
 * ours, build: fill a pool through `record_outcome`, save it, then time add 512 (the calling thread's cost; the
-  writer thread's flush of them is timed apart), sample 64 (argmin saved entropy: `ExperiencePool.sample`, whose
-  token lists become Python lists on first access; timed again with every list touched), the trainer's per-step
-  replay selection for 64 replay groups of 128 (the calls `ExReplayGRPOTrainer` makes, with its default settings but
-  the trajectories replayed by saved entropy: `plan_replay` over `pool.replay_buckets(...)`, then `pool.choose(...)`),
-  the same plan drawn from the full list of replayable tasks (`replayable_tasks`, what the trainer did before: O(pool)),
-  an incremental save into the same folder and into a new checkpoint folder.
-* ours, load: RSS with an empty pool, load the saved pool, sample 64, add 512 and save incrementally: RSS growth.
+  writer thread's flush of them is timed apart), the replay read of 64: the trainer's per-step replay selection for
+  64 replay groups of 128 (the calls `ExReplayGRPOTrainer` makes, with its default settings but the trajectories
+  replayed by saved entropy: `plan_replay` over `pool.replay_buckets(...)`, then `pool.choose(...)`, which reads the
+  64 chosen trajectories), the plan alone, the same plan drawn from the full list of replayable tasks
+  (`replayable_tasks`, what the trainer did before: O(pool)), an incremental save into the same folder and into a
+  new checkpoint folder.
+* ours, load: RSS with an empty pool, load the saved pool, the replay read of 64, add 512 and save incrementally: RSS
+  growth.
 * baseline, build: ``{task: [trajectory dict of numpy arrays]}`` (compact: the seeds' Python lists would need
   ~120 GB at 1M), same fill; add 512 (lists -> arrays, argmin eviction), sample 64 as the seeds do
   (``random.sample`` of the valid task list, argmin entropy), save = ``pickle.dump`` of the whole dict.
@@ -86,10 +87,28 @@ def template(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def touch(trajectories) -> None:
-    """Read every token list of `trajectories` (a sample converts them to Python lists on first access)."""
-    for t in trajectories:
-        t.prompt_ids, t.completion_ids, t.completion_mask, t.logps, t.rewards  # noqa: B018
+def replay_plan(pool, step: int, replayable=None):
+    """The trainer's draw of one step's replay tasks, with the defaults of `ExReplayGRPOConfig` (128 groups of G = 8,
+    replay_ratio 0.5, k = 1, uniform bucket weighting, no age limit nor window)."""
+    from trl_exreplay.planner import plan_replay
+
+    return plan_replay(
+        [f"group-{g}" for g in range(2 * SAMPLE)],
+        pool.replay_buckets(1, step, None, None) if replayable is None else replayable(),
+        exp_ratio=0.5,
+        num_generations=8,
+        num_replayed=1,
+        weighting="uniform",
+        seed=[0, step, 0],
+    )
+
+
+def replay_read(pool, step: int) -> dict:
+    """One step's replay read (`_select_trajectories` with replay_select_by_current_entropy=False: the replayed
+    trajectory by saved entropy, since scoring candidates under the current policy needs a model): the plan, then
+    `choose`, which reads the chosen trajectories from the shards."""
+    plan = replay_plan(pool, step)
+    return pool.choose(list(plan.replay_groups.values()), 1, step, None, None, np.random.default_rng([0, step, 0, 1]))
 
 
 def make_trajectory(base, task_id: str, entropy: float, version: int):
@@ -106,7 +125,6 @@ def entropy_of(rng: np.random.Generator) -> float:
 
 # ------------------------------------------------------------------------------------------------------------ ours
 def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: int) -> dict:
-    from trl_exreplay.planner import plan_replay
     from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory
 
     parts = template(prompt_tokens, completion_tokens)
@@ -162,39 +180,13 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
     pool.flush(wait=True)
     flush_ms = (time.perf_counter() - start) * 1e3
 
-    sample_ms, sample_cpu_ms = median_ms(lambda i: pool.sample(SAMPLE, rng=np.random.default_rng(i)), 50, cpu=True)
-    touched_ms, touched_cpu_ms = median_ms(
-        lambda i: touch(pool.sample(SAMPLE, rng=np.random.default_rng(50 + i))), 50, True
+    step = version[0]
+    assert (
+        replay_plan(pool, step).num_tasks == SAMPLE and sum(len(v) for v in replay_read(pool, step).values()) == SAMPLE
     )
-    assert len(pool.sample(SAMPLE)) == SAMPLE
-
-    # The trainer's replay selection of one step (`_generate_and_score_completions` + `_select_trajectories`), with
-    # the defaults of `ExReplayGRPOConfig` (128 groups of G = 8, replay_ratio 0.5, k = 1, uniform bucket weighting, no age
-    # limit nor window) but replay_select_by_current_entropy=False: the replayed trajectory by saved entropy (scoring the
-    # candidates under the current policy needs a model).
-    groups = [f"group-{g}" for g in range(2 * SAMPLE)]
-    k, step, age, window = 1, version[0], None, None
-
-    def trainer_plan(i, replayable=None):
-        return plan_replay(
-            groups,
-            pool.replay_buckets(k, step, age, window) if replayable is None else replayable(),
-            exp_ratio=0.5,
-            num_generations=8,
-            num_replayed=k,
-            weighting="uniform",
-            seed=[0, step + i, 0],
-        )
-
-    def trainer_select(i):
-        plan = trainer_plan(i)
-        rng = np.random.default_rng([0, step + i, 0, 1])
-        return pool.choose(list(plan.replay_groups.values()), k, step, age, window, rng)
-
-    assert trainer_plan(0).num_tasks == SAMPLE and sum(len(v) for v in trainer_select(0).values()) == SAMPLE
-    plan_ms, plan_cpu_ms = median_ms(trainer_plan, 20, cpu=True)
-    select_ms, select_cpu_ms = median_ms(trainer_select, 20, cpu=True)
-    listed_ms = median_ms(lambda i: trainer_plan(i, lambda: pool.replayable_tasks(k, step, age, window)), 5)
+    plan_ms, plan_cpu_ms = median_ms(lambda i: replay_plan(pool, step + i), 20, cpu=True)
+    sample_ms, sample_cpu_ms = median_ms(lambda i: replay_read(pool, step + i), 50, cpu=True)
+    listed_ms = median_ms(lambda i: replay_plan(pool, step + i, lambda: pool.replayable_tasks(1, step, None, None)), 5)
 
     def incremental(target):
         for trajectory in [
@@ -220,14 +212,12 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
         "add_cpu_ms": add_cpu_ms,
         "add_unchecked_ms": unchecked_ms,
         "flush_ms": flush_ms,
-        "sample_ms": sample_ms,
+        "sample_ms": sample_ms,  # the replay read of 64: for ours, the trainer's plan and `choose`
         "sample_cpu_ms": sample_cpu_ms,
-        "sample_touched_ms": touched_ms,
-        "sample_touched_cpu_ms": touched_cpu_ms,
+        "sample_touched_ms": sample_ms,  # `choose` returns Python lists: nothing is left to convert
+        "sample_touched_cpu_ms": sample_cpu_ms,
         "trainer_plan_ms": plan_ms,
         "trainer_plan_cpu_ms": plan_cpu_ms,
-        "trainer_select_ms": select_ms,
-        "trainer_select_cpu_ms": select_cpu_ms,
         "trainer_plan_listed_ms": listed_ms,
         "save_ms": save_ms,
         "checkpoint_save_ms": checkpoint_ms,
@@ -264,9 +254,7 @@ def ours_load(size: int, folder: str, prompt_tokens: int, completion_tokens: int
     load_s = time.perf_counter() - start
     after_load = rss_mb()
     unverified_again_s = unverified()
-    sample_ms, sample_cpu_ms = median_ms(
-        lambda i: pool.sample(SAMPLE, rng=np.random.default_rng(100 + i)), 50, cpu=True
-    )
+    sample_ms, sample_cpu_ms = median_ms(lambda i: replay_read(pool, 100 + i), 50, cpu=True)
     rng = np.random.default_rng(2)
     for t in rng.integers(0, size // PER_TASK, ADD):
         pool.add(make_trajectory(base, f"task-{int(t):07d}", entropy_of(rng), 300))
@@ -666,9 +654,11 @@ def both(figures: dict, name: str) -> str:
 def table(results: dict) -> str:
     lines = [
         "Wall time, and in parentheses the calling thread's CPU time (what other processes on the machine do not "
-        "inflate).",
+        "inflate). `read 64`: one step's replay read: for ours the trainer's draw of 64 replay tasks over the buckets "
+        "and the read of each one's lowest-entropy trajectory (`plan_replay`, `choose`); for the dict, 64 tasks drawn "
+        "as the seeds do (`random.sample` of the valid task list) and the lowest-entropy trajectory of each.",
         "",
-        "| trajectories | pool | add 512 | sample 64 | save (incremental) | load | RSS growth |",
+        "| trajectories | pool | add 512 | read 64 | save (incremental) | load | RSS growth |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for size, r in results.items():
@@ -693,20 +683,19 @@ def table(results: dict) -> str:
         )
     lines += [
         "",
-        "Sharded pool (ours), more figures. `sample 64, lists touched`: the sample with every token list converted to "
-        "Python lists. Trainer, 64 replay groups of 128: `plan` draws the replay tasks from the bucket arrays "
-        "(`plan_replay` over `replay_buckets`), `plan + read` also chooses and reads the replayed trajectories "
-        "(`choose`); `plan from full list` is the former path (`plan_replay` over `replayable_tasks`, O(pool)).",
+        "Sharded pool (ours), more figures. Trainer, 64 replay groups of 128: `plan` draws the replay tasks from the "
+        "bucket arrays (`plan_replay` over `replay_buckets`; `read 64` above also chooses and reads the replayed "
+        "trajectories); `plan from full list` is the former path (`plan_replay` over `replayable_tasks`, O(pool)).",
         "",
-        "| trajectories | sample 64, lists touched | trainer: plan | trainer: plan + read | plan from full list "
-        "| writer: flush 512 | save to a new checkpoint | first (full) save | sample 64 after load "
+        "| trajectories | trainer: plan | plan from full list "
+        "| writer: flush 512 | save to a new checkpoint | first (full) save | read 64 after load "
         "| RSS after load: anon / file | disk: shards / pickle | load: checksums on / off |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size, r in results.items():
         b, lo = r["ours"]["build"], r["ours"]["load"]
         lines.append(
-            f"| {int(size):,} | {both(b, 'sample_touched')} | {both(b, 'trainer_plan')} | {both(b, 'trainer_select')} "
+            f"| {int(size):,} | {both(b, 'trainer_plan')} "
             f"| {fmt_ms(b['trainer_plan_listed_ms'])} | {fmt_ms(b['flush_ms'])} | {fmt_ms(b['checkpoint_save_ms'])} "
             f"| {b['first_save_s']:.2f} s | {fmt_ms(lo['sample_after_load_ms'])} ({fmt_ms(lo['sample_after_load_cpu_ms'])}) "
             f"| {lo['rss_mb']['RssAnon'] - lo['rss_empty_mb']['RssAnon']:.0f} / "
@@ -720,10 +709,12 @@ def table(results: dict) -> str:
 def datasets_table(results: dict) -> str:
     """Ours against the store built only on `datasets`, side by side, with the ratio datasets / ours."""
     lines = [
-        "Ours against a store built only on `datasets` (wall time; calling thread's CPU time in parentheses).",
+        "Ours against a store built only on `datasets` (wall time; calling thread's CPU time in parentheses). "
+        "`read 64: chosen`: the 64 rows chosen (for `datasets`, a `select` whose rows stay in Arrow; ours reads them); "
+        "`rows read`: with every value read into Python.",
         "",
-        "| trajectories | store | add 512 | flush 512 | sample 64 | sample 64, read | incremental save | load "
-        "| sample 64 after load | RSS growth after load | disk |",
+        "| trajectories | store | add 512 | flush 512 | read 64: chosen | read 64: rows read | incremental save | load "
+        "| read 64 after load | RSS growth after load | disk |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size, r in results.items():
@@ -830,7 +821,7 @@ def main() -> None:
             print(
                 f"{int(size):,} trajectories ({b['disk_gb']:.2f} GB of shards): load {lo['load_s']:.2f} s with "
                 f"checksums, {lo['load_without_checksums_s']:.2f} and {lo['load_without_checksums_again_s']:.2f} s "
-                f"without (first load: {lo['first_load_s']:.2f} s); sample 64 after load "
+                f"without (first load: {lo['first_load_s']:.2f} s); read 64 after load "
                 f"{fmt_ms(lo['sample_after_load_ms'])}; RSS growth {lo['rss_growth_mb']:.0f} MB"
             )
     else:

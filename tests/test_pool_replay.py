@@ -1,6 +1,6 @@
 """The pool's side of replay at scale: bucket arrays kept as tasks move, the O(batch) draw of replay tasks from them
 (`ExperiencePool.replay_buckets` + `planner.plan_replay`), `choose` (what the trainer replays, read from the index),
-lazily converted samples and batched shard reads.
+and batched shard reads.
 
 Expected draws and weights are worked out independently of the code under test (by hand, or from the pool's own
 listing of replayable tasks, `replayable_tasks`, which is what the trainer drew from before).
@@ -8,12 +8,10 @@ listing of replayable tasks, `replayable_tasks`, which is what the trainer drew 
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
 import random
-from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -225,28 +223,8 @@ def test_choose_is_select_over_the_candidates(mode, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Reads: lazily converted samples, runs of rows, files kept open
+# Reads: runs of rows, files kept open
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def test_sample_converts_token_lists_on_first_access_to_the_stored_values():
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=8, shard_rows=4)
-    for i in range(10):
-        record(pool, f"t{i}", 2, [0.3 + 0.01 * i, 0.2], n=5 + i)
-    pool.flush(wait=True)
-    picked = pool.sample(4, rng=np.random.default_rng(0))
-    assert len(picked) == 4
-    for t in picked:
-        assert "completion_ids" not in t.__dict__ and "logps" not in t.__dict__  # still bytes
-        (stored,) = [s for s in pool.trajectories(t.task_id) if s.traj_id == t.traj_id]
-        assert t.entropy == stored.entropy == pool.select(pool.trajectories(t.task_id), 1)[0].entropy
-        clone = copy.deepcopy(t)
-        assert asdict(t) == asdict(stored) and t == stored and clone == stored
-        assert t.completion_ids == list(range(11, 16 + int(t.task_id[1:])))  # the second one (entropy 0.2)
-        assert t.completion_mask == [1] * (4 + int(t.task_id[1:])) + [0]
-        assert "_lazy" not in t.__dict__ and type(t.logps) is list
-    with pytest.raises(AttributeError):
-        picked[0].no_such_field  # noqa: B018
 
 
 def test_rows_read_with_pread_are_the_arrow_values():
@@ -263,12 +241,6 @@ def test_rows_read_with_pread_are_the_arrow_values():
     rows = [40, 3, 3, 4, 63, 0, 5, 20, 21, 22]  # unsorted, repeated, adjacent and far apart
     want = [{name: table.column(name)[row].as_py() for name in names} for row in rows]
     assert shard.read(names, rows) == want
-    raw = shard.read(names, rows, raw=("completion_ids", "logps"))
-    for got, expected in zip(raw, want):
-        for name in ("completion_ids", "logps"):
-            convert, data = got.pop(name)
-            assert convert(data) == expected.pop(name)
-        assert got == expected
 
 
 def test_written_and_loaded_shards_are_read_without_opening_their_files(tmp_path, monkeypatch):
@@ -282,6 +254,6 @@ def test_written_and_loaded_shards_are_read_without_opening_their_files(tmp_path
     original = Shard.open_file
     monkeypatch.setattr(Shard, "open_file", lambda shard: opened.append(shard.name) or original(shard))
     for p in (pool, loaded):
-        assert len(p.sample(40)) == 40
-        assert all(t.completion_ids == [10, 11, 12] for t in p.sample(40))
+        chosen = p.choose(p.stored_tasks(), 1)
+        assert len(chosen) == 40 and all(ts[0].completion_ids == [10, 11, 12] for ts in chosen.values())
     assert opened == []

@@ -323,30 +323,16 @@ def test_replay_window_counts_the_most_recently_stored(tmp_path):
 @pytest.mark.parametrize(
     "mode, expected", [("argmin", {"a": 6, "b": 2, "c": 4}), ("argmax", {"a": 0, "b": 2, "c": 3})]
 )
-def test_sample_takes_distinct_replayable_tasks_and_their_best_trajectory(mode, expected):
+def test_choose_takes_each_tasks_best_trajectory_within_the_window_and_the_age_limit(mode, expected):
     pool = windowed_pool(exp_select_mode=mode)
-    record(pool, "skipped", 4, num_fresh=4)
-    record(pool, "no_row", 1, [0.0], task_row=None)
-    for seed in range(5):
-        picked = pool.sample(2, rng=np.random.default_rng(seed))
-        assert len({t.task_id for t in picked}) == 2
-        assert all(t.traj_id == expected[t.task_id] for t in picked)
-    everything = pool.sample(10)
-    assert sorted((t.task_id, t.traj_id) for t in everything) == sorted(expected.items())
-    assert pool.sample(3, rng=np.random.default_rng(7)) == pool.sample(3, rng=np.random.default_rng(7))
-    firsts = {pool.sample(1, rng=np.random.default_rng(seed))[0].task_id for seed in range(30)}
-    assert firsts == {"a", "b", "c"}  # every replayable task can be drawn
-
-
-def test_sample_honours_the_window_and_the_age_limit():
-    pool = windowed_pool(replay_window=2, max_policy_age=0)
-    assert sorted(t.traj_id for t in pool.sample(5)) == [5, 6]  # the two most recently stored
-    assert [t.traj_id for t in pool.sample(5, current_step=4)] == [6]  # age 0 at step 4: version 4 only
-    pool.configure(replay_window=None)
-    # at step 3 with age 0: c's version-3 trajectories (0.2 wins) and a's version 4 (not older than 0 steps)
-    assert sorted(t.traj_id for t in pool.sample(5, current_step=3)) == [4, 6]
-    random_pool = windowed_pool(exp_select_mode="random", replay_window=3)
-    assert {t.traj_id for t in random_pool.sample(5)} <= {4, 5, 6}
+    chosen = pool.choose(["a", "b", "c"], 1)
+    assert {task: [t.traj_id for t in ts] for task, ts in chosen.items()} == {k: [v] for k, v in expected.items()}
+    # window 2: the two most recently stored (5 of c, 6 of a); at step 4 with age 0, a's version 4 only
+    windowed = pool.choose(["a", "c"], 1, window=2)
+    assert [t.traj_id for ts in windowed.values() for t in ts] == [6, 5]
+    assert [t.traj_id for t in pool.choose(["a"], 1, current_step=4, max_policy_age=0)["a"]] == [6]
+    with pytest.raises(ValueError, match="Cannot select 1 trajectories out of 0 candidates"):
+        pool.choose(["b"], 1, current_step=4, max_policy_age=0)  # b's only one is 2 versions old
 
 
 # --------------------------------------------------------------------------------------------------------------------

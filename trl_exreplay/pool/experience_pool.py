@@ -30,7 +30,7 @@ import numpy as np
 from ..planner import TaskBuckets
 from .check import SETTINGS, PoolFormatError, bad_trajectory_rows, check_settings, trajectory_problem
 from .persistence import load_pool, save_pool
-from .records import TOKEN_COLUMNS, TaskOutcome, Trajectory, copy_trajectory
+from .records import TaskOutcome, Trajectory, copy_trajectory
 from .rules import best_index, eviction, is_solved, selection_order, stores_successes
 from .store import (
     TASK_ROW_SCHEMA,
@@ -65,11 +65,11 @@ class ExperiencePool:
         experience_lbound, experience_rbound: a task's trajectories are stored when lbound < successes < rbound.
         exp_select_mode: ``"argmin"``, ``"argmax"`` or ``"random"``: replay selection and eviction policy.
         pool_store_mode: ``"all"`` stores every success of a qualifying task, ``"best"`` only the best by entropy.
-        max_policy_age: a full task first evicts trajectories older than this many policy versions (`sample` also
-            skips them); None: no limit.
-        replay_window: `sample` draws only among the `replay_window` most recently stored trajectories (RLinf's
-            sample window; evicted ones still count in it); None: the whole pool.
-        seed: seed of the random choices the pool makes itself (``random`` store/eviction ties, `sample`).
+        max_policy_age: a full task first evicts trajectories older than this many policy versions; None: no
+            limit.
+        replay_window: recorded with the pool's settings: the trainer replays only among the `replay_window` most
+            recently stored trajectories (RLinf's sample window), passing it to `replay_buckets` and `choose`.
+        seed: seed of the random choices the pool makes itself (``random`` store/eviction ties and selection).
         work_dir: folder under which the live pool writes its shards (a private subfolder, deleted with the pool);
             None: the system temporary folder. Put it on the disk of your checkpoints, not on a tmpfs.
         shard_rows: trajectories per shard file (at most; a shard is also closed at 16 MB, and by a save).
@@ -84,7 +84,7 @@ class ExperiencePool:
     traj = Trajectory("t1", [1, 2], [3, 4], [1, 1], [-0.5, -0.7], [1.0], 1.0, entropy=0.9, policy_version=3)
     pool.record_outcome(TaskOutcome("t1", successes=2, num_fresh=4, successful=[traj], task_row='{"prompt": "hi"}'))
     assert pool.bucket_of("t1") == 2 and pool.num_trajectories == 1
-    assert [t.traj_id for t in pool.sample(1)] == [0]
+    assert [t.traj_id for t in pool.choose(["t1"], 1)["t1"]] == [0]
     pool.save("pool_dir")  # then only new shards and the small state on each save
     assert ExperiencePool.load("pool_dir").content_hash() == pool.content_hash()
     ```
@@ -650,59 +650,6 @@ class ExperiencePool:
         trajectories = iter(self._read_all([key for keys in chosen.values() for key in keys]))
         return {task_id: [next(trajectories) for _ in keys] for task_id, keys in chosen.items()}
 
-    def sample(
-        self, num: int, current_step: int | None = None, rng: np.random.Generator | None = None
-    ) -> list[Trajectory]:
-        """Draw `num` distinct replayable tasks uniformly and one trajectory of each, chosen as `select` would by
-        saved entropy (``exp_select_mode``); fewer when fewer tasks are replayable.
-
-        Honours ``replay_window`` and, given `current_step`, ``max_policy_age``. Cost O(num x capacity): tasks are
-        drawn by rejection on the index (an O(tasks) vectorized pass only when few tasks qualify) and only the chosen
-        trajectories are read from the shards. Their token lists (`prompt_ids`, `completion_ids`, `completion_mask`,
-        `logps`) are read now but become Python lists on first access (the same values), which is most of the cost
-        of a sample: a caller that uses a few of them does not pay for the others.
-        """
-        rng = rng if rng is not None else np.random.default_rng(self.seed)
-        age, window = self.max_policy_age, self.replay_window
-        total = len(self._task_ids)
-        chosen: list[int] = []
-        seen: set[int] = set()
-        for _ in range(8):
-            need = num - len(chosen)
-            if need <= 0 or total == 0:
-                break
-            draw = rng.integers(total, size=2 * need + 8)
-            for t in draw[self._replayable(draw, 1, current_step, age, window)].tolist():
-                if t not in seen and len(chosen) < num:
-                    seen.add(t)
-                    chosen.append(t)
-        if len(chosen) < num and total:  # few tasks qualify: take the rest from the full list
-            everyone = np.arange(total)
-            rest = np.setdiff1d(everyone[self._replayable(everyone, 1, current_step, age, window)], chosen)
-            chosen += rng.permutation(rest)[: num - len(chosen)].tolist()
-        if not chosen:
-            return []
-        tasks = np.asarray(chosen)
-        slots = self._slots[tasks]
-        valid = slots >= 0
-        keys = np.where(valid, slots, 0)
-        if age is not None and current_step is not None:
-            valid &= current_step - self._key_version[keys] <= age
-        if window is not None:
-            valid &= self._key_seq[keys] >= self._stored_count - window
-        if self.exp_select_mode == "random":
-            picked = []
-            for row_keys, row_valid in zip(keys.tolist(), valid.tolist()):
-                candidates = [k for k, ok in zip(row_keys, row_valid) if ok]
-                picked.append(candidates[int(rng.permutation(len(candidates))[0])])
-        else:  # as `select`: by saved entropy (lowest for argmin, highest for argmax), ties to the oldest
-            sign = 1.0 if self.exp_select_mode == "argmin" else -1.0
-            entropy = np.where(valid, sign * self._key_entropy[keys].astype(np.float64), np.inf)
-            best = valid & (entropy == entropy.min(axis=1, keepdims=True))
-            ids = np.where(best, self._key_traj_id[keys], np.iinfo(np.int64).max)
-            picked = keys[np.arange(len(tasks)), ids.argmin(axis=1)].tolist()
-        return self._read_all(picked, lazy=True)
-
     def stats(self) -> dict[str, float]:
         out = {
             "pool_tasks": float(self.num_tasks),
@@ -722,10 +669,9 @@ class ExperiencePool:
         out.update({f"task_row_{k}": v for k, v in self._task_rows.stats().items()})
         return out
 
-    def _read_all(self, keys: list[int], lazy: bool = False) -> list[Trajectory]:
+    def _read_all(self, keys: list[int]) -> list[Trajectory]:
         """The trajectories of `keys`: pending ones copied, written ones read from their shards (one pass per shard,
-        with `pread`: reading maps no page of the pool's files into the process). `lazy`: token lists read as bytes
-        are converted to lists on first access (`_LazyList`)."""
+        with `pread`: reading maps no page of the pool's files into the process)."""
         if not keys:
             return []
         places = self._trajectories.locate_many(keys)
@@ -740,16 +686,11 @@ class ExperiencePool:
                 out[i] = copy_trajectory(place[0])
             else:
                 by_shard.setdefault(id(place), (place, []))[1].append((i, row))
-        raw = TOKEN_COLUMNS if lazy else ()
         for shard, wanted in by_shard.values():
-            for (i, _), fields in zip(wanted, shard.read(_STORED_COLUMNS, [row for _, row in wanted], raw)):
+            for (i, _), fields in zip(wanted, shard.read(_STORED_COLUMNS, [row for _, row in wanted])):
                 fields.update(
                     task_id=self._task_ids[tasks[i]], entropy=entropies[i], policy_version=versions[i], traj_id=ids[i]
                 )
-                if lazy:
-                    pending = {name: fields.pop(name) for name in raw if type(fields.get(name)) is tuple}
-                    if pending:
-                        fields["_lazy"] = pending
                 trajectory = object.__new__(Trajectory)
                 trajectory.__dict__ = fields  # already in the stored types: no per-token normalisation
                 out[i] = trajectory

@@ -57,34 +57,6 @@ class Trajectory:
             )
 
 
-class _LazyList:
-    """A token list of a `Trajectory` read by `ExperiencePool.sample`: kept as the bytes read, converted to the list
-    (and kept) on first access, so that a sample pays for Python lists only where they are used.
-
-    A non-data descriptor: an instance's own value (every trajectory built normally has one) is found first, at no
-    cost; this runs only for a lazily read one.
-    """
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __get__(self, trajectory, owner=None):
-        if trajectory is None:
-            return self
-        fields = trajectory.__dict__
-        lazy = fields.get("_lazy")
-        if lazy is None or self.name not in lazy:
-            raise AttributeError(f"{type(trajectory).__name__!r} object has no attribute {self.name!r}")
-        convert, data = lazy[self.name]
-        value = fields[self.name] = convert(data)
-        lazy.pop(self.name, None)
-        if not lazy:
-            fields.pop("_lazy", None)
-        return value
-
-
 @dataclass
 class TaskOutcome:
     """What one generation step says about a task: its fresh rollouts, and the successful ones as trajectories."""
@@ -94,12 +66,6 @@ class TaskOutcome:
     num_fresh: int
     successful: list[Trajectory] = field(default_factory=list)
     task_row: str | None = None  # JSON of the dataset row, so a replayed task can be rolled out again
-
-
-TOKEN_COLUMNS = ("prompt_ids", "completion_ids", "completion_mask", "logps")  # one value per token
-for _name in TOKEN_COLUMNS:  # after @dataclass: its fields and methods are unchanged
-    setattr(Trajectory, _name, _LazyList(_name))
-del _name
 
 
 def trusted_trajectory(**fields) -> Trajectory:

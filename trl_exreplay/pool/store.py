@@ -438,7 +438,7 @@ def remove_dead_scratch(parent: str) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------------------- shards
 class _OpenFiles:
-    """Descriptors of the shard files read last (an LRU of `size`): a sample of 64 rows from a large pool touches 64
+    """Descriptors of the shard files read last (an LRU of `size`): a replay read of 64 rows from a large pool touches 64
     files, and opening, checking and closing each every time would cost as much as reading it. `lock` is held for
     the whole of a read, so a descriptor is never closed (by eviction, or by the writer thread dropping its shard)
     while in use."""
@@ -607,19 +607,18 @@ class Shard:
 
         return read
 
-    def read(self, names: tuple[str, ...], rows: Sequence[int], raw: Sequence[str] = ()) -> list[dict]:
+    def read(self, names: tuple[str, ...], rows: Sequence[int]) -> list[dict]:
         """Columns `names` of `rows`, as Python objects.
 
         A written shard is read with `os.pread` at byte offsets known from its layout (kept in RAM: 4 bytes per row
         and distinct offsets array), so no page of the file is mapped into the process; a shard still in RAM, or
-        whose files are all gone (still mapped), is read from its Arrow columns. Columns of `raw` read with `pread`
-        are left as ``(convert, bytes)`` (``convert(bytes)``: the value), for callers that convert them lazily.
+        whose files are all gone (still mapped), is read from its Arrow columns.
         """
         layout = self.layout(names)
         with _OPEN_FILES.lock:
             fd = _OPEN_FILES.get(self) if layout is not None else None
             if fd is not None:
-                return _pread_rows(fd, layout, rows, raw)
+                return _pread_rows(fd, layout, rows)
         read = self.reader(names)
         return [read(row) for row in rows]
 
@@ -745,9 +744,9 @@ def _converter(dtype) -> Callable[[bytes], list | str]:
     return functools.partial(_numpy_list, dtype)
 
 
-def _pread_rows(fd: int, layout: list, rows: Sequence[int], raw: Sequence[str] = ()) -> list[dict]:
+def _pread_rows(fd: int, layout: list, rows: Sequence[int]) -> list[dict]:
     """Columns of `rows` read from the file `fd` at the offsets of `layout`, one `pread` per row and column, none for
-    scalars (kept in RAM). A column of `raw` is left as ``(convert, bytes)``: ``convert(bytes)`` is its value."""
+    scalars (kept in RAM)."""
     out = []
     pread = os.pread
     for row in rows:
@@ -758,7 +757,7 @@ def _pread_rows(fd: int, layout: list, rows: Sequence[int], raw: Sequence[str] =
                 continue
             first = offsets[row]
             data = pread(fd, (offsets[row + 1] - first) * itemsize, start + first * itemsize)
-            values[name] = (convert, data) if name in raw else convert(data)
+            values[name] = convert(data)
         out.append(values)
     return out
 
