@@ -1,6 +1,6 @@
 """`ExReplayGRPOTrainer`: TRL's `GRPOTrainer` with experience replay, as glue over small overrides (listed in
 the class docstring). What is not glue lives in the module whose job it is: the replay plan (`planner.py`), the
-replayed tokens' loss (`loss.py`), the pool (`pool.py`; the trainer's side of it in `trainer_pool.py`, the outcomes
+replayed tokens' loss (`loss.py`), the pool (the `pool` package; the trainer's side of it in `trainer_pool.py`, the outcomes
 it records in `outcomes.py`), the choice of trajectories (`selection.py`), multi-turn rollouts (`multiturn.py`), one
 step's state (`step.py`) and the `replay/*` metrics (`metrics.py`).
 """

@@ -12,17 +12,7 @@ One job a module, in the order a trajectory meets them:
 * `check.py`: a saved pool is untrusted input: the checks of its state, files and rows;
 * `hub.py`: sharing on the Hugging Face Hub: `push_pool` and `pool_from_hub`.
 
-Example:
-
-```python
-from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory
-
-pool = ExperiencePool(experience_rbound=4)
-traj = Trajectory("t1", [1, 2], [3, 4], [1, 1], [-0.5, -0.7], [1.0], 1.0, entropy=0.9, policy_version=3)
-pool.record_outcome(TaskOutcome("t1", successes=2, num_fresh=4, successful=[traj], task_row='{"prompt": "hi"}'))
-assert pool.bucket_of("t1") == 2 and pool.num_trajectories == 1
-assert [t.traj_id for t in pool.choose(["t1"], 1)["t1"]] == [0]
-```
+The class docstring of `ExperiencePool` shows a pool filled, queried and saved.
 """
 
 from .experience_pool import ExperiencePool

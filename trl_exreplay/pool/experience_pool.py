@@ -721,56 +721,9 @@ class ExperiencePool:
         self.close()
 
     # ------------------------------------------------------------------------------------------ persistence
-    def save(self, path: str, save_total_limit: int = 1) -> None:
-        """Save the pool to folder `path`: incrementally, atomically, keeping `save_total_limit` snapshots there.
-
-        Only what the folder lacks is written: shards new since the last save to it (hard links to the live pool's
-        files when on the same file system, so no trajectory is ever written twice) and the small per-task state.
-        The commit is the atomic replacement of ``state.json``; a process killed at any instant of a save leaves
-        the previous snapshot complete and loadable. Snapshots beyond `save_total_limit` and the files only they
-        used are deleted after the commit.
-        """
-        save_pool(self, path, save_total_limit)
-
-    @classmethod
-    def load(
-        cls,
-        path: str,
-        *,
-        snapshot: int | None = None,
-        tokenizer=None,
-        vocab_size: int | None = None,
-        verify: bool = True,
-        allow_missing_fingerprint: bool = False,
-        work_dir: str | None = None,
-        shard_rows: int = 1024,
-    ) -> ExperiencePool:
-        """Load the pool saved at `path` (its committed snapshot, or an older kept `snapshot`).
-
-        The folder is untrusted input (`trl_exreplay.pool_check`): ``state.json`` is validated, every file must be
-        named inside the folder and resolve inside it, have its recorded size and (with `verify`, the default) its
-        recorded xxh3-64 checksum, and a valid Arrow layout, before anything is mapped. Any damage raises one
-        `PoolFormatError` (a `ValueError`) naming the file. Shards are then memory-mapped, not read: RAM receives the
-        index only. A row a model cannot train on (null field, lists of unequal length, wrong trajectory id,
-        non-finite log-prob or reward, a mask value other than 0/1, a token id < 0 or >= `vocab_size`) is left out,
-        counted in `rejected_rows` (by reason in `rejected_reasons`) and logged.
-
-        Given a `tokenizer`, a pool recorded with another one is refused (`ValueError`), and so is a pool recorded
-        with none, unless `allow_missing_fingerprint`. ``verify=False`` skips the checksums (sizes, names, layouts
-        and row values are still checked): for a local pool on a trusted disk (`benchmarks/pool_scale.py` measures
-        both). `pool.hub.pool_from_hub` always verifies.
-        """
-        return load_pool(
-            cls,
-            path,
-            snapshot=snapshot,
-            tokenizer=tokenizer,
-            vocab_size=vocab_size,
-            verify=verify,
-            allow_missing_fingerprint=allow_missing_fingerprint,
-            work_dir=work_dir,
-            shard_rows=shard_rows,
-        )
+    # The bodies live in persistence.py (saving and loading is that module's job); these are the pool's API.
+    save = save_pool
+    load = classmethod(load_pool)
 
     def _hash_state(self) -> dict:
         tasks = range(len(self._task_ids))

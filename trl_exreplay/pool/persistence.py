@@ -6,7 +6,7 @@ atomicity: `store.py`). A load treats the folder as untrusted input (`check.py`)
 size, checksum and Arrow layout are checked before anything is mapped; rows a model cannot train on are counted and
 left out. RAM receives the index only: the shards stay memory-mapped files.
 
-These are the bodies of `ExperiencePool.save` and `ExperiencePool.load`, which document them; they read and write
+These are `ExperiencePool.save` and `ExperiencePool.load` (the class takes them as its methods); they read and write
 the pool's index, so they live beside it in this package.
 """
 
@@ -77,7 +77,14 @@ _SLOT_COLUMNS = ("traj_shard", "traj_row", "traj_id")  # where a snapshot's task
 
 
 def save_pool(pool, path: str, save_total_limit: int = 1) -> None:
-    """`ExperiencePool.save`: see its docstring."""
+    """Save the pool to folder `path`: incrementally, atomically, keeping `save_total_limit` snapshots there.
+
+    Only what the folder lacks is written: shards new since the last save to it (hard links to the live pool's
+    files when on the same file system, so no trajectory is ever written twice) and the small per-task state.
+    The commit is the atomic replacement of ``state.json``; a process killed at any instant of a save leaves
+    the previous snapshot complete and loadable. Snapshots beyond `save_total_limit` and the files only they
+    used are deleted after the commit.
+    """
     if not isinstance(save_total_limit, int) or save_total_limit < 1:
         raise ValueError(f"save_total_limit must be an integer >= 1, got {save_total_limit!r}.")
     pool.flush(wait=True)
@@ -199,7 +206,21 @@ def load_pool(
     work_dir: str | None = None,
     shard_rows: int = 1024,
 ) -> ExperiencePool:
-    """`ExperiencePool.load` (`cls` is the class to build): see its docstring."""
+    """Load the pool saved at `path` (its committed snapshot, or an older kept `snapshot`).
+
+    The folder is untrusted input (`trl_exreplay.pool.check`): ``state.json`` is validated, every file must be
+    named inside the folder and resolve inside it, have its recorded size and (with `verify`, the default) its
+    recorded xxh3-64 checksum, and a valid Arrow layout, before anything is mapped. Any damage raises one
+    `PoolFormatError` (a `ValueError`) naming the file. Shards are then memory-mapped, not read: RAM receives the
+    index only. A row a model cannot train on (null field, lists of unequal length, wrong trajectory id,
+    non-finite log-prob or reward, a mask value other than 0/1, a token id < 0 or >= `vocab_size`) is left out,
+    counted in `rejected_rows` (by reason in `rejected_reasons`) and logged.
+
+    Given a `tokenizer`, a pool recorded with another one is refused (`ValueError`), and so is a pool recorded
+    with none, unless `allow_missing_fingerprint`. ``verify=False`` skips the checksums (sizes, names, layouts
+    and row values are still checked): for a local pool on a trusted disk (`benchmarks/pool_scale.py` measures
+    both). `pool.hub.pool_from_hub` always verifies.
+    """
     path = os.path.abspath(path)
     if not os.path.lexists(os.path.join(path, STATE_FILE)):
         raise FileNotFoundError(f"No experience pool at {path} (missing {STATE_FILE}).")
