@@ -36,9 +36,9 @@ config = ExReplayGRPOConfig(
     max_tokens_per_turn=4,
     env_step_timeout=30.0,
     # experience replay
-    exp_ratio=0.5,
+    replay_ratio=0.5,
     replay_start_ratio=0.2,
-    offpolicy_trajectories_per_task=1,
+    replay_trajectories_per_group=1,
 )
 
 # ---- model, tasks, environment ----------------------------------------------------------------------------

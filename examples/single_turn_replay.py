@@ -33,10 +33,10 @@ config = ExReplayGRPOConfig(
     save_strategy="no",
     report_to="none",
     # experience replay
-    exp_ratio=0.5,
+    replay_ratio=0.5,
     replay_start_ratio=0.2,
-    offpolicy_trajectories_per_task=1,
-    off_policy_shaping="clip",
+    replay_trajectories_per_group=1,
+    replay_shaping="clip",
 )
 
 # ---- data, model, reward -----------------------------------------------------------------------------------

@@ -281,11 +281,36 @@ def test_a_former_name_in_a_yaml_config_still_works(tmp_path):
     assert args.replay_ratio == 0.25 and args.replay_select_mode == "random"
 
 
-def test_a_former_name_and_its_field_set_differently_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match="`exp_ratio` is the former name of `replay_ratio`, and both are set"):
-        make(tmp_path, exp_ratio=0.25, replay_ratio=0.75)
-    with pytest.warns(FutureWarning):  # the same value twice is only redundant
+def test_a_former_name_overrides_its_field_and_says_so(tmp_path):
+    """As a flag overrides a YAML file: `--exp_ratio` on the command line wins over `replay_ratio` in the config."""
+    with pytest.warns(FutureWarning, match=r"former name of `replay_ratio`.*\(it overrides replay_ratio=0.75\)"):
+        assert make(tmp_path, exp_ratio=0.25, replay_ratio=0.75).replay_ratio == 0.25
+    with pytest.warns(FutureWarning) as caught:  # the same value twice is only redundant
         assert make(tmp_path, exp_ratio=0.25, replay_ratio=0.25).replay_ratio == 0.25
+    assert not any("overrides" in str(w.message) for w in caught)
+
+
+def test_former_bool_names_on_the_command_line(tmp_path):
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(ExReplayGRPOConfig)
+    base = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none"]
+    with pytest.warns(FutureWarning, match="former name of `replay_resume_without_pool`"):
+        (args,) = parser.parse_args_into_dataclasses([*base, "--resume_without_pool"])  # bare flag: true
+    assert args.replay_resume_without_pool is True
+    with pytest.warns(FutureWarning, match="former name of `replay_importance_sampling`"):
+        (args,) = parser.parse_args_into_dataclasses([*base, "--exp_is_correct", "false"])
+    assert args.replay_importance_sampling is False
+
+
+def test_a_former_name_assigned_after_the_config_was_built_reaches_the_trainer(tmp_path):
+    from helpers import make_trainer
+
+    args = make(tmp_path, per_device_train_batch_size=16)
+    args.exp_ratio = 0.25
+    with pytest.warns(FutureWarning, match="former name of `replay_ratio`"):
+        trainer = make_trainer(tmp_path, args=args)
+    assert trainer.replay["replay_ratio"] == 0.25 and args.exp_ratio is None
 
 
 def test_the_config_reference_is_what_the_config_says():

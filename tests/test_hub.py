@@ -27,7 +27,12 @@ from trl_exreplay.pool.store import STATE_FILE, TRAJECTORIES_DIR, TRAJECTORY_FEA
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
 ARXIV_IDS = ("2510.02245", "2511.10395", "2010.03768", "2402.03300")
-REPLAY_CONFIG = {"replay_ratio": 0.5, "exp_select_mode": "argmin", "max_policy_age": None, "experience_rbound": 8}
+REPLAY_CONFIG = {
+    "replay_ratio": 0.5,
+    "replay_select_mode": "argmin",
+    "replay_max_policy_age": None,
+    "replay_store_rbound": 8,
+}
 VERSIONS = {"trl": "1.16.0", "transformers": "5.23.0", "torch": "2.9.0", "alfworld": "0.4.2", "trl_exreplay": "0.1"}
 
 # The publishing rule, written out independently of MODEL_FILE_PATTERNS.

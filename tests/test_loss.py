@@ -105,7 +105,7 @@ def test_exgrpo_shaping_whatever_the_loss_type(loss_type):
 
 @pytest.mark.parametrize("shaping", ["clip", "exgrpo"])
 def test_behaviour_equal_to_current_gives_ratio_one(shaping):
-    # exp_is_correct=False: the replayed rows are scored as on-policy, ratio 1 everywhere.
+    # replay_importance_sampling=False: the replayed rows are scored as on-policy, ratio 1 everywhere.
     logp = t([[-0.3, -1.7, -2.2], [-0.9, -0.4, -5.0]])
     adv = [1.5, -0.7]
     per_token, m = off_policy_loss(logp, logp.clone(), t(adv), ALL_2x3, loss_type="bnpo", off_policy_shaping=shaping)

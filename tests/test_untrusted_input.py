@@ -321,9 +321,9 @@ def test_a_resume_without_the_pool_warns_and_says_how_to_start_empty(tmp_path):
 
     shutil.rmtree(checkpoint / "exreplay_pool")
     resumed = make_trainer(tmp_path / "b", max_steps=2, save_strategy="steps", save_steps=1)
-    with pytest.warns(UserWarning, match="EMPTY pool.*resume_without_pool=True"):
+    with pytest.warns(UserWarning, match="EMPTY pool.*replay_resume_without_pool=True"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
-    quiet = make_trainer(tmp_path / "c", max_steps=2, save_strategy="no", resume_without_pool=True)
+    quiet = make_trainer(tmp_path / "c", max_steps=2, save_strategy="no", replay_resume_without_pool=True)
     import warnings
 
     with warnings.catch_warnings():

@@ -80,7 +80,9 @@ def render() -> str:
         "",
         "A field's **former name** (most are the design documents' own) is still accepted, in code, on the command "
         "line and in YAML files, with a `FutureWarning` naming the new field; it will be removed in trl-exreplay "
-        "0.3. The **design documents' name** column maps each field to the name the ExGRPO / AgentEvolver design "
+        "0.3. Where both names are set, the former one wins and the warning says what it overrode (so a former name "
+        "on the command line overrides the new one in a YAML file). The `--no_` flags of the former boolean names "
+        "are gone: write `--exp_is_correct false`. The **design documents' name** column maps each field to the name the ExGRPO / AgentEvolver design "
         "documents use (seeds 000-002), where they name it.",
     ]
     for title, names in GROUPS:

@@ -227,11 +227,21 @@ class ExReplayGRPOConfig(GRPOConfig):
     )
     use_current_policy_entropy: bool | None = field(
         default=None,
-        metadata={"help": "Deprecated: the former name of `replay_select_by_current_entropy`; set that instead."},
+        # nargs/const: a bare `--use_current_policy_entropy` means true, as it did (its `--no_` form is gone: write `false`)
+        metadata={
+            "help": "Deprecated: the former name of `replay_select_by_current_entropy`; set that instead.",
+            "nargs": "?",
+            "const": True,
+        },
     )
     exp_is_correct: bool | None = field(
         default=None,
-        metadata={"help": "Deprecated: the former name of `replay_importance_sampling`; set that instead."},
+        # nargs/const: a bare `--exp_is_correct` means true, as it did (its `--no_` form is gone: write `false`)
+        metadata={
+            "help": "Deprecated: the former name of `replay_importance_sampling`; set that instead.",
+            "nargs": "?",
+            "const": True,
+        },
     )
     off_cliprange_high: float | None = field(
         default=None, metadata={"help": "Deprecated: the former name of `replay_clip_high`; set that instead."}
@@ -253,7 +263,12 @@ class ExReplayGRPOConfig(GRPOConfig):
     )
     resume_without_pool: bool | None = field(
         default=None,
-        metadata={"help": "Deprecated: the former name of `replay_resume_without_pool`; set that instead."},
+        # nargs/const: a bare `--resume_without_pool` means true, as it did (its `--no_` form is gone: write `false`)
+        metadata={
+            "help": "Deprecated: the former name of `replay_resume_without_pool`; set that instead.",
+            "nargs": "?",
+            "const": True,
+        },
     )
 
     def __post_init__(self):
@@ -285,21 +300,18 @@ RENAMED_FIELDS: dict[str, str] = {
 
 def apply_former_names(config) -> None:
     """Move values set under a former name (`RENAMED_FIELDS`) to the field's name, with a FutureWarning; the former
-    name reads None afterwards. Setting both names to different values is a `ValueError`."""
-    defaults = {f.name: f.default for f in fields(ExReplayGRPOConfig)}
+    name reads None afterwards. Where both are set, the former name wins and the warning says what it overrode: a
+    former name on the command line then overrides the new one in a YAML config, as any flag overrides the file."""
+    defaults = {f.name: f.default for f in fields(type(config))}
     for old, new in RENAMED_FIELDS.items():
         value = getattr(config, old, None)
         if value is None:
             continue
         current = getattr(config, new)
-        if current != defaults[new] and current != value:
-            raise ValueError(
-                f"`{old}` is the former name of `{new}`, and both are set ({old}={value!r}, {new}={current!r}): set "
-                f"`{new}` only."
-            )
+        overridden = f" (it overrides {new}={current!r})" if current != defaults[new] and current != value else ""
         warnings.warn(
-            f"`{old}` is deprecated: it is the former name of `{new}`; set {new}={value!r} instead (the former name "
-            "will be removed in trl-exreplay 0.3).",
+            f"`{old}` is deprecated: it is the former name of `{new}`; set {new}={value!r} instead{overridden}. The "
+            "former name will be removed in trl-exreplay 0.3.",
             FutureWarning,
             stacklevel=4,
         )

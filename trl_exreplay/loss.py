@@ -127,7 +127,7 @@ def off_policy_loss(
     Args:
         per_token_logps: ``(B, T)`` log-probabilities of the completion tokens under the current policy (with grad).
         behaviour_logps: ``(B, T)`` log-probabilities recorded when the replayed rows were sampled (``mu``); pass
-            ``per_token_logps.detach()`` to treat them as on-policy (``exp_is_correct=False``: ratio 1). Values where
+            ``per_token_logps.detach()`` to treat them as on-policy (``replay_importance_sampling=False``: ratio 1). Values where
             ``exp_mask`` is 0 are never read (they may be 0, ``-inf``, NaN).
         advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)`` advantages (TRL's, computed over each group).
         exp_mask: ``(B, T)``, 1 for a replayed model token that is trained, 0 elsewhere (fresh tokens, padding,

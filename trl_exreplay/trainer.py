@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
-from .config import replay_options, validate_replay_options
+from .config import apply_former_names, replay_options, validate_replay_options
 from .custom_rollouts import replaying_rollout
 from .envs import env_reward
 from .hub import CITATIONS
@@ -124,6 +124,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
                 path = "Experience replay through TRL's tool loop (`tools`, `environment_factory`)"
                 check_multi_turn_vllm(config.vllm_mode, config.vllm_tensor_parallel_size, path)
         super().__init__(*args, **kwargs)
+        apply_former_names(self.args)  # a former name assigned after the config was built
         self.replay = replay_options(self.args)
         validate_replay_options(self.replay, self.num_generations, self.args.generation_batch_size)
         self._replay_enabled = bool(self.replay["enable_experience_replay"])

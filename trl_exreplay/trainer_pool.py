@@ -12,6 +12,7 @@ import warnings
 import torch
 from accelerate.utils import gather_object
 
+from .config import RENAMED_FIELDS
 from .outcomes import PendingOutcomes, task_outcomes, trajectory_records
 from .pool import ExperiencePool, tokenizer_fingerprint
 from .step import GenerationStep
@@ -71,7 +72,9 @@ class TrainerPool:
             pool.set_vocab_size(self._vocab_size)
         changed = pool.configure(**self._pool_settings)
         if changed:
-            logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, changed)
+            # The pool's own settings keep the design documents' names; the run sets them under the config's names.
+            fields = [RENAMED_FIELDS.get(name, name) for name in changed]
+            logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, fields)
         self.pool = pool
 
     def _resume_pool(self, checkpoint: str) -> None:

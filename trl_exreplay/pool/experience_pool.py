@@ -762,7 +762,7 @@ class ExperiencePool:
 
 
 def _check_settings(settings: dict) -> None:
-    """`pool_check.check_settings` for settings given in code: a plain `ValueError` naming the setting."""
+    """`check.check_settings` for settings given in code: a plain `ValueError` naming the setting."""
     try:
         check_settings(settings, "settings", where="")
     except PoolFormatError as e:

@@ -141,7 +141,7 @@ def push_pool(
     ``README.md`` (`card`, or a default dataset card whose configs let ``datasets.load_dataset(repo_id)`` read the
     trajectories). When the snapshot's shards still hold evicted rows, the folder is first compacted in place (a new
     snapshot of the same pool), so that table holds exactly the pool's trajectories. Returns the commit URL. Raises
-    when `pool_dir` is not a complete saved pool.
+    when `pool` is a folder that is not a complete saved pool.
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 

@@ -1214,7 +1214,7 @@ def _grow(array: np.ndarray, size: int, fill) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------ saved folders
 def parse_state_file(file: str) -> dict:
-    """A state file (``state.json`` or a kept snapshot), parsed and validated (`pool_check.parse_state`)."""
+    """A state file (``state.json`` or a kept snapshot), parsed and validated (`check.parse_state`)."""
     try:
         with open(file, "rb") as f:
             text = f.read(_MAX_STATE_BYTES + 1)
