@@ -410,7 +410,7 @@ def test_given_pool_takes_the_run_configuration(tmp_path, caplog):
     )
     assert trainer.pool is given
     assert (given.max_trajectories_per_task, given.exp_select_mode, given.experience_rbound) == (3, "argmin", 4)
-    assert "max_trajectories_per_task" in caplog.text and "exp_select_mode" in caplog.text
+    assert "replay_max_trajectories_per_task" in caplog.text and "replay_select_mode" in caplog.text  # config names
 
 
 def test_trls_model_card_names_exreplay(tmp_path):
