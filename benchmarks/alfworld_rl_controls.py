@@ -46,6 +46,9 @@ import sys
 import time
 from importlib.metadata import version
 
+from trl_exreplay.envs.alfworld.tasks import env_options, load_tasks, system_prompt_of
+from trl_exreplay.envs.alfworld.warmstart import expert_sft_dataset
+
 RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "alfworld.py")
 
 
@@ -62,12 +65,10 @@ def sft_update(recipe, recipe_args, warm_start: str, tokenizer, env_kwargs: dict
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    from trl_exreplay.envs.alfworld import alfworld_tasks
-
     script_args, training_args, _ = recipe_args
-    system_prompt = recipe.system_prompt_of(script_args.prompt_style)
-    train_tasks = recipe.load_tasks(script_args, script_args.train_split, system_prompt, alfworld_tasks)
-    dataset = recipe.expert_sft_dataset(script_args, training_args, tokenizer, train_tasks, env_kwargs)
+    system_prompt = system_prompt_of(script_args.prompt_style)
+    train_tasks = load_tasks(script_args, script_args.train_split, system_prompt)
+    dataset = expert_sft_dataset(script_args, training_args, tokenizer, train_tasks, env_kwargs)
     dataset = dataset.remove_columns("task_id")
     model = AutoModelForCausalLM.from_pretrained(warm_start)
     args = SFTConfig(
@@ -100,7 +101,7 @@ def rl_on_fresh_games(recipe, recipe_args, warm_start: str, tokenizer, env_pool,
     )  # fmt: skip
     print(report.summary())
     fresh_args = dataclasses.replace(script_args, data_dir=games_dir)
-    tasks = recipe.load_tasks(fresh_args, "train", recipe.system_prompt_of(script_args.prompt_style), alfworld_tasks)
+    tasks = load_tasks(fresh_args, "train", system_prompt_of(script_args.prompt_style))
     warm_games = {_game_text(path) for path in alfworld_tasks(_split_dir(script_args, "train"))["game_file"]}
     overlap = sum(_game_text(path) in warm_games for path in tasks["game_file"])
     print(f"rl-fresh control: {len(tasks)} fresh games, {overlap} of them identical to a warm-start game")
@@ -203,7 +204,7 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from trl_exreplay.envs import EnvProcessPool
-    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+    from trl_exreplay.envs.alfworld import AlfWorldEnv
     from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES
     from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer
     from trl_exreplay.evaluation import evaluate_policy
@@ -216,13 +217,13 @@ def main(argv=None) -> dict:
         ["--data_dir", options.data_dir, "--output_dir", work, "--seed", str(options.seed)]
     )
     script_args, training_args, _ = recipe_args
-    env_kwargs = recipe.env_options(script_args, training_args)
+    env_kwargs = env_options(script_args, training_args)
     tokenizer = alfworld_tokenizer(entity_tokens=script_args.tiny_entity_tokens)
     env_pool = EnvProcessPool(
         functools.partial(AlfWorldEnv, **env_kwargs), workers=os.cpu_count() or 1, preload=list(ENGINE_MODULES)
     )
-    system_prompt = recipe.system_prompt_of(script_args.prompt_style)
-    eval_tasks = list(recipe.load_tasks(script_args, "valid_seen", system_prompt, alfworld_tasks))
+    system_prompt = system_prompt_of(script_args.prompt_style)
+    eval_tasks = list(load_tasks(script_args, "valid_seen", system_prompt))
 
     def successes(model, tasks=eval_tasks, **generate_kwargs) -> int:
         result = evaluate_policy(
@@ -243,7 +244,7 @@ def main(argv=None) -> dict:
         )  # fmt: skip
 
     if options.control == "few-games":
-        train_tasks = recipe.load_tasks(script_args, script_args.train_split, system_prompt, alfworld_tasks)
+        train_tasks = load_tasks(script_args, script_args.train_split, system_prompt)
         games = train_tasks.shuffle(seed=options.seed).select(range(min(options.games, len(train_tasks))))
         rows = list(games)
         print("few-games control:", ", ".join(sorted("/".join(r["game_file"].split(os.sep)[-3:-1]) for r in rows)))
@@ -267,7 +268,7 @@ def main(argv=None) -> dict:
         return {"games": n, "before": before, "after": after, "train_success": curve}
 
     if options.control == "direction":
-        train_tasks = recipe.load_tasks(script_args, script_args.train_split, system_prompt, alfworld_tasks)
+        train_tasks = load_tasks(script_args, script_args.train_split, system_prompt)
         train_tasks = list(train_tasks)[: len(eval_tasks)]
         try:
             table = {

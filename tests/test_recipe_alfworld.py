@@ -310,7 +310,9 @@ def test_an_invalid_action_penalty_needs_a_success_threshold_every_win_reaches(t
     ):
         recipe.parse_args(penalised)  # the default threshold, 1.0, would count a win with a refused action as lost
     script_args, training_args, _ = recipe.parse_args([*penalised, "--replay_success_threshold", "0.5"])
-    assert recipe.env_options(script_args, training_args)["invalid_action_penalty"] == 0.02
+    from trl_exreplay.envs.alfworld.tasks import env_options
+
+    assert env_options(script_args, training_args)["invalid_action_penalty"] == 0.02
     with pytest.raises(ValueError, match="invalid_action_penalty.*allowed values are finite numbers >= 0"):
         recipe.parse_args(["--output_dir", "unused", "--invalid_action_penalty", "-1"])
     with pytest.raises(ValueError, match=r"invalid_action_penalty.*max_turns=50.*allowed values are in \[0, 0.02\)"):
@@ -399,12 +401,13 @@ def test_target_objects_filter_loaded_games(tmp_path):
     """Games already in data_dir (official data, or generated earlier) are loaded only for the wanted objects."""
     from trl_exreplay.envs.alfworld import INSTRUCTIONS, alfworld_tasks, generate_games
     from trl_exreplay.envs.alfworld.expert import task_params
+    from trl_exreplay.envs.alfworld.tasks import load_tasks
 
     recipe = load_recipe()
     generate_games(tmp_path, "train", 8, 0, ["pick_and_place_simple"], verify=False, scenes=[309, 310])
     objects = sorted(task_params(f)["object"] for f in alfworld_tasks(tmp_path / "json_2.1.1" / "train")["game_file"])
     wanted = objects[0]
     script_args, _, _ = recipe.parse_args(["--data_dir", str(tmp_path), "--target_objects", wanted])
-    tasks = recipe.load_tasks(script_args, "train", INSTRUCTIONS, alfworld_tasks)
+    tasks = load_tasks(script_args, "train", INSTRUCTIONS)
     assert len(tasks) == objects.count(wanted) < len(objects)
     assert {task_params(f)["object"] for f in tasks["game_file"]} == {wanted}

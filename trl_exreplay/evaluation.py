@@ -163,3 +163,48 @@ def evaluate_policy(
         if bar is not None:
             bar.close()
     return PolicyEvaluation(episodes, success_threshold=success_threshold, group_column=group_column)
+
+
+def replay_participation(log_history: list[dict], points: int = 4) -> dict:
+    """How much replay took part over a run, from the trainer's logs: the replayed-row fraction (mean over the logged
+    steps from replay's start, and max) and the pool's size at `points` evenly spaced logged steps (the last included)."""
+    logged = [entry for entry in log_history if "replay/rows_fraction" in entry]
+    if not logged:
+        return {}
+    fractions = [entry["replay/rows_fraction"] for entry in logged]
+    started = next((i for i, f in enumerate(fractions) if f > 0), len(fractions))
+    at = sorted({max(0, round(len(logged) * (i + 1) / points) - 1) for i in range(points)})
+    return {
+        "rows_fraction_mean": sum(fractions[started:]) / max(1, len(fractions) - started),
+        "rows_fraction_max": max(fractions),
+        "steps": [logged[i].get("step") for i in at],
+        "pool_tasks": [logged[i].get("replay/pool_tasks", 0.0) for i in at],
+        "pool_trajectories": [logged[i].get("replay/pool_trajectories", 0.0) for i in at],
+    }
+
+
+def print_summary(summary: dict, num_train_games: int) -> None:
+    """The results table of a run's summary (success before and after RL with 95% intervals, replay's share, the
+    pool over the run), as `recipes/alfworld.py` prints it."""
+    print("\n" + "=" * 76)
+    print(f"ALFWorld, {num_train_games} train games, model: {summary['base_model']}")
+    width = max([16, *(len(split) + 2 for split in summary["results"])])
+    print(f"{'split':<{width}}{'before RL [95% CI]':>22}{'after RL [95% CI]':>22}{'change':>10}{'n':>6}")
+    for split, r in summary["results"].items():
+        ci = summary["intervals"][split]
+        cells = [f"{100 * r[w]:.1f}% [{100 * ci[w][0]:.0f}-{100 * ci[w][1]:.0f}]" for w in ("before", "after")]
+        change = 100 * (r["after"] - r["before"])
+        print(f"{split:<{width}}{cells[0]:>22}{cells[1]:>22}{change:>+8.1f}pt{ci['episodes']:>6}")
+    replay = summary.get("replay")
+    if replay:
+        print(f"replayed rows: {100 * replay['rows_fraction_mean']:.1f}% of each step's rows from replay's start "
+              f"(max {100 * replay['rows_fraction_max']:.1f}%)")  # fmt: skip
+        sizes = ", ".join(f"step {s}: {t:.0f}/{n:.0f}" for s, t, n in
+                          zip(replay["steps"], replay["pool_tasks"], replay["pool_trajectories"]))  # fmt: skip
+        print(f"pool over the run (tasks/trajectories): {sizes}")
+    pool = summary["pool"]
+    if pool:
+        print(f"pool: {pool.get('pool_tasks', 0):.0f} tasks, {pool.get('pool_trajectories', 0):.0f} trajectories, "
+              f"skip set {pool.get('skip_set', 0):.0f}")  # fmt: skip
+    print(f"total time: {summary['minutes']:.1f} min; saved to {summary['output_dir']}")
+    print("=" * 76)

@@ -60,28 +60,29 @@ class AlfWorld(Testbed):
         from alfworld_rl_controls import load_recipe  # benchmarks/, on the path the harness set
 
         from trl_exreplay.envs import EnvProcessPool
-        from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+        from trl_exreplay.envs.alfworld import AlfWorldEnv
         from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES
-        from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer
+        from trl_exreplay.envs.alfworld.tasks import ensure_games, env_options, load_tasks, system_prompt_of
+        from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, warm_start
 
         recipe = load_recipe()
         work = os.path.join(self.data_dir, "testbed")
         script_args, training_args, model_args = recipe.parse_args(
             ["--data_dir", self.data_dir, "--output_dir", work, "--seed", "0"]
         )
-        recipe.ensure_games(script_args, [script_args.train_split, *script_args.eval_splits])
-        system_prompt = recipe.system_prompt_of(script_args.prompt_style)
+        ensure_games(script_args, [script_args.train_split, *script_args.eval_splits])
+        system_prompt = system_prompt_of(script_args.prompt_style)
         self.tasks = {
-            split: recipe.load_tasks(script_args, split, system_prompt, alfworld_tasks)
+            split: load_tasks(script_args, split, system_prompt)
             for split in [script_args.train_split, *script_args.eval_splits]
         }
         self.train_split, self.eval_splits = script_args.train_split, list(script_args.eval_splits)
-        env_kwargs = recipe.env_options(script_args, training_args)
+        env_kwargs = env_options(script_args, training_args)
         self._env_pool = EnvProcessPool(
             functools.partial(AlfWorldEnv, **env_kwargs), workers=os.cpu_count() or 1, preload=list(ENGINE_MODULES)
         )
         self.tokenizer = alfworld_tokenizer(entity_tokens=script_args.tiny_entity_tokens)
-        self.warm_start_path = recipe.warm_start(
+        self.warm_start_path = warm_start(
             script_args, training_args, model_args, self.tokenizer, self.tasks[self.train_split], env_kwargs,
             PartialState(),
         )  # fmt: skip

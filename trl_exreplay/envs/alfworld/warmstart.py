@@ -19,8 +19,14 @@ dataset = sft_dataset(episodes, tokenizer, max_completion_length=1024, max_turns
 from __future__ import annotations
 
 import functools
+import gc
+import hashlib
+import json
+import os
 import re
+import shutil
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from .engine import map_in_pool
@@ -164,3 +170,135 @@ def sft_dataset(
         rows["assistant_masks"].append([0] * len(played.prompt_ids) + played.env_mask)
         rows["task_id"].append(str(episode.task.get("task_id", "")))
     return Dataset.from_dict(rows)
+
+
+# ------------------------------------------------------------------------------------------- the recipe's warm start
+def expert_sft_dataset(script_args, training_args, tokenizer, train_tasks, env_kwargs: dict):
+    """The warm start's data: the searching expert plays every train game; its won episodes, laid out as rollouts."""
+    episodes = expert_episodes(train_tasks, workers=None, progress=True, **env_kwargs)
+    dataset = sft_dataset(
+        episodes[: script_args.warm_start_max_episodes],
+        tokenizer,
+        max_completion_length=training_args.max_completion_length,
+        max_turns=training_args.max_turns,
+        max_tokens_per_turn=training_args.max_tokens_per_turn,
+        chat_template_kwargs=training_args.chat_template_kwargs,
+    )
+    print(f"warm start: {len(dataset)} expert episodes won of {len(episodes)} games")
+    return dataset
+
+
+def build_tiny(script_args, tokenizer, training_args, path: str, state) -> str:
+    """The embedded default model, saved to `path` so every rank and every later step loads the same weights."""
+    from ...models import save_atomically
+    from ...tiny import build_tiny_model
+
+    if state.is_main_process and not os.path.isfile(os.path.join(path, "config.json")):
+        model = build_tiny_model(
+            tokenizer,
+            hidden_size=script_args.tiny_hidden_size,
+            num_layers=script_args.tiny_num_layers,
+            num_heads=script_args.tiny_num_heads,
+            seed=training_args.seed,
+            max_position_embeddings=max(512, training_args.max_completion_length + 256),
+        )
+        save_atomically(path, model, tokenizer)
+    state.wait_for_everyone()
+    return path
+
+
+def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, env_kwargs, state) -> str:
+    """SFT with TRL's `SFTTrainer` on the searching expert's won episodes of the train games, laid out token for
+    token as the RL rollouts; returns the folder of the warm-started model (cached by its settings)."""
+    import datasets
+    from accelerate.utils import broadcast_object_list
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer, get_peft_config
+
+    from ...models import merge_adapter, model_init_kwargs
+
+    key = {
+        "model": asdict(model_args),  # base, revision, dtype, LoRA settings
+        "tiny": [script_args.tiny_hidden_size, script_args.tiny_num_layers, script_args.tiny_num_heads],
+        "tokenizer": [sorted(tokenizer.get_vocab().items()), tokenizer.chat_template],
+        "games": sorted(train_tasks["game_file"]),
+        "system_prompt": train_tasks[0]["system_prompt"] if len(train_tasks) else None,
+        "env": {k: v for k, v in env_kwargs.items() if k != "invalid_action_penalty"},  # rewards only: not SFT's
+        "limits": [training_args.max_turns, training_args.max_completion_length, training_args.max_tokens_per_turn],
+        "sft": [
+            script_args.warm_start_epochs,
+            script_args.warm_start_learning_rate,
+            script_args.warm_start_batch_size,
+            script_args.warm_start_max_episodes,
+            training_args.seed,
+            state.num_processes,
+        ],
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    path = os.path.abspath(os.path.join(script_args.data_dir, "warmstart", digest))
+    # The main process decides for all ranks (a job finishing the same warm start meanwhile must not split them),
+    # and names this run's own temporary folders.
+    decision = [os.path.isfile(os.path.join(path, "config.json")), f"{path}.tmp-{os.getpid()}"]
+    cached, tmp = broadcast_object_list(decision) if state.num_processes > 1 else decision
+    if cached:
+        if state.is_main_process:
+            print(f"warm start: reusing {path}")
+        return path
+
+    if state.is_main_process:
+        dataset = expert_sft_dataset(script_args, training_args, tokenizer, train_tasks, env_kwargs)
+        dataset.save_to_disk(tmp + ".sft-data")
+    state.wait_for_everyone()
+    dataset = datasets.load_from_disk(tmp + ".sft-data").remove_columns("task_id")
+    if len(dataset) == 0:  # every rank reads the same data, so every rank stops here
+        raise ValueError(
+            f"Warm start: the expert won no train game within max_turns={training_args.max_turns} and "
+            f"max_completion_length={training_args.max_completion_length}; raise them, or set warm_start false."
+        )
+    if model_args.model_name_or_path is None:
+        model = AutoModelForCausalLM.from_pretrained(build_tiny(script_args, tokenizer, training_args,
+                                                                tmp + ".init", state))  # fmt: skip
+    else:
+        model = model_args.model_name_or_path
+    sft_args = SFTConfig(
+        output_dir=tmp + ".sft",
+        num_train_epochs=script_args.warm_start_epochs,
+        per_device_train_batch_size=script_args.warm_start_batch_size,
+        learning_rate=script_args.warm_start_learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=10,
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        max_length=None,
+        seed=training_args.seed,
+        use_cpu=training_args.use_cpu,
+        bf16=training_args.bf16,
+        gradient_checkpointing=training_args.gradient_checkpointing,
+        model_init_kwargs=model_init_kwargs(model_args) if isinstance(model, str) else None,
+    )
+    sft = SFTTrainer(
+        model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )  # fmt: skip
+    sft.train()
+    sft.save_model(tmp)  # every rank: under ZeRO-3 saving gathers the shards; the tokenizer is saved with it
+    del sft
+    gc.collect()
+    if state.is_main_process:
+        if model_args.use_peft:  # RL trains a fresh adapter on top of the merged warm start
+            merge_adapter(tmp, model_args)
+        for leftover in (".sft-data", ".init", ".sft"):
+            shutil.rmtree(tmp + leftover, ignore_errors=True)
+        try:
+            os.replace(tmp, path)  # atomic: a crash never leaves a half-written warm start behind
+        except OSError:  # another job finished the same warm start first: use theirs
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    state.wait_for_everyone()
+    # Under DeepSpeed, accelerate refuses a second Accelerator (the RL trainer's) while the first one's state lives.
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    return path
