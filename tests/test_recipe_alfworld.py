@@ -411,3 +411,12 @@ def test_target_objects_filter_loaded_games(tmp_path):
     tasks = load_tasks(script_args, "train", INSTRUCTIONS)
     assert len(tasks) == objects.count(wanted) < len(objects)
     assert {task_params(f)["object"] for f in tasks["game_file"]} == {wanted}
+
+
+def test_a_warm_start_the_expert_never_wins_is_refused_clearly(data_dir, tmp_path):
+    """No expert episode to learn from: a clear error on every rank (an empty SFT dataset once failed inside
+    `datasets`' loader with an IndexError)."""
+    recipe = load_recipe()
+    argv = [*SMALL, "--max_turns", "1", "--data_dir", str(data_dir), "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(ValueError, match="the expert won no train game within max_turns=1"):
+        recipe.main(*recipe.parse_args(argv))

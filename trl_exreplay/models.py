@@ -24,18 +24,25 @@ def save_atomically(path: str, model, tokenizer) -> None:
     os.replace(tmp, path)
 
 
+# transformers keeps only a weak reference to the DeepSpeed config it registers: the one re-registered after a whole
+# load lives here (one at a time).
+_REREGISTERED: list = []
+
+
 @contextlib.contextmanager
 def whole_model_loading():
-    """Load models whole on this rank. A ZeRO-3 trainer registers its config globally, and transformers would then
-    partition every model it loads with collective calls, which hang when one rank loads alone."""
-    from transformers.integrations import deepspeed as hf_deepspeed
+    """Load models whole on this rank. A ZeRO-3 trainer registers its DeepSpeed config globally, and transformers would
+    then partition every model it loads with collective calls, which hang when one rank loads alone. The registration
+    is lifted for the block and made again after it, through transformers' public functions."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, deepspeed_config, unset_hf_deepspeed_config
 
-    registered = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
+    config = deepspeed_config()  # the registered config (its "auto" values filled), or None
+    unset_hf_deepspeed_config()
     try:
         yield
     finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+        if config is not None:
+            _REREGISTERED[:] = [HfDeepSpeedConfig(config)]  # registers itself
 
 
 def merge_adapter(path: str, model_args, into: str | None = None) -> str:

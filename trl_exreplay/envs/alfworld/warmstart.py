@@ -245,16 +245,20 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
             print(f"warm start: reusing {path}")
         return path
 
+    won = [0]
     if state.is_main_process:
         dataset = expert_sft_dataset(script_args, training_args, tokenizer, train_tasks, env_kwargs)
-        dataset.save_to_disk(tmp + ".sft-data")
-    state.wait_for_everyone()
-    dataset = datasets.load_from_disk(tmp + ".sft-data").remove_columns("task_id")
-    if len(dataset) == 0:  # every rank reads the same data, so every rank stops here
+        won = [len(dataset)]
+        if won[0]:  # `datasets` cannot load back a dataset saved with no rows
+            dataset.save_to_disk(tmp + ".sft-data")
+    won = broadcast_object_list(won) if state.num_processes > 1 else won
+    if won[0] == 0:  # every rank knows, so every rank stops here
         raise ValueError(
             f"Warm start: the expert won no train game within max_turns={training_args.max_turns} and "
             f"max_completion_length={training_args.max_completion_length}; raise them, or set warm_start false."
         )
+    state.wait_for_everyone()
+    dataset = datasets.load_from_disk(tmp + ".sft-data").remove_columns("task_id")
     if model_args.model_name_or_path is None:
         model = AutoModelForCausalLM.from_pretrained(build_tiny(script_args, tokenizer, training_args,
                                                                 tmp + ".init", state))  # fmt: skip
@@ -297,7 +301,10 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     state.wait_for_everyone()
-    # Under DeepSpeed, accelerate refuses a second Accelerator (the RL trainer's) while the first one's state lives.
+    # Under DeepSpeed, accelerate refuses a second Accelerator (the RL trainer's) while the first one's state lives:
+    # "You cannot pass in a `deepspeed_plugin` when creating a second `Accelerator`" (accelerate 1.15). accelerate has
+    # no public way to end that state; this private call is the one transformers' own Trainer makes to rebuild its
+    # DeepSpeed plugin (`Trainer._hp_search_setup`).
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()
