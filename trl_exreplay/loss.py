@@ -143,8 +143,12 @@ def off_policy_loss(
         off_policy_shaping: ``"clip"`` (the loss type's own rule above) or ``"exgrpo"`` (ExGRPO's shaping
             ``-A * w / (w + off_policy_shaping_beta)`` whatever the loss type).
         off_policy_shaping_beta: the ``beta`` of the ExGRPO shaping.
-        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures (TRL's config fields).
-        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma parameters (TRL's fields).
+        sapo_temperature_pos: SAPO's gate temperature for positive advantages (TRL's config field).
+        sapo_temperature_neg: SAPO's gate temperature for negative advantages.
+        vespo_k_pos: VESPO's gamma parameter k for positive advantages (TRL's field).
+        vespo_lambda_pos: VESPO's lambda for positive advantages.
+        vespo_k_neg: VESPO's k for negative advantages.
+        vespo_lambda_neg: VESPO's lambda for negative advantages.
         off_policy_mask_threshold: TRL's OPSM threshold: a replayed row with negative advantage whose mean
             ``logp_mu - logp`` over its replayed tokens exceeds it trains nothing. ``None``: off.
         token_mask: ``(B, T)``, the tokens whose policy loss counts (TRL's ``top_entropy_quantile`` selection).
@@ -154,12 +158,12 @@ def off_policy_loss(
         reduced by ``aggregate_loss`` over the whole batch's loss mask; and detached 0-dim float32 metrics over the
         replayed tokens:
 
-        - ``loss_sum``: the per-token loss summed over replayed tokens (sums, so that they reduce across processes:
-          divide by ``replayed_tokens`` for means);
-        - ``clipped_tokens``: tokens where a clip binds (clip family: the clipped or the dual-clip branch is taken;
-          CISPO: the weight is truncated; never for SAPO, VESPO and the ExGRPO shaping);
-        - ``ratio_min`` / ``ratio_sum`` / ``ratio_max``: the ratio ``w`` the formula uses (bounded), over replayed
-          tokens; with none, ``+inf`` / ``0`` / ``-inf`` (neutral elements);
+        - ``loss_sum``: the per-token loss summed over replayed tokens (sums, so that they reduce across
+            processes: divide by ``replayed_tokens`` for means);
+        - ``clipped_tokens``: tokens where a clip binds (clip family: the clipped or the dual-clip branch is
+            taken; CISPO: the weight is truncated; never for SAPO, VESPO and the ExGRPO shaping);
+        - ``ratio_min`` / ``ratio_sum`` / ``ratio_max``: the ratio ``w`` the formula uses (bounded), over
+            replayed tokens; with none, ``+inf`` / ``0`` / ``-inf`` (neutral elements);
         - ``logp_drift_sum``: ``|logp - logp_mu|`` summed (unbounded);
         - ``replayed_tokens``: their number.
 

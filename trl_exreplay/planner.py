@@ -253,7 +253,8 @@ def plan_replay(
             (``ExperiencePool.replay_buckets``: the draw then costs O(groups), whatever the pool's size).
         exp_ratio: fraction of groups to turn into replay tasks (`int(num_groups * exp_ratio)`, fewer if the pool is
             small).
-        num_generations, num_replayed: G and k.
+        num_generations: G, the rollouts of a group.
+        num_replayed: k, the replayed rollouts of a replayed group.
         weighting: how tasks are drawn over difficulty buckets (see `bucket_weights` and `draw_replay_tasks`).
         seed: seed of this draw (the trainer uses `(args.seed, global_step)`).
 

@@ -62,7 +62,8 @@ class ExperiencePool:
 
     Args:
         max_trajectories_per_task: capacity per task.
-        experience_lbound, experience_rbound: a task's trajectories are stored when lbound < successes < rbound.
+        experience_lbound: a task's trajectories are stored when lbound < successes < rbound.
+        experience_rbound: the upper bound of that rule (exclusive).
         exp_select_mode: ``"argmin"``, ``"argmax"`` or ``"random"``: replay selection and eviction policy.
         pool_store_mode: ``"all"`` stores every success of a qualifying task, ``"best"`` only the best by entropy.
         max_policy_age: a full task first evicts trajectories older than this many policy versions; None: no
