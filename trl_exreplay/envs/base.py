@@ -35,6 +35,12 @@ class TextEnv(Protocol):
 
         def close(self):
             pass
+
+
+    env = Echo()
+    assert env.reset({"word": "blue"}) == "say blue"
+    assert env.step("say red") == ("try again", 0.0, False, {})
+    assert env.step("blue") == ("well done", 1.0, True, {})
     ```
     """
 
