@@ -19,13 +19,10 @@ def checkpoint_to_resume(training_args) -> str | None:
                              "folder (one holding trainer_state.json), true (the newest checkpoint in `output_dir`) "
                              "or false.")  # fmt: skip
         return value
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    from transformers.trainer_utils import sort_checkpoints  # checkpoint-<step> folders by step, oldest first
 
-    output_dir, prefix = training_args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-"
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    steps = [int(name[len(prefix) :]) for name in names if name.startswith(prefix) and name[len(prefix) :].isdigit()]
-    for step in sorted(steps, reverse=True):
-        path = os.path.join(output_dir, f"{prefix}{step}")
+    output_dir = training_args.output_dir
+    for path in reversed(sort_checkpoints(output_dir)):
         if os.path.isfile(os.path.join(path, "trainer_state.json")):
             return path
         print(f"resume_from_checkpoint: skipping {path}, an incomplete checkpoint (no trainer_state.json)")

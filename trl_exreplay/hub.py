@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from trl import GRPOTrainer
 
-from .pool.hub import create_commit
+from .pool.hub import create_commit, fenced
 
 CITATIONS: dict[str, str] = {
     "ExGRPO": """@misc{zhan2025exgrpo,
@@ -80,12 +80,8 @@ def _percent(value) -> str:
     return "n/a" if value is None else f"{100 * float(value):.1f}%"
 
 
-def _fenced(text: str, language: str = "") -> str:
-    return f"```{language}\n{text.rstrip()}\n```"
-
-
 def _citations() -> str:
-    return "\n\n".join(f"{name}:\n\n{_fenced(entry, 'bibtex')}" for name, entry in CITATIONS.items())
+    return "\n\n".join(f"{name}:\n\n{fenced(entry, 'bibtex')}" for name, entry in CITATIONS.items())
 
 
 def model_card(
@@ -130,7 +126,7 @@ def model_card(
         "",
         "## Usage",
         "",
-        _fenced(
+        fenced(
             "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
             f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")\n'
             f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
@@ -157,7 +153,7 @@ def model_card(
         "## Replay configuration",
         "",
         # JSON scalars and lists are valid YAML, and unlike a YAML dumper json copes with tuples and None.
-        _fenced("\n".join(f"{k}: {json.dumps(replay_config[k], default=str)}" for k in sorted(replay_config)), "yaml"),
+        fenced("\n".join(f"{k}: {json.dumps(replay_config[k], default=str)}" for k in sorted(replay_config)), "yaml"),
         "",
         "## Framework versions",
         "",

@@ -24,10 +24,11 @@ from .store import (
     state_files,
 )
 
-__all__ = ["create_commit", "pool_from_hub", "push_pool"]
+__all__ = ["create_commit", "fenced", "pool_from_hub", "push_pool"]
 
 
-def _fenced(text: str, language: str = "") -> str:
+def fenced(text: str, language: str = "") -> str:
+    """`text` as a Markdown code block (the cards' usage and settings)."""
     return f"```{language}\n{text.rstrip()}\n```"
 
 
@@ -105,7 +106,7 @@ def _pool_card(repo_id: str, state: dict) -> str:
             "",
             "## Usage",
             "",
-            _fenced(
+            fenced(
                 "from trl_exreplay.pool import ExperiencePool, pool_from_hub\n\n"
                 f'pool = pool_from_hub("{repo_id}", tokenizer=tokenizer)  # refuses another tokenizer\n\n'
                 "# or, from a local copy:\n"
