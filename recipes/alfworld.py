@@ -22,12 +22,11 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CONFIG = os.path.join(HERE, "configs", "alfworld_tiny_cpu.yaml")
-# Python puts this script's folder first on sys.path, where this file would shadow the `alfworld` package.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+# Named like the `alfworld` package, this script would shadow it (Python puts the script's folder first on sys.path):
+# importing `trl_exreplay.envs.alfworld` makes `import alfworld` find the installed package.
+from trl_exreplay.envs.alfworld.arguments import AlfWorldArguments, check_reward_settings
 
-from trl_exreplay.envs.alfworld.arguments import AlfWorldArguments, check_reward_settings  # noqa: E402
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "alfworld_tiny_cpu.yaml")
 
 
 def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:

@@ -304,3 +304,40 @@ def test_closed_engines_are_reused_without_leaking_their_game(games):
     assert score_agent(str(games), None, workers=1).won == 2  # in this process: an engine per game, given back
     assert score_agent(str(games), random_agent, max_steps=5, workers=1).games == 2  # an AlfWorldEnv per game
     assert _libdownward_copies() == copies
+
+
+SHADOWING_SCRIPT = """
+{first}
+import alfworld
+import alfworld.gen.constants as C
+
+from trl_exreplay.envs.alfworld.engine import map_in_pool
+from trl_exreplay.envs.alfworld.warmstart import alfworld_entities
+
+if __name__ == "__main__":
+    print("main:", alfworld.__file__, len(C.OBJECTS))
+    print("workers:", [len(names) for names in map_in_pool(alfworld_entities, [1, 2], workers=2)])
+"""
+
+
+@pytest.mark.parametrize("ours_first", [True, False])
+def test_a_script_named_alfworld_does_not_shadow_the_package_in_itself_or_its_workers(tmp_path, ours_first):
+    """Python puts a script's folder first on sys.path, so `recipes/alfworld.py` would be imported as the `alfworld`
+    package, in the script and in its worker processes (which inherit the path). Once `trl_exreplay.envs.alfworld` is
+    imported, `import alfworld` finds the installed package everywhere; before it, the shadow wins (the control)."""
+    import subprocess
+
+    import alfworld
+    import alfworld.gen.constants as C
+
+    from trl_exreplay.envs.alfworld.warmstart import alfworld_entities
+
+    script = tmp_path / "alfworld.py"
+    script.write_text(SHADOWING_SCRIPT.format(first="import trl_exreplay.envs.alfworld" if ours_first else ""))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    if ours_first:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"main: {alfworld.__file__} {len(C.OBJECTS)}\n" in result.stdout
+        assert f"workers: [{len(alfworld_entities(1))}, {len(alfworld_entities(2))}]\n" in result.stdout
+    else:
+        assert result.returncode != 0 and "'alfworld' is not a package" in result.stderr

@@ -5,6 +5,8 @@ the process, which `trl_exreplay.distributed.exit_distributed()` prevents."""
 
 from __future__ import annotations
 
+import json
+
 import psutil
 import pytest
 from helpers import REPOSITORY
@@ -12,6 +14,7 @@ from launching import accelerate_launch, extensions_dir, finished
 
 SCRIPT = REPOSITORY / "tests" / "scripts" / "replay_multiprocess.py"
 GLOO_EXIT = REPOSITORY / "tests" / "scripts" / "gloo_exit.py"
+OWN_LAUNCH = REPOSITORY / "tests" / "scripts" / "own_launch.py"
 
 HANGING_RANK = """
 import os, sys, time
@@ -93,3 +96,31 @@ def test_exit_distributed_without_a_process_group_returns():
 
     assert exit_distributed() is None  # (else this pytest process would have ended here)
     assert gloo_worker_threads() == 0  # this process never made a gloo group
+
+
+@pytest.mark.slow
+def test_a_stage_runs_as_a_launch_of_its_own_on_every_rank(tmp_path):
+    """`run_as_own_launch`: each rank's child joins a process group of its own (both children, on a new port), the
+    failure of a child is an error naming the module and its status on every rank, and the launch's own group still
+    works afterwards."""
+    accelerate_launch("recipes/accelerate/ddp_cpu.yaml", OWN_LAUNCH, "parent", tmp_path)
+    read = lambda name: json.loads((tmp_path / f"{name}.json").read_text())  # noqa: E731
+    parents, children = [read(f"parent{r}") for r in range(2)], [read(f"child{r}") for r in range(2)]
+    assert [p["sum"] for p in parents] == [3.0, 3.0]
+    assert [c["sum"] for c in children] == [30.0, 30.0] and [c["world"] for c in children] == [2, 2]
+    assert [c["parent"] for c in children] == [p["pid"] for p in parents]
+    assert children[0]["port"] == children[1]["port"] != parents[0]["port"] == parents[1]["port"]
+    for rank, parent in enumerate(parents):
+        assert parent["error"] == (f"`python -m own_launch` (run as its own launch) failed on rank {rank} with exit "
+                                   "status 3; its output is above.")  # fmt: skip
+
+
+def test_a_stage_launched_before_the_process_group_exists_is_refused(monkeypatch):
+    """One of 2 launched ranks whose process group is not set up yet would start a child that waits for ever."""
+    from trl_exreplay.launch import run_as_own_launch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(
+        RuntimeError, match="one of 2 launched ranks, but its distributed state has 1; set the process"
+    ):
+        run_as_own_launch("json.tool", "--help")

@@ -17,6 +17,10 @@ CLI: `python -m trl_exreplay.envs.alfworld generate --out DIR --split train --nu
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
+
 from .splits import ALL_TASK_TYPES, SPLIT_SCENES, SPLITS, TASK_TYPES, TRAIN_SCENES, VALID_UNSEEN_SCENES
 
 _LAZY = {
@@ -60,3 +64,36 @@ def __getattr__(name: str):
         module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class InstalledPackageFinder(importlib.abc.MetaPathFinder):
+    """Resolves `import alfworld` to the installed *package*, never to a plain module of that name.
+
+    Python puts a script's folder first on `sys.path`, so a script named `alfworld.py` (our recipe,
+    `recipes/alfworld.py`) would otherwise be imported in place of the `alfworld` package, in the script's process and
+    in every worker process it starts (spawn and forkserver workers inherit its `sys.path`). This finder, placed first
+    on `sys.meta_path` when this package is imported, takes the first `alfworld` package on `sys.path` and leaves
+    `sys.path` itself alone; with no package installed it finds nothing and the usual `ImportError` follows.
+    """
+
+    name = "alfworld"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        for entry in sys.path:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, [entry])
+            if spec is not None and spec.submodule_search_locations is not None:  # a package
+                return spec
+        return None
+
+
+def _prefer_installed_package() -> None:
+    if not any(isinstance(finder, InstalledPackageFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, InstalledPackageFinder())
+    shadow = sys.modules.get(InstalledPackageFinder.name)
+    if shadow is not None and not hasattr(shadow, "__path__"):  # a plain module imported before us: not the package
+        del sys.modules[InstalledPackageFinder.name]
+
+
+_prefer_installed_package()

@@ -19,7 +19,6 @@ dataset = sft_dataset(episodes, tokenizer, max_completion_length=1024, max_turns
 from __future__ import annotations
 
 import functools
-import gc
 import hashlib
 import json
 import os
@@ -209,13 +208,13 @@ def build_tiny(script_args, tokenizer, training_args, path: str, state) -> str:
 
 def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, env_kwargs, state) -> str:
     """SFT with TRL's `SFTTrainer` on the searching expert's won episodes of the train games, laid out token for
-    token as the RL rollouts; returns the folder of the warm-started model (cached by its settings)."""
-    import datasets
+    token as the RL rollouts; returns the folder of the warm-started model (cached by its settings). Collective: every
+    rank calls it. The SFT runs in processes of its own (`trl_exreplay.launch.run_as_own_launch`), on the launch's ranks
+    and with its DeepSpeed settings, so that the RL trainer's `Accelerator` is this process's first."""
     from accelerate.utils import broadcast_object_list
-    from transformers import AutoModelForCausalLM
-    from trl import SFTConfig, SFTTrainer, get_peft_config
 
-    from ...models import merge_adapter, model_init_kwargs
+    from ...launch import run_as_own_launch
+    from ...models import merge_adapter
 
     key = {
         "model": asdict(model_args),  # base, revision, dtype, LoRA settings
@@ -258,42 +257,44 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
             f"max_completion_length={training_args.max_completion_length}; raise them, or set warm_start false."
         )
     state.wait_for_everyone()
-    dataset = datasets.load_from_disk(tmp + ".sft-data").remove_columns("task_id")
+    spec = {
+        "dataset": tmp + ".sft-data",
+        "tokenizer": tmp + ".tokenizer",
+        "tiny": None,  # the folder of the tiny model, for `model_args` without a model
+        "model_args": asdict(model_args),
+        "output_dir": tmp,
+        "sft": {
+            "output_dir": tmp + ".sft",
+            "num_train_epochs": script_args.warm_start_epochs,
+            "per_device_train_batch_size": script_args.warm_start_batch_size,
+            "learning_rate": script_args.warm_start_learning_rate,
+            "lr_scheduler_type": "cosine",
+            "warmup_steps": 10,
+            "logging_steps": 10,
+            "save_strategy": "no",
+            "report_to": "none",
+            "max_length": None,
+            "seed": training_args.seed,
+            "use_cpu": training_args.use_cpu,
+            "bf16": training_args.bf16,
+            "gradient_checkpointing": training_args.gradient_checkpointing,
+        },
+    }
     if model_args.model_name_or_path is None:
-        model = AutoModelForCausalLM.from_pretrained(build_tiny(script_args, tokenizer, training_args,
-                                                                tmp + ".init", state))  # fmt: skip
-    else:
-        model = model_args.model_name_or_path
-    sft_args = SFTConfig(
-        output_dir=tmp + ".sft",
-        num_train_epochs=script_args.warm_start_epochs,
-        per_device_train_batch_size=script_args.warm_start_batch_size,
-        learning_rate=script_args.warm_start_learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=10,
-        logging_steps=10,
-        save_strategy="no",
-        report_to="none",
-        max_length=None,
-        seed=training_args.seed,
-        use_cpu=training_args.use_cpu,
-        bf16=training_args.bf16,
-        gradient_checkpointing=training_args.gradient_checkpointing,
-        model_init_kwargs=model_init_kwargs(model_args) if isinstance(model, str) else None,
-    )
-    sft = SFTTrainer(
-        model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-    )  # fmt: skip
-    sft.train()
-    sft.save_model(tmp)  # every rank: under ZeRO-3 saving gathers the shards; the tokenizer is saved with it
-    del sft
-    gc.collect()
+        spec["tiny"] = build_tiny(script_args, tokenizer, training_args, tmp + ".init", state)
+    if state.is_main_process:
+        tokenizer.save_pretrained(tmp + ".tokenizer")
+        with open(tmp + ".sft.json", "w") as f:
+            json.dump(spec, f)
+    state.wait_for_everyone()
+    # SFT in processes of its own: two Trainers cannot share one process under DeepSpeed (see `trl_exreplay.launch`).
+    run_as_own_launch(__name__, tmp + ".sft.json")
     if state.is_main_process:
         if model_args.use_peft:  # RL trains a fresh adapter on top of the merged warm start
             merge_adapter(tmp, model_args)
-        for leftover in (".sft-data", ".init", ".sft"):
+        for leftover in (".sft-data", ".init", ".sft", ".tokenizer"):
             shutil.rmtree(tmp + leftover, ignore_errors=True)
+        os.remove(tmp + ".sft.json")
         try:
             os.replace(tmp, path)  # atomic: a crash never leaves a half-written warm start behind
         except OSError:  # another job finished the same warm start first: use theirs
@@ -301,11 +302,40 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     state.wait_for_everyone()
-    # Under DeepSpeed, accelerate refuses a second Accelerator (the RL trainer's) while the first one's state lives:
-    # "You cannot pass in a `deepspeed_plugin` when creating a second `Accelerator`" (accelerate 1.15). accelerate has
-    # no public way to end that state; this private call is the one transformers' own Trainer makes to rebuild its
-    # DeepSpeed plugin (`Trainer._hp_search_setup`).
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state()
     return path
+
+
+def sft_from_spec(spec_file: str) -> None:
+    """The warm start's SFT, run by `warm_start` in processes of its own (`python -m` this module, on every rank):
+    TRL's `SFTTrainer` on the saved dataset, the model saved to the spec's `output_dir` with its tokenizer."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config
+
+    from ...models import model_init_kwargs
+
+    with open(spec_file) as f:
+        spec = json.load(f)
+    model_args = ModelConfig(**spec["model_args"])
+    if spec["tiny"] is not None:
+        model, init_kwargs = AutoModelForCausalLM.from_pretrained(spec["tiny"]), None
+    else:
+        model, init_kwargs = model_args.model_name_or_path, model_init_kwargs(model_args)
+    sft = SFTTrainer(
+        model=model,
+        args=SFTConfig(**spec["sft"], model_init_kwargs=init_kwargs),
+        train_dataset=datasets.load_from_disk(spec["dataset"]).remove_columns("task_id"),
+        processing_class=AutoTokenizer.from_pretrained(spec["tokenizer"]),
+        peft_config=get_peft_config(model_args),
+    )
+    sft.train()
+    sft.save_model(spec["output_dir"])  # every rank: under ZeRO-3 saving gathers the shards; the tokenizer too
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ...distributed import exit_distributed
+
+    sft_from_spec(sys.argv[1])
+    exit_distributed()
