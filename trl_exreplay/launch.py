@@ -13,10 +13,16 @@ picks, so that they never meet the parents' group. Every rank must call `run_as_
 the module must end with `trl_exreplay.distributed.exit_distributed()` like any launched script.
 
 ```python
+# train.py, run with `accelerate launch --config_file recipes/accelerate/zero3_gpu.yaml train.py`
+from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 from trl_exreplay.launch import run_as_own_launch
 
-run_as_own_launch("trl_exreplay.envs.alfworld.warmstart", "/tmp/sft-spec.json")  # on every rank
+args = ExReplayGRPOConfig(output_dir="rl")  # builds the launch's process group
+run_as_own_launch("my_project.sft", "--output_dir", "sft")  # SFT on the same ranks, in processes of its own
+trainer = ExReplayGRPOTrainer(model="sft", args=args, reward_funcs=..., train_dataset=...)  # this process's first
 ```
+
+`trl_exreplay.envs.alfworld.warmstart.warm_start` runs the ALFWorld recipe's SFT warm start this way.
 """
 
 from __future__ import annotations
