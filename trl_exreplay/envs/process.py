@@ -106,6 +106,43 @@ def _exit_when_orphaned(lifeline) -> None:
     os._exit(1)
 
 
+def serve_request(envs: dict[int, Any], factory, op: str, env_id: int, method: str | None, payload) -> bytes:
+    """One request of the pool on the worker's side (a process here, a Ray actor in `RayEnvPool`): build, call or close
+    an environment of `envs`; returns the pickled answer, `(True, result)` or `(False, remote error)`. An exception of
+    the environment, or a result that cannot be pickled, is an answer like any other: it ends nothing."""
+    try:
+        if op == _CREATE:
+            envs[env_id] = factory()
+            result = _public_methods(envs[env_id])  # what the proxy forwards
+        elif op == _CALL:
+            if method.startswith("_"):
+                raise AttributeError(f"{method!r} is private: RemoteEnv forwards public methods only")
+            args, kwargs = payload
+            result = getattr(envs[env_id], method)(*args, **kwargs)
+        elif op == _CLOSE:
+            env = envs.pop(env_id, None)  # removed even if its close() raises
+            result = None if env is None else env.close()
+        else:
+            raise ValueError(f"unknown operation {op!r}")
+        answer = (True, result)
+    except Exception as error:
+        answer = (False, _describe(error))
+    try:
+        return pickle.dumps(answer)
+    except Exception as error:  # e.g. a result holding a lock or an open file
+        what = f"the result of {method}()" if op == _CALL else "the answer"
+        return pickle.dumps((False, _describe(TypeError(f"{what} cannot be pickled: {error}"))))
+
+
+def close_all(envs: dict[int, Any]) -> None:
+    """Close every environment of a worker that stops; an error of one does not stop closing the others."""
+    for env in envs.values():
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001 - closing on the way out must not stop closing the others
+            pass
+
+
 def _worker_main(conn, lifeline, factory_bytes: bytes) -> None:
     """Worker process: builds environments with the factory and serves calls on them until told to stop or until its
     parent is gone. An exception of one environment is sent back and ends nothing."""
@@ -131,38 +168,13 @@ def _worker_main(conn, lifeline, factory_bytes: bytes) -> None:
                 return  # the parent is gone
             if op == _STOP:
                 return
-            try:
-                if op == _CREATE:
-                    envs[env_id] = factory()
-                    result = _public_methods(envs[env_id])  # what the proxy forwards
-                elif op == _CALL:
-                    if method.startswith("_"):
-                        raise AttributeError(f"{method!r} is private: RemoteEnv forwards public methods only")
-                    args, kwargs = payload
-                    result = getattr(envs[env_id], method)(*args, **kwargs)
-                elif op == _CLOSE:
-                    env = envs.pop(env_id, None)  # removed even if its close() raises
-                    result = None if env is None else env.close()
-                else:
-                    raise ValueError(f"unknown operation {op!r}")
-                answer = (True, result)
-            except Exception as error:
-                answer = (False, _describe(error))
-            try:
-                data = pickle.dumps(answer)
-            except Exception as error:  # e.g. a result holding a lock or an open file
-                what = f"the result of {method}()" if op == _CALL else "the answer"
-                data = pickle.dumps((False, _describe(TypeError(f"{what} cannot be pickled: {error}"))))
+            data = serve_request(envs, factory, op, env_id, method, payload)
             try:
                 conn.send_bytes(data)
             except OSError:
                 return
     finally:
-        for env in envs.values():
-            try:
-                env.close()
-            except Exception:  # noqa: BLE001 - closing on the way out must not stop closing the others
-                pass
+        close_all(envs)
 
 
 # ------------------------------------------------------------------------------------------------------- parent
@@ -192,14 +204,16 @@ class _Worker:
             self._child_conn.close()  # only the worker holds its end now, so the worker's death reads as EOF here
         self.pid = self.process.pid
 
-    def kill(self) -> None:
-        """Caller holds `lock` (or the worker is unused): nothing else reads the pipe that is closed here."""
+    def kill(self) -> int | None:
+        """Caller holds `lock` (or the worker is unused): nothing else reads the pipe that is closed here. Returns the
+        exit code."""
         try:
             self.process.kill()
             self.process.join(5.0)
         except Exception:  # noqa: BLE001 - the process may be gone already
             pass
         self.conn.close()
+        return self.process.exitcode
 
 
 def _shutdown(slots: list, lifeline: tuple, timeout: float = 2.0) -> None:
@@ -255,7 +269,132 @@ def _preload_in_forkserver(context, modules: Sequence[str]) -> None:
     context.set_forkserver_preload(names)
 
 
-class EnvProcessPool:
+class _WorkerPool:
+    """What `EnvProcessPool` and `RayEnvPool` share: environments placed on workers (processes or Ray actors), proxies,
+    fault counting and closing. A subclass sets the attributes of `_init_slots` and defines `_new_worker(slot)` (an
+    object with `slot`, `pid`, `lock`, `ready`, `lost`, `env_ids`, `start()` and `kill() -> exit code`),
+    `_exchange(worker, message, what)` (one request and its answer) and `_finalizer` (stops every worker)."""
+
+    def _init_slots(self, workers: int) -> None:
+        self._lock = threading.Lock()  # guards the slots, counters and env id sets; taken after a worker's lock
+        self._slots: list = [None] * workers
+        self._ids = itertools.count()
+        self._restarts = 0
+        self._calls = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------------ public
+    def __call__(self) -> RemoteEnv:
+        """A new environment (built in its worker on the proxy's first call)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{type(self).__name__} is closed")
+            free = [slot for slot, worker in enumerate(self._slots) if worker is None]
+            new = None
+            if free:
+                new = self._slots[free[0]] = self._new_worker(free[0])
+                # Held until the process runs: calls on it wait, and `_shutdown` treats it as busy. The lock is
+                # new, so taking it here cannot deadlock with a caller holding a worker lock and waiting for ours.
+                new.lock.acquire()
+                worker = new
+            else:
+                worker = min(self._slots, key=lambda w: len(w.env_ids))
+            env_id = next(self._ids)
+            worker.env_ids.add(env_id)
+        if new is not None:
+            # Started outside the pool lock: with forkserver the first start also starts the fork server, which
+            # imports the preloaded modules (seconds), and stats() or other workers' faults must not wait for that.
+            try:
+                new.start()
+                if self._closed:  # `_shutdown` ran meanwhile and skipped this process, which had not started yet
+                    raise RuntimeError(f"{type(self).__name__} is closed")
+            except BaseException as error:
+                self._lose(new, f"its process did not start: {error!r}")
+                if self._closed:  # the cause, whatever failed (closing closes the lifeline a start needs)
+                    raise RuntimeError(f"{type(self).__name__} is closed") from None
+                raise
+            finally:
+                new.lock.release()
+        return RemoteEnv(self, worker, env_id)
+
+    @property
+    def restarts(self) -> int:
+        """Workers killed after a timeout or found dead."""
+        return self._restarts
+
+    def stats(self) -> dict[str, Any]:
+        """`workers` running, `envs_per_worker` (live environments of each running worker), their `pids` (None
+        for one still starting), `restarts`, and `calls` (environment method calls sent)."""
+        with self._lock:
+            running = [worker for worker in self._slots if worker is not None]
+            return {
+                "workers": len(running),
+                "envs_per_worker": [len(worker.env_ids) for worker in running],
+                "pids": [worker.pid for worker in running],
+                "restarts": self._restarts,
+                "calls": self._calls,
+            }
+
+    def close(self) -> None:
+        """Stop all workers (an idle one closes its environments, a busy one is terminated); idempotent. Proxies
+        then raise `RemoteEnvError`."""
+        with self._lock:
+            self._closed = True
+        self._finalizer()  # runs `_shutdown` once; later calls do nothing
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------ calls
+    def _call(self, proxy: RemoteEnv, method: str, args: tuple, kwargs: dict) -> Any:
+        worker = proxy._worker
+        with worker.lock:
+            self._create(proxy)
+            with self._lock:
+                self._calls += 1
+            return self._exchange(worker, (_CALL, proxy._env_id, method, (args, kwargs)), f"{method}()")
+
+    def _methods_of(self, proxy: RemoteEnv) -> frozenset[str]:
+        """The public methods of the proxy's environment (built now if it is not yet)."""
+        if proxy._methods is None:
+            with proxy._worker.lock:
+                self._create(proxy)
+        return proxy._methods
+
+    def _create(self, proxy: RemoteEnv) -> None:
+        """Build the proxy's environment in its worker unless done; the caller holds the worker's lock."""
+        self._check_alive(proxy._worker)
+        if proxy._methods is None:
+            proxy._methods = self._exchange(proxy._worker, (_CREATE, proxy._env_id, None, None), "text_env_factory()")
+
+    def _close_env(self, proxy: RemoteEnv) -> None:
+        worker = proxy._worker
+        with self._lock:
+            worker.env_ids.discard(proxy._env_id)
+        with worker.lock:
+            if worker.lost is None and proxy._methods is not None:
+                self._exchange(worker, (_CLOSE, proxy._env_id, None, None), "close()")
+
+    @staticmethod
+    def _check_alive(worker: _Worker) -> None:
+        if worker.lost is not None:
+            raise RemoteEnvError(f"environment lost: its worker process was restarted or stopped ({worker.lost})")
+
+    def _lose(self, worker: _Worker, reason: str) -> int | None:
+        """Give up a faulted worker (the caller holds its lock): kill it and free its slot. Returns its exit code."""
+        with self._lock:
+            if worker.lost is None:  # counted once; a worker stopped by close() is no restart
+                worker.lost = reason
+                self._restarts += 1
+            if self._slots[worker.slot] is worker:
+                self._slots[worker.slot] = None  # the next new environment starts a fresh worker here
+        return worker.kill()
+
+
+class EnvProcessPool(_WorkerPool):
     """An environment factory whose environments live in worker processes: pass it as `text_env_factory`.
 
     Calling the pool returns a `RemoteEnv`, a proxy whose `reset`, `step`, `close` and other public methods run on
@@ -356,123 +495,21 @@ class EnvProcessPool:
             modules = [__name__, _module_of(text_env_factory)]
             modules += [] if preload is True else list(preload)
             _preload_in_forkserver(self._context, [name for name in modules if name])
-        self._lock = threading.Lock()  # guards the slots, counters and env id sets; taken after a worker's lock
-        self._slots: list[_Worker | None] = [None] * workers
-        self._ids = itertools.count()
-        self._restarts = 0
-        self._calls = 0
-        self._closed = False
+        self._init_slots(workers)
         # Each worker holds the read end; this process alone holds the write end, so the workers see it close when
         # this process dies, however it dies.
         self._lifeline = self._context.Pipe(duplex=False)
         # Shares the slot list, not the pool: workers are stopped when the pool is collected or at exit.
         self._finalizer = weakref.finalize(self, _shutdown, self._slots, self._lifeline)
 
-    # ------------------------------------------------------------------------------------------------ public
-    def __call__(self) -> RemoteEnv:
-        """A new environment (built in its worker on the proxy's first call)."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("EnvProcessPool is closed")
-            free = [slot for slot, worker in enumerate(self._slots) if worker is None]
-            new = None
-            if free:
-                new = self._slots[free[0]] = _Worker(self._context, self._lifeline[0], self._factory_bytes, free[0])
-                # Held until the process runs: calls on it wait, and `_shutdown` treats it as busy. The lock is
-                # new, so taking it here cannot deadlock with a caller holding a worker lock and waiting for ours.
-                new.lock.acquire()
-                worker = new
-            else:
-                worker = min(self._slots, key=lambda w: len(w.env_ids))
-            env_id = next(self._ids)
-            worker.env_ids.add(env_id)
-        if new is not None:
-            # Started outside the pool lock: with forkserver the first start also starts the fork server, which
-            # imports the preloaded modules (seconds), and stats() or other workers' faults must not wait for that.
-            try:
-                new.start()
-                if self._closed:  # `_shutdown` ran meanwhile and skipped this process, which had not started yet
-                    raise RuntimeError("EnvProcessPool is closed")
-            except BaseException as error:
-                self._lose(new, f"its process did not start: {error!r}")
-                if self._closed:  # the cause, whatever failed (closing closes the lifeline a start needs)
-                    raise RuntimeError("EnvProcessPool is closed") from None
-                raise
-            finally:
-                new.lock.release()
-        return RemoteEnv(self, worker, env_id)
-
-    @property
-    def restarts(self) -> int:
-        """Workers killed after a timeout or found dead."""
-        return self._restarts
-
-    def stats(self) -> dict[str, Any]:
-        """`workers` running, `envs_per_worker` (live environments of each running worker), their `pids` (None
-        for one still starting), `restarts`, and `calls` (environment method calls sent)."""
-        with self._lock:
-            running = [worker for worker in self._slots if worker is not None]
-            return {
-                "workers": len(running),
-                "envs_per_worker": [len(worker.env_ids) for worker in running],
-                "pids": [worker.pid for worker in running],
-                "restarts": self._restarts,
-                "calls": self._calls,
-            }
-
-    def close(self) -> None:
-        """Stop all workers (an idle one closes its environments, a busy one is terminated); idempotent. Proxies
-        then raise `RemoteEnvError`."""
-        with self._lock:
-            self._closed = True
-        self._finalizer()  # runs `_shutdown` once; later calls do nothing
-
-    def __enter__(self) -> EnvProcessPool:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def _new_worker(self, slot: int) -> _Worker:
+        return _Worker(self._context, self._lifeline[0], self._factory_bytes, slot)
 
     def __repr__(self) -> str:
         return (
             f"EnvProcessPool({self.text_env_factory!r}, workers={self.workers}, call_timeout={self.call_timeout}, "
             f"start_method={self.start_method!r})"
         )
-
-    # ------------------------------------------------------------------------------------------------ calls
-    def _call(self, proxy: RemoteEnv, method: str, args: tuple, kwargs: dict) -> Any:
-        worker = proxy._worker
-        with worker.lock:
-            self._create(proxy)
-            with self._lock:
-                self._calls += 1
-            return self._exchange(worker, (_CALL, proxy._env_id, method, (args, kwargs)), f"{method}()")
-
-    def _methods_of(self, proxy: RemoteEnv) -> frozenset[str]:
-        """The public methods of the proxy's environment (built now if it is not yet)."""
-        if proxy._methods is None:
-            with proxy._worker.lock:
-                self._create(proxy)
-        return proxy._methods
-
-    def _create(self, proxy: RemoteEnv) -> None:
-        """Build the proxy's environment in its worker unless done; the caller holds the worker's lock."""
-        self._check_alive(proxy._worker)
-        if proxy._methods is None:
-            proxy._methods = self._exchange(proxy._worker, (_CREATE, proxy._env_id, None, None), "text_env_factory()")
-
-    def _close_env(self, proxy: RemoteEnv) -> None:
-        worker = proxy._worker
-        with self._lock:
-            worker.env_ids.discard(proxy._env_id)
-        with worker.lock:
-            if worker.lost is None and proxy._methods is not None:
-                self._exchange(worker, (_CLOSE, proxy._env_id, None, None), "close()")
-
-    @staticmethod
-    def _check_alive(worker: _Worker) -> None:
-        if worker.lost is not None:
-            raise RemoteEnvError(f"environment lost: its worker process was restarted or stopped ({worker.lost})")
 
     def _exchange(self, worker: _Worker, message: tuple, what: str) -> Any:
         """Send one request and wait for its answer; the caller holds `worker.lock`."""
@@ -509,16 +546,7 @@ class EnvProcessPool:
             # next call's. Give the worker up rather than risk that.
             self._lose(worker, f"a call to {what} was interrupted")
             raise
-        try:
-            ok, value = pickle.loads(answer)
-        except Exception as error:  # e.g. a result of a class this process cannot import; the worker is fine
-            raise RemoteEnvError(f"the answer of {what} cannot be unpickled here: {error!r}") from error
-        if ok:
-            return value
-        name, text, trace = value
-        raise RemoteEnvError(
-            f"{name}: {text} (raised by {what} in worker process {worker.pid})", name, text, trace
-        ) from _RemoteTraceback(trace)
+        return open_answer(answer, what, f"worker process {worker.pid}")
 
     def _receive(self, worker: _Worker, timeout: float | None, what: str) -> bytes:
         # Waiting on the process sentinel too notices a dead worker even if its pipe end had leaked elsewhere.
@@ -533,16 +561,20 @@ class EnvProcessPool:
             raise EOFError("worker process exited")
         return worker.conn.recv_bytes()
 
-    def _lose(self, worker: _Worker, reason: str) -> int | None:
-        """Give up a faulted worker (the caller holds its lock): kill it and free its slot. Returns its exit code."""
-        with self._lock:
-            if worker.lost is None:  # counted once; a worker stopped by close() is no restart
-                worker.lost = reason
-                self._restarts += 1
-            if self._slots[worker.slot] is worker:
-                self._slots[worker.slot] = None  # the next new environment starts a fresh worker here
-        worker.kill()
-        return worker.process.exitcode
+
+def open_answer(answer: bytes, what: str, where: str) -> Any:
+    """The result of a request made by `what` (e.g. "step()"), from the pickled answer `serve_request` returned in
+    `where` (e.g. "worker process 123"); an error of the environment raises `RemoteEnvError`."""
+    try:
+        ok, value = pickle.loads(answer)
+    except Exception as error:  # e.g. a result of a class this process cannot import; the worker is fine
+        raise RemoteEnvError(f"the answer of {what} cannot be unpickled here: {error!r}") from error
+    if ok:
+        return value
+    name, text, trace = value
+    raise RemoteEnvError(f"{name}: {text} (raised by {what} in {where})", name, text, trace) from _RemoteTraceback(
+        trace
+    )
 
 
 class RemoteEnv:
