@@ -14,7 +14,6 @@ continues a stopped run from the newest checkpoint in `output_dir`, its experien
 
 from __future__ import annotations
 
-import functools
 import gc
 import importlib.util
 import json
@@ -36,10 +35,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     from trl import get_peft_config
 
     from trl_exreplay import ExReplayGRPOTrainer
-    from trl_exreplay.envs import EnvProcessPool
-    from trl_exreplay.envs.alfworld import AlfWorldEnv
-    from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES  # imported once by the fork server
-    from trl_exreplay.envs.alfworld.tasks import ensure_games, env_options, load_tasks, system_prompt_of
+    from trl_exreplay.envs.alfworld.tasks import ensure_games, env_options, env_workers, load_tasks, system_prompt_of
     from trl_exreplay.envs.alfworld.warmstart import build_tiny, warm_start
     from trl_exreplay.evaluation import binomial_interval, evaluate_policy, print_summary, replay_participation
     from trl_exreplay.models import load_policy, model_init_kwargs
@@ -63,10 +59,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     log(f"games: {', '.join(f'{split} {len(t)}' for split, t in tasks.items())} under {script_args.data_dir}")
 
     env_kwargs = env_options(script_args, training_args)
-    processes = script_args.env_processes or max(1, (os.cpu_count() or 1) // state.num_processes)
-    env_processes = EnvProcessPool(
-        functools.partial(AlfWorldEnv, **env_kwargs), workers=processes, preload=list(ENGINE_MODULES)
-    )
+    env_processes = env_workers(script_args, env_kwargs, state.num_processes)  # worker processes or Ray actors
 
     # ---- model ------------------------------------------------------------------------------------------------
     base_model = model_args.model_name_or_path

@@ -3,6 +3,15 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Ray (tests/test_env_ray.py, the recipe's Ray backend) keeps every session's logs and sockets under its temp folder;
+# the tests' sessions go to a folder of this run, removed at its end. (Short: Ray's socket paths must stay < 108 bytes.)
+if "RAY_TMPDIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="exray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    atexit.register(shutil.rmtree, os.environ["RAY_TMPDIR"], True)
 if os.environ.get("EXREPLAY_TEST_DEVICE", "cpu") == "cuda":
     # cuBLAS picks among reduction orders unless its workspace is fixed; with deterministic algorithms a training run
     # repeats bit for bit, as the equality tests against TRL's GRPOTrainer need.

@@ -16,6 +16,7 @@ class ProbeEnv:
       its wall-clock start and end.
     * `fail <words>`: raises `ValueError("cannot <words>")`.
     * `hang`: sleeps a minute.
+    * `crash`: ends its process at once (`os._exit(3)`), as a segfault in an engine would.
     * anything else: `("did <action>", 1.0, False, {"pid": ..., "steps": ...})`.
     """
 
@@ -36,6 +37,8 @@ class ProbeEnv:
             raise ValueError("cannot " + " ".join(rest))
         if word == "hang":
             time.sleep(60)
+        if word == "crash":
+            os._exit(3)
         if word == "spin":
             start, end, met = spin(rest[0], float(rest[1]))
             return "spun", 0.0, False, {"pid": os.getpid(), "start": start, "end": end, "met": met}

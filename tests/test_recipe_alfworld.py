@@ -420,3 +420,25 @@ def test_a_warm_start_the_expert_never_wins_is_refused_clearly(data_dir, tmp_pat
     argv = [*SMALL, "--max_turns", "1", "--data_dir", str(data_dir), "--output_dir", str(tmp_path / "out")]
     with pytest.raises(ValueError, match="the expert won no train game within max_turns=1"):
         recipe.main(*recipe.parse_args(argv))
+
+
+def test_recipe_with_environments_on_ray_plays_and_trains_as_with_worker_processes(data_dir, tmp_path):
+    """`--env_backend ray`: the environments live in Ray actors of a local Ray instance; the same seeds give the same
+    episodes (turns, refused actions, rewards: every logged figure but times), the same evaluation and the same
+    weights as with worker processes."""
+    ray = pytest.importorskip("ray")
+    runs = {}
+    try:
+        for backend in ("processes", "ray"):
+            out = tmp_path / backend
+            summary = run_recipe(data_dir, out, "--env_backend", backend, "--env_processes", "2",
+                                 "--env_ray_cpus_per_worker", "0.5", "--report_to", "tensorboard")  # fmt: skip
+            logged = {tag: values for tag, values in scalars(out).items() if "time" not in tag and "second" not in tag}
+            runs[backend] = (summary["results"], logged, (out / "model.safetensors").read_bytes())
+        assert ray.is_initialized()  # the recipe started a local instance
+    finally:
+        ray.shutdown()
+    assert runs["ray"][0] == runs["processes"][0]
+    assert {"train/env/turns_mean", "train/env/invalid_actions", "train/reward"} <= set(runs["ray"][1])
+    assert runs["ray"][1] == runs["processes"][1]
+    assert runs["ray"][2] == runs["processes"][2]

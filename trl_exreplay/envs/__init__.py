@@ -1,8 +1,9 @@
 """Text environments for multi-turn rollouts: the `TextEnv` protocol, small reference environments and
-`EnvProcessPool`, which runs environments in worker processes."""
+`EnvProcessPool` and `RayEnvPool`, which run environments in worker processes or in Ray actors."""
 
 from .base import TextEnv, env_reward
 from .process import EnvProcessPool, RemoteEnv, RemoteEnvError
+from .ray_pool import RayEnvPool
 from .toy import KeyDoorEnv
 
-__all__ = ["EnvProcessPool", "KeyDoorEnv", "RemoteEnv", "RemoteEnvError", "TextEnv", "env_reward"]
+__all__ = ["EnvProcessPool", "KeyDoorEnv", "RayEnvPool", "RemoteEnv", "RemoteEnvError", "TextEnv", "env_reward"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROMPT_STYLES = ("plain", "react", "none")
+ENV_BACKENDS = ("processes", "ray")
 
 
 @dataclass
@@ -95,9 +96,23 @@ class AlfWorldArguments:
         default="plain",
         metadata={"help": "System prompt: 'plain' (answer with an action), 'react' (Think:/Action:) or 'none'."},
     )
+    env_backend: str = field(
+        default="processes",
+        metadata={
+            "help": "Where the environments run: 'processes' (`EnvProcessPool`, worker processes of each rank) or "
+            "'ray' (`RayEnvPool`, Ray actors: a local Ray instance, or the cluster at RAY_ADDRESS; needs "
+            "`pip install trl-exreplay[ray]`)."
+        },
+    )
     env_processes: int | None = field(
         default=None,
-        metadata={"help": "Environment worker processes per rank (the engine is CPU-bound); None: CPUs / ranks."},
+        metadata={
+            "help": "Environment workers per rank (processes, or Ray actors with env_backend 'ray'; the engine is "
+            "CPU-bound); None: this machine's CPUs / ranks, or with Ray the cluster's CPUs / ranks."
+        },
+    )
+    env_ray_cpus_per_worker: float = field(
+        default=1.0, metadata={"help": "With env_backend 'ray': CPUs Ray reserves for each actor (its num_cpus)."}
     )
     tiny_hidden_size: int = field(default=128, metadata={"help": "Tiny model (no model_name_or_path): hidden size."})
     tiny_num_layers: int = field(default=4, metadata={"help": "Tiny model: transformer layers."})
@@ -136,12 +151,19 @@ class AlfWorldArguments:
         from .textenv import check_invalid_action_penalty
 
         check_invalid_action_penalty(self.invalid_action_penalty)  # here, not first in the env's worker processes
+        if self.env_backend not in ENV_BACKENDS:
+            raise ValueError(f"Invalid value {self.env_backend!r} for `env_backend`: allowed values are "
+                             f"{', '.join(map(repr, ENV_BACKENDS))}.")  # fmt: skip
+        if not self.env_ray_cpus_per_worker > 0:
+            raise ValueError(f"Invalid value {self.env_ray_cpus_per_worker} for `env_ray_cpus_per_worker`: allowed "
+                             "values are positive numbers.")  # fmt: skip
         if self.prompt_style not in PROMPT_STYLES:
             raise ValueError(f"Invalid value {self.prompt_style!r} for `prompt_style`: allowed values are "
                              f"{', '.join(map(repr, PROMPT_STYLES))}.")  # fmt: skip
 
 
 PROMPT_STYLES = ("plain", "react", "none")
+ENV_BACKENDS = ("processes", "ray")
 
 
 def check_reward_settings(script_args: AlfWorldArguments, training_args) -> None:

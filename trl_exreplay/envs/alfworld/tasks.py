@@ -46,6 +46,32 @@ def env_options(script_args: AlfWorldArguments, training_args) -> dict:
     }
 
 
+def env_workers(script_args: AlfWorldArguments, env_kwargs: dict, ranks: int):
+    """The environment factory of each rank: `AlfWorldEnv`s in worker processes (`EnvProcessPool`) or in Ray actors
+    (`RayEnvPool`), `env_processes` of them per rank (default: the CPUs, of this machine or of the Ray cluster,
+    divided among the ranks)."""
+    import functools
+
+    from .engine import ENGINE_MODULES  # imported once by the fork server
+    from .textenv import AlfWorldEnv
+
+    factory = functools.partial(AlfWorldEnv, **env_kwargs)
+    if script_args.env_backend == "ray":
+        import ray
+
+        from ..ray_pool import RayEnvPool
+
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, configure_logging=False)  # RAY_ADDRESS: the cluster; else a local one
+        cpus = script_args.env_ray_cpus_per_worker
+        workers = script_args.env_processes or max(1, int(ray.cluster_resources().get("CPU", 1) / cpus) // ranks)
+        return RayEnvPool(factory, workers=workers, cpus_per_worker=cpus)
+    from ..process import EnvProcessPool
+
+    workers = script_args.env_processes or max(1, (os.cpu_count() or 1) // ranks)
+    return EnvProcessPool(factory, workers=workers, preload=list(ENGINE_MODULES))
+
+
 def load_tasks(script_args: AlfWorldArguments, split: str, system_prompt: str | None):
     """The tasks of `split` under `data_dir`, filtered to the wanted task types and target objects."""
     from .textenv import alfworld_tasks
