@@ -1,17 +1,19 @@
-"""ALFWorld environment throughput: resets/s and steps/s, in this process and across an `EnvProcessPool`.
+"""ALFWorld environment throughput: resets/s and steps/s, in this process, across an `EnvProcessPool` and across a
+`RayEnvPool`.
 
 ALFWorld's engine is CPU-bound Python (textworld + fast-downward), so threads cannot use more than one core; the
 process pool runs the environments in worker processes. This script measures, in one run:
 
 * serial: one `AlfWorldEnv` in this process, episodes one after another;
-* parallel: `--envs` environments on an `EnvProcessPool` of `--workers` processes, driven from threads as the
-  multi-turn rollout drives them.
+* parallel, for each of `--backends`: `--envs` environments on an `EnvProcessPool` of `--workers` processes
+  ("processes") or on a `RayEnvPool` of `--workers` Ray actors of a local Ray instance ("ray"), driven from threads as
+  the multi-turn rollout drives them.
 
 For each: cold resets (first load of a game), warm resets (the same game again, loaded and translated already) and
 steps (seeded uniform-random admissible actions). Serial warm resets are also measured with `game_cache=0`. The
 ratios parallel/serial are printed with the machine and versions.
 
-    OMP_NUM_THREADS=1 python benchmarks/alfworld_env_throughput.py --workers 2 --envs 4
+    OMP_NUM_THREADS=1 python benchmarks/alfworld_env_throughput.py --workers 2 --envs 4 --backends processes,ray
 """
 
 from __future__ import annotations
@@ -89,10 +91,22 @@ def rates(result: dict) -> dict[str, float]:
     return {kind: result["counts"][kind] / result["seconds"][kind] for kind in result["counts"]}
 
 
-def parallel(pool_workers: int, num_envs: int, tasks, warmup, steps: int, seed: int) -> dict[str, float]:
+def make_pool(backend: str, workers: int):
+    factory = functools.partial(AlfWorldEnv, max_steps=10_000)
+    if backend == "ray":
+        import ray
+
+        from trl_exreplay.envs.ray_pool import RayEnvPool
+
+        if not ray.is_initialized():  # a local instance with a CPU per actor, whatever this machine has
+            ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False)
+        return RayEnvPool(factory, workers=workers, cpus_per_worker=1.0)
+    return EnvProcessPool(factory, workers=workers)
+
+
+def parallel(backend: str, pool_workers: int, num_envs: int, tasks, warmup, steps: int, seed: int) -> dict:
     """Rounds of `num_envs` tasks, one per remote env, each env driven by its own thread. In each round the three
     phases (cold reset, steps, warm reset) are separated by barriers and timed on the wall clock."""
-    factory = functools.partial(AlfWorldEnv, max_steps=10_000)
     rounds = [tasks[i : i + num_envs] for i in range(0, len(tasks), num_envs)]
     barrier = threading.Barrier(num_envs + 1, timeout=900)  # a failed thread breaks it rather than hanging all
     counts = dict.fromkeys(("cold_reset", "warm_reset", "step"), 0)
@@ -125,7 +139,7 @@ def parallel(pool_workers: int, num_envs: int, tasks, warmup, steps: int, seed: 
                 count("warm_reset")
             barrier.wait()
 
-    with EnvProcessPool(factory, workers=pool_workers) as pool:
+    with make_pool(backend, pool_workers) as pool:
         envs = [pool() for _ in range(num_envs)]
         for env in envs:  # untimed: start the worker and its engine, so cold resets time the game's first load only
             env.reset(warmup)
@@ -150,7 +164,8 @@ def main() -> None:
     parser.add_argument("--games", help="a json_2.1.1 split folder; default: generate --num-games train games")
     parser.add_argument("--num-games", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20, help="random steps per game")
-    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="EnvProcessPool worker processes")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="worker processes, or Ray actors")
+    parser.add_argument("--backends", default="processes,ray", help="comma-separated: processes, ray")
     parser.add_argument("--envs", type=int, default=None, help="environments driven at once (default 2*workers)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -169,15 +184,19 @@ def main() -> None:
         env.reset(warmup)
         serial = rates(play(env, tasks, args.steps, random.Random(args.seed)))
         env.close()
-        parallel_rates = parallel(args.workers, envs, tasks, warmup, args.steps, args.seed)
+        backends = args.backends.split(",")
+        parallel_rates = {b: parallel(b, args.workers, envs, tasks, warmup, args.steps, args.seed) for b in backends}
 
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
     print(f"versions: alfworld {version('alfworld')}, textworld {version('textworld')}")
+    if "ray" in backends:
+        print(f"ray {version('ray')}: a local instance, one CPU per actor")
     print(f"games: {len(tasks)}, random steps per game: {args.steps}, pool: {args.workers} workers, {envs} envs")
-    print(f"{'':12s} {'serial':>10s} {'parallel':>10s} {'ratio':>7s}")
+    print(f"{'':14s} {'serial':>8s}" + "".join(f" {b:>10s} {'ratio':>7s}" for b in backends))
     for kind, label in (("cold_reset", "cold resets/s"), ("warm_reset", "warm resets/s"), ("step", "steps/s")):
-        s, p = serial[kind], parallel_rates[kind]
-        print(f"{label:14s} {s:8.2f} {p:10.2f} {p / s:7.2f}x")
+        s = serial[kind]
+        cells = "".join(f" {parallel_rates[b][kind]:10.2f} {parallel_rates[b][kind] / s:6.2f}x" for b in backends)
+        print(f"{label:14s} {s:8.2f}{cells}")
     print(f"warm resets/s without the game cache (serial): {no_cache:.2f}")
 
 
