@@ -119,3 +119,50 @@ def accelerate_launch(
     if check and process.returncode != 0:
         pytest.fail(f"{config} exited with {process.returncode}:\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def accelerate_launch_machines(
+    config: str, script: str | Path, machines: list[list], timeout: int = DEFAULT_TIMEOUT
+) -> list[subprocess.CompletedProcess]:
+    """A multi-machine run simulated on this one: one `accelerate launch --num_machines N --machine_rank i` per entry
+    of `machines` (its script arguments), one rank each, all at once, meeting on a loopback port. Fails the test when
+    any launch does not exit within `timeout` seconds (then every launch is stopped, with its ranks' stacks) or exits
+    non-zero, with the tail of its output."""
+    from trl_exreplay.launch import free_port
+
+    port, logs, processes = free_port(), [], []
+    for rank, script_args in enumerate(machines):
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+                   "--num_machines", str(len(machines)), "--num_processes", str(len(machines)),
+                   "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+                   str(script), *map(str, script_args)]  # fmt: skip
+        log = tempfile.TemporaryFile(mode="w+")  # not a pipe: a full pipe of one launch would stall the other
+        logs.append(log)
+        processes.append(subprocess.Popen(command, cwd=REPOSITORY, env=launch_environment(), stdout=log, stderr=log))
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        for process in processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                _stop(process)
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    if timed_out:
+        pytest.fail(f"machines of {config}: no exit within {timeout}s; stacks at the kill:\n" +
+                    "\n".join(f"--- machine {r}:\n{out[-20000:]}" for r, out in enumerate(outputs)))  # fmt: skip
+    failed = [r for r, process in enumerate(processes) if process.returncode != 0]
+    if failed:
+        pytest.fail("\n".join(f"machine {r} exited with {processes[r].returncode}:\n{outputs[r][-6000:]}"
+                              for r in failed))  # fmt: skip
+    return [subprocess.CompletedProcess(process.args, process.returncode, out, "")
+            for process, out in zip(processes, outputs)]  # fmt: skip

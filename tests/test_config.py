@@ -35,6 +35,7 @@ REPLAY_FIELDS = {
     "env_step_timeout",
     "env_workers",
     "replay_resume_without_pool",
+    "replay_scratch_dir",
     "system_prompt_column",
 }
 
@@ -78,6 +79,7 @@ DEFAULTS = {
     "env_step_timeout": 60.0,
     "env_workers": 16,
     "replay_resume_without_pool": False,
+    "replay_scratch_dir": None,
     "system_prompt_column": "system_prompt",
 }
 
@@ -117,6 +119,8 @@ def test_boundary_values_are_valid(tmp_path):
 
 
 INVALID = [
+    ("replay_scratch_dir", dict(replay_scratch_dir=" "), "None or a folder's path"),
+    ("replay_scratch_dir", dict(replay_scratch_dir=3), "None or a folder's path"),
     ("replay_ratio", dict(replay_ratio=-0.1), "numbers in [0, 1]"),
     ("replay_ratio", dict(replay_ratio=1.01), "numbers in [0, 1]"),
     ("replay_start_ratio", dict(replay_start_ratio=-0.5), "numbers in [0, 1]"),

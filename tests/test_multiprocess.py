@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPOSITORY
-from launching import accelerate_launch
+from launching import accelerate_launch, accelerate_launch_machines
 
 SCRIPT = REPOSITORY / "tests" / "scripts" / "replay_multiprocess.py"
 
@@ -93,3 +93,35 @@ def test_multi_turn_lockstep_with_a_rank_that_plays_no_episode(tmp_path, config)
     played = [i for i in range(len(rank0["episode_lengths"])) if i not in replay_steps]
     assert any(rank0["episode_lengths"][i] != rank1["episode_lengths"][i] for i in played)  # unequal episodes
     assert rank0["env_errors"][-1] == 0.0
+
+
+@pytest.mark.slow
+def test_two_machines_on_loopback_train_checkpoint_and_resume_rank_identically(tmp_path):
+    """Two machines simulated here (`--num_machines 2`, one rank each, meeting on a loopback port) that share the
+    output folder (a network filesystem) and write their live pools to a local folder each (`replay_scratch_dir`): the
+    same replay as on one machine, identical pools, plans and losses on both; the checkpoints hold the pool, and
+    resuming both from step 3 continues the run exactly."""
+    config = "recipes/accelerate/multinode_ddp_cpu.yaml"
+    scratch = [tmp_path / "machine0-local", tmp_path / "machine1-local"]
+
+    def run(name: str, *options: str) -> list[dict]:
+        out = tmp_path / name
+        accelerate_launch_machines(config, SCRIPT, [[out, f"scratch={scratch[r]}", *options] for r in range(2)])
+        return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+    whole = run("whole")
+    check_rank_identical_replay(whole)
+    # Each machine's pool wrote its shards (if any: rank 1 saves no checkpoint and its small pool needed no file) to
+    # its own disk, and removed them at the end (the folder too, which the pool had made).
+    assert whole[0]["pool_scratch"] is not None
+    for rank in range(2):
+        assert whole[rank]["pool_scratch"] is None or Path(whole[rank]["pool_scratch"]).parent == scratch[rank]
+        assert not scratch[rank].exists()
+    checkpoint = tmp_path / "whole" / "run" / "checkpoint-3"
+    assert (checkpoint / "exreplay_pool" / "state.json").exists()
+    resumed = run("resumed", f"resume={checkpoint}")
+    for rank in range(2):
+        after = [plan for plan, step in zip(whole[rank]["plans"], whole[rank]["plan_steps"]) if step >= 3]
+        assert resumed[rank]["plan_steps"] == [3, 4, 5] and resumed[rank]["plans"] == after
+        assert resumed[rank]["losses"] == whole[rank]["losses"]
+        assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]

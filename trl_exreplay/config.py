@@ -200,6 +200,16 @@ class ExReplayGRPOConfig(GRPOConfig):
             "hold the pool the run had built."
         },
     )
+    replay_scratch_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Folder where the live pool writes its shards (each process in a subfolder of its own, removed at "
+            "the end; one a killed run left is removed by the next run that uses the folder). None: "
+            "`output_dir/_exreplay_pool_work`. Point it at a local disk of each machine when `output_dir` is on a "
+            "network filesystem; checkpoint saves hard-link the shards when both folders are on one filesystem and "
+            "copy them otherwise."
+        },
+    )
     system_prompt_column: str = field(
         default="system_prompt",
         metadata={"help": "Multi-turn: dataset column with an optional system prompt for the episode."},
@@ -357,6 +367,9 @@ def validate_replay_options(
         "replay_resume_without_pool",
     ):
         _check(isinstance(o[name], bool), name, o[name], "True or False (a bool, not a string)")
+    scratch = o["replay_scratch_dir"]
+    _check(scratch is None or (isinstance(scratch, str) and scratch.strip() != ""), "replay_scratch_dir", scratch,
+           "None or a folder's path")  # fmt: skip
     for name in ("replay_ratio", "replay_start_ratio"):
         value = o[name]
         _check(

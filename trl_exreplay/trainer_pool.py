@@ -52,7 +52,7 @@ class TrainerPool:
         self._pending: PendingOutcomes | None = None
 
     def _pool_work_dir(self) -> str:
-        return os.path.join(self.args.output_dir, POOL_WORK_DIR)
+        return self.replay["replay_scratch_dir"] or os.path.join(self.args.output_dir, POOL_WORK_DIR)
 
     def _adopt_pool(self, pool: ExperiencePool, source: str) -> None:
         """Use `pool` under this run's configuration (the config wins over the settings the pool was saved with).

@@ -1,12 +1,13 @@
 """Launched by tests/test_multiprocess.py with `accelerate launch`: train with replay active, dump what each rank saw.
 
 Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR [multi-turn] [resume=CKPT]
-       [trl-options]
+       [trl-options] [scratch=DIR]
 Each rank writes OUT_DIR/rank{r}.json with its pool hash, the replay plans it made, losses and generated rows (and,
 multi-turn, the episodes it played per step). With `resume=CKPT` the run resumes from that checkpoint (pool, model,
 optimizer, RNG) of an earlier run with the same settings. `trl-options` trains with TRL options whose replayed term
 makes collective calls of its own (TRL's entropy selection gathers every rank's entropies) or is not the default
-clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`.
+clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`. `scratch=DIR`: the
+live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared.
 
 single-turn: 12 rows per step over 2 ranks, G=4, so group 1 spans both ranks.
 multi-turn: 4 rows per step, one group of G=4 over both ranks, k=2: once replay starts, rank 1's rows are both
@@ -98,6 +99,7 @@ config = ExReplayGRPOConfig(
     replay_ratio=1.0,
     replay_start_ratio=0.3,
     ds3_gather_for_generation=os.environ.get("EXREPLAY_TEST_DS3_GATHER", "1") == "1",
+    replay_scratch_dir=next((option.split("=", 1)[1] for option in options if option.startswith("scratch=")), None),
     **(multi_turn_settings if multi_turn else single_turn_settings),
     **(TRL_OPTIONS if "trl-options" in options else {}),
 )
@@ -120,6 +122,7 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             "world_size": trainer.accelerator.num_processes,
             "pool_hash": trainer.pool.content_hash(),
             "pool_trajectories": trainer.pool.num_trajectories,
+            "pool_scratch": trainer.pool._scratch.path,  # where this rank's live pool wrote its shards
             "plans": plans,
             "plan_steps": plan_steps,
             "losses": losses,
