@@ -574,7 +574,151 @@ def datasets_load(size: int, folder: str, prompt_tokens: int, completion_tokens:
     }
 
 
+# ------------------------------------------------------------------------------------------------------------ ranks
+def io_bytes() -> dict[str, int]:
+    """This process's I/O counters: bytes handed to write calls (`wchar`) and bytes sent to the block device."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(":") for line in f)
+    return {"wchar": int(fields["wchar"]), "write_bytes": int(fields["write_bytes"])}
+
+
+def mapped_pss_mb(folder: str) -> float:
+    """Proportional set size (MB) of this process's mappings of files under `folder`."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if (
+                head and "-" in head[0] and len(head) >= 5
+            ):  # a mapping's first line; its path, if any, is the 6th field
+                inside = len(head) >= 6 and head[5].startswith(folder)
+            elif inside and head and head[0] == "Pss:":
+                total += int(head[1])
+    return total / 1024
+
+
+def files_under(folder: str | None) -> tuple[int, int]:
+    """Files and bytes under `folder`."""
+    if folder is None or not os.path.isdir(folder):
+        return 0, 0
+    paths = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
+    return len(paths), sum(os.path.getsize(path) for path in paths if os.path.isfile(path))
+
+
+def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    """One rank of `--ranks`: the pool as the trainer keeps it on every rank (the same outcomes recorded in the same
+    order, its shards under the run's shared work folder), one step's add and replay read, and a checkpoint save by
+    rank 0 only (`should_save`); bytes written, files, mapped memory and times of this rank."""
+    import torch.distributed as dist
+
+    from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    parts = template(prompt_tokens, completion_tokens)
+    base = Trajectory("t", rewards=[1.0], reward=1.0, entropy=0.5, policy_version=0, **parts)
+    rng = np.random.default_rng(1)  # the same draws on every rank: the pools are rank-identical, as in training
+    work = os.path.join(folder, "work")
+    pool = ExperiencePool(max_trajectories_per_task=PER_TASK, experience_rbound=8, work_dir=work)
+    dist.barrier()
+    io_start = io_bytes()
+    start = time.perf_counter()
+    for task in range(size // PER_TASK):
+        task_id = f"task-{task:07d}"
+        successful = [make_trajectory(base, task_id, entropy_of(rng), 0) for _ in range(PER_TASK)]
+        row = json.dumps({"task_id": task_id, "prompt": [{"role": "user", "content": f"solve task {task}"}]})
+        pool.record_outcome(TaskOutcome(task_id, PER_TASK, 8, successful, row))
+    pool.flush(wait=True)
+    fill_s = time.perf_counter() - start
+    dist.barrier()
+    batch = [
+        make_trajectory(base, f"task-{int(t):07d}", entropy_of(rng), 1) for t in rng.integers(0, size // PER_TASK, ADD)
+    ]
+    start = time.perf_counter()
+    for trajectory in batch:
+        pool.add(trajectory)
+    pool.flush(wait=True)
+    add_ms = (time.perf_counter() - start) * 1e3
+    dist.barrier()
+    sample_ms = median_ms(lambda i: replay_read(pool, 2 + i), 10)
+    dist.barrier()
+    save_ms = None
+    if rank == 0:
+        start = time.perf_counter()
+        pool.save(os.path.join(folder, "checkpoint", "exreplay_pool"))
+        save_ms = (time.perf_counter() - start) * 1e3
+    dist.barrier()
+    io_end = io_bytes()
+    scratch = pool._scratch.path  # this rank's live shards
+    files, disk = files_under(scratch)
+    out = {
+        "rank": rank,
+        "fill_s": fill_s,
+        "add_ms": add_ms,
+        "sample_ms": sample_ms,
+        "save_ms": save_ms,
+        "wchar_mb": (io_end["wchar"] - io_start["wchar"]) / 1e6,
+        "write_bytes_mb": (io_end["write_bytes"] - io_start["write_bytes"]) / 1e6,
+        "scratch_files": files,
+        "scratch_mb": disk / 1e6,
+        "mapped_pss_mb": mapped_pss_mb(folder),
+        "pool_hash": pool.content_hash(),
+    }
+    dist.barrier()
+    pool.close()
+    dist.destroy_process_group()
+    return out
+
+
+def run_ranks(world: int, size: int, folder: str, args) -> list[dict]:
+    """`world` rank processes of `rank_worker` meeting over gloo on a loopback port; their results, by rank."""
+    from trl_exreplay.launch import free_port
+
+    port = free_port()
+    processes = []
+    for rank in range(world):
+        command = [sys.executable, os.path.abspath(__file__), "--worker", "rank", "--size", str(size), "--dir", folder,
+                   "--prompt-tokens", str(args.prompt_tokens), "--completion-tokens", str(args.completion_tokens)]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    start, results = time.perf_counter(), []
+    for rank, process in enumerate(processes):
+        stdout, stderr = process.communicate(timeout=3600)
+        if process.returncode != 0:
+            raise RuntimeError(f"rank {rank} of {world} failed:\n{stderr[-4000:]}")
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    print(f"  ranks {world}: {time.perf_counter() - start:7.1f} s", flush=True)
+    assert len({r["pool_hash"] for r in results}) == 1, "the ranks' pools differ"
+    return results
+
+
+def ranks_table(by_world: dict, size: int) -> str:
+    """Sums over the ranks (bytes, files, mapped memory) and the slowest rank's times, per number of ranks, with the
+    ratio to 1 rank."""
+    lines = [
+        f"{size:,} trajectories, every rank's pool under one work folder (the trainer's `_exreplay_pool_work`), "
+        "checkpoint saved by rank 0. Bytes written: handed to write calls (`wchar`), all ranks. Files and MB: the "
+        "ranks' live shards at the end. PSS: the ranks' mappings of pool files. Times: the slowest rank.",
+        "",
+        "| ranks | MB written | vs 1 rank | live shard files | live shard MB | mapped PSS MB | add 512 | read 64 "
+        "| save (rank 0) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    one = sum(r["wchar_mb"] for r in by_world[min(by_world)])
+    for world, ranks in sorted(by_world.items()):
+        written = sum(r["wchar_mb"] for r in ranks)
+        lines.append(
+            f"| {world} | {written:,.0f} | {written / one:.2f}x | {sum(r['scratch_files'] for r in ranks)} | "
+            f"{sum(r['scratch_mb'] for r in ranks):,.0f} | {sum(r['mapped_pss_mb'] for r in ranks):.1f} | "
+            f"{fmt_ms(max(r['add_ms'] for r in ranks))} | {fmt_ms(max(r['sample_ms'] for r in ranks))} | "
+            f"{fmt_ms(ranks[0]['save_ms'])} |"
+        )
+    return "\n".join(lines)
+
+
 WORKERS = {
+    "rank": rank_worker,
     "ours_build": ours_build,
     "ours_load": ours_load,
     "baseline_build": baseline_build,
@@ -745,6 +889,36 @@ def datasets_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def main_ranks(args, size: int, worlds: list[int]) -> None:
+    by_world, load_before = {}, os.getloadavg()
+    root = tempfile.mkdtemp(prefix="pool-scale-ranks-", dir=args.tmp)
+    try:
+        for world in worlds:
+            folder = os.path.join(root, f"ranks-{world}")
+            os.makedirs(folder)
+            by_world[world] = run_ranks(world, size, folder, args)
+            shutil.rmtree(folder)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report = {
+        "machine": machine(),
+        "setup": {
+            "trajectories": size,
+            "prompt_tokens": args.prompt_tokens,
+            "completion_tokens": args.completion_tokens,
+            "add": ADD,
+            "sample": SAMPLE,
+        },  # fmt: skip
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "ranks": {str(world): ranks for world, ranks in by_world.items()},
+    }
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print()
+    print(ranks_table(by_world, size))
+    print(f"\nmachine: {report['machine']['cpu']}, {report['machine']['cores']} cores; figures in {args.json}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated numbers of trajectories")
@@ -758,6 +932,12 @@ def main() -> None:
     parser.add_argument(
         "--no-datasets", action="store_true", help="skip the store built only on `datasets` (issue 26's baseline)"
     )
+    parser.add_argument(
+        "--ranks",
+        default=None,
+        help="comma-separated numbers of ranks (e.g. 1,2,4,8): measure the pool kept on every rank, as in training, "
+        "at the first of --sizes, instead of the single-process comparison",
+    )
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -767,6 +947,9 @@ def main() -> None:
         return
 
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.ranks:
+        main_ranks(args, sizes[0], [int(n) for n in args.ranks.split(",")])
+        return
     results, load_before = {}, os.getloadavg()
     root = tempfile.mkdtemp(prefix="pool-scale-", dir=args.tmp)
     try:
