@@ -123,9 +123,20 @@ def entropy_of(rng: np.random.Generator) -> float:
     return float(np.float32(rng.random()))
 
 
+def fill(pool, size: int, base, rng: np.random.Generator) -> None:
+    """`size` trajectories, `PER_TASK` successful ones for each task, recorded as the trainer records outcomes."""
+    from trl_exreplay.pool import TaskOutcome
+
+    for task in range(size // PER_TASK):
+        task_id = f"task-{task:07d}"
+        successful = [make_trajectory(base, task_id, entropy_of(rng), 0) for _ in range(PER_TASK)]
+        row = json.dumps({"task_id": task_id, "prompt": [{"role": "user", "content": f"solve task {task}"}]})
+        pool.record_outcome(TaskOutcome(task_id, PER_TASK, 8, successful, row))
+
+
 # ------------------------------------------------------------------------------------------------------------ ours
 def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: int) -> dict:
-    from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory
+    from trl_exreplay.pool import ExperiencePool, Trajectory
 
     parts = template(prompt_tokens, completion_tokens)
     base = Trajectory("t", rewards=[1.0], reward=1.0, entropy=0.5, policy_version=0, **parts)
@@ -133,11 +144,7 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
     baseline_rss = rss_mb()
     pool = ExperiencePool(max_trajectories_per_task=PER_TASK, experience_rbound=8, work_dir=folder)
     start = time.perf_counter()
-    for task in range(size // PER_TASK):
-        task_id = f"task-{task:07d}"
-        successful = [make_trajectory(base, task_id, entropy_of(rng), 0) for _ in range(PER_TASK)]
-        row = json.dumps({"task_id": task_id, "prompt": [{"role": "user", "content": f"solve task {task}"}]})
-        pool.record_outcome(TaskOutcome(task_id, PER_TASK, 8, successful, row))
+    fill(pool, size, base, rng)
     pool.flush(wait=True)
     fill_s = time.perf_counter() - start
     saved = os.path.join(folder, "pool")
@@ -611,7 +618,7 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
     rank 0 only (`should_save`); bytes written, files, mapped memory and times of this rank."""
     import torch.distributed as dist
 
-    from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory
+    from trl_exreplay.pool import ExperiencePool, Trajectory
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -623,11 +630,7 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
     dist.barrier()
     io_start = io_bytes()
     start = time.perf_counter()
-    for task in range(size // PER_TASK):
-        task_id = f"task-{task:07d}"
-        successful = [make_trajectory(base, task_id, entropy_of(rng), 0) for _ in range(PER_TASK)]
-        row = json.dumps({"task_id": task_id, "prompt": [{"role": "user", "content": f"solve task {task}"}]})
-        pool.record_outcome(TaskOutcome(task_id, PER_TASK, 8, successful, row))
+    fill(pool, size, base, rng)
     pool.flush(wait=True)
     fill_s = time.perf_counter() - start
     dist.barrier()

@@ -275,6 +275,33 @@ class _WorkerPool:
     object with `slot`, `pid`, `lock`, `ready`, `lost`, `env_ids`, `start()` and `kill() -> exit code`),
     `_exchange(worker, message, what)` (one request and its answer) and `_finalizer` (stops every worker)."""
 
+    @staticmethod
+    def _checked(factory, workers, call_timeout, start_timeout, hosts: str) -> bytes:
+        """The pickled factory, once the settings every pool takes are checked (`hosts`: where it must go)."""
+        if not callable(factory):
+            raise TypeError(f"text_env_factory must be callable, got {type(factory).__name__}")
+        try:
+            factory_bytes = pickle.dumps(factory)
+        except Exception as error:
+            raise TypeError(
+                f"text_env_factory must be picklable to reach the {hosts} (use a class, a module-level function or a "
+                f"functools.partial of one, not a lambda or a local function); got {factory!r}: {error}"
+            ) from error
+        if workers is not None and (not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"workers must be an integer >= 1 or None, got {workers!r}")
+        for name, value in (("call_timeout", call_timeout), ("start_timeout", start_timeout)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+        return factory_bytes
+
+    @staticmethod
+    def _request(message: tuple, what: str, hosts: str) -> bytes:
+        """The pickled request; an argument that cannot be pickled fails this call only (nothing was sent)."""
+        try:
+            return pickle.dumps(message)
+        except Exception as error:
+            raise TypeError(f"the arguments of {what} cannot be pickled to reach the {hosts}: {error}") from error
+
     def _init_slots(self, workers: int) -> None:
         self._lock = threading.Lock()  # guards the slots, counters and env id sets; taken after a worker's lock
         self._slots: list = [None] * workers
@@ -457,22 +484,8 @@ class EnvProcessPool(_WorkerPool):
         env_factory: Callable[[], Any] | None = None,
     ):
         text_env_factory = renamed_env_factory(text_env_factory, env_factory, "EnvProcessPool")
-        if not callable(text_env_factory):
-            raise TypeError(f"text_env_factory must be callable, got {type(text_env_factory).__name__}")
-        try:
-            self._factory_bytes = pickle.dumps(text_env_factory)
-        except Exception as error:
-            raise TypeError(
-                f"text_env_factory must be picklable to reach the worker processes (use a class, a module-level "
-                f"function or a functools.partial of one, not a lambda or a local function); got {text_env_factory!r}: "
-                f"{error}"
-            ) from error
+        self._factory_bytes = self._checked(text_env_factory, workers, call_timeout, start_timeout, "worker processes")
         workers = (os.cpu_count() or 1) if workers is None else workers
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be an integer >= 1 or None, got {workers!r}")
-        for name, value in (("call_timeout", call_timeout), ("start_timeout", start_timeout)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
         methods = multiprocessing.get_all_start_methods()
         if start_method is None:
             start_method = default_start_method()
@@ -513,12 +526,7 @@ class EnvProcessPool(_WorkerPool):
 
     def _exchange(self, worker: _Worker, message: tuple, what: str) -> Any:
         """Send one request and wait for its answer; the caller holds `worker.lock`."""
-        try:
-            data = pickle.dumps(message)
-        except Exception as error:  # nothing was sent: the worker is fine
-            raise TypeError(
-                f"the arguments of {what} cannot be pickled to reach the worker process: {error}"
-            ) from error
+        data = self._request(message, what, "worker process")
         try:
             if not worker.ready:
                 kind, value = pickle.loads(self._receive(worker, self.start_timeout, "start-up"))

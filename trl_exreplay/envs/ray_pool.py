@@ -159,22 +159,9 @@ class RayEnvPool(_WorkerPool):
         except ImportError as error:  # pragma: no cover - depends on the installation
             raise ImportError("RayEnvPool needs Ray: pip install 'trl-exreplay[ray]'") from error
         text_env_factory = renamed_env_factory(text_env_factory, env_factory, "RayEnvPool")
-        if not callable(text_env_factory):
-            raise TypeError(f"text_env_factory must be callable, got {type(text_env_factory).__name__}")
-        try:
-            self._factory_bytes = pickle.dumps(text_env_factory)
-        except Exception as error:
-            raise TypeError(
-                f"text_env_factory must be picklable to reach the Ray actors (a class, a module-level function or a "
-                f"functools.partial of one, not a lambda or a local function); got {text_env_factory!r}: {error}"
-            ) from error
-        for name, value in (("call_timeout", call_timeout), ("start_timeout", start_timeout)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+        self._factory_bytes = self._checked(text_env_factory, workers, call_timeout, start_timeout, "Ray actors")
         if not cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be > 0, got {cpus_per_worker!r}")
-        if workers is not None and (not isinstance(workers, int) or workers < 1):
-            raise ValueError(f"workers must be an integer >= 1 or None, got {workers!r}")
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True)
         if workers is None:
@@ -202,10 +189,7 @@ class RayEnvPool(_WorkerPool):
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        try:
-            data = pickle.dumps(message)
-        except Exception as error:  # nothing was sent: the actor is fine
-            raise TypeError(f"the arguments of {what} cannot be pickled to reach the Ray actor: {error}") from error
+        data = self._request(message, what, "Ray actor")
         stage, timeout = "start-up", self.start_timeout
         try:
             if not worker.ready:
