@@ -391,7 +391,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="write the counts and every non-benign case here")
     parser.add_argument("--verbose", action="store_true", help="print every mutation and its outcome")
     args = parser.parse_args(argv)
-    logging.getLogger("trl_exreplay").setLevel(logging.ERROR)  # each rejection is counted here, not logged
+    package_logger = logging.getLogger("trl_exreplay")
+    level = package_logger.level
+    package_logger.setLevel(logging.ERROR)  # each rejection is counted here, not logged
+    try:
+        return _fuzz(args)
+    finally:
+        package_logger.setLevel(level)  # a caller (a test session) keeps its warnings
+
+
+def _fuzz(args) -> dict:
 
     tokenizer = build_tiny_tokenizer(["go", "to", "the", "door", "key"])
     work = tempfile.mkdtemp(prefix="pool-fuzz-")
