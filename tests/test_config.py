@@ -36,6 +36,7 @@ REPLAY_FIELDS = {
     "env_workers",
     "replay_resume_without_pool",
     "replay_scratch_dir",
+    "replay_scratch_sharing",
     "system_prompt_column",
 }
 
@@ -80,6 +81,7 @@ DEFAULTS = {
     "env_workers": 16,
     "replay_resume_without_pool": False,
     "replay_scratch_dir": None,
+    "replay_scratch_sharing": "machine",
     "system_prompt_column": "system_prompt",
 }
 
@@ -121,6 +123,7 @@ def test_boundary_values_are_valid(tmp_path):
 INVALID = [
     ("replay_scratch_dir", dict(replay_scratch_dir=" "), "None or a folder's path"),
     ("replay_scratch_dir", dict(replay_scratch_dir=3), "None or a folder's path"),
+    ("replay_scratch_sharing", dict(replay_scratch_sharing="node"), "'machine', 'all', 'none'"),
     ("replay_ratio", dict(replay_ratio=-0.1), "numbers in [0, 1]"),
     ("replay_ratio", dict(replay_ratio=1.01), "numbers in [0, 1]"),
     ("replay_start_ratio", dict(replay_start_ratio=-0.5), "numbers in [0, 1]"),

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -426,3 +427,101 @@ def test_a_pool_reads_the_files_it_mapped_even_if_a_saved_copy_is_replaced(tmp_p
     assert loaded.trajectories("a") == want and [t.entropy for t in want] == [f32(0.1), f32(0.2)]
     os.remove(tmp_path / "first" / name)  # no path to the mapped file left: read through the mapping
     assert loaded.trajectories("a") == want
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One copy of the shards for the ranks of a machine (`share_storage`): the writer's files, linked
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def fill_alike(pools, tasks="abcdefghij", version=0):
+    """The same outcomes, in the same order, into every pool (as every rank records them)."""
+    for task in tasks:
+        for pool in pools:
+            record(pool, task, 1, [0.5 - 0.01 * ord(task)], version=version)
+
+
+def shard_files(pool) -> dict[str, int]:
+    folder = pool.scratch_folder()
+    return {p.name: p.stat().st_ino for p in Path(folder).rglob("*.arrow")}
+
+
+def test_a_follower_links_the_writers_shard_files_and_reads_the_same_rows(tmp_path):
+    writer = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    follower = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    follower.share_storage(writer.scratch_folder())
+    for version in range(3):  # seals shards and, as tasks evict older trajectories, compacts them
+        fill_alike([writer, follower], version=version)
+        for pool in (writer, follower):
+            pool.flush(wait=True)
+    written, linked = writer.storage_stats(), follower.storage_stats()
+    assert written["shard_files_linked"] == 0 and written["shard_files_written"] > 0
+    assert linked["shard_files_written"] == 0 and linked["shard_files_linked"] == written["shard_files_written"]
+    # one copy on disk: every file of the follower is a file of the writer (the same inode)
+    assert set(shard_files(follower).values()) <= set(shard_files(writer).values())
+    assert follower.content_hash() == writer.content_hash()
+    assert [follower.trajectories(t) for t in "abcdefghij"] == [writer.trajectories(t) for t in "abcdefghij"]
+    writer_folder = writer.scratch_folder()
+    writer.close()  # its names go; the follower's links keep the bytes
+    assert not os.path.exists(writer_folder)
+    assert [t.entropy for t in follower.trajectories("j")] == [f32(0.5 - 0.01 * ord("j"))] * 2
+    follower.close()
+
+
+def test_what_cannot_be_linked_is_written_by_the_follower(tmp_path):
+    """Sharing never changes what is read: a writer's file with other bytes, a writer that writes nothing within the
+    wait, or a source folder that is not visible: the follower writes its own file (and stops looking for a folder
+    it cannot see)."""
+    writer = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    follower = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    follower.share_storage(writer.scratch_folder(), wait=0.05)
+    fill_alike([writer], "abcd")
+    fill_alike([follower], "wxyz")  # other rows: other bytes
+    for pool in (writer, follower):
+        pool.flush(wait=True)
+    stats = follower.storage_stats()
+    assert stats["shard_files_linked"] == 0 and stats["shard_files_written"] == stats["shard_files_written"] > 0
+    assert not set(shard_files(follower).values()) & set(shard_files(writer).values())
+    assert [t.task_id for t in follower.trajectories("w")] == ["w"]
+
+    lost = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    lost.share_storage(str(tmp_path / "another-machine"))
+    fill_alike([lost], "abcd")
+    lost.flush(wait=True)
+    assert lost.storage_stats()["shard_files_written"] > 0 and lost._scratch.source is None
+    assert lost.content_hash() == writer.content_hash()
+    for pool in (writer, follower, lost):
+        pool.close()
+
+
+@pytest.mark.parametrize("slow", ["writer", "follower"])
+def test_ranks_write_the_same_files_whatever_their_writer_threads_timing(tmp_path, slow):
+    """Evictions (tombstones) while one pool's writer thread lags behind: shard ends, tombstone counts and compactions
+    are decided in the writer thread's job order, so both pools still make the same files and the follower links
+    every one of them."""
+    pools = [ExperiencePool(max_trajectories_per_task=1, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+             for _ in range(2)]  # fmt: skip
+    writer, follower = pools
+    follower.share_storage(writer.scratch_folder())
+    lagging = writer if slow == "writer" else follower
+    for log in (lagging._trajectories, lagging._task_rows):
+        build = log._build
+        log._build = lambda items, build=build: (time.sleep(0.01), build(items))[1]
+    for version in range(6):  # each version evicts the previous one's trajectory of every task
+        for task in "abcdefgh":
+            for pool in pools:
+                record(pool, task, 1, [0.9 - 0.1 * version - 0.001 * (ord(task) % 7)], version=version)
+    for pool in pools:
+        pool.flush(wait=True)
+    written, linked = writer.storage_stats(), follower.storage_stats()
+    assert written["shard_files_written"] > 8  # sealed and rewritten shards
+    # the same files: each one linked, or, where the writer had removed it already (the follower lags), written
+    assert linked["shard_files_written"] + linked["shard_files_linked"] == written["shard_files_written"]
+    if slow == "writer":
+        assert linked["shard_files_written"] == 0
+    assert {k: v for k, v in linked.items() if not k.startswith("shard_files")} == {
+        k: v for k, v in written.items() if not k.startswith("shard_files")
+    }
+    assert follower.content_hash() == writer.content_hash()
+    for pool in pools:
+        pool.close()

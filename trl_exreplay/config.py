@@ -210,6 +210,17 @@ class ExReplayGRPOConfig(GRPOConfig):
             "copy them otherwise."
         },
     )
+    replay_scratch_sharing: str = field(
+        default="machine",
+        metadata={
+            "help": "Which processes write the live pool's shard files, identical on every rank: 'machine' (one per "
+            "machine, its local main process; the others hard-link its files: one copy per machine on disk and in "
+            "the page cache), 'all' (rank 0 alone, when `replay_scratch_dir` is one filesystem that every machine "
+            "sees) or 'none' (every rank writes its own copy). A file that cannot be shared (not visible from this "
+            "machine, another filesystem) is written by the rank that needs it: a wrong setting costs writes, never "
+            "data."
+        },
+    )
     system_prompt_column: str = field(
         default="system_prompt",
         metadata={"help": "Multi-turn: dataset column with an optional system prompt for the episode."},
@@ -333,6 +344,9 @@ def apply_former_names(config) -> None:
         setattr(config, old, None)
 
 
+SCRATCH_SHARING = ("machine", "all", "none")
+
+
 def replay_options(args: Any) -> dict[str, Any]:
     """The replay fields of `args`; a plain `GRPOConfig` gets the defaults of `ExReplayGRPOConfig`."""
     options = {}
@@ -367,9 +381,11 @@ def validate_replay_options(
         "replay_resume_without_pool",
     ):
         _check(isinstance(o[name], bool), name, o[name], "True or False (a bool, not a string)")
-    scratch = o["replay_scratch_dir"]
+    scratch = o.get("replay_scratch_dir")
     _check(scratch is None or (isinstance(scratch, str) and scratch.strip() != ""), "replay_scratch_dir", scratch,
            "None or a folder's path")  # fmt: skip
+    sharing = o.get("replay_scratch_sharing", "machine")
+    _check(sharing in SCRATCH_SHARING, "replay_scratch_sharing", sharing, ", ".join(map(repr, SCRATCH_SHARING)))
     for name in ("replay_ratio", "replay_start_ratio"):
         value = o[name]
         _check(

@@ -453,6 +453,10 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
             self._flush_pending()
             if self.args.should_save:
                 self.pool.save(os.path.join(output_dir or self.args.output_dir, POOL_DIR))
+            elif self._pool_shared:
+                # A save seals the open shard; the ranks that do not save seal theirs too, so that their shard files
+                # stay the saving rank's, byte for byte, and can be linked rather than written (`share_storage`).
+                self.pool.flush(wait=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

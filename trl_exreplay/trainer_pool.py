@@ -49,6 +49,8 @@ class TrainerPool:
             self.pool.bind_tokenizer(self._tokenizer_fingerprint)
         if experience_pool is not None:
             self._adopt_pool(experience_pool, "the given experience_pool")
+        else:
+            self._share_pool_storage()
         self._pending: PendingOutcomes | None = None
 
     def _pool_work_dir(self) -> str:
@@ -76,6 +78,20 @@ class TrainerPool:
             fields = [RENAMED_FIELDS.get(name, name) for name in changed]
             logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, fields)
         self.pool = pool
+        self._share_pool_storage()
+
+    def _share_pool_storage(self) -> None:
+        """One writer of the pool's shard files per machine (or in all, or none: `replay_scratch_sharing`); the other
+        ranks link its files. Collective: every rank calls it when it takes a pool."""
+        sharing = self.replay["replay_scratch_sharing"]
+        self._pool_shared = self._replay_enabled and self.accelerator.num_processes > 1 and sharing != "none"
+        if not self._pool_shared:
+            return
+        state = self.accelerator.state
+        folders = gather_object([self.pool.scratch_folder()])  # by rank
+        # torchrun numbers a machine's ranks consecutively: its local main is this rank less its local index
+        writer = 0 if sharing == "all" else state.process_index - state.local_process_index
+        self.pool.share_storage(None if writer == state.process_index else folders[writer])
 
     def _resume_pool(self, checkpoint: str) -> None:
         """Take the pool saved in `checkpoint` (or, where there is none, say loudly that the run resumes empty)."""

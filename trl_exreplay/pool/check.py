@@ -104,6 +104,11 @@ def file_checksum(path: str) -> str:
     return digest.hexdigest()
 
 
+def bytes_checksum(data) -> str:
+    """`file_checksum` of bytes not written yet (a buffer): the checksum the file will have."""
+    return xxhash.xxh3_64(memoryview(data)).hexdigest()
+
+
 def state_checksum(state: dict) -> str:
     """xxh3-64 of the state's canonical JSON, without its own ``checksum`` field."""
     body = {k: v for k, v in state.items() if k != "checksum"}

@@ -665,10 +665,27 @@ class ExperiencePool:
         return out
 
     def storage_stats(self) -> dict[str, int]:
-        """Shards, rows, tombstones and buffered rows of the trajectory and task row logs."""
+        """Shards, rows, tombstones and buffered rows of the trajectory and task row logs; and the shard files this
+        process linked from the one that writes for it (`share_storage`) or wrote itself."""
         out = {f"trajectory_{k}": v for k, v in self._trajectories.stats().items()}
         out.update({f"task_row_{k}": v for k, v in self._task_rows.stats().items()})
+        out.update({f"shard_files_{k}": v for k, v in self._scratch.shared.items()})
         return out
+
+    def scratch_folder(self) -> str:
+        """The folder where this live pool writes its shard files (made now if not yet)."""
+        return self._scratch.root()
+
+    def share_storage(self, source: str | None, wait: float = 5.0) -> None:
+        """Read the shard files that another process holding the same pool wrote into its `scratch_folder()` `source`
+        instead of writing them again (None: write every file here, the default).
+
+        Ranks of a run hold identical pools, so their shard files are byte for byte the same; with this, one process
+        per machine writes them and the others hard-link its files (one copy on disk and in the page cache). Each file
+        is checked before it is linked (its size and checksum must be what this process would write); a file that does
+        not come within `wait` seconds, differs, or is on another filesystem is written here instead, so sharing never
+        changes what is read, only how often it is written (`storage_stats()["shard_files_written"]`)."""
+        self._scratch.share_from(source, wait)
 
     def _read_all(self, keys: list[int]) -> list[Trajectory]:
         """The trajectories of `keys`: pending ones copied, written ones read from their shards (one pass per shard,

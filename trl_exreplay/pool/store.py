@@ -60,7 +60,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .check import PoolFolder, PoolFormatError, file_checksum, parse_state
+from .check import PoolFolder, PoolFormatError, bytes_checksum, file_checksum, parse_state
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,19 @@ def write_arrow(path: str, table: pa.Table | pa.RecordBatch) -> None:
             writer.write_batch(table)
         else:
             writer.write_table(table)
+
+
+def arrow_bytes(table: pa.Table) -> pa.Buffer:
+    """The bytes `write_arrow` writes for `table`, in memory: the same table gives the same bytes on every rank."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def write_buffer(path: str, data: pa.Buffer) -> None:
+    with open(path, "wb") as f:
+        f.write(memoryview(data))
 
 
 def read_arrow(path: str) -> pa.Table:
@@ -333,8 +346,12 @@ class Scratch:
         self._made_parent = False
         self._lock = threading.Lock()
         self._owner_fd: int | None = None
+        self.source: str | None = None  # the scratch folder of the process that writes for this one (`share_from`)
+        self.share_wait = 0.0
+        self.shared = {"linked": 0, "written": 0}  # shard files linked from `source`, and written here instead
 
-    def folder(self, kind: str) -> str:
+    def root(self) -> str:
+        """The folder itself (made now if not yet)."""
         with self._lock:
             if self.path is None:
                 parent = self.parent or tempfile.gettempdir()
@@ -345,9 +362,51 @@ class Scratch:
                 path = tempfile.mkdtemp(prefix=f"{self.PREFIX}{os.getpid()}-", dir=parent)
                 self._owner_fd = _hold_lock(os.path.join(path, self.LOCK))
                 self.path = path
-            folder = os.path.join(self.path, kind)
-            os.makedirs(folder, exist_ok=True)
-            return folder
+            return self.path
+
+    def folder(self, kind: str) -> str:
+        folder = os.path.join(self.root(), kind)
+        os.makedirs(folder, exist_ok=True)
+        return folder
+
+    def share_from(self, source: str | None, wait: float = 5.0) -> None:
+        """Take shard files from the scratch folder `source` of another process holding the same pool (another rank,
+        which writes them), instead of writing them again: see `link_shared`. None: write every file here."""
+        self.source = None if source is None or os.path.abspath(source) == os.path.abspath(self.root()) else source
+        self.share_wait = wait
+
+    def link_shared(self, kind: str, name: str, size: int, checksum: str, dest: str) -> bool:
+        """Hard-link the file `name` of `source` as `dest` if it holds exactly the bytes this process would write
+        (`size`, `checksum`): then both processes read one file, one copy on disk and in the page cache. Waits up to
+        `share_wait` seconds for the writer to publish it (it renames complete files into place). False, and the
+        caller writes its own copy, when there is no source, when its folder is not visible from here (another
+        machine's disk: sharing then stops), when the file does not come or differs, or on another filesystem."""
+        if self.source is None:
+            return False
+        folder = os.path.join(self.source, kind)
+        suffix = name[name.rindex("-") :]  # "-<checksum>.arrow": the writer may have numbered the shard otherwise
+        deadline = time.monotonic() + self.share_wait
+        while True:
+            source, passed = _shared_file(folder, name, suffix)
+            if source is not None:
+                break
+            if passed:  # the writer is past this shard (and removed it: its rows died or were rewritten)
+                return False
+            if not os.path.isdir(self.source):
+                logger.warning("trl_exreplay: the pool's shards at %s are not visible here; this process writes its "
+                               "own copies.", self.source)  # fmt: skip
+                self.source = None
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        try:
+            if os.path.getsize(source) != size or file_checksum(source) != checksum:
+                return False
+            os.link(source, dest)
+        except OSError:  # removed meanwhile (compacted away), another filesystem, no hard links: write it here
+            return False
+        return True
 
     def remove(self) -> None:
         with self._lock:
@@ -362,6 +421,30 @@ class Scratch:
                         os.rmdir(self.parent)  # only if empty: other pools (ranks) may share it
                     except OSError:
                         pass
+
+
+def _shared_file(folder: str, name: str, suffix: str) -> tuple[str | None, bool]:
+    """The writer's file `name` in `folder`, or else one of its files with the same checksum `suffix` (the same bytes
+    under another shard number); and whether the writer has written a shard numbered after this one (so it will not
+    write this one any more)."""
+    path = os.path.join(folder, name)
+    if os.path.exists(path):
+        return path, False
+    prefix, number = name.split("-")[:2]
+    passed = False
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name.startswith("."):  # a temporary file
+                    continue
+                if entry.name.endswith(suffix):
+                    return entry.path, False
+                parts = entry.name.split("-")
+                later = len(parts) == 3 and parts[0] == prefix and parts[1].isdigit() and int(parts[1]) > int(number)
+                passed = passed or later
+    except OSError:
+        pass
+    return None, passed
 
 
 def _hold_lock(path: str) -> int | None:
@@ -831,6 +914,11 @@ class ShardLog:
         self._open: Shard | None = None  # (writer thread) the shard receiving rows, in RAM
         self._next_sid = 0
         self._compacting = False
+        # Rows deleted since the last flush, counted by the writer thread in job order: a written row's location, or
+        # (key, generation) of a row handed to the writer but not staged yet (`_staged_dead` then says where it went).
+        self._tombstones: list = []
+        self._captured: set[tuple[int, int]] = set()  # (key, generation) of rows handed over, not staged yet
+        self._staged_dead: dict[tuple[int, int], int] = {}
         self._last_append = 0.0
         # Compaction looks only at what changed (a pool has thousands of shards): shards that lost rows, small ones.
         self._dirty: set[int] = set()
@@ -891,9 +979,11 @@ class ShardLog:
             loc = int(self._loc[key])
             if loc == PENDING:
                 self._pending.pop(key, None)
-            elif loc >= 0:
-                self.shards[loc >> _ROW_BITS].live -= 1
-                self._dirty.add(loc >> _ROW_BITS)
+                captured = (key, int(self._gen[key]))
+                if captured in self._captured:  # its row will be staged all the same: a tombstone there
+                    self._tombstones.append(captured)
+            elif loc >= 0:  # a tombstone, counted against its shard by the writer thread (see `_flush`)
+                self._tombstones.append(loc)
             else:
                 raise KeyError(f"{self.kind}: key {key} is not in use.")
             self._release_key(key)
@@ -947,28 +1037,46 @@ class ShardLog:
             self._writer.wait()
 
     def _flush(self, seal: bool, check: bool) -> None:
+        """Hand the writer thread one job: count the tombstones since the last flush, stage the pending rows, seal if
+        asked, then maybe compact. Everything that decides a shard's bytes (which rows, where a shard ends, which
+        shards are rewritten) thus happens on the writer thread in the order the caller asked for it, whatever the
+        threads' timing: ranks that record the same pool write the same files, which they can share (`Scratch`)."""
         if check:
             self._writer.raise_error()
         with self._lock:
             batch = [(k, g, self._pending[k]) for k, g in self._unflushed if self._gen[k] == g and k in self._pending]
-            self._unflushed = []
-            self._unflushed_size = 0
+            tombstones = self._tombstones
+            self._unflushed, self._unflushed_size, self._tombstones = [], 0, []
+            self._captured.update((k, g) for k, g, _ in batch)
         try:
-            if batch:
-                self._writer.submit(lambda: self._stage(batch), check)
-            if seal:
-                self._writer.submit(self._seal, check)
+            self._writer.submit(lambda: self._write_step(tombstones, batch, seal), check)
         except BaseException:
             with self._lock:
                 self._unflushed[:0] = [(k, g) for k, g, _ in batch]
+                self._captured.difference_update((k, g) for k, g, _ in batch)
+                self._tombstones[:0] = tombstones
             raise
+
+    def _write_step(self, tombstones: list, batch: list, seal: bool) -> None:
+        """Writer thread: one flush's work, in order."""
+        with self._lock:
+            for tombstone in tombstones:
+                loc = self._staged_dead.pop(tombstone, None) if isinstance(tombstone, tuple) else tombstone
+                shard = None if loc is None else self.shards.get(loc >> _ROW_BITS)
+                if shard is not None:
+                    shard.live -= 1
+                    self._dirty.add(shard.sid)
+        if batch:
+            self._stage(batch)
+        if seal:
+            self._seal()
         self._maybe_compact()
 
-    def _new_shard_name(self) -> tuple[int, str]:
+    def _new_sid(self) -> int:
         with self._lock:
             sid = self._next_sid
             self._next_sid += 1
-        return sid, f"{self.prefix}-{sid:06d}-{uuid.uuid4().hex[:12]}.arrow"
+        return sid
 
     def _stage(self, batch: list) -> None:
         """Writer thread: convert `batch` into Arrow columns and add them to the open shard."""
@@ -983,54 +1091,74 @@ class ShardLog:
         except BaseException:
             with self._lock:  # still pending: retried by the next flush
                 self._unflushed[:0] = [(k, g) for k, g, _ in batch]
+                self._captured.difference_update((k, g) for k, g, _ in batch)
             raise
         if self._open is None:
-            sid, name = self._new_shard_name()
-            chunks = []
+            sid, chunks = self._new_sid(), []
         else:
-            sid, name = self._open.sid, self._open.name
-            chunks = self._open.table().to_batches()
-        # A new object for the grown shard: a reader holding the previous one keeps a consistent view.
-        grown = Shard(sid, name, sum(len(c) for c in chunks) + len(batch), [], table=None)
+            sid, chunks = self._open.sid, self._open.table().to_batches()
+        # A new object for the grown shard: a reader holding the previous one keeps a consistent view. Its file's name
+        # comes with its bytes, when it is sealed.
+        grown = Shard(sid, f"{self.prefix}-{sid:06d}-open", sum(len(c) for c in chunks) + len(batch), [], table=None)
         grown._table = pa.Table.from_batches([*chunks, record_batch], schema=self.schema)
         grown.nbytes = (self._open.nbytes if self._open is not None else 0) + record_batch.nbytes
         first = grown.rows - len(batch)
         with self._lock:
-            grown.live = self._open.live if self._open is not None else 0
+            # Every row counts as live here, and a row deleted since it was handed over leaves a tombstone that the
+            # next flush counts: the same count, at the same point of the job order, whenever the delete came.
+            grown.live = (self._open.live if self._open is not None else 0) + len(batch)
             self.shards[sid] = self._open = grown
             for row, (key, gen, _) in enumerate(batch, start=first):
+                self._captured.discard((key, gen))
                 if self._gen[key] == gen and self._loc[key] == PENDING:
                     self._loc[key] = (sid << _ROW_BITS) | row
                     self._pending.pop(key, None)
-                    grown.live += 1
+                else:
+                    self._staged_dead[(key, gen)] = (sid << _ROW_BITS) | row
         if grown.rows >= self.shard_rows or grown.nbytes >= self.shard_bytes:
             self._seal()
+
+    def _write_shard(self, sid: int, rows: int, table: pa.Table) -> Shard:
+        """Writer thread: the file of shard `sid`, named by its checksum (the same rows make the same bytes, so ranks
+        holding the same pool name it alike), linked from the process that writes for this one if it wrote the same
+        bytes (`Scratch.link_shared`), else written here; returned as a `Shard` read from that file."""
+        data = arrow_bytes(table)
+        checksum = bytes_checksum(data)
+        name = f"{self.prefix}-{sid:06d}-{checksum[:12]}.arrow"
+        path = os.path.join(self._scratch.folder(self.kind), name)
+        if self._scratch.link_shared(self.kind, name, data.size, checksum, path):
+            self._scratch.shared["linked"] += 1
+        else:
+            write_atomic(path, lambda tmp: write_buffer(tmp, data))
+            self._scratch.shared["written"] += 1
+        shard = Shard(sid, name, rows, [path], owned=path)
+        shard.digest = (data.size, checksum)
+        shard.layout(self.read_columns)
+        shard.unmap()
+        return shard
 
     def _seal(self) -> None:
         """Writer thread: write the open shard to its file and read it from there from now on."""
         shard = self._open
         if shard is None:
             return
-        table = shard.table().combine_chunks()  # one record batch per file: the fast path of row reads
-        path = os.path.join(self._scratch.folder(self.kind), shard.name)
-        write_atomic(path, lambda tmp: write_arrow(tmp, table))
-        sealed = Shard(shard.sid, shard.name, shard.rows, [path], owned=path)
-        sealed.digest = (os.path.getsize(path), file_checksum(path))  # just written: read from the page cache
-        sealed.layout(self.read_columns)
-        sealed.unmap()
-        with self._lock:
-            sealed.live = self.shards[shard.sid].live if shard.sid in self.shards else 0
-            self._open = None
-            if sealed.live:
-                self.shards[shard.sid] = sealed
-                self._note_size(sealed)
-                if self.keep_open:
-                    _OPEN_FILES.prime(sealed)
-                if sealed.live < sealed.rows:  # rows deleted while it was open: weigh it for compaction
-                    self._dirty.add(sealed.sid)
-            else:
+        with self._lock:  # live counts change on this thread only (`_write_step`)
+            live = self.shards[shard.sid].live if shard.sid in self.shards else 0
+            if not live:  # every row deleted while it was open: no file
+                self._open = None
                 self.shards.pop(shard.sid, None)
-                os.remove(path)
+                return
+        table = shard.table().combine_chunks()  # one record batch per file: the fast path of row reads
+        sealed = self._write_shard(shard.sid, shard.rows, table)
+        with self._lock:
+            sealed.live = live
+            self._open = None
+            self.shards[shard.sid] = sealed
+            self._note_size(sealed)
+            if self.keep_open:
+                _OPEN_FILES.prime(sealed)
+            if sealed.live < sealed.rows:  # rows deleted while it was open: weigh it for compaction
+                self._dirty.add(sealed.sid)
 
     # ------------------------------------------------------------------------------------------ compaction
     def _note_size(self, shard: Shard) -> None:
@@ -1073,16 +1201,21 @@ class ShardLog:
 
     def compact(self, wait: bool = True) -> None:
         """Rewrite every written shard holding tombstones, now; the index moves to the new shards when done."""
-        self.flush(seal=True, wait=True)
+        self.flush(seal=True)
+        self._writer.submit(self._compact_all)
+        if wait:
+            self._writer.wait()
+
+    def _compact_all(self) -> None:
+        """Writer thread: `compact`."""
         with self._lock:
             self._drop_empty(list(self.shards))
             victims = [s for s in self.shards.values() if s.live < s.rows and not s.is_open]
         if victims:
             self._compact(victims)
-        if wait:
-            self._writer.wait()
 
     def _compact(self, victims: list[Shard]) -> None:
+        """Writer thread: rewrite the live rows of `victims` into new shards."""
         with self._lock:
             used = self._loc[: self._size]
             keys = np.nonzero((used >= 0) & np.isin(used >> _ROW_BITS, [s.sid for s in victims]))[0]
@@ -1095,29 +1228,19 @@ class ShardLog:
         self._compacting = True
         parts = []
         for start in range(0, len(keys), self.shard_rows):
-            sid, name = self._new_shard_name()
             stop = start + self.shard_rows
-            parts.append((sid, name, keys[start:stop], gens[start:stop], old[start:stop]))
-        try:
-            self._writer.submit(lambda: self._rewrite(parts, {s.sid: s for s in victims}), check=False)
-        except BaseException:
-            self._compacting = False
-            raise
+            parts.append((self._new_sid(), keys[start:stop], gens[start:stop], old[start:stop]))
+        self._rewrite(parts, {s.sid: s for s in victims})
 
     def _rewrite(self, parts, victims: dict[int, Shard]) -> None:
-        """Writer thread: copy the live rows of `victims` into new shards, then move their keys there."""
+        """Writer thread: copy the rows of `parts` (from `victims`) into new shards, then move their keys there."""
         try:
             tables = {sid: shard.table() for sid, shard in victims.items()}
-            for sid, name, keys, gens, old in parts:
+            for sid, keys, gens, old in parts:
                 sources = old >> _ROW_BITS
                 pieces = [tables[int(s)].take(pa.array(old[sources == s] & _ROW_MASK)) for s in np.unique(sources)]
                 table = pa.concat_tables(pieces).combine_chunks()
-                path = os.path.join(self._scratch.folder(self.kind), name)
-                write_atomic(path, lambda tmp, table=table: write_arrow(tmp, table))
-                shard = Shard(sid, name, len(keys), [path], owned=path)
-                shard.digest = (os.path.getsize(path), file_checksum(path))
-                shard.layout(self.read_columns)
-                shard.unmap()
+                shard = self._write_shard(sid, len(keys), table)
                 with self._lock:
                     same = (self._gen[keys] == gens) & (self._loc[keys] == old)
                     self._loc[keys[same]] = (sid << _ROW_BITS) | np.nonzero(same)[0]
