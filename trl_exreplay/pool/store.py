@@ -425,8 +425,8 @@ class Scratch:
 
 def _shared_file(folder: str, name: str, suffix: str) -> tuple[str | None, bool]:
     """The writer's file `name` in `folder`, or else one of its files with the same checksum `suffix` (the same bytes
-    under another shard number); and whether the writer has written a shard numbered after this one (so it will not
-    write this one any more)."""
+    in another place of the order); and whether the writer has made a file after this one in the order (so it will not
+    make this one any more)."""
     path = os.path.join(folder, name)
     if os.path.exists(path):
         return path, False
@@ -579,6 +579,7 @@ class Shard:
         "rows",
         "nbytes",
         "live",
+        "dead",
         "paths",
         "owned",
         "touched",
@@ -598,6 +599,7 @@ class Shard:
         self.rows = rows
         self.nbytes = 0
         self.live = 0
+        self.dead: set[int] = set()  # rows with a tombstone, as the writer thread has counted them (`live` = rest)
         self.paths = list(paths)  # existing copies, newest first (the owned one in the scratch folder, saved ones)
         self.owned = owned
         self.touched = False  # rows were read since the last `release`
@@ -913,12 +915,14 @@ class ShardLog:
         self.shards: dict[int, Shard] = {}
         self._open: Shard | None = None  # (writer thread) the shard receiving rows, in RAM
         self._next_sid = 0
-        self._compacting = False
         # Rows deleted since the last flush, counted by the writer thread in job order: a written row's location, or
         # (key, generation) of a row handed to the writer but not staged yet (`_staged_dead` then says where it went).
         self._tombstones: list = []
         self._captured: set[tuple[int, int]] = set()  # (key, generation) of rows handed over, not staged yet
         self._staged_dead: dict[tuple[int, int], int] = {}
+        # A row rewritten by a compaction while its tombstone waited (its key deleted meanwhile): old -> new location.
+        self._forward: dict[int, int] = {}
+        self._files_written = 0  # the number in the next shard file's name: files come in job order on every rank
         self._last_append = 0.0
         # Compaction looks only at what changed (a pool has thousands of shards): shards that lost rows, small ones.
         self._dirty: set[int] = set()
@@ -1062,9 +1066,11 @@ class ShardLog:
         with self._lock:
             for tombstone in tombstones:
                 loc = self._staged_dead.pop(tombstone, None) if isinstance(tombstone, tuple) else tombstone
+                loc = self._forward.pop(loc, loc)
                 shard = None if loc is None else self.shards.get(loc >> _ROW_BITS)
                 if shard is not None:
                     shard.live -= 1
+                    shard.dead.add(loc & _ROW_MASK)
                     self._dirty.add(shard.sid)
         if batch:
             self._stage(batch)
@@ -1107,6 +1113,7 @@ class ShardLog:
             # Every row counts as live here, and a row deleted since it was handed over leaves a tombstone that the
             # next flush counts: the same count, at the same point of the job order, whenever the delete came.
             grown.live = (self._open.live if self._open is not None else 0) + len(batch)
+            grown.dead = self._open.dead if self._open is not None else set()
             self.shards[sid] = self._open = grown
             for row, (key, gen, _) in enumerate(batch, start=first):
                 self._captured.discard((key, gen))
@@ -1119,12 +1126,14 @@ class ShardLog:
             self._seal()
 
     def _write_shard(self, sid: int, rows: int, table: pa.Table) -> Shard:
-        """Writer thread: the file of shard `sid`, named by its checksum (the same rows make the same bytes, so ranks
-        holding the same pool name it alike), linked from the process that writes for this one if it wrote the same
-        bytes (`Scratch.link_shared`), else written here; returned as a `Shard` read from that file."""
+        """Writer thread: the file of shard `sid`, named by its place in the order of this log's files and by its
+        checksum (ranks holding the same pool make the same files in the same order), linked from the process that
+        writes for this one if it wrote the same bytes (`Scratch.link_shared`), else written here; returned as a
+        `Shard` read from that file."""
         data = arrow_bytes(table)
         checksum = bytes_checksum(data)
-        name = f"{self.prefix}-{sid:06d}-{checksum[:12]}.arrow"
+        name = f"{self.prefix}-{self._files_written:06d}-{checksum[:12]}.arrow"
+        self._files_written += 1
         path = os.path.join(self._scratch.folder(self.kind), name)
         if self._scratch.link_shared(self.kind, name, data.size, checksum, path):
             self._scratch.shared["linked"] += 1
@@ -1151,7 +1160,7 @@ class ShardLog:
         table = shard.table().combine_chunks()  # one record batch per file: the fast path of row reads
         sealed = self._write_shard(shard.sid, shard.rows, table)
         with self._lock:
-            sealed.live = live
+            sealed.live, sealed.dead = live, shard.dead
             self._open = None
             self.shards[shard.sid] = sealed
             self._note_size(sealed)
@@ -1182,8 +1191,7 @@ class ShardLog:
                 os.remove(shard.owned)
 
     def _maybe_compact(self) -> None:
-        if self._compacting:
-            return
+        """Writer thread: rewrite the shards that are mostly tombstones, and merge small ones."""
         with self._lock:
             self._drop_empty()
             victims = []
@@ -1215,49 +1223,53 @@ class ShardLog:
             self._compact(victims)
 
     def _compact(self, victims: list[Shard]) -> None:
-        """Writer thread: rewrite the live rows of `victims` into new shards."""
+        """Writer thread: rewrite the live rows of `victims` into new shards. Live as the writer thread has counted
+        tombstones (`Shard.dead`), not as the caller's deletes stand now: the new shards' bytes are then the same on
+        every rank, whenever the deletes came."""
         with self._lock:
-            used = self._loc[: self._size]
-            keys = np.nonzero((used >= 0) & np.isin(used >> _ROW_BITS, [s.sid for s in victims]))[0]
-            old = used[keys]
-            gens = self._gen[keys]
-        if len(keys) == 0:
+            old = [
+                (victim.sid << _ROW_BITS) | row
+                for victim in sorted(victims, key=lambda v: v.sid)  # by shard, then row: the new shards keep the order
+                for row in range(victim.rows)
+                if row not in victim.dead
+            ]
+        if not old:
             return
-        order = np.argsort(old, kind="stable")  # by shard, then row: the new shards keep the old order
-        keys, old, gens = keys[order], old[order], gens[order]
-        self._compacting = True
-        parts = []
-        for start in range(0, len(keys), self.shard_rows):
-            stop = start + self.shard_rows
-            parts.append((self._new_sid(), keys[start:stop], gens[start:stop], old[start:stop]))
+        old = np.asarray(old, dtype=np.int64)
+        parts = [
+            (self._new_sid(), old[start : start + self.shard_rows]) for start in range(0, len(old), self.shard_rows)
+        ]
         self._rewrite(parts, {s.sid: s for s in victims})
 
     def _rewrite(self, parts, victims: dict[int, Shard]) -> None:
-        """Writer thread: copy the rows of `parts` (from `victims`) into new shards, then move their keys there."""
-        try:
-            tables = {sid: shard.table() for sid, shard in victims.items()}
-            for sid, keys, gens, old in parts:
-                sources = old >> _ROW_BITS
-                pieces = [tables[int(s)].take(pa.array(old[sources == s] & _ROW_MASK)) for s in np.unique(sources)]
-                table = pa.concat_tables(pieces).combine_chunks()
-                shard = self._write_shard(sid, len(keys), table)
-                with self._lock:
-                    same = (self._gen[keys] == gens) & (self._loc[keys] == old)
-                    self._loc[keys[same]] = (sid << _ROW_BITS) | np.nonzero(same)[0]
-                    shard.live = int(same.sum())
-                    self.shards[sid] = shard
-                    self._note_size(shard)
-                    if self.keep_open:
-                        _OPEN_FILES.prime(shard)
-                    for source, count in zip(*np.unique(old[same] >> _ROW_BITS, return_counts=True)):
-                        self.shards[int(source)].live -= int(count)
+        """Writer thread: copy the rows at the locations `old` of each part (rows of `victims`) into a new shard, then
+        move their keys there; a row whose key was deleted meanwhile forwards its waiting tombstone to its new place."""
+        tables = {sid: shard.table() for sid, shard in victims.items()}
+        for sid, old in parts:
+            sources = old >> _ROW_BITS
+            pieces = [tables[int(s)].take(pa.array(old[sources == s] & _ROW_MASK)) for s in np.unique(sources)]
+            table = pa.concat_tables(pieces).combine_chunks()
+            shard = self._write_shard(sid, len(old), table)
+            new = (sid << _ROW_BITS) | np.arange(len(old), dtype=np.int64)
             with self._lock:
-                self._drop_empty(list(victims))
-            for shard in victims.values():
-                shard.release()
-                shard.unmap()
-        finally:
-            self._compacting = False
+                used = self._loc[: self._size]
+                keys = np.nonzero(np.isin(used, old))[0]
+                at = np.searchsorted(old, used[keys])  # `old` is sorted
+                self._loc[keys] = new[at]
+                for gone in np.setdiff1d(np.arange(len(old)), at).tolist():
+                    self._forward[int(old[gone])] = int(new[gone])
+                shard.live = len(old)
+                self.shards[sid] = shard
+                self._note_size(shard)
+                if self.keep_open:
+                    _OPEN_FILES.prime(shard)
+                for source, count in zip(*np.unique(sources, return_counts=True)):
+                    self.shards[int(source)].live -= int(count)
+        with self._lock:
+            self._drop_empty(list(victims))
+        for shard in victims.values():
+            shard.release()
+            shard.unmap()
 
     # ------------------------------------------------------------------------------------------ persistence
     def save_into(self, folder: str) -> list[dict]:
@@ -1302,6 +1314,7 @@ class ShardLog:
             keys = self._new_keys(len(rows))
             self._loc[keys] = (shard.sid << _ROW_BITS) | rows.astype(np.int64)
             shard.live = len(rows)
+            shard.dead = set(range(shard.rows)) - set(rows.tolist())
             self._note_size(shard)
             if shard.live < shard.rows:
                 self._dirty.add(shard.sid)
