@@ -615,7 +615,9 @@ def files_under(folder: str | None) -> tuple[int, int]:
 def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: int) -> dict:
     """One rank of `--ranks`: the pool as the trainer keeps it on every rank (the same outcomes recorded in the same
     order, its shards under the run's shared work folder), one step's add and replay read, and a checkpoint save by
-    rank 0 only (`should_save`); bytes written, files, mapped memory and times of this rank."""
+    rank 0 only (`should_save`); bytes written, files, mapped memory and times of this rank. `POOL_SCALE_SHARING`:
+    "none" (every rank writes its shard files: before issue 27) or "machine" (rank 0 writes them, the others link
+    them, as `ExReplayGRPOTrainer` sets it up with `replay_scratch_sharing="machine"`)."""
     import torch.distributed as dist
 
     from trl_exreplay.pool import ExperiencePool, Trajectory
@@ -627,6 +629,11 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
     rng = np.random.default_rng(1)  # the same draws on every rank: the pools are rank-identical, as in training
     work = os.path.join(folder, "work")
     pool = ExperiencePool(max_trajectories_per_task=PER_TASK, experience_rbound=8, work_dir=work)
+    sharing = os.environ.get("POOL_SCALE_SHARING", "none") == "machine"
+    if sharing:
+        folders = [None] * dist.get_world_size()
+        dist.all_gather_object(folders, pool.scratch_folder())
+        pool.share_storage(None if rank == 0 else folders[0])
     dist.barrier()
     io_start = io_bytes()
     start = time.perf_counter()
@@ -650,6 +657,8 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
         start = time.perf_counter()
         pool.save(os.path.join(folder, "checkpoint", "exreplay_pool"))
         save_ms = (time.perf_counter() - start) * 1e3
+    elif sharing:  # as the trainer: the ranks that do not save seal their open shard too, to keep their files alike
+        pool.flush(wait=True)
     dist.barrier()
     io_end = io_bytes()
     scratch = pool._scratch.path  # this rank's live shards
@@ -666,6 +675,7 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
         "scratch_mb": disk / 1e6,
         "mapped_pss_mb": mapped_pss_mb(folder),
         "pool_hash": pool.content_hash(),
+        **{k: v for k, v in pool.storage_stats().items() if k.startswith("shard_files")},
     }
     dist.barrier()
     pool.close()
@@ -673,7 +683,7 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
     return out
 
 
-def run_ranks(world: int, size: int, folder: str, args) -> list[dict]:
+def run_ranks(world: int, size: int, folder: str, args, sharing: str) -> list[dict]:
     """`world` rank processes of `rank_worker` meeting over gloo on a loopback port; their results, by rank."""
     from trl_exreplay.launch import free_port
 
@@ -683,7 +693,7 @@ def run_ranks(world: int, size: int, folder: str, args) -> list[dict]:
         command = [sys.executable, os.path.abspath(__file__), "--worker", "rank", "--size", str(size), "--dir", folder,
                    "--prompt-tokens", str(args.prompt_tokens), "--completion-tokens", str(args.completion_tokens)]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "POOL_SCALE_SHARING": sharing}  # fmt: skip
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     start, results = time.perf_counter(), []
     for rank, process in enumerate(processes):
@@ -691,32 +701,35 @@ def run_ranks(world: int, size: int, folder: str, args) -> list[dict]:
         if process.returncode != 0:
             raise RuntimeError(f"rank {rank} of {world} failed:\n{stderr[-4000:]}")
         results.append(json.loads(stdout.strip().splitlines()[-1]))
-    print(f"  ranks {world}: {time.perf_counter() - start:7.1f} s", flush=True)
+    print(f"  ranks {world}, sharing {sharing}: {time.perf_counter() - start:7.1f} s", flush=True)
     assert len({r["pool_hash"] for r in results}) == 1, "the ranks' pools differ"
     return results
 
 
 def ranks_table(by_world: dict, size: int) -> str:
-    """Sums over the ranks (bytes, files, mapped memory) and the slowest rank's times, per number of ranks, with the
-    ratio to 1 rank."""
+    """Per number of ranks, before (every rank writes its files) and after (one writer, the others link): sums over
+    the ranks (bytes, files, mapped memory), the slowest rank's times, and the ratio of the bytes to 1 rank's."""
     lines = [
         f"{size:,} trajectories, every rank's pool under one work folder (the trainer's `_exreplay_pool_work`), "
-        "checkpoint saved by rank 0. Bytes written: handed to write calls (`wchar`), all ranks. Files and MB: the "
-        "ranks' live shards at the end. PSS: the ranks' mappings of pool files. Times: the slowest rank.",
+        "checkpoint saved by rank 0. MB written: handed to write calls (`wchar`), all ranks. Files: shard files "
+        "written / linked, all ranks. PSS: the ranks' mappings of pool files, summed (rows are read with `pread`, "
+        "so nothing stays mapped). Times: the slowest rank.",
         "",
-        "| ranks | MB written | vs 1 rank | live shard files | live shard MB | mapped PSS MB | add 512 | read 64 "
+        "| ranks | sharing | MB written | vs 1 rank | files written / linked | PSS MB | add 512 | read 64 "
         "| save (rank 0) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    one = sum(r["wchar_mb"] for r in by_world[min(by_world)])
-    for world, ranks in sorted(by_world.items()):
-        written = sum(r["wchar_mb"] for r in ranks)
-        lines.append(
-            f"| {world} | {written:,.0f} | {written / one:.2f}x | {sum(r['scratch_files'] for r in ranks)} | "
-            f"{sum(r['scratch_mb'] for r in ranks):,.0f} | {sum(r['mapped_pss_mb'] for r in ranks):.1f} | "
-            f"{fmt_ms(max(r['add_ms'] for r in ranks))} | {fmt_ms(max(r['sample_ms'] for r in ranks))} | "
-            f"{fmt_ms(ranks[0]['save_ms'])} |"
-        )
+    for world, modes in sorted(by_world.items()):
+        for sharing, ranks in modes.items():
+            one = sum(r["wchar_mb"] for r in by_world[min(by_world)][sharing])
+            written = sum(r["wchar_mb"] for r in ranks)
+            files = f"{sum(r['shard_files_written'] for r in ranks)} / {sum(r['shard_files_linked'] for r in ranks)}"
+            lines.append(
+                f"| {world} | {sharing} | {written:,.0f} | {written / one:.2f}x | {files} | "
+                f"{sum(r['mapped_pss_mb'] for r in ranks):.1f} | "
+                f"{fmt_ms(max(r['add_ms'] for r in ranks))} | {fmt_ms(max(r['sample_ms'] for r in ranks))} | "
+                f"{fmt_ms(ranks[0]['save_ms'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -897,10 +910,12 @@ def main_ranks(args, size: int, worlds: list[int]) -> None:
     root = tempfile.mkdtemp(prefix="pool-scale-ranks-", dir=args.tmp)
     try:
         for world in worlds:
-            folder = os.path.join(root, f"ranks-{world}")
-            os.makedirs(folder)
-            by_world[world] = run_ranks(world, size, folder, args)
-            shutil.rmtree(folder)
+            by_world[world] = {}
+            for sharing in ("none", "machine"):
+                folder = os.path.join(root, f"ranks-{world}-{sharing}")
+                os.makedirs(folder)
+                by_world[world][sharing] = run_ranks(world, size, folder, args, sharing)
+                shutil.rmtree(folder)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report = {

@@ -45,6 +45,17 @@ def test_ddp_two_processes_rank_identical_pools(tmp_path):
     check_rank_identical_replay(launch("recipes/accelerate/ddp_cpu.yaml", tmp_path))
 
 
+def test_the_ranks_of_a_machine_share_one_copy_of_the_pools_files(tmp_path):
+    """Shards of 2 rows, so that files are made while training: rank 0 (the machine's writer) writes them, rank 1
+    links rank 0's files (the same bytes: the same pool) and writes almost none; replay is unchanged."""
+    ranks = launch("recipes/accelerate/ddp_cpu.yaml", tmp_path, "small-shards")
+    check_rank_identical_replay(ranks)
+    writer, follower = ranks[0]["shard_files"], ranks[1]["shard_files"]
+    assert writer["shard_files_linked"] == 0 and writer["shard_files_written"] > 10
+    assert follower["shard_files_linked"] >= 0.8 * writer["shard_files_written"]
+    assert follower["shard_files_written"] + follower["shard_files_linked"] == writer["shard_files_written"]
+
+
 @pytest.mark.slow
 def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
     """With TRL options whose replayed term gathers over ranks (entropy selection) and a non-default loss type."""

@@ -1,13 +1,14 @@
 """Launched by tests/test_multiprocess.py with `accelerate launch`: train with replay active, dump what each rank saw.
 
 Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR [multi-turn] [resume=CKPT]
-       [trl-options] [scratch=DIR]
+       [trl-options] [scratch=DIR] [small-shards]
 Each rank writes OUT_DIR/rank{r}.json with its pool hash, the replay plans it made, losses and generated rows (and,
 multi-turn, the episodes it played per step). With `resume=CKPT` the run resumes from that checkpoint (pool, model,
 optimizer, RNG) of an earlier run with the same settings. `trl-options` trains with TRL options whose replayed term
 makes collective calls of its own (TRL's entropy selection gathers every rank's entropies) or is not the default
 clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`. `scratch=DIR`: the
-live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared.
+live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared. `small-shards`: the
+trainer gets a pool whose shards hold 2 rows, so that files are written during training (and shared between ranks).
 
 single-turn: 12 rows per step over 2 ranks, G=4, so group 1 spans both ranks.
 multi-turn: 4 rows per step, one group of G=4 over both ranks, k=2: once replay starts, rank 1's rows are both
@@ -107,6 +108,10 @@ if multi_turn:
     task_setup = dict(text_env_factory=KeyDoorEnv, train_dataset=key_door_dataset(num_tasks=1, repeats=40))
 else:
     task_setup = dict(reward_funcs=said_target, train_dataset=say_word_dataset(num_tasks=3, repeats=20))
+if "small-shards" in options:
+    from trl_exreplay.pool import ExperiencePool
+
+    task_setup["experience_pool"] = ExperiencePool(shard_rows=2, work_dir=config.replay_scratch_dir)
 trainer = CountingTrainer(
     model=build_tiny_model(tokenizer, seed=0), args=config, processing_class=tokenizer, **task_setup
 )
@@ -123,6 +128,7 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             "pool_hash": trainer.pool.content_hash(),
             "pool_trajectories": trainer.pool.num_trajectories,
             "pool_scratch": trainer.pool._scratch.path,  # where this rank's live pool wrote its shards
+            "shard_files": {k: v for k, v in trainer.pool.storage_stats().items() if k.startswith("shard_files")},
             "plans": plans,
             "plan_steps": plan_steps,
             "losses": losses,
