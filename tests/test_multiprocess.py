@@ -117,16 +117,18 @@ def test_two_machines_on_loopback_train_checkpoint_and_resume_rank_identically(t
 
     def run(name: str, *options: str) -> list[dict]:
         out = tmp_path / name
-        accelerate_launch_machines(config, SCRIPT, [[out, f"scratch={scratch[r]}", *options] for r in range(2)])
+        machines = [[out, f"scratch={scratch[r]}", "small-shards", *options] for r in range(2)]
+        accelerate_launch_machines(config, SCRIPT, machines)
         return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
     whole = run("whole")
     check_rank_identical_replay(whole)
-    # Each machine's pool wrote its shards (if any: rank 1 saves no checkpoint and its small pool needed no file) to
-    # its own disk, and removed them at the end (the folder too, which the pool had made).
-    assert whole[0]["pool_scratch"] is not None
+    # Each machine wrote one copy of the pool's files (each rank is its machine's writer: nothing linked across
+    # machines), to its own disk, and removed it at the end (the folder too, which the pool had made).
+    files = [rank["shard_files"] for rank in whole]
+    assert files[0] == files[1] and files[0]["shard_files_written"] > 10 and files[0]["shard_files_linked"] == 0
     for rank in range(2):
-        assert whole[rank]["pool_scratch"] is None or Path(whole[rank]["pool_scratch"]).parent == scratch[rank]
+        assert Path(whole[rank]["pool_scratch"]).parent == scratch[rank]
         assert not scratch[rank].exists()
     checkpoint = tmp_path / "whole" / "run" / "checkpoint-3"
     assert (checkpoint / "exreplay_pool" / "state.json").exists()
