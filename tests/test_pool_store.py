@@ -527,3 +527,19 @@ def test_ranks_write_the_same_files_whatever_their_writer_threads_timing(tmp_pat
     assert follower.content_hash() == writer.content_hash()
     for pool in pools:
         pool.close()
+
+
+def test_a_loaded_pool_numbers_its_new_files_after_the_loaded_ones(tmp_path):
+    """A file's name is its place in the order of files and its checksum: a loaded pool goes on after the loaded files'
+    places, so a new file never takes a loaded one's name (which the scratch folder holds as a link)."""
+    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    fill_alike([pool], "abcdefgh")
+    pool.save(str(tmp_path / "saved"))
+    pool.close()
+    loaded = ExperiencePool.load(str(tmp_path / "saved"), work_dir=str(tmp_path))
+    numbers = {int(name.split("-")[1]) for name in shard_files(loaded) if name.startswith("traj-")}
+    fill_alike([loaded], "ijklmnop", version=1)
+    loaded.flush(wait=True)
+    new = {int(name.split("-")[1]) for name in shard_files(loaded) if name.startswith("traj-")} - numbers
+    assert numbers and new and min(new) > max(numbers)
+    loaded.close()

@@ -1315,6 +1315,9 @@ class ShardLog:
             self._loc[keys] = (shard.sid << _ROW_BITS) | rows.astype(np.int64)
             shard.live = len(rows)
             shard.dead = set(range(shard.rows)) - set(rows.tolist())
+            number = shard.name.split("-")[1] if shard.name.count("-") >= 2 else ""
+            if number.isdigit():  # new files are numbered after the loaded ones: their names never meet
+                self._files_written = max(self._files_written, int(number) + 1)
             self._note_size(shard)
             if shard.live < shard.rows:
                 self._dirty.add(shard.sid)
