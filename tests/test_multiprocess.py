@@ -138,3 +138,18 @@ def test_two_machines_on_loopback_train_checkpoint_and_resume_rank_identically(t
         assert resumed[rank]["plan_steps"] == [3, 4, 5] and resumed[rank]["plans"] == after
         assert resumed[rank]["losses"] == whole[rank]["losses"]
         assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
+
+
+@pytest.mark.slow
+def test_two_machines_on_one_shared_scratch_filesystem_write_one_copy_in_all(tmp_path):
+    """`replay_scratch_sharing="all"` with one scratch folder that both machines see (a network filesystem): rank 0
+    writes the pool's files for both machines and machine 1 links them; replay is unchanged."""
+    out, scratch = tmp_path / "run", tmp_path / "shared-scratch"
+    machines = [[out, f"scratch={scratch}", "small-shards", "sharing=all"] for _ in range(2)]
+    accelerate_launch_machines("recipes/accelerate/multinode_ddp_cpu.yaml", SCRIPT, machines)
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    check_rank_identical_replay(ranks)
+    writer, follower = ranks[0]["shard_files"], ranks[1]["shard_files"]
+    assert writer["shard_files_linked"] == 0 and writer["shard_files_written"] > 10
+    assert follower["shard_files_linked"] >= 0.8 * writer["shard_files_written"]
+    assert follower["shard_files_written"] + follower["shard_files_linked"] == writer["shard_files_written"]

@@ -1,7 +1,7 @@
 """Launched by tests/test_multiprocess.py with `accelerate launch`: train with replay active, dump what each rank saw.
 
 Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR [multi-turn] [resume=CKPT]
-       [trl-options] [scratch=DIR] [small-shards]
+       [trl-options] [scratch=DIR] [small-shards] [sharing=MODE]
 Each rank writes OUT_DIR/rank{r}.json with its pool hash, the replay plans it made, losses and generated rows (and,
 multi-turn, the episodes it played per step). With `resume=CKPT` the run resumes from that checkpoint (pool, model,
 optimizer, RNG) of an earlier run with the same settings. `trl-options` trains with TRL options whose replayed term
@@ -9,6 +9,7 @@ makes collective calls of its own (TRL's entropy selection gathers every rank's 
 clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`. `scratch=DIR`: the
 live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared. `small-shards`: the
 trainer gets a pool whose shards hold 2 rows, so that files are written during training (and shared between ranks).
+`sharing=MODE`: `replay_scratch_sharing` (machine, all, none).
 
 single-turn: 12 rows per step over 2 ranks, G=4, so group 1 spans both ranks.
 multi-turn: 4 rows per step, one group of G=4 over both ranks, k=2: once replay starts, rank 1's rows are both
@@ -101,6 +102,7 @@ config = ExReplayGRPOConfig(
     replay_start_ratio=0.3,
     ds3_gather_for_generation=os.environ.get("EXREPLAY_TEST_DS3_GATHER", "1") == "1",
     replay_scratch_dir=next((option.split("=", 1)[1] for option in options if option.startswith("scratch=")), None),
+    replay_scratch_sharing=next((o.split("=", 1)[1] for o in options if o.startswith("sharing=")), "machine"),
     **(multi_turn_settings if multi_turn else single_turn_settings),
     **(TRL_OPTIONS if "trl-options" in options else {}),
 )
