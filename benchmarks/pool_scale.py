@@ -661,7 +661,7 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
         pool.flush(wait=True)
     dist.barrier()
     io_end = io_bytes()
-    scratch = pool._scratch.path  # this rank's live shards
+    scratch = pool.scratch_folder()  # this rank's live shards
     files, disk = files_under(scratch)
     out = {
         "rank": rank,
@@ -685,9 +685,9 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
 
 def run_ranks(world: int, size: int, folder: str, args, sharing: str) -> list[dict]:
     """`world` rank processes of `rank_worker` meeting over gloo on a loopback port; their results, by rank."""
-    from trl_exreplay.launch import free_port
+    from accelerate.utils.other import get_free_port
 
-    port = free_port()
+    port = get_free_port()
     processes = []
     for rank in range(world):
         command = [sys.executable, os.path.abspath(__file__), "--worker", "rank", "--size", str(size), "--dir", folder,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, Trajectory
@@ -175,3 +176,16 @@ class ScriptedGenerate:
         self.calls.append(([list(c) for c in contexts], max_new_tokens))
         action = self.turns[len(self.calls) - 1]
         return [ids(self.tokenizer, action(c) if callable(action) else action) for c in contexts]
+
+
+def gone(pid: int, timeout: float = 5.0) -> bool:
+    """Whether process `pid` has exited and been reaped (waits up to `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)

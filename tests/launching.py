@@ -128,9 +128,9 @@ def accelerate_launch_machines(
     of `machines` (its script arguments), one rank each, all at once, meeting on a loopback port. Fails the test when
     any launch does not exit within `timeout` seconds (then every launch is stopped, with its ranks' stacks) or exits
     non-zero, with the tail of its output."""
-    from trl_exreplay.launch import free_port
+    from accelerate.utils.other import get_free_port
 
-    port, logs, processes = free_port(), [], []
+    port, logs, processes = get_free_port(), [], []
     for rank, script_args in enumerate(machines):
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
                    "--num_machines", str(len(machines)), "--num_processes", str(len(machines)),

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import asdict
 
 import pytest
-from helpers import ScriptedGenerate
+from helpers import ScriptedGenerate, gone
 from process_envs import ProbeEnv, UnloadableFactory, broken_factory
 
 from trl_exreplay.envs import EnvProcessPool, KeyDoorEnv, RemoteEnv, RemoteEnvError
@@ -25,19 +25,6 @@ from trl_exreplay.rollout import MultiTurnRollout, run_concurrently
 from trl_exreplay.tiny import build_tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="checks worker processes by pid with POSIX signals")
-
-
-def gone(pid: int, timeout: float = 5.0) -> bool:
-    """Whether process `pid` has exited and been reaped (waits up to `timeout` seconds)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
 
 
 # --------------------------------------------------------------------------------------------- same answers

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from helpers import ScriptedGenerate
+from helpers import ScriptedGenerate, gone
 from process_envs import ProbeEnv, UnloadableFactory, broken_factory
 
 from trl_exreplay.envs import KeyDoorEnv, RemoteEnv, RemoteEnvError
@@ -34,17 +34,6 @@ def local_ray():
              "OMP_NUM_THREADS": "1"}})  # fmt: skip
     yield
     ray.shutdown()
-
-
-def gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_remote_key_door_env_answers_exactly_like_a_local_one():
@@ -100,7 +89,7 @@ def test_a_hung_step_times_out_and_its_actor_is_replaced():
         with pytest.raises(TimeoutError, match="step\\(\\) took longer than 1.0s in Ray actor"):
             hung.step("hang")
         assert time.monotonic() - started < 10 and pool.restarts == 1
-        assert gone(old_pid)
+        assert gone(old_pid, timeout=10)
         with pytest.raises(RemoteEnvError, match="environment lost: its worker process was restarted"):
             neighbour.step("look")
         fresh = pool()
@@ -156,7 +145,7 @@ def test_close_kills_every_actor_and_is_idempotent():
         env.reset({"name": "x"})
     pids = pool.stats()["pids"]
     pool.close()
-    assert all(gone(pid) for pid in pids)
+    assert all(gone(pid, timeout=10) for pid in pids)
     pool.close()
     with pytest.raises(RemoteEnvError, match="environment lost"):
         envs[0].step("look")

@@ -216,7 +216,10 @@ def test_trainer_loss_with_kl_and_entropy_ignores_environment_tokens(tmp_path):
         assert trainer._compute_loss(trainer.model, shifted).item() != loss.item()  # the KL term is live
 
 
-def test_environments_in_worker_processes_train_like_in_process_ones(tmp_path):
+@pytest.mark.parametrize("backend", ["processes", "ray"])
+def test_environments_in_worker_processes_or_ray_actors_train_like_in_process_ones(tmp_path, backend):
+    """`EnvProcessPool` and `RayEnvPool` (a local Ray instance) as `text_env_factory`: the same episodes, rewards,
+    losses (not all zero: the policy learns) and weights as environments in the trainer's own process."""
     from trl_exreplay.envs import EnvProcessPool
 
     def history(trainer):
@@ -225,14 +228,31 @@ def test_environments_in_worker_processes_train_like_in_process_ones(tmp_path):
 
     local = make_multi_turn_trainer(tmp_path / "local", max_steps=3, replay_start_ratio=0.3)
     local.train()
-    with EnvProcessPool(KeyDoorEnv, workers=2, call_timeout=30) as pool:
-        remote = make_multi_turn_trainer(
-            tmp_path / "remote", text_env_factory=pool, max_steps=3, replay_start_ratio=0.3
-        )
-        remote.train()
-        stats = pool.stats()
+    if backend == "ray":
+        ray = pytest.importorskip("ray")
+        from trl_exreplay.envs import RayEnvPool
+
+        ray.init(num_cpus=2, include_dashboard=False)
+        pool = RayEnvPool(KeyDoorEnv, workers=2, call_timeout=30, cpus_per_worker=0.5)
+    else:
+        pool = EnvProcessPool(KeyDoorEnv, workers=2, call_timeout=30)
+    try:
+        with pool:
+            remote = make_multi_turn_trainer(
+                tmp_path / "remote", text_env_factory=pool, max_steps=3, replay_start_ratio=0.3
+            )
+            remote.train()
+            stats = pool.stats()
+    finally:
+        if backend == "ray":
+            ray.shutdown()
     assert stats["workers"] == 2 and stats["calls"] > 0 and stats["restarts"] == 0
     assert history(remote) == history(local) and len(history(local)) == 3
+    assert any(entry["loss"] != 0 for entry in history(local))
+    weights = [dict(trainer.model.named_parameters()) for trainer in (local, remote)]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    initial = dict(build_tiny_model(build_tiny_tokenizer(KEY_DOOR_VOCABULARY), seed=0).named_parameters())
+    assert any(not torch.equal(initial[name], weights[0][name].cpu()) for name in initial)  # it did train
 
 
 def test_the_old_env_factory_name_still_works_with_a_warning(tmp_path):

@@ -28,16 +28,8 @@ trainer = ExReplayGRPOTrainer(model="sft", args=args, reward_funcs=..., train_da
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-
-
-def free_port() -> int:
-    """A TCP port that is free on this machine now (the system picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def child_environment(master_port: int | None) -> dict[str, str]:
@@ -62,6 +54,7 @@ def run_as_own_launch(module: str, *args: str) -> None:
     every rank."""
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
+    from accelerate.utils.other import get_free_port
 
     state = PartialState()
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -73,7 +66,7 @@ def run_as_own_launch(module: str, *args: str) -> None:
         )
     port = None
     if state.num_processes > 1:
-        port = broadcast_object_list([free_port() if state.is_main_process else None])[0]
+        port = broadcast_object_list([get_free_port() if state.is_main_process else None])[0]
     status = subprocess.run([sys.executable, "-m", module, *args], env=child_environment(port)).returncode
     if status != 0:
         raise RuntimeError(f"`python -m {module}` (run as its own launch) failed on rank {state.process_index} "

@@ -129,7 +129,7 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             "world_size": trainer.accelerator.num_processes,
             "pool_hash": trainer.pool.content_hash(),
             "pool_trajectories": trainer.pool.num_trajectories,
-            "pool_scratch": trainer.pool._scratch.path,  # where this rank's live pool wrote its shards
+            "pool_scratch": trainer.pool.scratch_folder(),  # where this rank's live pool writes its shards
             "shard_files": {k: v for k, v in trainer.pool.storage_stats().items() if k.startswith("shard_files")},
             "plans": plans,
             "plan_steps": plan_steps,

@@ -48,7 +48,17 @@ from .process import (
     serve_request,
 )
 
-__all__ = ["RayEnvPool"]
+__all__ = ["RayEnvPool", "ray_cpus"]
+
+
+def ray_cpus(address: str | None = None) -> float:
+    """The CPUs of the Ray cluster this process uses, joining it first if Ray is not initialized yet: the cluster at
+    `address`, else at `RAY_ADDRESS`, else a new local instance."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    return float(ray.cluster_resources().get("CPU", 1))
 
 
 class EnvActor:
@@ -162,10 +172,9 @@ class RayEnvPool(_WorkerPool):
         self._factory_bytes = self._checked(text_env_factory, workers, call_timeout, start_timeout, "Ray actors")
         if not cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be > 0, got {cpus_per_worker!r}")
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True)
+        cluster_cpus = ray_cpus(address)
         if workers is None:
-            workers = max(1, int(ray.cluster_resources().get("CPU", 1) // cpus_per_worker))
+            workers = max(1, int(cluster_cpus // cpus_per_worker))
         self.text_env_factory = text_env_factory
         self.workers = workers
         self.call_timeout = call_timeout

@@ -169,7 +169,12 @@ def write_json_atomic(path: str, data: dict) -> None:
 
 def write_arrow(path: str, table: pa.Table | pa.RecordBatch) -> None:
     """An Arrow IPC stream file, as `datasets` writes them (`Dataset.from_file` memory-maps it)."""
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+    with pa.OSFile(path, "wb") as sink:
+        _write_stream(sink, table)
+
+
+def _write_stream(sink, table: pa.Table | pa.RecordBatch) -> None:
+    with pa.ipc.new_stream(sink, table.schema) as writer:
         if isinstance(table, pa.RecordBatch):
             writer.write_batch(table)
         else:
@@ -179,8 +184,7 @@ def write_arrow(path: str, table: pa.Table | pa.RecordBatch) -> None:
 def arrow_bytes(table: pa.Table) -> pa.Buffer:
     """The bytes `write_arrow` writes for `table`, in memory: the same table gives the same bytes on every rank."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
+    _write_stream(sink, table)
     return sink.getvalue()
 
 
@@ -1245,16 +1249,17 @@ class ShardLog:
         """Writer thread: copy the rows at the locations `old` of each part (rows of `victims`) into a new shard, then
         move their keys there; a row whose key was deleted meanwhile forwards its waiting tombstone to its new place."""
         tables = {sid: shard.table() for sid, shard in victims.items()}
+        with self._lock:  # the keys that may live in the victims: one pass over the index, not one per part
+            candidates = np.nonzero(np.isin(self._loc[: self._size] >> _ROW_BITS, list(victims)))[0]
         for sid, old in parts:
             sources = old >> _ROW_BITS
             pieces = [tables[int(s)].take(pa.array(old[sources == s] & _ROW_MASK)) for s in np.unique(sources)]
             table = pa.concat_tables(pieces).combine_chunks()
             shard = self._write_shard(sid, len(old), table)
             new = (sid << _ROW_BITS) | np.arange(len(old), dtype=np.int64)
-            with self._lock:
-                used = self._loc[: self._size]
-                keys = np.nonzero(np.isin(used, old))[0]
-                at = np.searchsorted(old, used[keys])  # `old` is sorted
+            with self._lock:  # a key leaves the victims only by a delete (no other thread moves keys): check again
+                keys = candidates[np.isin(self._loc[candidates], old)]
+                at = np.searchsorted(old, self._loc[keys])  # `old` is sorted
                 self._loc[keys] = new[at]
                 for gone in np.setdiff1d(np.arange(len(old)), at).tolist():
                     self._forward[int(old[gone])] = int(new[gone])

@@ -57,14 +57,10 @@ def env_workers(script_args: AlfWorldArguments, env_kwargs: dict, ranks: int):
 
     factory = functools.partial(AlfWorldEnv, **env_kwargs)
     if script_args.env_backend == "ray":
-        import ray
+        from ..ray_pool import RayEnvPool, ray_cpus
 
-        from ..ray_pool import RayEnvPool
-
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, configure_logging=False)  # RAY_ADDRESS: the cluster; else a local one
-        cpus = script_args.env_ray_cpus_per_worker
-        workers = script_args.env_processes or max(1, int(ray.cluster_resources().get("CPU", 1) / cpus) // ranks)
+        cpus = script_args.env_ray_cpus_per_worker  # RAY_ADDRESS: the cluster; else a local instance
+        workers = script_args.env_processes or max(1, int(ray_cpus() / cpus) // ranks)
         return RayEnvPool(factory, workers=workers, cpus_per_worker=cpus)
     from ..process import EnvProcessPool
 
