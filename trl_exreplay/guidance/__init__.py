@@ -1,0 +1,26 @@
+"""Experience-guided rollouts (AgentEvolver's "Self-Navigating", seed 003): summaries of past successes, retrieved for a
+task and inserted into the first user message of some fresh rollouts; the training sample keeps that context or has
+it stripped (then it is trained off-policy, through the replayed tokens' `exp_mask` path).
+
+One module, one job: `allocation` (which rows are guided, which tasks keep the guidance: pure functions), `template`
+(insert and strip, token-exact), `provider` (the provider interface and the record type), `store` (the offline store:
+BM25 retrieval, Arrow persistence), `offline` and `reme` (the two providers), `summarizer` (the background thread).
+"""
+
+from .offline import OfflineExperienceProvider
+from .provider import ExperienceProvider, ExperienceRecord, SummaryInput
+from .reme import ReMeError, ReMeExperienceProvider
+from .store import ExperienceFormatError, ExperienceStore, load_experience, save_experience
+
+__all__ = [
+    "ExperienceFormatError",
+    "ExperienceProvider",
+    "ExperienceRecord",
+    "ExperienceStore",
+    "OfflineExperienceProvider",
+    "ReMeError",
+    "ReMeExperienceProvider",
+    "SummaryInput",
+    "load_experience",
+    "save_experience",
+]

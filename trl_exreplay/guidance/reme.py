@@ -1,0 +1,249 @@
+"""The ReMe experience provider: an HTTP client of a ReMe task-memory service (https://github.com/agentscope-ai/ReMe),
+the service AgentEvolver's Self-Navigating talks to. The service keeps the memories (per `workspace_id`), so
+`add` does nothing and `records` is empty; `shared = True`: only the main process summarises into it.
+
+It speaks two JSON endpoints, both `POST` (ReMe's flow service; ReMe 0.1.x to 0.3.x; the 0.4 rewrite has neither):
+
+* `/summary_task_memory`: `{"workspace_id", "trajectories": [{"task_id", "messages", "score", "metadata"}]}`;
+  the reply's `metadata.memory_list` lists the memories it made (`content`, `when_to_use`, ...).
+* `/retrieve_task_memory`: `{"workspace_id", "query", "top_k"}`; the reply's `metadata.memory_list` lists the
+  memories found, best first; their `content` is what `retrieve` returns.
+
+The reply is untrusted: anything but a 200 carrying the expected JSON raises `ReMeError`.
+
+Example (construction only: nothing is sent until `retrieve` or `summarize`):
+
+```python
+from trl_exreplay.guidance import ExperienceProvider
+from trl_exreplay.guidance.reme import ReMeExperienceProvider
+
+provider = ReMeExperienceProvider("http://127.0.0.1:8001", workspace_id="alfworld", timeout=10.0)
+assert isinstance(provider, ExperienceProvider) and provider.shared
+assert provider.records() == []
+# provider.summarize([...]) posts to http://127.0.0.1:8001/summary_task_memory,
+# provider.retrieve("put a mug in the sink", k=3) to http://127.0.0.1:8001/retrieve_task_memory.
+```
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from .provider import ExperienceRecord, SummaryInput
+
+__all__ = ["RETRIEVE_ENDPOINT", "SUMMARY_ENDPOINT", "ReMeError", "ReMeExperienceProvider", "trajectory_payload"]
+
+SUMMARY_ENDPOINT = "/summary_task_memory"
+RETRIEVE_ENDPOINT = "/retrieve_task_memory"
+MAX_REPLY_BYTES = 32 * 1024 * 1024  # a reply larger than this is refused, not read
+
+
+class ReMeError(RuntimeError):
+    """The ReMe service could not be reached, or its reply was not what the endpoint promises."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an unexpected reply (urllib would replay a POST as a GET without its body)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+def trajectory_payload(trajectory: SummaryInput) -> dict:
+    """A `SummaryInput` as ReMe's trajectory: the task as the first user message, then the model's actions as
+    assistant messages, each followed by the environment's observation (a user message) when there is one;
+    `score` is the reward; `metadata.query` is the task text (ReMe's extraction prompts read it)."""
+    messages = [{"role": "user", "content": trajectory.query}]
+    for i, action in enumerate(trajectory.actions):
+        messages.append({"role": "assistant", "content": action})
+        if i < len(trajectory.observations):
+            messages.append({"role": "user", "content": trajectory.observations[i]})
+    for observation in trajectory.observations[len(trajectory.actions) :]:
+        messages.append({"role": "user", "content": observation})
+    return {
+        "task_id": trajectory.task_id,
+        "messages": messages,
+        "score": float(trajectory.reward),
+        "metadata": {"query": trajectory.query},
+    }
+
+
+def _validate_base_url(base_url: Any) -> str:
+    if not isinstance(base_url, str):
+        raise ValueError(f"experience_base_url must be a string like 'http://127.0.0.1:8001', got {base_url!r}")
+    parts = urllib.parse.urlsplit(base_url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"experience_base_url must be an http:// or https:// URL with a host, like 'http://127.0.0.1:8001'; "
+            f"got {base_url!r}"
+        )
+    if parts.query or parts.fragment:
+        raise ValueError(f"experience_base_url must not have a query or a fragment; got {base_url!r}")
+    try:
+        _ = parts.port  # raises on a port that is not a number in range
+    except ValueError as error:
+        raise ValueError(f"experience_base_url has an invalid port: {base_url!r}") from error
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+
+
+class ReMeExperienceProvider:
+    """An `ExperienceProvider` backed by a ReMe task-memory service at `base_url`, in workspace `workspace_id`.
+
+    Speaks `POST /summary_task_memory` and `POST /retrieve_task_memory` (JSON, the shapes in the module docstring).
+    Tested against a loopback server that speaks them (`tests/test_guidance_reme.py`); the wire format was also
+    checked by hand against a real ReMe 0.2.0.6 server whose LLM and embedding API were loopback stand-ins.
+
+    * `retrieve(task, k)`: the `content` of at most `k` memories for the task text, best first (empty contents
+      dropped). `k <= 0` sends nothing.
+    * `summarize(trajectories)`: one request per task (the trajectories grouped by `task_id`, in first-seen order, so
+      ReMe can compare attempts at one task); one `ExperienceRecord` per memory the service reports made: its
+      `task_id` is the group's, its `query` the memory's `when_to_use` (what ReMe retrieves by; the task text when
+      that is empty), its `source` the trajectory's when the group had one trajectory (else ""), its `step` the
+      group's latest. ReMe stores the memories itself. A reply without `metadata.memory_list` is accepted as "none
+      made" only when `metadata.update_result.inserted_count` is 0 (what ReMe 0.2 replies then).
+    * `add` does nothing; `records` returns [].
+
+    Every failure raises `ReMeError` (a `RuntimeError`): no connection, no answer within `timeout` seconds (per
+    connect and per read), a status other than 200 (redirects are not followed), a body that is not JSON, or a
+    missing or wrong-typed field; the message names the endpoint and the field. ReMe replies 200 with
+    `success: false` when a flow fails: that raises too. (ReMe 0.2 also swallows some failures inside a summary flow
+    and replies as if nothing was made; a client cannot tell those apart.)
+    """
+
+    shared = True
+
+    def __init__(self, base_url: str, workspace_id: str = "default", timeout: float = 30.0):
+        self.base_url = _validate_base_url(base_url)
+        if not isinstance(workspace_id, str) or not workspace_id.strip():
+            raise ValueError(f"experience_workspace_id must be a non-empty string, got {workspace_id!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.workspace_id = workspace_id
+        self.timeout = float(timeout)
+        self._opener = urllib.request.build_opener(_NoRedirect())
+
+    def __repr__(self) -> str:
+        return f"ReMeExperienceProvider({self.base_url!r}, workspace_id={self.workspace_id!r})"
+
+    # ----- the protocol -------------------------------------------------------------------------------------------
+
+    def retrieve(self, task: str, k: int) -> list[str]:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"k must be an int, got {k!r}")
+        if k <= 0:
+            return []
+        reply = self._post(RETRIEVE_ENDPOINT, {"workspace_id": self.workspace_id, "query": task, "top_k": k})
+        memories = self._memory_list(RETRIEVE_ENDPOINT, reply, required=True)
+        contents = [memory["content"] for memory in memories if memory["content"].strip()]
+        return contents[:k]
+
+    def summarize(self, trajectories: list[SummaryInput]) -> list[ExperienceRecord]:
+        groups: dict[str, list[SummaryInput]] = {}
+        for trajectory in trajectories:
+            groups.setdefault(trajectory.task_id, []).append(trajectory)
+        records = []
+        for task_id, group in groups.items():
+            payload = {"workspace_id": self.workspace_id, "trajectories": [trajectory_payload(t) for t in group]}
+            reply = self._post(SUMMARY_ENDPOINT, payload)
+            source = group[0].source if len(group) == 1 else ""
+            step = max(t.step for t in group)
+            for memory in self._memory_list(SUMMARY_ENDPOINT, reply, required=False):
+                if not memory["content"].strip():
+                    continue
+                query = memory.get("when_to_use") or group[0].query
+                records.append(ExperienceRecord(task_id, query, memory["content"], source, step))
+        return records
+
+    def add(self, records: list[ExperienceRecord]) -> None:
+        """Nothing to do: the service stored the memories when it made them."""
+
+    def records(self) -> list[ExperienceRecord]:
+        return []
+
+    # ----- the wire -----------------------------------------------------------------------------------------------
+
+    def _post(self, endpoint: str, payload: dict) -> dict:
+        url = self.base_url + endpoint
+        request = urllib.request.Request(
+            url,
+            data=json.dumps(payload, ensure_ascii=False).encode("utf-8"),
+            headers={"Content-Type": "application/json", "Accept": "application/json"},
+            method="POST",
+        )
+        try:
+            with self._opener.open(request, timeout=self.timeout) as response:
+                status = response.status
+                body = response.read(MAX_REPLY_BYTES + 1)
+        except urllib.error.HTTPError as error:
+            detail = error.read(500).decode("utf-8", "replace") if error.fp is not None else ""
+            raise ReMeError(f"ReMe {endpoint}: HTTP status {error.code}, expected 200: {detail!r}") from error
+        except TimeoutError as error:
+            raise ReMeError(f"ReMe {endpoint}: no answer from {url} within {self.timeout:g} s") from error
+        except urllib.error.URLError as error:
+            if isinstance(error.reason, TimeoutError):
+                raise ReMeError(f"ReMe {endpoint}: no answer from {url} within {self.timeout:g} s") from error
+            raise ReMeError(f"ReMe {endpoint}: cannot reach {url}: {error.reason}") from error
+        except (OSError, ValueError, http.client.HTTPException) as error:  # a reset connection, a bad status line
+            raise ReMeError(f"ReMe {endpoint}: request to {url} failed: {error!r}") from error
+        if status != 200:
+            raise ReMeError(f"ReMe {endpoint}: HTTP status {status}, expected 200")
+        if len(body) > MAX_REPLY_BYTES:
+            raise ReMeError(f"ReMe {endpoint}: reply larger than {MAX_REPLY_BYTES} bytes, refused")
+        try:
+            reply = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ReMeError(f"ReMe {endpoint}: reply body is not JSON ({error}): {body[:200]!r}") from error
+        if not isinstance(reply, dict):
+            raise ReMeError(f"ReMe {endpoint}: reply: expected a JSON object, got {type(reply).__name__}")
+        success = reply.get("success")
+        if not isinstance(success, bool):
+            raise ReMeError(f"ReMe {endpoint}: field 'success': expected a boolean, got {success!r}")
+        if not success:
+            answer = reply.get("answer")
+            raise ReMeError(f"ReMe {endpoint}: field 'success' is false (the flow failed): {str(answer)[:500]!r}")
+        return reply
+
+    @staticmethod
+    def _memory_list(endpoint: str, reply: dict, required: bool) -> list[dict]:
+        """`reply.metadata.memory_list`, each entry checked: an object whose `content` is a string and whose
+        `when_to_use`, when present, is a string."""
+        metadata = reply.get("metadata")
+        if not isinstance(metadata, dict):
+            raise ReMeError(f"ReMe {endpoint}: field 'metadata': expected an object, got {metadata!r}")
+        if "memory_list" not in metadata:
+            update = metadata.get("update_result")
+            nothing_made = isinstance(update, dict) and update.get("inserted_count") == 0
+            if required or not nothing_made:
+                raise ReMeError(
+                    f"ReMe {endpoint}: field 'metadata.memory_list' is missing"
+                    + ("" if required else " (and 'metadata.update_result.inserted_count' is not 0)")
+                )
+            return []
+        memories = metadata["memory_list"]
+        if not isinstance(memories, list):
+            raise ReMeError(
+                f"ReMe {endpoint}: field 'metadata.memory_list': expected a list, got {type(memories).__name__}"
+            )
+        for i, memory in enumerate(memories):
+            field = f"metadata.memory_list[{i}]"
+            if not isinstance(memory, dict):
+                raise ReMeError(f"ReMe {endpoint}: field '{field}': expected an object, got {type(memory).__name__}")
+            if "content" not in memory:
+                raise ReMeError(f"ReMe {endpoint}: field '{field}.content' is missing")
+            if not isinstance(memory["content"], str):
+                raise ReMeError(
+                    f"ReMe {endpoint}: field '{field}.content': expected a string, "
+                    f"got {type(memory['content']).__name__}"
+                )
+            if not isinstance(memory.get("when_to_use", ""), str):
+                raise ReMeError(
+                    f"ReMe {endpoint}: field '{field}.when_to_use': expected a string, "
+                    f"got {type(memory['when_to_use']).__name__}"
+                )
+        return memories
