@@ -38,6 +38,19 @@ REPLAY_FIELDS = {
     "replay_scratch_dir",
     "replay_scratch_sharing",
     "system_prompt_column",
+    "train_rollout_expmode",
+    "val_rollout_expmode",
+    "rollout_expratio",
+    "train_sample_expmode",
+    "train_sample_keepratio",
+    "experience_template",
+    "retrieve_top_k",
+    "experience_update_freq",
+    "init_experience_before_training",
+    "experience_provider",
+    "experience_base_url",
+    "experience_timeout",
+    "experience_workspace_id",
 }
 
 
@@ -83,6 +96,19 @@ DEFAULTS = {
     "replay_scratch_dir": None,
     "replay_scratch_sharing": "machine",
     "system_prompt_column": "system_prompt",
+    "train_rollout_expmode": "woexp",
+    "val_rollout_expmode": "woexp",
+    "rollout_expratio": 0.0,
+    "train_sample_expmode": "alldiscard",
+    "train_sample_keepratio": 1.0,
+    "experience_template": "\n\nSome Related Experience to help you to complete the task:<EXP>{}</EXP>\n\n",
+    "retrieve_top_k": 3,
+    "experience_update_freq": 0,
+    "init_experience_before_training": False,
+    "experience_provider": "offline",
+    "experience_base_url": None,
+    "experience_timeout": 10.0,
+    "experience_workspace_id": "default",
 }
 
 
@@ -194,6 +220,27 @@ INVALID = [
     ("max_turns", dict(max_turns=True), "integers >= 1"),
     ("max_tokens_per_turn", dict(max_tokens_per_turn=True), "None or integers >= 1"),
     ("env_workers", dict(env_workers=True), "integers >= 1"),
+    ("train_rollout_expmode", dict(train_rollout_expmode="some"), "'woexp', 'mixed', 'all'"),
+    ("val_rollout_expmode", dict(val_rollout_expmode=None), "'woexp', 'mixed', 'all'"),
+    ("train_sample_expmode", dict(train_sample_expmode="keep"), "'allkeep', 'alldiscard', 'hybrid'"),
+    ("rollout_expratio", dict(rollout_expratio=1.5), "numbers in [0, 1]"),
+    ("train_sample_keepratio", dict(train_sample_keepratio=-0.1), "numbers in [0, 1]"),
+    # G = 4 in these tests: round(4 * 0.1) = 0 guided rollouts
+    ("rollout_expratio", dict(train_rollout_expmode="mixed", rollout_expratio=0.1), "rollout_expratio > 0.125"),
+    ("experience_template", dict(experience_template="no slot"), "contain `{}` exactly once"),
+    ("experience_template", dict(experience_template="{} and {}"), "contain `{}` exactly once"),
+    ("retrieve_top_k", dict(retrieve_top_k=0), "integers >= 1"),
+    ("experience_update_freq", dict(experience_update_freq=-1), "integers >= 0 (0: no updates)"),
+    ("init_experience_before_training", dict(init_experience_before_training="yes"), "True or False"),
+    ("experience_provider", dict(experience_provider="remote"), "'offline', 'reme'"),
+    ("experience_base_url", dict(experience_base_url="ftp://x"), "None or an http:// or https:// URL"),
+    (
+        "experience_base_url",
+        dict(train_rollout_expmode="all", experience_provider="reme", experience_base_url=None),
+        "URL",
+    ),
+    ("experience_timeout", dict(experience_timeout=0), "numbers > 0"),
+    ("experience_workspace_id", dict(experience_workspace_id=""), "non-empty strings"),
 ]
 
 
@@ -251,12 +298,16 @@ def test_validate_reports_num_generations_bound(tmp_path):
 
 
 def test_the_naming_rule_every_replay_field_starts_with_replay():
-    """The rule docs/config.md states: replay fields are `replay_<what>`, but the switch and the data columns."""
+    """The rule docs/config.md states: replay fields are `replay_<what>`, but the switch and the data columns; the
+    guided rollouts' fields keep seed 003's names, the providers' begin `experience_`."""
     added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)} - set(RENAMED_FIELDS)
     episode = {"max_turns", "max_tokens_per_turn", "env_step_timeout", "env_workers"}
     columns = {name for name in added if name.endswith("_column")}
     assert columns == {"task_id_column", "system_prompt_column"}
-    assert {name for name in added - episode - columns if not name.startswith("replay_")} == {
+    guided = {"train_rollout_expmode", "val_rollout_expmode", "rollout_expratio", "train_sample_expmode",
+              "train_sample_keepratio", "experience_template", "retrieve_top_k", "init_experience_before_training"}  # fmt: skip
+    providers = {name for name in added if name.startswith("experience_")}  # and the seed's updated_freq renamed
+    assert {name for name in added - episode - columns - guided - providers if not name.startswith("replay_")} == {
         "enable_experience_replay"
     }
     assert set(RENAMED_FIELDS.values()) <= added and not set(RENAMED_FIELDS) & added

@@ -30,6 +30,13 @@ DOCSTRINGS = [
     "trl_exreplay.envs.base:TextEnv",
     "trl_exreplay.envs.process:EnvProcessPool",
     "trl_exreplay.envs.alfworld.arguments:AlfWorldArguments",
+    "trl_exreplay.guidance.provider:",
+    "trl_exreplay.guidance.allocation:",
+    "trl_exreplay.guidance.template:",
+    "trl_exreplay.guidance.summarizer:",
+    "trl_exreplay.guidance.store:",
+    "trl_exreplay.guidance.offline:",
+    "trl_exreplay.guidance.reme:",
 ]
 
 

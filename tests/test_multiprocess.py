@@ -56,11 +56,35 @@ def test_the_ranks_of_a_machine_share_one_copy_of_the_pools_files(tmp_path):
     assert follower["shard_files_written"] + follower["shard_files_linked"] == writer["shard_files_written"]
 
 
+def check_guided_allocations(ranks: list[dict]) -> None:
+    """Experience-guided rollouts over 2 ranks: the same allocation drawn on both for every generation batch (3 groups
+    of G=4 over 12 rows, group 1 spanning both ranks), with the seeds' counts; the same store on both."""
+    rank0, rank1 = ranks
+    assert rank0["allocations"] == rank1["allocations"] and len(rank0["allocations"]) == 6
+    for step, allocation in enumerate(rank0["allocations"]):
+        assert sum(allocation["keep"]) == int(3 * 0.5)  # keep_count = int(tasks * train_sample_keepratio)
+        per_group = [sum(allocation["guided"][g * 4 : g * 4 + 4]) for g in range(3)]
+        # round(4 * 0.5) = 2 per task; once replay starts (step 2) a replayed row is never guided
+        assert per_group == [2, 2, 2] if step < 2 else all(count in (1, 2) for count in per_group), per_group
+    assert rank0["experience"] == rank1["experience"] and rank0["experience"]  # added at the same step on both
+    assert rank0["guided_fraction"] == rank1["guided_fraction"] and max(rank0["guided_fraction"]) > 0
+    assert max(rank0["discarded_fraction"]) > 0  # discarded rows' behaviour forward ran in lockstep
+
+
+def test_ddp_two_processes_draw_identical_guided_allocations(tmp_path):
+    ranks = launch("recipes/accelerate/ddp_cpu.yaml", tmp_path, "guided")
+    check_rank_identical(ranks)
+    check_guided_allocations(ranks)
+    assert (tmp_path / "run" / "checkpoint-3" / "exreplay_experience" / "manifest.json").exists()
+
+
 @pytest.mark.slow
 def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
-    """With TRL options whose replayed term gathers over ranks (entropy selection) and a non-default loss type."""
-    ranks = launch("recipes/accelerate/zero3_cpu.yaml", tmp_path, "trl-options")
+    """With TRL options whose replayed term gathers over ranks (entropy selection) and a non-default loss type; and
+    experience-guided rollouts, whose discarded rows take a behaviour forward that ZeRO-3 makes collective."""
+    ranks = launch("recipes/accelerate/zero3_cpu.yaml", tmp_path, "trl-options", "guided")
     check_rank_identical(ranks)  # (what it learns, hence how many tasks replay, is cispo's)
+    check_guided_allocations(ranks)
     assert (tmp_path / "run" / "checkpoint-3" / "exreplay_pool" / "state.json").exists()
 
 

@@ -37,7 +37,9 @@ class RecordingMultiTurnTrainer(ExReplayGRPOTrainer):
         return output
 
 
-def make_multi_turn_trainer(tmp_path, text_env_factory=KeyDoorEnv, trainer_cls=RecordingMultiTurnTrainer, **overrides):
+def make_multi_turn_trainer(
+    tmp_path, text_env_factory=KeyDoorEnv, trainer_cls=RecordingMultiTurnTrainer, trainer_kwargs=None, **overrides
+):
     tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
     kwargs = {**TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path / "out"), **overrides}
     return trainer_cls(
@@ -46,6 +48,7 @@ def make_multi_turn_trainer(tmp_path, text_env_factory=KeyDoorEnv, trainer_cls=R
         train_dataset=key_door_dataset(num_tasks=2, repeats=40),
         processing_class=tokenizer,
         text_env_factory=text_env_factory,
+        **(trainer_kwargs or {}),
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
+from .guidance.allocation import ROLLOUT_MODES, SAMPLE_MODES
 from .pool.check import SELECT_MODES, STORE_MODES  # one list of each, shared with saved pools' checks
 
 SHAPING_MODES = ("clip", "exgrpo")
@@ -226,6 +227,89 @@ class ExReplayGRPOConfig(GRPOConfig):
         metadata={"help": "Multi-turn: dataset column with an optional system prompt for the episode."},
     )
 
+    # ---- experience-guided rollouts (AgentEvolver's Self-Navigating, seed 003): off unless a rollout mode guides
+    train_rollout_expmode: str = field(
+        default="woexp",
+        metadata={
+            "help": "Experience in training rollouts: 'woexp' (none: the feature is off), 'mixed' (round(num_generations "
+            "* rollout_expratio) of each task's rollouts get retrieved experience in their first user message) or "
+            "'all' (every fresh rollout). Replayed rows are never guided."
+        },
+    )
+    val_rollout_expmode: str = field(
+        default="woexp",
+        metadata={"help": "Experience in evaluation rollouts: 'woexp', 'mixed' or 'all', as train_rollout_expmode."},
+    )
+    rollout_expratio: float = field(
+        default=0.0,
+        metadata={
+            "help": "Fraction of a task's rollouts guided under 'mixed': round(num_generations * rollout_expratio) of "
+            "them. In [0, 1]; with a 'mixed' mode it must guide at least one rollout."
+        },
+    )
+    train_sample_expmode: str = field(
+        default="alldiscard",
+        metadata={
+            "help": "What a guided rollout trains on: 'allkeep' (its guided prompt, on-policy), 'alldiscard' (the "
+            "prompt without the experience, token-exact; its tokens are trained off-policy against the log-probs "
+            "recorded under guidance, as replayed tokens are) or 'hybrid' (int(tasks * train_sample_keepratio) of a "
+            "batch's tasks keep, the others discard)."
+        },
+    )
+    train_sample_keepratio: float = field(
+        default=1.0,
+        metadata={"help": "Fraction of a batch's tasks that keep their guidance under 'hybrid'. In [0, 1]."},
+    )
+    experience_template: str = field(
+        default="\n\nSome Related Experience to help you to complete the task:<EXP>{}</EXP>\n\n",
+        metadata={
+            "help": "Text put before the first user message of a guided rollout; its one `{}` receives the retrieved "
+            "experience (records joined by newlines). Must contain `{}` exactly once."
+        },
+    )
+    retrieve_top_k: int = field(
+        default=3,
+        metadata={"help": "Experience records retrieved per guided rollout at most. >= 1."},
+    )
+    experience_update_freq: int = field(
+        default=0,
+        metadata={
+            "help": "Every this many optimizer steps, the successful fresh rollouts gathered since the last update are "
+            "summarised into experience in a background thread (never blocking a step). 0: never (the store holds "
+            "what init_experience_before_training or a resumed checkpoint gave it). >= 0."
+        },
+    )
+    init_experience_before_training: bool = field(
+        default=False,
+        metadata={
+            "help": "Before the first step, summarise the successful trajectories of the experience pool the trainer "
+            "starts with (a given `experience_pool`), so that the first guided rollouts have experience to retrieve."
+        },
+    )
+    experience_provider: str = field(
+        default="offline",
+        metadata={
+            "help": "Where experience is summarised and retrieved: 'offline' (in-process: records made from successful "
+            "rollouts' actions, BM25 retrieval over task texts, saved with every checkpoint) or 'reme' (a ReMe "
+            "service at experience_base_url). A provider object passed to the trainer as `experience_provider` wins."
+        },
+    )
+    experience_base_url: str | None = field(
+        default=None,
+        metadata={"help": "The ReMe service's URL, e.g. http://127.0.0.1:8001 (experience_provider='reme')."},
+    )
+    experience_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "Seconds a ReMe request may take (per connection and per read); a retrieval past it leaves its "
+            "rollout unguided (counted in guide/retrieve_failures). > 0."
+        },
+    )
+    experience_workspace_id: str = field(
+        default="default",
+        metadata={"help": "The ReMe workspace that holds this run's experience (experience_provider='reme')."},
+    )
+
     # ---- former names: a YAML file or script that sets one still works, with a FutureWarning naming the new field
     exp_ratio: float | None = field(
         default=None, metadata={"help": "Deprecated: the former name of `replay_ratio`; set that instead."}
@@ -345,6 +429,7 @@ def apply_former_names(config) -> None:
 
 
 SCRATCH_SHARING = ("machine", "all", "none")
+EXPERIENCE_PROVIDERS = ("offline", "reme")
 
 
 def replay_options(args: Any) -> dict[str, Any]:
@@ -483,6 +568,68 @@ def validate_replay_options(
     _check(timeout is None or timeout > 0, "env_step_timeout", timeout, "None or numbers > 0")
     workers = o["env_workers"]
     _check(_is_int(workers) and workers >= 1, "env_workers", workers, "integers >= 1")
+    validate_guidance_options(o, num_generations)
+
+
+def validate_guidance_options(o: dict[str, Any], num_generations: int | None) -> None:
+    """The experience-guided rollouts' fields (seed 003); errors name the field and its allowed values."""
+    for name in ("train_rollout_expmode", "val_rollout_expmode"):
+        _check(o[name] in ROLLOUT_MODES, name, o[name], _names(ROLLOUT_MODES))
+    mode = o["train_sample_expmode"]
+    _check(mode in SAMPLE_MODES, "train_sample_expmode", mode, _names(SAMPLE_MODES))
+    for name in ("rollout_expratio", "train_sample_keepratio"):
+        value = o[name]
+        _check(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
+            name,
+            value,
+            "numbers in [0, 1]",
+        )
+    mixed = [name for name in ("train_rollout_expmode", "val_rollout_expmode") if o[name] == "mixed"]
+    if mixed and num_generations and round(num_generations * o["rollout_expratio"]) == 0:
+        raise ValueError(
+            f"Invalid value {o['rollout_expratio']!r} for `rollout_expratio`: with {mixed[0]}='mixed', "
+            f"round(num_generations * rollout_expratio) = round({num_generations} * {o['rollout_expratio']}) = 0 "
+            "rollouts would be guided; allowed values guide at least one (rollout_expratio > "
+            f"{0.5 / num_generations:g}, since round() halves to even), or set {mixed[0]}='woexp'."
+        )
+    template = o["experience_template"]
+    _check(
+        isinstance(template, str) and template.count("{}") == 1,
+        "experience_template",
+        template,
+        "strings that contain `{}` exactly once (where the retrieved experience goes)",
+    )
+    k = o["retrieve_top_k"]
+    _check(_is_int(k) and k >= 1, "retrieve_top_k", k, "integers >= 1")
+    freq = o["experience_update_freq"]
+    _check(_is_int(freq) and freq >= 0, "experience_update_freq", freq, "integers >= 0 (0: no updates)")
+    init = o["init_experience_before_training"]
+    _check(isinstance(init, bool), "init_experience_before_training", init, "True or False (a bool, not a string)")
+    provider = o["experience_provider"]
+    _check(provider in EXPERIENCE_PROVIDERS, "experience_provider", provider, _names(EXPERIENCE_PROVIDERS))
+    url = o["experience_base_url"]
+    _check(
+        url is None or (isinstance(url, str) and url.split("://", 1)[0] in ("http", "https") and "://" in url),
+        "experience_base_url",
+        url,
+        "None or an http:// or https:// URL",
+    )
+    guided = o["train_rollout_expmode"] != "woexp" or o["val_rollout_expmode"] != "woexp"
+    if guided and provider == "reme" and url is None:
+        raise ValueError(
+            "Invalid value None for `experience_base_url`: experience_provider='reme' needs the ReMe service's URL "
+            "(allowed values: an http:// or https:// URL, e.g. http://127.0.0.1:8001)."
+        )
+    timeout = o["experience_timeout"]
+    _check(
+        isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0,
+        "experience_timeout",
+        timeout,
+        "numbers > 0",
+    )
+    workspace = o["experience_workspace_id"]
+    _check(isinstance(workspace, str) and workspace != "", "experience_workspace_id", workspace, "non-empty strings")
 
 
 def _names(values: tuple[str, ...]) -> str:

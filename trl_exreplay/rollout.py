@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .guidance.template import insert_experience
+
 logger = logging.getLogger(__name__)
 
 
@@ -95,6 +97,8 @@ class Episode:
     invalid_actions: int = 0
     step_seconds: list[float] = field(default_factory=list)
     observation: str = ""  # the first observation (the prompt's user message)
+    # the prompt without guidance, when `prompt_ids` (what the episode is sampled on) holds retrieved experience
+    plain_prompt_ids: list[int] | None = None
     logprobs: list[float | None] = field(default_factory=list)  # sampling log-prob per completion token, if known
 
     def extend(self, ids: Sequence[int], trained: bool, logprobs: Sequence[float | None] | None = None) -> None:
@@ -225,11 +229,14 @@ class MultiTurnRollout:
         tasks: Sequence[dict],
         generate: Callable[[list[list[int]], int], list[list[int]]],
         sync: Callable[[bool], bool] | None = None,
+        guide: Callable[[int, str], str | None] | None = None,
     ) -> list[Episode]:
         """Play one episode per task. `generate(contexts, max_new_tokens)` returns each context's new tokens, or a
         pair (new tokens, their sampling log-probs) that then lands in `Episode.logprobs` (None on tokens the model did
         not generate). `sync(has_active_episodes)` returns whether any rank still has one (collective; None for one
-        process)."""
+        process). `guide(index, first_observation)` returns experience text to put before the first observation of
+        episode `index` (None: unguided); the episode is then sampled on that prompt, and `plain_prompt_ids` keeps
+        the prompt without it."""
         episodes = [Episode(task=dict(task)) for task in tasks]
         taken = [self._take_env() for _ in episodes]
         envs = [env for env, _ in taken]
@@ -240,6 +247,7 @@ class MultiTurnRollout:
             [(lambda env=env: _close_quietly(env)) for env in envs if env is not None],
         )
         resets = iter(resets)
+        episode_guides: list[str | None] = []
         for episode, (env, factory_error) in zip(episodes, taken):
             system = episode.task.get(self.system_prompt_column)
             observation, error, _ = (None, factory_error, 0.0) if env is None else next(resets)
@@ -249,6 +257,11 @@ class MultiTurnRollout:
                 observation = ""
             episode.observation = str(observation)
             episode.prompt_ids = self.turns.prompt_ids(episode.observation, system)
+            text = guide(len(episode_guides), episode.observation) if guide is not None and error is None else None
+            episode_guides.append(text)
+            if text:
+                episode.plain_prompt_ids = episode.prompt_ids
+                episode.prompt_ids = self.turns.prompt_ids(insert_experience(episode.observation, text), system)
 
         for turn in range(self.max_turns):
             active = [i for i, e in enumerate(episodes) if not e.finished]

@@ -51,24 +51,34 @@ class ReplaySelection:
         per_rank = math.ceil(total / world)
         mine = [trajectories[i] for i in range(rank, total, world)]
         mine += [trajectories[0]] * (per_rank - len(mine))
+        _, entropies, model_mask = self._policy_forward(
+            [t.prompt_ids for t in mine], [t.completion_ids for t in mine], [t.completion_mask for t in mine], True
+        )
+        means = (entropies * model_mask).sum(-1) / model_mask.sum(-1).clamp(min=1)
+        gathered = self.accelerator.gather(means.float()).view(world, per_rank).cpu()
+        return [float(gathered[i % world, i // world]) for i in range(total)]
+
+    @torch.no_grad()
+    def _policy_forward(self, prompts: list, completions: list, model_masks: list, compute_entropy: bool = False):
+        """One no-grad forward of the current policy over (prompt, completion) token lists, batched as TRL batches its
+        own: per-token log-probs and entropies (None unless `compute_entropy`) over the completions, (rows, tokens),
+        and the model-token mask padded alike. Every process must make the same number of calls (ZeRO-3, FSDP)."""
         device = self.accelerator.device
         pad_id = self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id") else 0
-        prompts = [torch.tensor(t.prompt_ids) for t in mine]
-        completions = [torch.tensor(t.completion_ids) for t in mine]
+        prompts = [torch.tensor(list(p), dtype=torch.long) for p in prompts]
+        completions = [torch.tensor(list(c), dtype=torch.long) for c in completions]
         prompt_ids = pad(prompts, padding_value=pad_id, padding_side="left").to(device)
         prompt_mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device)
         completion_ids = pad(completions, padding_value=pad_id, padding_side="right").to(device)
         completion_mask = pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right")
-        model_mask = pad([torch.tensor(t.completion_mask) for t in mine], padding_value=0, padding_side="right")
+        model_mask = pad([torch.tensor(list(m)) for m in model_masks], padding_value=0, padding_side="right")
         model_mask = (model_mask * completion_mask).to(device)
-        _, entropies, _ = self._get_per_token_logps_and_entropies(
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
             self.model,
             torch.cat([prompt_ids, completion_ids], dim=1),
             torch.cat([prompt_mask, completion_mask.to(device)], dim=1),
             completion_ids.size(1),
             batch_size=self.args.per_device_train_batch_size,
-            compute_entropy=True,
+            compute_entropy=compute_entropy,
         )
-        means = (entropies * model_mask).sum(-1) / model_mask.sum(-1).clamp(min=1)
-        gathered = self.accelerator.gather(means.float()).view(world, per_rank).cpu()
-        return [float(gathered[i % world, i // world]) for i in range(total)]
+        return logps, entropies, model_mask

@@ -41,7 +41,16 @@ class GenerationStep:
     rewards: Any = None  # rewards per function, the replayed rows' being their recorded ones
     faulted_rows: set[int] = field(default_factory=set)  # this rank's rows whose episode the environment failed
     tool_loop_lockstep: bool = False  # inside TRL's tool loop, each generation call is agreed on by every rank
+    # experience-guided rollouts (see `trl_exreplay.trainer_guidance`)
+    guidance: Any = None  # the batch's `GuidanceAllocation` (global rows); None: nothing is guided
+    offset: int = 0  # this rank's first global row
+    guided_text: dict[int, str] = field(default_factory=dict)  # local row -> the experience text put in its prompt
+    plain_prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # local guided row -> prompt without it
+    guided_prompt_ids: dict[int, list[int]] = field(
+        default_factory=dict
+    )  # local guided row -> prompt it was sampled on
     _replay_taken: bool = False
+    _stripped: bool = False
 
     def put_recorded_rewards(self, rewards_per_func: torch.Tensor, compare: bool = True) -> dict[str, int]:
         """Give the replayed rows (global rows of `rewards_per_func`, rows x reward functions) their recorded rewards,
@@ -62,6 +71,16 @@ class GenerationStep:
                     counts["reward_mismatch"] += 1
                 rewards_per_func[row] = recorded
         return counts
+
+    def strip_discarded(self, prompt_ids: list) -> None:
+        """Once, after generation: give the rows of `discard` tasks back their prompt without the experience, in place
+        in the list of prompts TRL trains on (the rows of `keep` tasks train on the prompt they were sampled with)."""
+        if self._stripped or self.guidance is None:
+            return
+        self._stripped = True
+        for i, ids in self.plain_prompt_ids.items():
+            if self.guidance.discarded(self.offset + i):
+                prompt_ids[i] = list(ids)
 
     def take_replay(self) -> dict[int, Any] | None:
         """The replayed rows for generation, once (a later generation call in the same step generates normally).

@@ -22,6 +22,7 @@ from . import compat  # noqa: F401 - refuses a TRL outside the supported range
 from .config import apply_former_names, replay_options, validate_replay_options
 from .custom_rollouts import replaying_rollout
 from .envs import env_reward
+from .guidance import ExperienceProvider
 from .hub import CITATIONS
 from .loss import TOKEN_SUM_LOSS_TYPES, aggregate_loss, off_policy_loss
 from .metrics import log_generation, log_off_policy
@@ -30,14 +31,15 @@ from .planner import ReplayPlan, plan_replay
 from .pool import ExperiencePool, task_key
 from .selection import ReplaySelection
 from .step import GenerationStep, LossForward, attach_replay_tensors
+from .trainer_guidance import EXPERIENCE_DIR, ExperienceGuidance
 from .trainer_pool import POOL_DIR, POOL_WORK_DIR, TrainerPool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["POOL_DIR", "POOL_WORK_DIR", "ExReplayGRPOTrainer"]
+__all__ = ["EXPERIENCE_DIR", "POOL_DIR", "POOL_WORK_DIR", "ExReplayGRPOTrainer"]
 
 
-class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOTrainer):
+class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, ExperienceGuidance, GRPOTrainer):
     r"""
     `GRPOTrainer` with experience replay (ExGRPO / AgentEvolver). Same arguments as [`trl.GRPOTrainer`], plus
     `experience_pool` to start from an existing pool. Replay is configured by [`ExReplayGRPOConfig`]; a plain
@@ -103,6 +105,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         *args,
         experience_pool: ExperiencePool | None = None,
         text_env_factory: Callable[[], object] | None = None,
+        experience_provider: ExperienceProvider | None = None,
         **kwargs,
     ):
         if "env_factory" in kwargs:  # the name before 0.1 (TRL's `environment_factory` is a different contract)
@@ -128,6 +131,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         self.replay = replay_options(self.args)
         validate_replay_options(self.replay, self.num_generations, self.args.generation_batch_size)
         self._replay_enabled = bool(self.replay["enable_experience_replay"])
+        user_rollout_func = self.rollout_func is not None
         if self._replay_enabled:
             self._check_supported()
         self.text_env_factory = text_env_factory
@@ -135,11 +139,12 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         if text_env_factory is not None:
             self._setup_multi_turn(text_env_factory)
         self._setup_pool(experience_pool)
-        if self._replay_enabled or text_env_factory is not None:
-            self.add_callback(_AtTrainEnd(self))
         self._loss_forward: LossForward | None = None  # TRL's loss forward in progress (see `_compute_loss`)
         self._replay_counts: Counter = Counter()  # faults and mismatches, logged once per kind
         self._warned: set[str] = set()
+        self._setup_guidance(experience_provider, user_rollout_func)
+        if self._replay_enabled or text_env_factory is not None or self._guidance_on:
+            self.add_callback(_AtTrainEnd(self))
 
     @property
     def env_factory(self):
@@ -159,13 +164,24 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
 
     # -------------------------------------------------------------------------------------------- generation
     def _generate_and_score_completions(self, inputs):
-        if not self._replay_enabled or not self.model.training:
-            self._generation = GenerationStep(rows=[self._with_prompt(row) for row in inputs])
+        if not self.model.training or not (self._replay_enabled or self._guide_train):
+            self._generation = step = GenerationStep(rows=[self._with_prompt(row) for row in inputs])
+            if self._guide_eval and not self.model.training:
+                # evaluation draws per process (nothing collective depends on it), from the step and the rank
+                seed = [self.args.seed, self.state.global_step, self.accelerator.process_index, 1]
+                step.guidance = self._allocate(len(inputs), seed, training=False)
+                if self.text_env_factory is None:  # multi-turn rows retrieve once their first observation is known
+                    self._guide_rows(step, 0, self._row_queries(step.rows))
             try:
-                return super()._generate_and_score_completions(self._generation.rows)
+                output = super()._generate_and_score_completions(step.rows)
+                if step.guidance is not None:
+                    self._take_step_counts()  # evaluation's retrievals stay out of the training metrics
+                return output
             finally:
                 self._generation = None
         self._flush_pending()
+        if self._guidance_on:
+            self._experience_step_begin()
         num_generations = self.num_generations
         rank, local_rows = self.accelerator.process_index, len(inputs)
         offset = rank * local_rows
@@ -178,7 +194,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         draw_seed = [self.args.seed, step, self._step % self.args.gradient_accumulation_steps]
 
         plan = ReplayPlan(num_generations, self.replay["replay_trajectories_per_group"], {})
-        if self._replay_started():
+        if self._replay_enabled and self._replay_started():
             plan = plan_replay(
                 group_keys,
                 self.pool.replay_buckets(  # drawn from in O(batch), whatever the pool's size
@@ -208,14 +224,27 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
             # When TRL runs its old-log-probs forward (right after generation), its entropies are the generating
             # policy's.
             wants_entropies=self._trl_computes_old_logps(),
+            offset=offset,
         )
+        generation = self._generation
+        discarding = False
+        if self._guide_train:
+            replayed_rows = [offset + i for i in replayed_local]
+            replayed_rows = [r for rows in gather_object([replayed_rows]) for r in rows] if self.accelerator.num_processes > 1 else replayed_rows  # fmt: skip
+            generation.guidance = self._allocate(len(row_keys), draw_seed, replayed_rows)
+            discarding = any(generation.guidance.discarded(r) for r in range(len(row_keys)))
+            if self.text_env_factory is None:  # multi-turn rows retrieve once their first observation is known
+                self._guide_rows(generation, offset, self._row_queries(new_inputs))
         try:
             output = super()._generate_and_score_completions(new_inputs)
-            attach_replay_tensors(output, replayed_local, replaying=bool(plan.replay_groups))
-            self._queue_outcomes(output, task_rows, row_tasks, self._generation, offset)
-            ages = [step - t.policy_version for ts in selected.values() for t in ts]
+            attach_replay_tensors(output, replayed_local, replaying=bool(plan.replay_groups) or discarding)
+            if discarding:
+                self._attach_guided_rows(output, generation, offset)
+            self._queue_outcomes(output, task_rows, row_tasks, generation, offset)
             metrics = self._metrics["train"]
-            log_generation(metrics, plan, len(row_keys), ages, self.pool.stats(), self._replay_counts)
+            if self._replay_enabled:
+                ages = [step - t.policy_version for ts in selected.values() for t in ts]
+                log_generation(metrics, plan, len(row_keys), ages, self.pool.stats(), self._replay_counts)
         finally:
             self._generation = None
         return output
@@ -253,6 +282,13 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self._generation is not None and self._generation.tool_loop_lockstep:
             self._any_rank_active(True)  # this rank plays one more round of TRL's tool loop (see `_tool_call_loop`)
+        result = self._generate_with_replay(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if self._generation is not None:
+            self._generation.strip_discarded(prompt_ids)  # in the list TRL keeps: what its loss trains on
+        return result
+
+    def _generate_with_replay(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
+        """Generate the fresh rows only (all of them, when the step replays nothing) and splice in the replayed ones."""
         replayed = self._generation.take_replay() if self._generation is not None else None
         if replayed is None:
             return super()._generate_single_turn(
@@ -355,7 +391,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         """TRL's loss. In a generation batch that replays, TRL sees the replayed rows at advantage 0 (nothing in its
         policy term, but in every normaliser, the KL and the entropy terms), and `loss.off_policy_loss` adds their
         term, reduced by the loss type's normaliser (`loss.aggregate_loss`: linear, so the sum is the whole loss)."""
-        if not self._replay_enabled or "exreplay_row" not in inputs:
+        if "exreplay_row" not in inputs:  # neither replay nor guided rollouts made this batch
             return super()._compute_loss(model, inputs)
         replaying = self._replays(inputs)
         if replaying:
@@ -449,8 +485,11 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         folder, before it pushes or rotates checkpoints.
         """
         super().save_model(output_dir, _internal_call)
-        if self._replay_enabled:
+        if self._replay_enabled or self._guidance_on:
             self._flush_pending()
+        if self._guidance_on:
+            self._save_experience(output_dir or self.args.output_dir)
+        if self._replay_enabled:
             if self.args.should_save:
                 self.pool.save(os.path.join(output_dir or self.args.output_dir, POOL_DIR))
             elif self._pool_shared:
@@ -462,6 +501,8 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, GRPOT
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._replay_enabled and checkpoint is not None:
             self._resume_pool(checkpoint)
+        if self._guidance_on and checkpoint is not None:
+            self._resume_experience(checkpoint)
 
 
 class _AtTrainEnd(TrainerCallback):
@@ -471,7 +512,9 @@ class _AtTrainEnd(TrainerCallback):
         self.trainer = trainer
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.trainer._replay_enabled:
+        if self.trainer._replay_enabled or self.trainer._guidance_on:
             self.trainer._flush_pending()
+        if self.trainer._guidance_on:
+            self.trainer._summarizer.close()
         if self.trainer.text_env_factory is not None:
             self.trainer._rollout_engine.close()

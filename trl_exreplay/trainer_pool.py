@@ -140,6 +140,10 @@ class TrainerPool:
             policy_version=self.state.global_step,
             count=self._count,
         )
+        if self._guidance_on:
+            self._guided_records(output, records, step, offset)
+            if self._guide_train:
+                self._log_guidance(step, success, fresh_rows, len(inputs))
         self._pending = PendingOutcomes([(task, *o) for task, o in outcomes.items()], records, offset)
 
     def _flush_pending(self) -> None:
@@ -149,6 +153,10 @@ class TrainerPool:
         if uncaptured:
             self._count("uncaptured_rows", "a successful row was never seen by the loss; not stored", uncaptured)
         merged = dict(gather_object(ready)) if self.accelerator.num_processes > 1 else dict(ready)
+        if self._guidance_on:
+            self._offer_summaries(merged)  # every success's summary input, taken out of the records
+        if not self._replay_enabled:  # guided rollouts without replay: the outcomes only feed the summariser
+            return
         for outcome in pending.task_outcomes(merged) if pending is not None else []:
             self.pool.record_outcome(outcome)
 

@@ -1,7 +1,7 @@
 """Launched by tests/test_multiprocess.py with `accelerate launch`: train with replay active, dump what each rank saw.
 
 Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR [multi-turn] [resume=CKPT]
-       [trl-options] [scratch=DIR] [small-shards] [sharing=MODE]
+       [trl-options] [scratch=DIR] [small-shards] [sharing=MODE] [guided]
 Each rank writes OUT_DIR/rank{r}.json with its pool hash, the replay plans it made, losses and generated rows (and,
 multi-turn, the episodes it played per step). With `resume=CKPT` the run resumes from that checkpoint (pool, model,
 optimizer, RNG) of an earlier run with the same settings. `trl-options` trains with TRL options whose replayed term
@@ -9,7 +9,8 @@ makes collective calls of its own (TRL's entropy selection gathers every rank's 
 clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`. `scratch=DIR`: the
 live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared. `small-shards`: the
 trainer gets a pool whose shards hold 2 rows, so that files are written during training (and shared between ranks).
-`sharing=MODE`: `replay_scratch_sharing` (machine, all, none).
+`sharing=MODE`: `replay_scratch_sharing` (machine, all, none). `guided`: experience-guided rollouts too (mixed, half
+the tasks keep, the offline provider updated every step); each rank records every allocation it draws.
 
 single-turn: 12 rows per step over 2 ranks, G=4, so group 1 spans both ranks.
 multi-turn: 4 rows per step, one group of G=4 over both ranks, k=2: once replay starts, rank 1's rows are both
@@ -45,6 +46,28 @@ def recording_plan_replay(*args, **kwargs):
 
 
 trainer_module.plan_replay = recording_plan_replay
+
+# `guided`: experience-guided rollouts on top of replay; every allocation each rank draws is recorded
+allocations = []
+if "guided" in options:
+    import trl_exreplay.trainer_guidance as guidance_module
+
+    original_allocate = guidance_module.allocate_guidance
+
+    def recording_allocate(*args, **kwargs):
+        allocation = original_allocate(*args, **kwargs)
+        allocations.append({"guided": list(allocation.guided), "keep": list(allocation.keep)})
+        return allocation
+
+    guidance_module.allocate_guidance = recording_allocate
+GUIDED = dict(
+    train_rollout_expmode="mixed",
+    rollout_expratio=0.5,
+    train_sample_expmode="hybrid",
+    train_sample_keepratio=0.5,
+    experience_update_freq=1,
+    experience_template="please {} ok ",
+)
 
 generated_rows = []
 
@@ -105,6 +128,7 @@ config = ExReplayGRPOConfig(
     replay_scratch_sharing=next((o.split("=", 1)[1] for o in options if o.startswith("sharing=")), "machine"),
     **(multi_turn_settings if multi_turn else single_turn_settings),
     **(TRL_OPTIONS if "trl-options" in options else {}),
+    **(GUIDED if "guided" in options else {}),
 )
 if multi_turn:
     task_setup = dict(text_env_factory=KeyDoorEnv, train_dataset=key_door_dataset(num_tasks=1, repeats=40))
@@ -138,6 +162,14 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             "generated_rows": generated_rows,
             "episode_lengths": episodes,
             "env_errors": [e["env/errors"] for e in trainer.state.log_history if "env/errors" in e],
+            "allocations": allocations,
+            "experience": [r.as_dict() for r in trainer._experience.records()] if trainer._guidance_on else [],
+            "guided_fraction": [
+                e["guide/guided_fraction"] for e in trainer.state.log_history if "guide/guided_fraction" in e
+            ],
+            "discarded_fraction": [
+                e["guide/discarded_fraction"] for e in trainer.state.log_history if "guide/discarded_fraction" in e
+            ],
         },
         f,
     )

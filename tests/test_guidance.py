@@ -1,0 +1,354 @@
+"""Experience-guided rollouts (seed 003) through the trainer: the allocation, the prompts trained token for token,
+`exp_mask` and the behaviour log-probs of discarded rows, the pool's records, failures, and the feature off."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers import RecordingTrainer, losses, make_trainer
+from test_multiturn import make_multi_turn_trainer
+
+from trl_exreplay.guidance import ExperienceRecord
+from trl_exreplay.guidance.allocation import allocate_guidance, rollout_add_exp, train_sample_modes
+from trl_exreplay.guidance.template import format_experience, insert_experience, strip_experience
+from trl_exreplay.rollout import ChatTurns
+
+TEMPLATE = "please {} ok "  # words of the tiny vocabulary, so every token is a real one
+EXPERIENCE = "say the word red"
+
+
+class FixedProvider:
+    """Retrieves one fixed record for every task (or raises), summarises each input into one record."""
+
+    shared = False
+
+    def __init__(self, text=EXPERIENCE, fail_retrieve=False, fail_summarize=False):
+        self.text, self.fail_retrieve, self.fail_summarize = text, fail_retrieve, fail_summarize
+        self.queries: list[str] = []
+        self.summarized: list = []
+        self.stored: list[ExperienceRecord] = []
+
+    def retrieve(self, task, k):
+        self.queries.append(task)
+        if self.fail_retrieve:
+            raise ConnectionError("provider down")
+        return [self.text][:k]
+
+    def summarize(self, inputs):
+        if self.fail_summarize:
+            raise ConnectionError("provider down")
+        self.summarized.extend(inputs)
+        return [ExperienceRecord(x.task_id, x.query, " ".join(x.actions), x.source, x.step) for x in inputs]
+
+    def add(self, records):
+        self.stored.extend(records)
+
+    def records(self):
+        return list(self.stored)
+
+
+class GuidedRecordingTrainer(RecordingTrainer):
+    """Also keeps each training generation step (allocation, prompts) with TRL's output."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = []
+
+    def _queue_outcomes(self, output, inputs, row_tasks, step, offset):
+        self.steps.append((output, step))
+        return super()._queue_outcomes(output, inputs, row_tasks, step, offset)
+
+
+GUIDED = dict(
+    train_rollout_expmode="mixed",
+    rollout_expratio=0.5,
+    train_sample_expmode="hybrid",
+    train_sample_keepratio=0.5,
+    experience_template=TEMPLATE,
+)
+
+
+# ------------------------------------------------------------------------------------------------ allocation
+def test_allocation_follows_the_seeds_rules():
+    rng = np.random.default_rng(0)
+    # keep_count = int(tasks * ratio): 7 tasks at 0.5 -> 3 keep
+    assert sorted(train_sample_modes(7, "hybrid", 0.5, rng)) == ["discard"] * 4 + ["keep"] * 3
+    assert train_sample_modes(3, "allkeep", 0.0, rng) == ["keep"] * 3
+    assert train_sample_modes(3, "alldiscard", 1.0, rng) == ["discard"] * 3
+    # round(G * ratio) guided rollouts per task, Python's rounding: round(2.5) = 2, round(3.5) = 4
+    assert sum(rollout_add_exp(4, "mixed", 0.625, rng)) == 2
+    assert sum(rollout_add_exp(4, "mixed", 0.875, rng)) == 4
+    assert rollout_add_exp(4, "all", 0.0, rng) == [True] * 4 and rollout_add_exp(4, "woexp", 1.0, rng) == [False] * 4
+    # the order is random: over many tasks every position is guided sometimes, and not always
+    positions = np.array([rollout_add_exp(4, "mixed", 0.5, rng) for _ in range(200)]).mean(axis=0)
+    assert ((positions > 0.35) & (positions < 0.65)).all()
+
+
+def test_allocation_of_a_batch_is_a_function_of_its_seed_and_replay_wins():
+    a = allocate_guidance(4, 3, "mixed", 0.5, "hybrid", 0.5, seed=[0, 5, 1])
+    assert a == allocate_guidance(4, 3, "mixed", 0.5, "hybrid", 0.5, seed=[0, 5, 1])
+    assert a != allocate_guidance(4, 3, "mixed", 0.5, "hybrid", 0.5, seed=[0, 6, 1])
+    assert [sum(a.guided[g * 4 : g * 4 + 4]) for g in range(3)] == [2, 2, 2] and sum(a.keep) == 1
+    replayed = allocate_guidance(4, 3, "all", 0.0, "alldiscard", 0.0, seed=[0, 5, 1], replayed_rows=[3, 7])
+    assert replayed.guided == (True, True, True, False, True, True, True, False, True, True, True, True)
+    assert [replayed.discarded(r) for r in (0, 3)] == [True, False]
+
+
+# ------------------------------------------------------------------------------------------------- template
+def test_insert_then_strip_gives_the_unguided_prompt_token_for_token(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=1)
+    tokenizer = trainer.processing_class
+    prompt = [{"role": "system", "content": "ok"}, {"role": "user", "content": "say the word red"}]
+    text = format_experience(TEMPLATE, ["say the word red", "red"])
+    guided = insert_experience(prompt, text)
+    assert guided[1]["content"] == "please say the word red\nred ok say the word red"
+    assert prompt[1]["content"] == "say the word red"  # the row itself is never modified
+    stripped = strip_experience(guided, TEMPLATE)
+    render = lambda p: tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"]  # noqa: E731
+    assert render(stripped) == render(prompt) and render(guided) != render(prompt)
+    assert strip_experience("please x ok say", TEMPLATE) == "say" and strip_experience(prompt, TEMPLATE) == prompt
+
+
+# ------------------------------------------------------------------------------------------ the trainer
+def _chat_ids(tokenizer, prompt):
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
+def test_guided_rows_train_on_the_prompt_their_task_keeps_with_exp_mask_on_replayed_and_discarded_rows(tmp_path):
+    provider = FixedProvider()
+    trainer = make_trainer(
+        tmp_path, trainer_cls=GuidedRecordingTrainer, learning_rate=0.0, trainer_kwargs={"experience_provider": provider},
+        **GUIDED,
+    )  # fmt: skip
+    trainer.train()
+    tokenizer, G = trainer.processing_class, trainer.num_generations
+    seen = {"keep": 0, "discard": 0, "replayed": 0}
+    for output, step in trainer.steps:
+        allocation = step.guidance
+        rows = len(step.rows)
+        replayed = set(step.replayed_local)
+        assert sum(allocation.keep) == int(rows // G * 0.5)
+        for g in range(rows // G):
+            group = range(g * G, g * G + G)
+            # round(4 * 0.5) = 2 guided rollouts per task, less a replayed row drawn among them: replay has priority
+            assert 2 - len(replayed & set(group)) <= sum(allocation.guided[r] for r in group) <= 2
+        assert set(step.guided_text) == {r for r in range(rows) if allocation.guided[r]}  # every task retrieves
+        exp_mask, completion_mask = output["exp_mask"], output["completion_mask"]
+        for i in range(rows):
+            trained = output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist()
+            prompt = step.rows[i]["prompt"]
+            off_policy = i in replayed or allocation.discarded(i)
+            if allocation.guided[i] and allocation.keeps(i):
+                assert trained == _chat_ids(
+                    tokenizer, insert_experience(prompt, format_experience(TEMPLATE, [EXPERIENCE]))
+                )
+                seen["keep"] += 1
+            elif i not in replayed:
+                assert trained == _chat_ids(tokenizer, prompt)  # discarded: exactly as if nothing had been inserted
+                seen["discard"] += allocation.discarded(i)
+            seen["replayed"] += i in replayed
+            expected = completion_mask[i] if off_policy else torch.zeros_like(completion_mask[i])
+            assert torch.equal(exp_mask[i], expected), i
+            assert int(output["exreplay_replayed"][i]) == int(off_policy)
+        # behaviour log-probs of a discarded row: the policy under the guided prompt it was sampled on (lr 0: the
+        # model is the same now), not under the prompt it trains on
+        for i in (i for i in range(rows) if allocation.discarded(i)):
+            n = int(completion_mask[i].sum())
+            completion = output["completion_ids"][i, :n].tolist()
+            with_guidance, without = (
+                trainer._policy_forward([ids], [completion], [[1] * n])[0][0, :n]
+                for ids in (step.guided_prompt_ids[i], step.plain_prompt_ids[i])
+            )
+            recorded = output["recorded_per_token_logps"][i, :n]
+            torch.testing.assert_close(recorded, with_guidance.float(), rtol=0, atol=1e-5)
+            assert not torch.allclose(recorded, without.float(), atol=1e-3)
+    assert min(seen.values()) > 0, seen
+    assert all(q.startswith("say the word") for q in provider.queries)  # retrieval matches the task's own text
+
+
+def test_a_guided_success_enters_the_pool_with_the_prompt_without_experience(tmp_path):
+    """Stored with the prompt it will be replayed on (replay is off-policy): the one without the experience; its
+    log-probs those of the policy that sampled it, under the guided prompt."""
+    trainer = make_trainer(tmp_path, trainer_cls=GuidedRecordingTrainer, trainer_kwargs={"experience_provider": FixedProvider()},
+                           replay_start_ratio=1.0, **GUIDED)  # fmt: skip
+    trainer.train()
+    stored = {(t.policy_version, tuple(t.completion_ids)): t for task in trainer.pool.stored_tasks()
+              for t in trainer.pool.trajectories(task)}  # fmt: skip
+    found = {"keep": 0, "discard": 0}
+    for version, (output, step) in enumerate(trainer.steps):
+        for i, guided_ids in step.guided_prompt_ids.items():
+            n = int(output["completion_mask"][i].sum())
+            trajectory = stored.get((version, tuple(output["completion_ids"][i, :n].tolist())))
+            if trajectory is None or trajectory.task_id != step.rows[i]["task_id"]:
+                continue  # not a success, or its task was not stored
+            assert trajectory.prompt_ids == step.plain_prompt_ids[i] != guided_ids
+            if step.guidance.discarded(i):
+                recorded = output["recorded_per_token_logps"][i, :n].tolist()
+                assert trajectory.logps == pytest.approx(recorded, abs=1e-6)
+            found["discard" if step.guidance.discarded(i) else "keep"] += 1
+    assert min(found.values()) > 0, found
+
+
+def test_with_the_feature_off_nothing_changes(tmp_path):
+    """Guidance fields set but both rollout modes 'woexp' (and a provider given): the same losses and weights as the
+    default trainer, no provider call, no `guide/` metric."""
+    base = make_trainer(tmp_path / "a")
+    base.train()
+    provider = FixedProvider()
+    with pytest.warns(UserWarning, match="no rollout is guided"):
+        off = make_trainer(tmp_path / "b", trainer_kwargs={"experience_provider": provider}, retrieve_top_k=5,
+                           experience_update_freq=1, train_sample_expmode="allkeep", experience_template="x {} y")  # fmt: skip
+    off.train()
+    assert losses(base) == losses(off)
+    for p, q in zip(base.model.parameters(), off.model.parameters()):
+        assert torch.equal(p, q)
+    assert not provider.queries and not provider.summarized
+    assert not any(k.startswith("guide/") for e in off.state.log_history for k in e)
+
+
+def test_a_failing_provider_is_counted_and_training_goes_on_unguided(tmp_path):
+    provider = FixedProvider(fail_retrieve=True, fail_summarize=True)
+    trainer = make_trainer(
+        tmp_path, trainer_kwargs={"experience_provider": provider}, experience_update_freq=1, **GUIDED
+    )
+    trainer.train()
+    history = [e for e in trainer.state.log_history if "guide/guided_fraction" in e]
+    assert len(history) == 6 and all(e["guide/guided_fraction"] == 0 for e in history)
+    assert history[-1]["guide/retrieve_failures"] == len(provider.queries) > 0
+    assert history[-1]["guide/summarizer_failures"] > 0
+    assert trainer._summarizer.pending()  # what could not be summarised waits, nothing is lost
+
+
+def test_summaries_reach_the_store_at_a_step_boundary_and_feed_retrieval(tmp_path):
+    from trl_exreplay.guidance.offline import OfflineExperienceProvider
+
+    trainer = make_trainer(tmp_path, experience_update_freq=1, **GUIDED)
+    assert isinstance(trainer._experience, OfflineExperienceProvider)
+    trainer.train()
+    history = [e for e in trainer.state.log_history if "guide/store_records" in e]
+    assert history[0]["guide/store_records"] == 0 and history[-1]["guide/store_records"] > 0
+    assert any(e["guide/guided_fraction"] > 0 for e in history) and history[0]["guide/guided_fraction"] == 0
+    records = trainer._experience.records()
+    assert all(r.query.startswith("say the word") and r.content for r in records)
+    assert all(math.isfinite(e["guide/records_per_rollout"]) for e in history if "guide/records_per_rollout" in e)
+
+
+def test_the_store_starts_from_the_pool_when_asked(tmp_path, filled_pool):
+    from trl_exreplay.pool import ExperiencePool
+
+    pool = ExperiencePool.load(str(filled_pool / "pool"))
+    provider = FixedProvider()
+    trainer = make_trainer(tmp_path, max_steps=1, init_experience_before_training=True,
+                           trainer_kwargs={"experience_provider": provider, "experience_pool": pool}, **GUIDED)  # fmt: skip
+    stored = trainer.pool.num_trajectories
+    trainer.train()
+    assert len(provider.summarized) == stored > 0  # before the first step (the step's own successes wait)
+    assert {x.query for x in provider.summarized} <= {f"say the word {w}" for w in ("red", "green", "blue", "cat")}
+    assert trainer.state.log_history[0]["guide/store_records"] == stored
+
+
+# --------------------------------------------------------------------------------------------- multi-turn
+def test_multi_turn_guidance_goes_in_the_first_observation_and_discarded_rows_train_without_it(tmp_path):
+    provider = FixedProvider(text="take the key")
+    trainer = make_multi_turn_trainer(
+        tmp_path, trainer_cls=GuidedRecordingTrainer, trainer_kwargs={"experience_provider": provider},
+        train_rollout_expmode="all", train_sample_expmode="hybrid", train_sample_keepratio=0.5,
+        experience_template="you have {} and ", max_steps=3,
+    )  # fmt: skip
+    trainer.train()
+    turns = ChatTurns(trainer.processing_class)
+    checked = 0
+    for output, step in trainer.steps:
+        for i in step.guided_prompt_ids:
+            observation = step.rows[i]["prompt"][-1]["content"]
+            assert step.plain_prompt_ids[i] == turns.prompt_ids(observation)
+            assert step.guided_prompt_ids[i] == turns.prompt_ids("you have take the key and " + observation)
+            trained = output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist()
+            discarded = step.guidance.discarded(step.offset + i)
+            assert trained == (step.plain_prompt_ids[i] if discarded else step.guided_prompt_ids[i])
+            model_tokens = output["completion_mask"][i] * output["tool_mask"][i]
+            assert torch.equal(output["exp_mask"][i], model_tokens if discarded else torch.zeros_like(model_tokens))
+            checked += 1
+    assert checked > 0 and provider.queries and all(q.startswith("you see a") for q in provider.queries)
+
+
+# ------------------------------------------------------------------------------------ checkpoints and resume
+class AllocationRecordingTrainer(GuidedRecordingTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.allocations, self.resumed_records = [], None
+
+    def _allocate(self, num_rows, seed, replayed_rows=(), training=True):
+        allocation = super()._allocate(num_rows, seed, replayed_rows, training)
+        self.allocations.append((self.state.global_step, allocation))
+        return allocation
+
+    def _resume_experience(self, checkpoint):
+        super()._resume_experience(checkpoint)
+        self.resumed_records = (self._experience.records(), self._summarizer.pending())
+
+
+def test_resume_restores_the_store_the_backlog_and_the_allocation_stream(tmp_path):
+    from trl_exreplay.guidance.store import load_experience
+
+    settings = dict(trainer_cls=AllocationRecordingTrainer, save_strategy="steps", save_steps=2, experience_update_freq=2,
+                    **GUIDED)  # fmt: skip
+    full = make_trainer(tmp_path, **settings)
+    full.train()
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    saved = load_experience(str(checkpoint / "exreplay_experience"))
+    assert saved.records and saved.skipped == 0
+    resumed = make_trainer(tmp_path, **settings)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    records, pending = resumed.resumed_records
+    assert [r.as_dict() for r in records] == [r.as_dict() for r in saved.records]
+    assert [x.as_dict() for x in pending] == [x.as_dict() for x in saved.backlog]
+    assert [(s, a) for s, a in full.allocations if s >= 4] == resumed.allocations  # the same draws, step for step
+    assert len(resumed.allocations) == 2
+
+
+def test_a_kill_during_background_summarisation_loses_no_experience(tmp_path):
+    """The summarisation job never returns; the run is SIGKILLed after its 3rd checkpoint. Every checkpoint holds the
+    in-flight job's rollouts and the backlog (each checkpoint's a superset of the one before), and a run resumed from
+    the last summarises them."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import REPOSITORY
+
+    from trl_exreplay.guidance.store import load_experience
+
+    out = tmp_path / "killed"
+    out.mkdir()
+    process = subprocess.Popen([sys.executable, str(REPOSITORY / "tests/scripts/guided_kill.py"), str(out)],
+                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "out" / "checkpoint-4" / "trainer_state.json").exists():  # the checkpoint's last file
+            assert process.poll() is None and time.monotonic() < deadline, "the run ended or stalled"
+            time.sleep(0.1)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    in_flight = set(json.loads((out / "in_flight.json").read_text()))
+    assert in_flight
+    previous: set[str] = set()
+    for step in (1, 2, 3, 4):
+        loaded = load_experience(str(out / "out" / f"checkpoint-{step}" / "exreplay_experience"))
+        sources = [x.source for x in loaded.backlog]
+        assert not loaded.records and len(sources) == len(set(sources))
+        assert previous <= set(sources)
+        previous = set(sources)
+    assert in_flight <= previous
+    resumed = make_trainer(out, max_steps=5, save_strategy="steps", save_steps=1, experience_update_freq=1,
+                           train_rollout_expmode="mixed", rollout_expratio=0.5)  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(out / "out" / "checkpoint-4"))
+    resumed._summarizer.wait(30)
+    resumed._experience.add(resumed._summarizer.collect())
+    assert previous <= {r.source for r in resumed._experience.records()}
