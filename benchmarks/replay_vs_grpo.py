@@ -34,6 +34,8 @@ to `grpo`'s (the drop-in claim, measured; `--no-trl-check` skips it).
                   "replay": {"rows_fraction": [float per step], "pool_tasks": [...], "pool_trajectories": [...],
                              "skip_set": [...], "importance_ratio_mean": [...], "policy_age": [...],
                              "buckets": [{successes: tasks} per step]},                # empty without replay
+                  "guidance": {"guided_fraction": [float per step], "success_guided": [float | null], ...},
+                                                 # GUIDE_SERIES, only in experience-guided runs
                   "wall_s": float, "step_s": float,   # training time (evaluation excluded), per optimizer step
                   "losses": [float per step], "settings": {every config field this run set},
                   "run": {"command": str, "commit": str, "versions": {...}, "machine": {...}, "date": str}
@@ -73,6 +75,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the testbeds live be
 from replay_testbeds import TESTBEDS  # noqa: E402
 
 SCHEMA = 1
+GUIDED = {
+    "train_rollout_expmode": "mixed",
+    "rollout_expratio": 0.5,
+    "train_sample_expmode": "alldiscard",
+    "experience_update_freq": 1,
+}
 # Named presets: the ExReplayGRPOConfig fields a method sets on top of the testbed's training settings.
 PRESETS: dict[str, dict] = {
     "grpo": {"enable_experience_replay": False},
@@ -87,6 +95,11 @@ PRESETS: dict[str, dict] = {
     "exreplay-random": {"replay_select_mode": "random"},  # random replay, FIFO eviction (not lowest entropy)
     "exreplay-tight-clip": {"replay_clip_high": 0.2},  # replayed ratios clipped as fresh ones are (1 + 0.2)
     "exreplay-saved-entropy": {"replay_select_by_current_entropy": False},  # rank by stored entropy: no extra forward
+    # Experience-guided rollouts (seed 003), as its recommended configuration sets them: half of each task's rollouts
+    # get retrieved experience, every training sample has it stripped (trained off-policy); the offline provider
+    # summarises each step's successes (the seed's `updated_freq: 0` relies on a prebuilt store, which these runs lack).
+    "exreplay-guided": GUIDED,
+    "grpo-guided": {"enable_experience_replay": False, **GUIDED},  # guidance alone: its effect without replay
 }
 COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
 
@@ -97,6 +110,9 @@ def rows_per_step(settings: dict) -> int:
 
 
 REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "skip_set", "importance_ratio_mean", "policy_age")
+# The `guide/` metrics of experience-guided runs, per step (None where a step has no value, e.g. no guided row).
+GUIDE_SERIES = ("guided_fraction", "discarded_fraction", "records_per_rollout", "success_guided", "success_unguided",
+                "store_records", "summarizer_backlog", "summarizer_failures", "retrieve_failures")  # fmt: skip
 
 
 def run_record() -> dict:
@@ -147,6 +163,7 @@ class _Recorder:
         self.rows_per_step, self.max_steps = rows_per_step, max_steps
         self.points, self.losses = [], []
         self.replay = {name: [] for name in REPLAY_SERIES}
+        self.guidance = {name: [] for name in GUIDE_SERIES}
         self.fresh = 0
         self.eval_seconds = 0.0
         self.bar = None
@@ -186,6 +203,9 @@ class _Recorder:
             # Tasks per difficulty bucket (successes among a task's latest fresh rollouts), stored or not.
             buckets = {k.removeprefix("replay/bucket_"): v for k, v in logs.items() if k.startswith("replay/bucket_")}
             self.replay.setdefault("buckets", []).append(buckets)
+        if "guide/guided_fraction" in logs:
+            for name in GUIDE_SERIES:
+                self.guidance[name].append(logs.get(f"guide/{name}"))
         if self.bar is not None:
             self.bar.update(1)
         if step % self.testbed.eval_every == 0 or step == self.max_steps:
@@ -238,6 +258,7 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
         "points": recorder.points,
         "losses": recorder.losses,
         "replay": recorder.replay,
+        **({"guidance": recorder.guidance} if recorder.guidance["guided_fraction"] else {}),
         "wall_s": round(wall, 3),
         "step_s": round(wall / max_steps, 4),
         "settings": {k: v for k, v in settings.items() if k not in COMMON},  # what this run trained with
@@ -485,12 +506,41 @@ def markdown_table(name: str, entry: dict) -> str:
             f"| {r['method']} | {r['final_mean']:.3f} ± {r['final_std']:.3f} | {per_seed} | {r['initial_mean']:.3f} "
             f"| {delta} | {need}{ratio} | {r['auc']:.3f} | {100 * r['generation_saved']:.1f}% | {r['step_s']:.2f} |"
         )
+    guidance = guidance_lines(entry)
+    if guidance:
+        lines += ["", *guidance]
     check = entry.get("trl_check")
     if check:
         lines += ["", f"TRL's own `GRPOTrainer`, seed {check['seed']}: identical to `grpo`: **{check['identical']}** "
                       f"(max loss difference {check['max_loss_diff']:.3g}, max held-out difference "
                       f"{check['max_point_diff']:.3g})."]  # fmt: skip
     return "\n".join(lines)
+
+
+def guidance_lines(entry: dict) -> list[str]:
+    """What guidance did in each guided method's runs: the share of rows sampled with experience, the success of
+    guided and unguided fresh rollouts over the whole run (pooled over steps, weighted alike), the records retrieved
+    per guided rollout and the store's final size (means over seeds)."""
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else float("nan")
+
+    lines = []
+    for name, method in entry["methods"].items():
+        runs = [run["guidance"] for run in method["runs"].values() if "guidance" in run]
+        if not runs:
+            continue
+        per_seed = [(mean(g["guided_fraction"]), mean(g["success_guided"]), mean(g["success_unguided"]),
+                     mean(g["records_per_rollout"]), g["store_records"][-1], g["summarizer_failures"][-1])
+                    for g in runs]  # fmt: skip
+        fraction, guided, unguided, records, store, failures = (mean(column) for column in zip(*per_seed))
+        lines.append(
+            f"`{name}` ({len(runs)} seeds): {100 * fraction:.1f}% of rows guided; fresh success {guided:.3f} guided "
+            f"vs {unguided:.3f} unguided (run means); {records:.2f} records per guided rollout; {store:.0f} records "
+            f"in the store at the end; {failures:.0f} summariser failures."
+        )
+    return lines
 
 
 def plot(out: Path, name: str, entry: dict) -> Path:

@@ -85,3 +85,18 @@ def test_unknown_methods_and_testbeds_are_refused(harness, tmp_path, capsys):
     assert "unknown method(s) ppo: allowed values are grpo, exreplay" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         harness.main(["--testbed", "chess", "--out", str(tmp_path)])
+
+
+def test_the_guided_preset_records_what_guidance_did(harness, tmp_path, capsys):
+    out = tmp_path / "out"
+    harness.main(["--testbed", "single-turn", "--methods", "exreplay-guided", "--seeds", "3", "--max-steps", "3",
+                  "--out", str(out), "--no-progress"])  # fmt: skip
+    entry = harness.load_results(out)["testbeds"]["single-turn"]
+    run = entry["methods"]["exreplay-guided"]["runs"]["3"]
+    assert entry["methods"]["exreplay-guided"]["preset"] == harness.GUIDED
+    assert run["settings"]["train_rollout_expmode"] == "mixed"
+    guidance = run["guidance"]
+    assert set(guidance) == set(harness.GUIDE_SERIES) and all(len(v) == 3 for v in guidance.values())
+    assert guidance["guided_fraction"][0] == 0.0  # nothing to retrieve before the first summaries land
+    assert guidance["store_records"][-1] > 0
+    assert "`exreplay-guided` (1 seeds):" in capsys.readouterr().out

@@ -22,6 +22,7 @@ OVERRIDDEN = {
         "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
     ],
     "_generate_single_turn": ["self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"],
+    "_tokenize_prompts": ["self", "prompts"],
     "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],
     "_tool_call_loop": [
         "self", "prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images", "multimodal_fields",
@@ -38,7 +39,7 @@ USED = [
     "entropy_coef", "aux_loss_enabled", "router_aux_loss_coef", "epsilon_low", "epsilon_high", "beta",
     "top_entropy_quantile", "max_completion_length", "reward_weights", "use_vllm", "tools", "rollout_func",
     "environment_factories", "_is_vlm", "environments", "vllm_mode", "vllm_tensor_parallel_size", "is_fsdp_enabled",
-    "is_deepspeed_enabled", "_dist",
+    "is_deepspeed_enabled", "_dist", "num_generations_eval",
 ]  # fmt: skip
 
 

@@ -572,7 +572,9 @@ def validate_replay_options(
 
 
 def validate_guidance_options(o: dict[str, Any], num_generations: int | None) -> None:
-    """The experience-guided rollouts' fields (seed 003); errors name the field and its allowed values."""
+    """The experience-guided rollouts' fields (seed 003); errors name the field and its allowed values. A field
+    missing from `o` (options made by hand, before these fields existed) takes its default."""
+    o = {**{f.name: f.default for f in fields(ExReplayGRPOConfig) if f.name in _GUIDANCE_FIELDS}, **o}
     for name in ("train_rollout_expmode", "val_rollout_expmode"):
         _check(o[name] in ROLLOUT_MODES, name, o[name], _names(ROLLOUT_MODES))
     mode = o["train_sample_expmode"]
@@ -636,6 +638,12 @@ def _names(values: tuple[str, ...]) -> str:
     return ", ".join(repr(v) for v in values)
 
 
+_GUIDANCE_FIELDS = frozenset(
+    ["train_rollout_expmode", "val_rollout_expmode", "rollout_expratio", "train_sample_expmode",
+     "train_sample_keepratio", "experience_template", "retrieve_top_k", "experience_update_freq",
+     "init_experience_before_training", "experience_provider", "experience_base_url", "experience_timeout",
+     "experience_workspace_id"]
+)  # fmt: skip
 _REPLAY_FIELD_NAMES = frozenset(
     name
     for name in ExReplayGRPOConfig.__dataclass_fields__

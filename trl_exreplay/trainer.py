@@ -42,14 +42,19 @@ __all__ = ["EXPERIENCE_DIR", "POOL_DIR", "POOL_WORK_DIR", "ExReplayGRPOTrainer"]
 class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, ExperienceGuidance, GRPOTrainer):
     r"""
     `GRPOTrainer` with experience replay (ExGRPO / AgentEvolver). Same arguments as [`trl.GRPOTrainer`], plus
-    `experience_pool` to start from an existing pool. Replay is configured by [`ExReplayGRPOConfig`]; a plain
+    `experience_pool` to start from an existing pool, `text_env_factory` for multi-turn games and
+    `experience_provider` for experience-guided rollouts (`trl_exreplay.guidance`; off unless the config's
+    `train_rollout_expmode` or `val_rollout_expmode` guides). Replay is configured by [`ExReplayGRPOConfig`]; a plain
     `GRPOConfig` replays with the default settings, and `enable_experience_replay=False` gives `GRPOTrainer` exactly.
 
     TRL methods it overrides, each calling `super()` (no TRL method body is copied), and why:
 
     * `_generate_and_score_completions`: to swap the planned replay tasks into their groups (the plan is drawn on
       global rows, identical on every rank) and to tag the batch's replayed rows for the loss and queue its outcomes;
-    * `_generate_single_turn`: to generate the fresh rows only and splice in the replayed completions;
+    * `_generate_single_turn`: to generate the fresh rows only and splice in the replayed completions, and to give
+      the guided rows of `discard` tasks their prompt without the experience in the list TRL trains on;
+    * `_tokenize_prompts` (in `ExperienceGuidance`): to tokenize the guided copies of experience-guided rows (TRL's
+      own tokenisation, called again) and sample them on those;
     * `_tool_call_loop`: so that TRL's tool loop (`tools`, `environment_factory`) skips replayed rows, which are
       finished episodes, keeps their tool results masked, and runs in lockstep over ranks where generation is
       collective (ZeRO-3, FSDP);
@@ -61,7 +66,8 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
     * `get_high_entropy_mask`: to keep the tokens TRL's loss selects (`top_entropy_quantile`) for the replayed term,
       instead of gathering every rank's entropies a second time;
     * `save_model` / `_load_optimizer_and_scheduler`: so that the pool travels with every checkpoint (saved
-      incrementally, hard-linking the shards it shares with the previous one) and is restored on resume.
+      incrementally, hard-linking the shards it shares with the previous one), and the experience store of guided
+      rollouts with it, and both are restored on resume.
 
     Example:
 
@@ -229,8 +235,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         generation = self._generation
         discarding = False
         if self._guide_train:
-            replayed_rows = [offset + i for i in replayed_local]
-            replayed_rows = [r for rows in gather_object([replayed_rows]) for r in rows] if self.accelerator.num_processes > 1 else replayed_rows  # fmt: skip
+            replayed_rows = [r for r in range(len(row_keys)) if plan.is_replayed(r)]  # the plan is global
             generation.guidance = self._allocate(len(row_keys), draw_seed, replayed_rows)
             discarding = any(generation.guidance.discarded(r) for r in range(len(row_keys)))
             if self.text_env_factory is None:  # multi-turn rows retrieve once their first observation is known
@@ -479,7 +484,8 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the model as `GRPOTrainer` does, and the pool beside it in `exreplay_pool/` (call on every rank).
+        """Save the model as `GRPOTrainer` does, and the pool beside it in `exreplay_pool/` (and, with guided
+        rollouts, the experience store in `exreplay_experience/`; call on every rank).
 
         Checkpoints get the pool this way too: `Trainer._save_checkpoint` calls this first, with the checkpoint
         folder, before it pushes or rotates checkpoints.
