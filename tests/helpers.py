@@ -189,3 +189,30 @@ def gone(pid: int, timeout: float = 5.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
+
+
+def kill_a_save_at_random(
+    command: list[str], chooser, target: int, env: dict, on_saved=None
+) -> tuple[str, str | None]:
+    """Run a saver script that prints `saving N DIGEST` before and `saved N DIGEST SECONDS` after its N-th save, and
+    SIGKILL it at a random instant (drawn from `chooser`) of save `target`. `on_saved()` runs after each completed
+    save. Returns the digest of the last completed save and that of the save in flight (None: killed between saves)."""
+    import subprocess
+
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    lines, seconds = [], 0.01
+    for line in child.stdout:
+        lines.append(line.split())
+        if lines[-1][0] == "saved":
+            seconds = float(lines[-1][3])
+            if on_saved is not None:
+                on_saved()
+        elif int(lines[-1][1]) == target:  # save `target` has begun: kill it at a random instant
+            time.sleep(chooser.uniform(0.0, 1.2 * seconds))
+            break
+    child.kill()
+    # only whole lines: the kill can cut the child's last line short (a line without its newline)
+    lines += [line.split() for line in child.stdout.read().split("\n")[:-1] if line.strip()]
+    child.wait()
+    committed = [words[2] for words in lines if words[0] == "saved"][-1]
+    return committed, lines[-1][2] if lines[-1][0] == "saving" else None

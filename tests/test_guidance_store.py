@@ -11,11 +11,10 @@ import os
 import random
 import subprocess
 import sys
-import time
 
 import pyarrow as pa
 import pytest
-from helpers import load_script
+from helpers import kill_a_save_at_random, load_script
 
 from trl_exreplay.guidance import ExperienceProvider, ExperienceRecord, SummaryInput
 from trl_exreplay.guidance.offline import OfflineExperienceProvider
@@ -462,33 +461,20 @@ def test_killed_saves_always_leave_the_last_complete_experience(tmp_path):
     chooser = random.Random(2024)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     trials, killed_mid_save, left = 5, 0, []
+
+    def leftovers_gone():  # the previous writer's leftovers are gone after this writer's first save
+        assert not set(left) & set(os.listdir(tmp_path)), left
+        left.clear()
+
     for trial in range(trials):
-        child = subprocess.Popen(
-            [sys.executable, SAVER, folder, str(trial)], stdout=subprocess.PIPE, text=True, env=env
-        )
-        target, lines, seconds = chooser.randint(2, 3), [], 0.01
-        for line in child.stdout:
-            lines.append(line.split())
-            if lines[-1][0] == "saved":
-                seconds = float(lines[-1][3])
-                if left:  # the previous writer's leftovers are gone after this writer's first save
-                    assert not set(left) & set(os.listdir(tmp_path)), left
-                    left = []
-            elif int(lines[-1][1]) == target:  # save `target` has begun: kill it at a random instant
-                time.sleep(chooser.uniform(0.0, 1.2 * seconds))
-                break
-        child.kill()
-        # only whole lines: the kill can cut the child's last line short (a line without its newline)
-        lines += [line.split() for line in child.stdout.read().split("\n")[:-1] if line.strip()]
-        child.wait()
-        committed = [words[2] for words in lines if words[0] == "saved"][-1]
-        in_flight = lines[-1][2] if lines[-1][0] == "saving" else None
+        command = [sys.executable, SAVER, folder, str(trial)]
+        committed, in_flight = kill_a_save_at_random(command, chooser, chooser.randint(2, 3), env, leftovers_gone)
         loaded = load_experience(folder)
         assert loaded.skipped == 0
         digest = saver.digest(loaded.records, loaded.backlog)
         assert digest in {committed, in_flight}, f"trial {trial}: the folder is not a complete save"
         killed_mid_save += in_flight is not None
-        left = [name for name in os.listdir(tmp_path) if name.startswith("exp.tmp-")]
+        left[:] = [name for name in os.listdir(tmp_path) if name.startswith("exp.tmp-")]
     assert killed_mid_save >= 2  # the kills really landed inside saves
     save_experience(folder, RECORDS, BACKLOG)
     assert sorted(os.listdir(tmp_path)) == ["exp"] and len(os.listdir(folder)) == 2  # manifest, one version

@@ -19,7 +19,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
-from helpers import traj
+from helpers import kill_a_save_at_random, traj
 
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, tokenizer_fingerprint
 from trl_exreplay.pool.check import PoolFormatError
@@ -240,23 +240,8 @@ def test_killed_saves_always_leave_the_last_complete_pool(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     trials, killed_mid_save = 12, 0
     for trial in range(trials):
-        child = subprocess.Popen(
-            [sys.executable, SAVER, str(folder), str(work), str(trial)], stdout=subprocess.PIPE, text=True, env=env
-        )
-        target, lines, seconds = chooser.randint(2, 4), [], 0.01
-        for line in child.stdout:
-            lines.append(line.split())
-            if lines[-1][0] == "saved":
-                seconds = float(lines[-1][3])
-            elif int(lines[-1][1]) == target:  # save `target` has begun: kill it at a random instant
-                time.sleep(chooser.uniform(0.0, 1.2 * seconds))
-                break
-        child.kill()
-        # only whole lines: the kill can cut the child's last line short (a line without its newline)
-        lines += [line.split() for line in child.stdout.read().split("\n")[:-1] if line.strip()]
-        child.wait()
-        committed = [words[2] for words in lines if words[0] == "saved"][-1]
-        in_flight = lines[-1][2] if lines[-1][0] == "saving" else None
+        command = [sys.executable, SAVER, str(folder), str(work), str(trial)]
+        committed, in_flight = kill_a_save_at_random(command, chooser, chooser.randint(2, 4), env)
         pool = ExperiencePool.load(str(folder))
         assert pool.rejected_rows == 0
         digest = pool.content_hash()

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 import traceback
@@ -44,34 +43,6 @@ def experience(seed: int, save: int, size: int) -> tuple[list[ExperienceRecord],
         for j in range(size // 4)
     ]
     return records, backlog
-
-
-FS_OPERATIONS = [
-    (os, "rename"),
-    (os, "replace"),
-    (os, "remove"),
-    (os, "unlink"),
-    (os, "rmdir"),
-    (os, "fsync"),
-    (os, "makedirs"),
-    (os, "mkdir"),
-    (shutil, "rmtree"),
-]
-
-
-def die_before_operation(number: int) -> None:
-    """From now on, SIGKILL this process right before its `number`-th filesystem operation (0-based)."""
-    count = [0]
-    for module, name in FS_OPERATIONS:
-        original = getattr(module, name)
-
-        def hooked(*args, _original=original, **kwargs):
-            if count[0] == number:
-                os.kill(os.getpid(), signal.SIGKILL)
-            count[0] += 1
-            return _original(*args, **kwargs)
-
-        setattr(module, name, hooked)
 
 
 def loaded_digest(folder: str) -> str | None:
@@ -107,6 +78,8 @@ def sweep(folder: str, seed: int) -> None:
             if child == 0:  # the writer: killed before operation `number` of this save, if it has that many
                 code = 0
                 try:
+                    from kill_points import die_before_operation  # beside this script, run as one
+
                     die_before_operation(number)
                     save_experience(folder, records, backlog)
                 except BaseException:  # noqa: BLE001 - reported by the exit status; never back into the loop

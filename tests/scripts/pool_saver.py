@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import sys
 import time
 
@@ -50,35 +48,6 @@ def change(pool: ExperiencePool, rng: np.random.Generator, save: int) -> None:
         pool.record_outcome(TaskOutcome(task_id, successes, 6, successful, row))
 
 
-FS_OPERATIONS = [
-    (os, "link"),
-    (os, "replace"),
-    (os, "rename"),
-    (os, "remove"),
-    (os, "unlink"),
-    (os, "rmdir"),
-    (os, "fsync"),
-    (os, "makedirs"),
-    (os, "mkdir"),
-    (shutil, "rmtree"),
-]
-
-
-def die_before_operation(number: int) -> None:
-    """From now on, SIGKILL this process right before its `number`-th filesystem operation (0-based)."""
-    count = [0]
-    for module, name in FS_OPERATIONS:
-        original = getattr(module, name)
-
-        def hooked(*args, _original=original, **kwargs):
-            if count[0] == number:
-                os.kill(os.getpid(), signal.SIGKILL)
-            count[0] += 1
-            return _original(*args, **kwargs)
-
-        setattr(module, name, hooked)
-
-
 def sweep(folder: str, work_dir: str, seed: int) -> None:
     rng = np.random.default_rng(seed)
     pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=6, work_dir=work_dir, shard_rows=16)
@@ -92,6 +61,8 @@ def sweep(folder: str, work_dir: str, seed: int) -> None:
         for number in range(10_000) if save > 1 else ():
             child = os.fork()
             if child == 0:  # the writer: killed before operation `number` of this save, if it has that many
+                from kill_points import die_before_operation  # beside this script, run as one
+
                 die_before_operation(number)
                 pool.save(folder, save_total_limit=limit)
                 os._exit(0)
