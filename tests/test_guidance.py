@@ -352,3 +352,17 @@ def test_a_kill_during_background_summarisation_loses_no_experience(tmp_path):
     resumed._summarizer.wait(30)
     resumed._experience.add(resumed._summarizer.collect())
     assert previous <= {r.source for r in resumed._experience.records()}
+
+
+def test_a_provider_that_answers_no_list_is_a_counted_failure(tmp_path):
+    class NoneProvider(FixedProvider):
+        def retrieve(self, task, k):
+            self.queries.append(task)
+            return None if len(self.queries) % 2 else [3, "", EXPERIENCE]  # not a list; non-strings and blanks
+
+    provider = NoneProvider()
+    trainer = make_trainer(tmp_path, max_steps=2, trainer_kwargs={"experience_provider": provider}, **GUIDED)
+    trainer.train()
+    last = [e for e in trainer.state.log_history if "guide/retrieve_failures" in e][-1]
+    assert last["guide/retrieve_failures"] == (len(provider.queries) + 1) // 2 > 0
+    assert last["guide/records_per_rollout"] <= 1.0  # only the one string record of a list counts

@@ -116,10 +116,13 @@ class ExperienceGuidance:
         inputs = []
         for task_id in self.pool.stored_tasks():
             row = self.pool.task_row(task_id) or {}
-            for trajectory in self.pool.trajectories(task_id):
-                query = self._pool_task_text(row, trajectory)
-                inputs.append(self._summary_input(task_id, query, trajectory.completion_ids,
-                                                  trajectory.completion_mask, trajectory.reward, trajectory.policy_version))  # fmt: skip
+            for t in self.pool.trajectories(task_id):
+                query = self._pool_task_text(row, t)
+                inputs.append(
+                    self._summary_input(
+                        task_id, query, t.completion_ids, t.completion_mask, t.reward, t.policy_version
+                    )
+                )
         if inputs and self._summarizes:
             try:
                 self._experience.add(self._experience.summarize(inputs))
@@ -168,12 +171,14 @@ class ExperienceGuidance:
         k = self.replay["retrieve_top_k"]
         try:
             contents = self._experience.retrieve(query, k)
+            if not isinstance(contents, (list, tuple)):
+                raise TypeError(f"retrieve() returned {type(contents).__name__}, not a list of strings")
         except Exception as error:  # noqa: BLE001 - a failing provider is counted; the rollout goes unguided
             self._guide_counts["retrieve_failures"] += 1
             if "retrieve" not in self._warned:
                 self._warned.add("retrieve")
-                logger.warning("trl_exreplay: experience retrieval failed (%r); the rollout goes unguided "
-                               "(counted in guide/retrieve_failures; logged once).", error)  # fmt: skip
+                message = "trl_exreplay: experience retrieval failed (%r); the rollout goes unguided (counted in %s)."
+                logger.warning(message, error, "guide/retrieve_failures; logged once")
             return None
         contents = [c for c in contents if isinstance(c, str) and c.strip()][:k]
         self._guide_counts["records_retrieved"] += len(contents)
@@ -220,15 +225,18 @@ class ExperienceGuidance:
         log-probs (the current policy under the guided prompt, which sampled them), advantage 0 in TRL's own term.
         Collective: every rank makes the same forward calls."""
         discarded = sorted(i for i in step.guided_prompt_ids if step.guidance.discarded(offset + i))
-        count = torch.tensor([float(len(discarded))], device=self.accelerator.device)
-        most = int(self.accelerator.reduce(count, reduction="max").item()) if self.accelerator.num_processes > 1 else len(discarded)  # fmt: skip
+        most = len(discarded)
+        if self.accelerator.num_processes > 1:
+            count = torch.tensor([float(most)], device=self.accelerator.device)
+            most = int(self.accelerator.reduce(count, reduction="max").item())
         if most == 0:
             return
         completion_mask = output["completion_mask"]
         model_mask = completion_mask * output.get("tool_mask", 1)
         lengths = completion_mask.sum(dim=1).tolist()
         rows = discarded + [discarded[0] if discarded else 0] * (most - len(discarded))  # padding rows: same calls
-        prompts = [step.guided_prompt_ids[i] if i in step.guided_prompt_ids else output["prompt_ids"][i].tolist() for i in rows]  # fmt: skip
+        # a padding row (this rank has fewer discarded rows, or none) repeats one of them, or row 0 as it is
+        prompts = [step.guided_prompt_ids.get(i, output["prompt_ids"][i].tolist()) for i in rows]
         completions = [output["completion_ids"][i, : max(int(lengths[i]), 1)].tolist() for i in rows]
         masks = [model_mask[i, : max(int(lengths[i]), 1)].tolist() for i in rows]
         logps, _, _ = self._policy_forward(prompts, completions, masks)
@@ -254,10 +262,16 @@ class ExperienceGuidance:
                     n = len(record["completion_ids"])
                     mask = torch.tensor(record["completion_mask"], dtype=torch.float32)
                     record["logps"] = (output["recorded_per_token_logps"][i, :n].cpu().float() * mask).tolist()
-            record["summary"] = self._summary_input(
-                record["task_id"], task_text(step.rows[i]["prompt"]), record["completion_ids"],
-                record["completion_mask"], record["reward"], self.state.global_step,
-            ).as_dict()  # fmt: skip
+            query = task_text(step.rows[i]["prompt"])  # the row as TRL has it: never the guided copy
+            summary = self._summary_input(
+                record["task_id"],
+                query,
+                record["completion_ids"],
+                record["completion_mask"],
+                record["reward"],
+                self.state.global_step,
+            )
+            record["summary"] = summary.as_dict()
 
     def _summary_input(self, task_id, query, completion_ids, completion_mask, reward, step) -> SummaryInput:
         """A successful rollout as text: the model's turns (runs of model tokens) and the environment's between."""
