@@ -483,25 +483,25 @@ def summarize(entry: dict, baseline: str = "grpo") -> list[dict]:
     return rows
 
 
-def markdown_table(name: str, entry: dict) -> str:
-    rows = summarize(entry)
-    base = next((r for r in rows if r["method"] == "grpo"), None)
+def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
+    rows = summarize(entry, baseline)
+    base = next((r for r in rows if r["method"] == baseline), None)
     baseline_flat = base is not None and base["rollouts_to_baseline_final"] is None
     lines = [
         f"### {name}: {entry['summary']}",
         "",
-        "| method | held-out success, final (mean ± std) | per seed | initial | paired Δ vs grpo [95% CI] "
-        "| fresh rollouts to GRPO's final (ratio) | AUC | generation saved | s / step |",
+        f"| method | held-out success, final (mean ± std) | per seed | initial | paired Δ vs {baseline} [95% CI] "
+        f"| fresh rollouts to {baseline}'s final (ratio) | AUC | generation saved | s / step |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         per_seed = ", ".join(f"{seed}: {value:.3f}" for seed, value in sorted(r["final_per_seed"].items(),
                                                                               key=lambda kv: int(kv[0])))  # fmt: skip
         need = "never" if r["rollouts_to_baseline_final"] is None else f"{r['rollouts_to_baseline_final']:.0f}"
-        need = "n/a: grpo ended at its start" if baseline_flat else need
+        need = f"n/a: {baseline} ended at its start" if baseline_flat else need
         ratio = "" if r["rollout_ratio"] is None else f" ({r['rollout_ratio']:.2f}x)"
         d = r["paired_difference"]
-        delta = "" if d is None or r["method"] == "grpo" else f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+        delta = "" if d is None or r["method"] == baseline else f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
         lines.append(
             f"| {r['method']} | {r['final_mean']:.3f} ± {r['final_std']:.3f} | {per_seed} | {r['initial_mean']:.3f} "
             f"| {delta} | {need}{ratio} | {r['auc']:.3f} | {100 * r['generation_saved']:.1f}% | {r['step_s']:.2f} |"
@@ -588,13 +588,13 @@ def plot(out: Path, name: str, entry: dict) -> Path:
     return path
 
 
-def report(out: Path) -> str:
+def report(out: Path, baseline: str = "grpo") -> str:
     results = load_results(out)
     parts = []
     for name, entry in results["testbeds"].items():
         if entry["methods"]:
             plot(out, name, entry)
-            parts.append(markdown_table(name, entry))
+            parts.append(markdown_table(name, entry, baseline))
     return "\n\n".join(parts)
 
 
@@ -618,6 +618,8 @@ def parse_args(argv=None):
                         help="Skip the run of TRL's GRPOTrainer on the first seed.")  # fmt: skip
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bars.")
     parser.add_argument("--report", action="store_true", help="Only print the tables and redraw the plots of --out.")
+    parser.add_argument("--baseline", default="grpo",
+                        help="With --report: the method the paired differences and rollout ratios are taken against.")  # fmt: skip
     options = parser.parse_args(argv)
     if not options.report and options.testbed is None:
         parser.error("--testbed is required unless --report")
@@ -635,7 +637,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     options = parse_args(argv)
     if options.report:
-        print(report(options.out))
+        print(report(options.out, options.baseline))
         return load_results(options.out)
     testbed = TESTBEDS[options.testbed]()
     for field_value in options.set or []:

@@ -100,3 +100,5 @@ def test_the_guided_preset_records_what_guidance_did(harness, tmp_path, capsys):
     assert guidance["guided_fraction"][0] == 0.0  # nothing to retrieve before the first summaries land
     assert guidance["store_records"][-1] > 0
     assert "`exreplay-guided` (1 seeds):" in capsys.readouterr().out
+    harness.main(["--report", "--out", str(out), "--baseline", "exreplay-guided"])
+    assert "paired Δ vs exreplay-guided [95% CI]" in capsys.readouterr().out
