@@ -26,7 +26,7 @@ to `grpo`'s (the drop-in claim, measured; `--no-trl-check` skips it).
           "rows_per_step": int,                       # completions (episodes) per optimizer step
           "methods": {
             "<method>": {
-              "preset": {config fields the method sets},
+              "preset": {config fields the method sets (`experience_from_testbed`: the testbed's experience)},
               "runs": {
                 "<seed>": {
                   "points": [{"step": int, "fresh_rollouts": int, "heldout_success": float,
@@ -100,6 +100,10 @@ PRESETS: dict[str, dict] = {
     # summarises each step's successes (the seed's `updated_freq: 0` relies on a prebuilt store, which these runs lack).
     "exreplay-guided": GUIDED,
     "grpo-guided": {"enable_experience_replay": False, **GUIDED},  # guidance alone: its effect without replay
+    # The same, with the testbed's experience (`Testbed.experience_settings` and `.experience_provider()`): e.g. the
+    # environment's own summariser hook and a template the tiny model's vocabulary can spell.
+    "exreplay-guided-env": {**GUIDED, "experience_from_testbed": True},
+    "grpo-guided-env": {"enable_experience_replay": False, **GUIDED, "experience_from_testbed": True},
 }
 COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
 
@@ -224,8 +228,10 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
     from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 
     model, tokenizer = copy.deepcopy(initial[0]), initial[1]
-    preset = PRESETS[method]
-    settings = {**COMMON, **testbed.training, **testbed.trainer_kwargs(), **preset, "seed": seed}
+    preset = dict(PRESETS[method])
+    from_testbed = preset.pop("experience_from_testbed", False)
+    extra = testbed.experience_settings if from_testbed else {}
+    settings = {**COMMON, **testbed.training, **testbed.trainer_kwargs(), **preset, **extra, "seed": seed}
     max_steps = settings["max_steps"]
     label = f"{testbed.name} {'trl-GRPOTrainer' if trl else method} seed {seed}"
     recorder = _Recorder(testbed, tokenizer, rows_per_step(settings), max_steps, label, progress)
@@ -239,6 +245,9 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
             trainer_cls = ExReplayGRPOTrainer
         text_env_factory = testbed.text_env_factory()
         kwargs = {"text_env_factory": text_env_factory} if text_env_factory is not None else {}
+        provider = testbed.experience_provider() if from_testbed else None
+        if provider is not None:
+            kwargs["experience_provider"] = provider
         trainer = trainer_cls(
             model=model,
             reward_funcs=testbed.reward_funcs(),

@@ -102,3 +102,33 @@ def test_the_guided_preset_records_what_guidance_did(harness, tmp_path, capsys):
     assert "`exreplay-guided` (1 seeds):" in capsys.readouterr().out
     harness.main(["--report", "--out", str(out), "--baseline", "exreplay-guided"])
     assert "paired Δ vs exreplay-guided [95% CI]" in capsys.readouterr().out
+
+
+def test_the_doors_testbed_gives_guidance_its_vocabulary_can_spell(harness):
+    """The default template and summary come out mostly <unk> in the doors game's word-level tokenizer; the testbed's
+    own (the `-env` presets) spell every token."""
+    from replay_testbeds.multi_turn import VOCABULARY, MultiTurn
+
+    from trl_exreplay import ExReplayGRPOConfig
+    from trl_exreplay.guidance import SummaryInput
+    from trl_exreplay.guidance.offline import default_summary
+    from trl_exreplay.guidance.template import format_experience
+    from trl_exreplay.tiny import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    won = SummaryInput(
+        "r", "r", "you see a red door . goal open the red door", ["take red key", "open red door"], 1.0, 0
+    )
+
+    def unknown(template, summary):
+        ids = tokenizer(format_experience(template, [summary]), add_special_tokens=False)["input_ids"]
+        return sum(i == tokenizer.unk_token_id for i in ids), len(ids)
+
+    default_template = ExReplayGRPOConfig.__dataclass_fields__["experience_template"].default
+    assert unknown(default_template, default_summary(won)) == (18, 24)
+    testbed = MultiTurn()
+    provider = testbed.experience_provider()
+    [record] = provider.summarize([won])
+    assert record.content == "take red key and open red door"
+    assert unknown(testbed.experience_settings["experience_template"], record.content) == (0, 8)
+    assert harness.PRESETS["exreplay-guided-env"]["experience_from_testbed"] is True

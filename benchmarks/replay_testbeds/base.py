@@ -48,6 +48,14 @@ class Testbed:
         """Extra `ExReplayGRPOConfig` fields for this testbed (multi-turn limits, ...)."""
         return {}
 
+    # Experience-guided presets that take their experience from the testbed (`experience_from_testbed`): the config
+    # fields they add (e.g. a template the tiny model's vocabulary can spell) and the provider (e.g. with the
+    # environment's own summariser hook). The defaults: the library's.
+    experience_settings: dict[str, Any] = {}
+
+    def experience_provider(self):
+        return None
+
     def heldout_success(self, model, tokenizer, seed: int = 0) -> float:
         """Success on the held-out problems; a testbed may also fill `last_detail` ({part: rate}, e.g. per split)."""
         raise NotImplementedError
