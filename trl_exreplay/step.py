@@ -46,9 +46,8 @@ class GenerationStep:
     offset: int = 0  # this rank's first global row
     guided_text: dict[int, str] = field(default_factory=dict)  # local row -> the experience text put in its prompt
     plain_prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # local guided row -> prompt without it
-    guided_prompt_ids: dict[int, list[int]] = field(
-        default_factory=dict
-    )  # local guided row -> prompt it was sampled on
+    # local guided row -> the prompt it was sampled on
+    guided_prompt_ids: dict[int, list[int]] = field(default_factory=dict)
     _replay_taken: bool = False
     _stripped: bool = False
 
