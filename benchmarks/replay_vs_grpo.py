@@ -104,6 +104,8 @@ PRESETS: dict[str, dict] = {
     # environment's own summariser hook and a template the tiny model's vocabulary can spell.
     "exreplay-guided-env": {**GUIDED, "experience_from_testbed": True},
     "grpo-guided-env": {"enable_experience_replay": False, **GUIDED, "experience_from_testbed": True},
+    # Tried on the tuning seeds: guided rows trained on their guided prompt (on-policy), so the policy learns to read it.
+    "exreplay-guided-env-keep": {**GUIDED, "train_sample_expmode": "allkeep", "experience_from_testbed": True},
 }
 COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
 
