@@ -366,3 +366,10 @@ def test_a_provider_that_answers_no_list_is_a_counted_failure(tmp_path):
     last = [e for e in trainer.state.log_history if "guide/retrieve_failures" in e][-1]
     assert last["guide/retrieve_failures"] == (len(provider.queries) + 1) // 2 > 0
     assert last["guide/records_per_rollout"] <= 1.0  # only the one string record of a list counts
+
+
+def test_a_trainer_trains_again_after_its_summariser_was_closed(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=2, experience_update_freq=1, **GUIDED)
+    trainer.train()  # closes the summariser's thread at the end
+    trainer.train()  # a second run starts another
+    assert len([e for e in trainer.state.log_history if "guide/guided_fraction" in e]) == 2

@@ -35,6 +35,7 @@ class FakeReMe(ThreadingHTTPServer):
         self.requests: list[tuple[str, dict, dict]] = []  # (path, headers, body)
         self.override: dict[str, tuple[int, bytes]] = {}  # path -> (status, raw body): a broken server
         self.sleep = 0.0
+        self.fail_task: str | None = None  # a summary request for this task id gets a 500
         self.lock = threading.Lock()
 
     @property
@@ -95,8 +96,13 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(raw)
         with server.lock:
             server.requests.append((self.path, dict(self.headers), body))
+            failing = self.path == SUMMARY_ENDPOINT and any(
+                t.get("task_id") == server.fail_task for t in body.get("trajectories", [])
+            )
             if self.path in server.override:
                 status, data = server.override[self.path]
+            elif failing:
+                status, data = 500, b'{"detail": "model down"}'
             elif self.path == SUMMARY_ENDPOINT:
                 status, data = 200, json.dumps(server.summary(body)).encode()
             elif self.path == RETRIEVE_ENDPOINT:
@@ -344,3 +350,32 @@ def test_construction():
             ReMeExperienceProvider("http://127.0.0.1:8001", workspace_id=bad)
     with pytest.raises(TypeError, match="k must be an int"):
         provider.retrieve("x", 2.0)
+
+
+def test_a_summary_that_fails_for_one_task_keeps_the_others_and_offers_only_it_again(server):
+    """One request per task: the service stored the tasks that succeeded, so only the failed task's trajectories may
+    be offered again (re-posting all would store the others twice)."""
+    from trl_exreplay.guidance import PartialSummaryError
+    from trl_exreplay.guidance.summarizer import BackgroundSummarizer
+
+    server.fail_task = "t2"
+    provider = ReMeExperienceProvider(server.url, workspace_id="w")
+    with pytest.raises(PartialSummaryError) as caught:
+        provider.summarize([MUG, LAMP, PAN])
+    assert [r.task_id for r in caught.value.records] == ["t1", "t3"] and caught.value.failed == [LAMP]
+    provider = ReMeExperienceProvider(server.url, workspace_id="w2")  # a workspace the call above did not write
+    summarizer = BackgroundSummarizer(provider)
+    summarizer.offer([MUG, LAMP, PAN])
+    summarizer.submit()
+    summarizer.wait(10)
+    assert [r.task_id for r in summarizer.collect()] == ["t1", "t3"]
+    assert summarizer.pending() == [LAMP] and summarizer.failures == 1 and summarizer.summarized == 2
+    server.fail_task = None
+    summarizer.submit()
+    summarizer.wait(10)
+    assert [r.task_id for r in summarizer.collect()] == ["t2"] and summarizer.pending() == []
+    assert sorted(m["when_to_use"] for m in server.memories["w2"]) == sorted(x.query for x in (MUG, LAMP, PAN))
+    summarizer.close()
+    with pytest.raises(ReMeError, match="HTTP status 500"):  # every task failed: the service's own error
+        server.fail_task = "t2"
+        provider.summarize([LAMP])

@@ -19,6 +19,7 @@ from helpers import kill_a_save_at_random, load_script
 from trl_exreplay.guidance import ExperienceProvider, ExperienceRecord, SummaryInput
 from trl_exreplay.guidance.offline import OfflineExperienceProvider
 from trl_exreplay.guidance.store import (
+    RECORD_SCHEMA,
     ExperienceFormatError,
     ExperienceStore,
     load_experience,
@@ -498,3 +499,48 @@ def test_a_save_killed_before_any_of_its_filesystem_operations_leaves_a_complete
     assert report["kills"] >= 3 * 10
     assert report["loaded_none"] > 0 and report["loaded_old"] > 0 and report["loaded_new"] > 0
     assert report["left_something"] > 0  # the kills left temp folders, and the following saves removed them
+
+
+def test_the_store_keeps_its_newest_records_within_its_bound_and_retrieves_from_them():
+    store = ExperienceStore(max_records=3)
+    colours = ["red", "green", "blue", "white", "black"]
+    make = lambda i: ExperienceRecord(f"t{i}", f"open {colours[i]} door", f"{colours[i]} key first", "", i)  # noqa: E731
+    store.add([make(i) for i in range(2)])
+    assert store.retrieve("open green door", 1) == ["green key first"]  # an index built over the first two
+    store.add([make(i) for i in range(2, 5)])
+    assert [r.step for r in store.records()] == [2, 3, 4] and store.dropped == 2
+    assert store.retrieve("open green door", 5) == ["blue key first", "white key first", "black key first"]  # rebuilt
+    store.add([make(0)])  # dropped ones are no longer duplicates
+    assert [r.step for r in store.records()] == [3, 4, 0] and store.duplicates == 0
+    with pytest.raises(ValueError, match="max_records"):
+        ExperienceStore(max_records=0)
+
+
+def test_a_table_that_expands_far_beyond_its_file_is_refused(tmp_path):
+    """Compressed IPC buffers: a small file that would fill memory when read. Its checksums are resealed, as anyone
+    who edits the file can do."""
+    folder = saved(tmp_path)
+    name, path = data_file(folder, "records")
+    big = "x" * 4_000_000
+    data = pa.table(
+        {"task_id": ["t"], "query": [big], "content": ["c"], "source": [""], "step": pa.array([0], pa.int64())},
+        schema=RECORD_SCHEMA,
+    )
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, data.schema, options=options) as writer:
+        writer.write_table(data)
+    assert os.path.getsize(path) < 100_000
+    manifest = manifest_of(folder)
+    manifest["files"][name] = {"size": os.path.getsize(path), "xxh3_64": file_checksum(path)}
+    write_manifest(folder, manifest)
+    with pytest.raises(ExperienceFormatError, match="expands to more than 8x") as caught:
+        load_experience(folder)
+    assert caught.value.file == path
+
+
+def test_a_manifest_nested_too_deep_for_json_is_a_format_error(tmp_path):
+    folder = saved(tmp_path)
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ExperienceFormatError, match="not valid JSON"):
+        load_experience(folder)

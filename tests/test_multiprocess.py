@@ -60,8 +60,11 @@ def check_guided_allocations(ranks: list[dict]) -> None:
     """Experience-guided rollouts over 2 ranks: the same allocation drawn on both for every generation batch (3 groups
     of G=4 over 12 rows, group 1 spanning both ranks), with the seeds' counts; the same store on both."""
     rank0, rank1 = ranks
-    assert rank0["allocations"] == rank1["allocations"] and len(rank0["allocations"]) == 6
-    for step, allocation in enumerate(rank0["allocations"]):
+    assert rank0["allocations"] == rank1["allocations"]
+    training = [a for a in rank0["allocations"] if len(a["guided"]) == 12]
+    evaluation = [a for a in rank0["allocations"] if len(a["guided"]) == 4]  # 2 rows a rank: one group of 4
+    assert len(training) == 6 and evaluation and all(all(a["guided"]) for a in evaluation)
+    for step, allocation in enumerate(training):
         assert sum(allocation["keep"]) == int(3 * 0.5)  # keep_count = int(tasks * train_sample_keepratio)
         per_group = [sum(allocation["guided"][g * 4 : g * 4 + 4]) for g in range(3)]
         # round(4 * 0.5) = 2 per task; once replay starts (step 2) a replayed row is never guided

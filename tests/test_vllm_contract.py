@@ -87,3 +87,30 @@ def test_vllm_server_contract(tmp_path):
     assert_replaying_losses_compose(trainer)  # TRL's loss with its IS correction on fresh rows, plus the term
     sampling = [v for e in trainer.state.log_history for k, v in e.items() if k.startswith("sampling/")]
     assert sampling and all(math.isfinite(v) for v in sampling)  # replayed rows do not reach TRL's sampler metrics
+
+
+def test_vllm_server_mode_samples_each_guided_row_on_its_own_prompt(tmp_path):
+    """Server mode samples `num_generations` completions of `prompts[::num_generations]`: with guided rows in a group,
+    the group's rows hold different prompts, so every step is sent one generation per row (before replay starts
+    too), and each row's completion comes from its own prompt, guided or not."""
+    from test_guidance import GUIDED, FixedProvider
+
+    trainer = make_trainer(tmp_path, trainer_cls=RecordingTrainer, max_steps=3, replay_start_ratio=1.0,
+                           trainer_kwargs={"experience_provider": FixedProvider()}, **GUIDED)  # fmt: skip
+    tokenizer = trainer.processing_class
+    words = [tokenizer.convert_tokens_to_ids(w) for w in ("red", "green", "blue", "cat", "dog", "sun", "say")]
+    stand_in = ServerModeStandIn(words)
+    sent = []
+    generate = stand_in.generate
+
+    def recording(prompts, images, num_generations, profiler=None):
+        sent.append([list(p) for p in prompts])
+        return generate(prompts, images, num_generations, profiler)
+
+    stand_in.generate = recording
+    trainer.use_vllm, trainer.vllm_mode, trainer.vllm_generation = True, "server", stand_in
+    trainer._last_loaded_step = -1
+    trainer.train()
+    assert stand_in.calls == [(16, 1)] * 3  # one generation per row: no row is sampled on another row's prompt
+    guided_prompts = [sum(1 for p in prompts if tokenizer.convert_tokens_to_ids("please") in p) for prompts in sent]
+    assert guided_prompts == [8, 8, 8]  # round(4 * 0.5) rows of each of the 4 groups, every task retrieving

@@ -48,6 +48,8 @@ class GenerationStep:
     plain_prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # local guided row -> prompt without it
     # local guided row -> the prompt it was sampled on
     guided_prompt_ids: dict[int, list[int]] = field(default_factory=dict)
+    retrieved: dict[str, tuple] = field(default_factory=dict)  # task text -> (experience text or None, records)
+    retrieval_down: bool = False  # the provider failed in this step: its remaining rows go unguided
     _replay_taken: bool = False
     _stripped: bool = False
 

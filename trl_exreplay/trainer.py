@@ -173,11 +173,13 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         if not self.model.training or not (self._replay_enabled or self._guide_train):
             self._generation = step = GenerationStep(rows=[self._with_prompt(row) for row in inputs])
             if self._guide_eval and not self.model.training:
-                # evaluation draws per process (nothing collective depends on it), from the step and the rank
-                seed = [self.args.seed, self.state.global_step, self.accelerator.process_index, 1]
-                step.guidance = self._allocate(len(inputs), seed, training=False)
+                # drawn on the global evaluation batch (a group may span ranks), from the step and the batch's number
+                seed = [self.args.seed, self.state.global_step, self._eval_batches, 1]
+                self._eval_batches += 1
+                step.offset = self.accelerator.process_index * len(inputs)
+                step.guidance = self._allocate(len(inputs) * self.accelerator.num_processes, seed, training=False)
                 if self.text_env_factory is None:  # multi-turn rows retrieve once their first observation is known
-                    self._guide_rows(step, 0, self._row_queries(step.rows))
+                    self._guide_rows(step, step.offset, self._row_queries(step.rows))
             try:
                 output = super()._generate_and_score_completions(step.rows)
                 if step.guidance is not None:
@@ -294,8 +296,13 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
 
     def _generate_with_replay(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
         """Generate the fresh rows only (all of them, when the step replays nothing) and splice in the replayed ones."""
-        replayed = self._generation.take_replay() if self._generation is not None else None
+        step = self._generation
+        replayed = step.take_replay() if step is not None else None
         if replayed is None:
+            if step is not None and step.guidance is not None and any(step.guidance.guided):
+                # a group's rows hold different prompts now: one sample per row (vLLM's server mode would sample the
+                # whole group from its first prompt); the allocation is global, so every rank decides alike
+                num_generations = 1 if self.use_vllm else num_generations
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )

@@ -24,6 +24,7 @@ from collections import Counter
 
 import torch
 import xxhash
+from accelerate.utils import broadcast_object_list
 
 from .guidance import ExperienceProvider, SummaryInput
 from .guidance.allocation import allocate_guidance
@@ -67,7 +68,8 @@ class ExperienceGuidance:
                 )
             return
         unsupported = {
-            "tools or environment_factory (TRL's tool loop)": bool(self.tools) or self.environments is not None,
+            "tools or environment_factory (TRL's tool loop)": bool(self.tools)
+            or self.environment_factories is not None,
             "a custom rollout_func": user_rollout_func,
             "vision-language models": self._is_vlm,
         }
@@ -78,41 +80,52 @@ class ExperienceGuidance:
                     "val_rollout_expmode to 'woexp'."
                 )
         self._experience = provider if provider is not None else make_provider(o)
-        # A service shares its records between processes: only the main process summarises into it.
-        self._summarizes = not getattr(self._experience, "shared", False) or self.accelerator.is_main_process
+        # The main process alone summarises (once, not once per process: a summary may come from a model, and differ
+        # between calls); an in-process store then gets its records broadcast to every process at the same step.
+        self._summarizes = self.accelerator.is_main_process
         self._summarizer = BackgroundSummarizer(self._experience)
+        can_grow = o["experience_update_freq"] > 0 or o["init_experience_before_training"]
+        if not can_grow and not self._experience.records() and not getattr(self._experience, "shared", False):
+            logger.warning(
+                "trl_exreplay: experience-guided rollouts are on, but experience_update_freq=0 and "
+                "init_experience_before_training=False leave the experience store empty: no rollout will be guided "
+                "unless the provider was given records (or a resumed checkpoint holds some)."
+            )
         self._guide_counts: Counter = Counter()
+        self._eval_batches = 0  # evaluation batches drawn so far (every rank makes as many)
         self._last_update_step: int | None = None
         self._experience_started = False
         self._experience_template = o["experience_template"]
 
     # ------------------------------------------------------------------------------------------- each step
     def _experience_step_begin(self) -> None:
-        """At a step boundary: add the records of a finished summarisation (on every process at the same step) and,
-        every `experience_update_freq` steps, hand the backlog to the background thread. Collective."""
+        """At a step boundary: the main process collects a finished summarisation (never waiting for one), and every
+        process adds its records at this same step; every `experience_update_freq` steps the main process hands the
+        backlog to the background thread. Collective (one broadcast) for an in-process store."""
         step = self.state.global_step
+        records = []
         if not self._experience_started:
             self._experience_started = True
             if self.replay["init_experience_before_training"] and step == 0:
-                self._init_experience()
-        summarizer = self._summarizer
-        ready = summarizer.done()
+                records += self._init_experience()
+        if self._summarizes:
+            records += self._summarizer.collect()  # [] while the job runs
         if not getattr(self._experience, "shared", False) and self.accelerator.num_processes > 1:
-            # every process's store takes the records at the same step (same records: same trajectories summarised)
-            flag = torch.tensor([1.0 if ready else 0.0], device=self.accelerator.device)
-            ready = self.accelerator.reduce(flag, reduction="sum").item() == self.accelerator.num_processes
-        if ready:
-            records = summarizer.collect()
-            if records:
-                self._experience.add(records)
-        freq = self.replay["experience_update_freq"]
-        if freq and step % freq == 0 and step != self._last_update_step:
+            records = broadcast_object_list([records], from_process=0)[0]
+        if records:
+            self._experience.add(records)
+        freq, last = self.replay["experience_update_freq"], self._last_update_step
+        if freq and (last is None or step - last >= freq):
             self._last_update_step = step
             if self._summarizes:
-                summarizer.submit()
+                self._summarizer.submit()
 
-    def _init_experience(self) -> None:
-        """`init_experience_before_training`: summarise the starting pool's trajectories now (before the first step)."""
+    def _init_experience(self) -> list:
+        """`init_experience_before_training`, on the main process: the starting pool's trajectories summarised now
+        (before the first step) by an in-process provider, whose records it returns; a service gets them in the
+        background (a long request must not hold the other processes at a collective)."""
+        if not self._summarizes:
+            return []
         inputs = []
         for task_id in self.pool.stored_tasks():
             row = self.pool.task_row(task_id) or {}
@@ -123,14 +136,20 @@ class ExperienceGuidance:
                         task_id, query, t.completion_ids, t.completion_mask, t.reward, t.policy_version
                     )
                 )
-        if inputs and self._summarizes:
-            try:
-                self._experience.add(self._experience.summarize(inputs))
-            except Exception as error:  # noqa: BLE001 - a failing provider is counted; training goes on unguided
-                self._summarizer.failures += 1
-                self._summarizer.offer(inputs)
-                logger.warning("trl_exreplay: summarising the starting pool failed (%r); offered again later.", error)
         logger.info("trl_exreplay: experience initialised from %d pool trajectories.", len(inputs))
+        if not inputs:
+            return []
+        if getattr(self._experience, "shared", False):
+            self._summarizer.offer(inputs)
+            self._summarizer.submit()
+            return []
+        try:
+            return list(self._experience.summarize(inputs))
+        except Exception as error:  # noqa: BLE001 - a failing provider is counted; training goes on unguided
+            self._summarizer.failures += 1
+            self._summarizer.offer(inputs)
+            logger.warning("trl_exreplay: summarising the starting pool failed (%r); offered again later.", error)
+            return []
 
     def _pool_task_text(self, row: dict, trajectory) -> str:
         prompt = row.get("prompt")
@@ -166,39 +185,59 @@ class ExperienceGuidance:
             replayed_rows,
         )
 
-    def _retrieve_experience(self, query: str) -> str | None:
-        """The filled template for a task text, or None (nothing retrieved, or the provider failed: counted)."""
-        k = self.replay["retrieve_top_k"]
-        try:
-            contents = self._experience.retrieve(query, k)
-            if not isinstance(contents, (list, tuple)):
-                raise TypeError(f"retrieve() returned {type(contents).__name__}, not a list of strings")
-        except Exception as error:  # noqa: BLE001 - a failing provider is counted; the rollout goes unguided
-            self._guide_counts["retrieve_failures"] += 1
-            if "retrieve" not in self._warned:
-                self._warned.add("retrieve")
-                message = "trl_exreplay: experience retrieval failed (%r); the rollout goes unguided (counted in %s)."
-                logger.warning(message, error, "guide/retrieve_failures; logged once")
-            return None
-        contents = [c for c in contents if isinstance(c, str) and c.strip()][:k]
-        self._guide_counts["records_retrieved"] += len(contents)
-        return format_experience(self._experience_template, contents) if contents else None
+    def _retrieve_experience(self, step, query: str) -> tuple[str | None, int]:
+        """The filled template for a task text and the number of records in it; (None, 0) when nothing was retrieved
+        or the provider failed (counted; the rest of the step then goes unguided: one slow or failing service costs a
+        step one timeout at most). One retrieval per task text and step."""
+        if query in step.retrieved:
+            return step.retrieved[query]
+        result: tuple[str | None, int] = (None, 0)
+        if not step.retrieval_down:
+            k = self.replay["retrieve_top_k"]
+            try:
+                contents = self._experience.retrieve(query, k)
+                if not isinstance(contents, (list, tuple)):
+                    raise TypeError(f"retrieve() returned {type(contents).__name__}, not a list of strings")
+                contents = [c for c in contents if isinstance(c, str) and c.strip()][:k]
+                if contents:
+                    result = (format_experience(self._experience_template, contents), len(contents))
+            except Exception as error:  # noqa: BLE001 - a failing provider is counted; the rollout goes unguided
+                step.retrieval_down = True
+                self._guide_counts["retrieve_failures"] += 1
+                if "retrieve" not in self._warned:
+                    self._warned.add("retrieve")
+                    message = "trl_exreplay: experience retrieval failed (%r); the step goes unguided (counted in %s)."
+                    logger.warning(message, error, "guide/retrieve_failures; logged once")
+        step.retrieved[query] = result
+        return result
 
-    def _guide_rows(self, step, offset: int, queries: dict[int, str]) -> None:
-        """Retrieve for this rank's allocated rows (local row -> task text) and keep the texts in `step`."""
-        cache: dict[str, str | None] = {}
+    def _guide_rows(self, step, offset: int, queries: dict[int, str | None]) -> None:
+        """Retrieve for this rank's allocated rows (local row -> task text, None: the row cannot be guided) and keep
+        the texts in `step`."""
         for i, query in queries.items():
             if not step.guidance.guided[offset + i]:
                 continue
             self._guide_counts["rows_allocated"] += 1
-            if query not in cache:
-                cache[query] = self._retrieve_experience(query)
-            if cache[query] is not None:
-                step.guided_text[i] = cache[query]
+            if query is None:
+                continue
+            text, count = self._retrieve_experience(step, query)
+            self._guide_counts["records_retrieved"] += count
+            if text is not None:
+                step.guided_text[i] = text
 
-    def _row_queries(self, rows: list[dict]) -> dict[int, str]:
-        """Each row's task text (its first user message), what retrieval matches."""
-        return {i: task_text(row["prompt"]) for i, row in enumerate(rows)}
+    def _row_queries(self, rows: list[dict]) -> dict[int, str | None]:
+        """Each row's task text (its first user message), what retrieval matches; None for a row without a text user
+        message (it goes unguided, and a warning says so once: an error here, on one process, would hang the others)."""
+        queries = {}
+        for i, row in enumerate(rows):
+            try:
+                queries[i] = task_text(row["prompt"])
+            except (ValueError, TypeError, KeyError):
+                queries[i] = None
+                if "no_user_text" not in self._warned:
+                    self._warned.add("no_user_text")
+                    logger.warning("trl_exreplay: a prompt without a text user message goes unguided (logged once).")
+        return queries
 
     def _take_step_counts(self) -> list[int]:
         """This step's counts (rows allocated to guidance, records retrieved, rows discarded), reset for the next."""
@@ -236,7 +275,8 @@ class ExperienceGuidance:
         lengths = completion_mask.sum(dim=1).tolist()
         rows = discarded + [discarded[0] if discarded else 0] * (most - len(discarded))  # padding rows: same calls
         # a padding row (this rank has fewer discarded rows, or none) repeats one of them, or row 0 as it is
-        prompts = [step.guided_prompt_ids.get(i, output["prompt_ids"][i].tolist()) for i in rows]
+        prompts = [step.guided_prompt_ids[i] if i in step.guided_prompt_ids else output["prompt_ids"][i].tolist()
+                   for i in rows]  # fmt: skip
         completions = [output["completion_ids"][i, : max(int(lengths[i]), 1)].tolist() for i in rows]
         masks = [model_mask[i, : max(int(lengths[i]), 1)].tolist() for i in rows]
         logps, _, _ = self._policy_forward(prompts, completions, masks)
@@ -262,7 +302,9 @@ class ExperienceGuidance:
                     n = len(record["completion_ids"])
                     mask = torch.tensor(record["completion_mask"], dtype=torch.float32)
                     record["logps"] = (output["recorded_per_token_logps"][i, :n].cpu().float() * mask).tolist()
-            query = task_text(step.rows[i]["prompt"])  # the row as TRL has it: never the guided copy
+            query = self._row_queries([step.rows[i]])[0]  # the row as TRL has it: never the guided copy
+            if query is None:
+                continue
             summary = self._summary_input(
                 record["task_id"],
                 query,

@@ -40,7 +40,10 @@ class TrainerPool:
             "replay_window": self.replay["replay_window"],
             "seed": self.args.seed,
         }
-        self._tokenizer_fingerprint = tokenizer_fingerprint(self.processing_class) if self._replay_enabled else None
+        # The pool's token ids must be this tokenizer's wherever they are read: replay, and the experience of guided
+        # rollouts when it starts from the pool.
+        reads_pool = self._replay_enabled or self.replay["init_experience_before_training"]
+        self._tokenizer_fingerprint = tokenizer_fingerprint(self.processing_class) if reads_pool else None
         self._vocab_size = _vocab_size(self.model)
         self.pool = ExperiencePool(**self._pool_settings, work_dir=self._pool_work_dir())
         if self._vocab_size is not None:

@@ -10,7 +10,8 @@ clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_poli
 live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared. `small-shards`: the
 trainer gets a pool whose shards hold 2 rows, so that files are written during training (and shared between ranks).
 `sharing=MODE`: `replay_scratch_sharing` (machine, all, none). `guided`: experience-guided rollouts too (mixed, half
-the tasks keep, the offline provider updated every step); each rank records every allocation it draws.
+the tasks keep, the offline provider updated every step; evaluation guided every 3 steps, one group spanning both
+ranks); each rank records every allocation it draws.
 
 single-turn: 12 rows per step over 2 ranks, G=4, so group 1 spans both ranks.
 multi-turn: 4 rows per step, one group of G=4 over both ranks, k=2: once replay starts, rank 1's rows are both
@@ -67,6 +68,12 @@ GUIDED = dict(
     train_sample_keepratio=0.5,
     experience_update_freq=1,
     experience_template="please {} ok ",
+    # evaluation guided too, on a group of 4 that spans both ranks (2 rows each)
+    val_rollout_expmode="all",
+    eval_strategy="steps",
+    eval_steps=3,
+    per_device_eval_batch_size=2,
+    num_generations_eval=4,
 )
 
 generated_rows = []
@@ -134,6 +141,8 @@ if multi_turn:
     task_setup = dict(text_env_factory=KeyDoorEnv, train_dataset=key_door_dataset(num_tasks=1, repeats=40))
 else:
     task_setup = dict(reward_funcs=said_target, train_dataset=say_word_dataset(num_tasks=3, repeats=20))
+    if "guided" in options:
+        task_setup["eval_dataset"] = say_word_dataset(num_tasks=2, repeats=4)
 if "small-shards" in options:
     from trl_exreplay.pool import ExperiencePool
 

@@ -8,7 +8,7 @@ BM25 retrieval, Arrow persistence), `offline` and `reme` (the two providers), `s
 """
 
 from .offline import OfflineExperienceProvider
-from .provider import ExperienceProvider, ExperienceRecord, SummaryInput
+from .provider import ExperienceProvider, ExperienceRecord, PartialSummaryError, SummaryInput
 from .reme import ReMeError, ReMeExperienceProvider
 from .store import ExperienceFormatError, ExperienceStore, load_experience, save_experience
 
@@ -18,6 +18,7 @@ __all__ = [
     "ExperienceRecord",
     "ExperienceStore",
     "OfflineExperienceProvider",
+    "PartialSummaryError",
     "ReMeError",
     "ReMeExperienceProvider",
     "SummaryInput",

@@ -50,6 +50,16 @@ class ExperienceRecord:
         return asdict(self)
 
 
+class PartialSummaryError(RuntimeError):
+    """Raised by `ExperienceProvider.summarize` when only part of the trajectories could be summarised (e.g. a service
+    that took some requests and failed others): `records` are kept, and only `failed` is offered again, so that a
+    service does not store the same experience twice."""
+
+    def __init__(self, records: list[ExperienceRecord], failed: list[SummaryInput], cause: BaseException):
+        super().__init__(f"{len(failed)} trajectories could not be summarised: {cause}")
+        self.records, self.failed, self.cause = list(records), list(failed), cause
+
+
 @runtime_checkable
 class ExperienceProvider(Protocol):
     """Where experience comes from and goes to.
@@ -58,7 +68,7 @@ class ExperienceProvider(Protocol):
       empty). Called on every process for its own guided rows; it must not block for long (it runs in the step).
     * `summarize(trajectories)`: records made from `SummaryInput`s. Called from a background thread, never in the
       step; an exception is counted (`guide/summarizer_failures`) and the trajectories are offered again at the next
-      update.
+      update (a `PartialSummaryError` keeps its records and offers only its failed trajectories again).
     * `add(records)`: make records retrievable. The trainer calls it at a step boundary, on every process alike, with
       what `summarize` returned (and, on resume, with the records saved in the checkpoint).
     * `records()`: the records this process holds, saved with every checkpoint (a service that keeps its own returns

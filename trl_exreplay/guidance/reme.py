@@ -35,7 +35,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from .provider import ExperienceRecord, SummaryInput
+from .provider import ExperienceRecord, PartialSummaryError, SummaryInput
 
 __all__ = ["RETRIEVE_ENDPOINT", "SUMMARY_ENDPOINT", "ReMeError", "ReMeExperienceProvider", "trajectory_payload"]
 
@@ -147,17 +147,26 @@ class ReMeExperienceProvider:
         groups: dict[str, list[SummaryInput]] = {}
         for trajectory in trajectories:
             groups.setdefault(trajectory.task_id, []).append(trajectory)
-        records = []
+        records, failed, error = [], [], None
         for task_id, group in groups.items():
             payload = {"workspace_id": self.workspace_id, "trajectories": [trajectory_payload(t) for t in group]}
-            reply = self._post(SUMMARY_ENDPOINT, payload)
+            try:
+                memories = self._memory_list(SUMMARY_ENDPOINT, self._post(SUMMARY_ENDPOINT, payload), required=False)
+            except ReMeError as e:  # this task's request failed; the others' memories are stored by now
+                failed += group
+                error = e
+                continue
             source = group[0].source if len(group) == 1 else ""
             step = max(t.step for t in group)
-            for memory in self._memory_list(SUMMARY_ENDPOINT, reply, required=False):
+            for memory in memories:
                 if not memory["content"].strip():
                     continue
                 query = memory.get("when_to_use") or group[0].query
                 records.append(ExperienceRecord(task_id, query, memory["content"], source, step))
+        if failed and len(failed) == len(trajectories):
+            raise error
+        if failed:  # offer again only what the service did not take, or it would store the rest twice
+            raise PartialSummaryError(records, failed, error)
         return records
 
     def add(self, records: list[ExperienceRecord]) -> None:

@@ -87,6 +87,8 @@ _MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a handful of files: a few hund
 _MAX_FILES = 64
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # no '..', no hidden file, no separator
 _VERSION = re.compile(r"v-[0-9a-f]{16}")
+# An uncompressed stream's columns take about its size in memory; more than this many times it is refused.
+_MAX_EXPANSION, _MAX_EXPANSION_SLACK = 8, 1 << 20
 _HEX = re.compile(r"[0-9a-f]{16}")
 _PID = re.compile(r"[0-9]{1,10}")
 
@@ -126,17 +128,24 @@ class ExperienceFormatError(ValueError):
 class ExperienceStore:
     """Experience records in memory, retrieved by BM25 over each record's `query` (the task text it was made for).
 
-    `add` skips a record whose (query, content) the store already holds, counted in `duplicates`. `retrieve` is
-    deterministic: the same records, added in the same order, give the same answer to the same query (equal scores
-    rank in insertion order). Safe to call from several threads (one lock; the index is rebuilt under it).
+    `add` skips a record whose (query, content) the store already holds, counted in `duplicates`; beyond
+    `max_records` the oldest records are dropped, counted in `dropped` (the index is rebuilt after each add, so a store
+    without bound would cost more every step). `retrieve` is deterministic: the same records, added in the same
+    order, give the same answer to the same query (equal scores rank in insertion order). Safe to call from several
+    threads (one lock; the index is rebuilt under it).
     """
 
-    def __init__(self, records: Iterable[ExperienceRecord] = ()):
+    def __init__(self, records: Iterable[ExperienceRecord] = (), max_records: int = 20_000):
+        if not isinstance(max_records, int) or isinstance(max_records, bool) or max_records < 1:
+            raise ValueError(f"max_records must be an integer >= 1, got {max_records!r}.")
+        self.max_records = max_records
         self._records: list[ExperienceRecord] = []
         self._keys: set[tuple[str, str]] = set()
         self.duplicates = 0  # records `add` skipped: same query and content as one held
+        self.dropped = 0  # the oldest records dropped beyond max_records
         self._lock = threading.Lock()
-        self._index = None  # the bm25s.BM25 of the first `_indexed` records; None when no record has a word
+        self._index = None  # the bm25s.BM25 of the records as of version `_indexed`; None when no record has a word
+        self._version = 0  # changes with every add that changes the records
         self._indexed = 0
         self.add(records)
 
@@ -154,6 +163,13 @@ class ExperienceStore:
                     continue
                 self._keys.add(key)
                 self._records.append(record)
+                self._version += 1
+            excess = len(self._records) - self.max_records
+            if excess > 0:
+                for old in self._records[:excess]:
+                    self._keys.discard((old.query, old.content))
+                del self._records[:excess]
+                self.dropped += excess
 
     def retrieve(self, query: str, k: int) -> list[str]:
         """The contents of the (at most) `k` records whose `query` best matches `query` by BM25, best first; each
@@ -193,7 +209,7 @@ class ExperienceStore:
 
     def _current_index(self):
         """The index of all records (rebuilt when records were added since it was built) and those records."""
-        if self._indexed != len(self._records):
+        if self._indexed != self._version:
             import bm25s
 
             corpus = bm25s.tokenize([r.query for r in self._records], stopwords="en", show_progress=False)
@@ -202,7 +218,7 @@ class ExperienceStore:
                 self._index.index(corpus, show_progress=False)
             else:  # no record has a word that is not a stop word (bm25s cannot index an empty vocabulary)
                 self._index = None
-            self._indexed = len(self._records)
+            self._indexed = self._version
         return self._index, self._records
 
     def records(self) -> list[ExperienceRecord]:
@@ -453,7 +469,7 @@ def _read_manifest(folder: str) -> dict:
     _need(len(text) <= _MAX_MANIFEST_BYTES, path, f"is larger than {_MAX_MANIFEST_BYTES} bytes.")
     try:
         manifest = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ExperienceFormatError(path, f"not valid JSON ({e}).") from None
     _need(isinstance(manifest, dict), path, f"must hold a JSON object, got {type(manifest).__name__}.")
     _need(
@@ -522,7 +538,18 @@ def _read_rows(path: str, table: str) -> list[tuple]:
     order, after its schema, layout, nulls and steps are checked."""
     try:
         with pa.memory_map(path) as source:
-            data = pa.ipc.open_stream(source).read_all()
+            # Batch by batch, bounded: an IPC stream may hold compressed buffers, and a small file must not expand
+            # into gigabytes (the checksums say nothing: whoever edits a file can rewrite the manifest too).
+            reader, batches, expanded = pa.ipc.open_stream(source), [], 0
+            for batch in reader:
+                expanded += batch.nbytes
+                _need(
+                    expanded <= _MAX_EXPANSION * max(source.size(), 1) + _MAX_EXPANSION_SLACK,
+                    path,
+                    f"expands to more than {_MAX_EXPANSION}x its size in memory (compressed buffers?); refused.",
+                )
+                batches.append(batch)
+            data = pa.Table.from_batches(batches, schema=reader.schema)
             try:
                 check_arrow(data, SCHEMAS[table], path)  # exact columns and types, valid offsets and UTF-8
             except PoolFormatError as e:

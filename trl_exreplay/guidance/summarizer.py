@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from .provider import ExperienceProvider, ExperienceRecord, SummaryInput
+from .provider import ExperienceProvider, ExperienceRecord, PartialSummaryError, SummaryInput
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class BackgroundSummarizer:
         self.summarized = 0  # inputs whose records were collected
         self._job: Future | None = None
         self._job_inputs: list[SummaryInput] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exreplay-summarizer")
+        self._executor: ThreadPoolExecutor | None = None  # made on the first job (again after `close`)
 
     def offer(self, inputs: list[SummaryInput]) -> None:
         """Add successful rollouts to the backlog."""
@@ -65,6 +65,8 @@ class BackgroundSummarizer:
         if self._job is not None or not self.backlog:
             return False
         self._job_inputs, self.backlog = self.backlog, []
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exreplay-summarizer")
         self._job = self._executor.submit(self.provider.summarize, list(self._job_inputs))
         return True
 
@@ -85,11 +87,18 @@ class BackgroundSummarizer:
         job, inputs = self._job, self._job_inputs
         self._job, self._job_inputs = None, []
         error = job.exception()
+        if isinstance(error, PartialSummaryError):  # keep what was summarised; offer only the rest again
+            self.failures += 1
+            message = "trl_exreplay: experience summarisation failed in part (%r); the rest is offered again."
+            logger.warning(message, error.cause)
+            self.backlog = error.failed + self.backlog
+            self._bound()
+            self.summarized += len(inputs) - len(error.failed)
+            return error.records
         if error is not None:
             self.failures += 1
-            logger.warning(
-                "trl_exreplay: experience summarisation failed (%r); its rollouts are offered again.", error
-            )
+            message = "trl_exreplay: experience summarisation failed (%r); its rollouts are offered again."
+            logger.warning(message, error)
             self.backlog = inputs + self.backlog
             self._bound()
             return []
@@ -111,4 +120,7 @@ class BackgroundSummarizer:
         self.offer(pending)
 
     def close(self, wait_for_job: bool = False) -> None:
-        self._executor.shutdown(wait=wait_for_job, cancel_futures=True)
+        """Stop the thread (a job in flight finishes and can still be collected); a later `submit` starts another."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=wait_for_job, cancel_futures=True)
+            self._executor = None
