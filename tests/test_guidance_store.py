@@ -223,14 +223,19 @@ def data_file(folder: str, table: str = "records") -> tuple[str, str]:
     return name, os.path.join(folder, name)
 
 
+def reseal(folder: str, name: str, path: str) -> None:
+    """Record the file's new size and checksum in the manifest, as anyone who edits the file can."""
+    manifest = manifest_of(folder)
+    manifest["files"][name] = {"size": os.path.getsize(path), "xxh3_64": file_checksum(path)}
+    write_manifest(folder, manifest)
+
+
 def forge(folder: str, table: str, data: pa.Table) -> str:
     """Replace a table's data file by `data` and record its new size and checksum: only the content is wrong."""
     name, path = data_file(folder, table)
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, data.schema) as writer:
         writer.write_table(data)
-    manifest = manifest_of(folder)
-    manifest["files"][name] = {"size": os.path.getsize(path), "xxh3_64": file_checksum(path)}
-    write_manifest(folder, manifest)
+    reseal(folder, name, path)
     return path
 
 
@@ -440,9 +445,7 @@ def test_forged_tables_are_refused_naming_them(tmp_path):
     name, path = data_file(folder)
     with open(path, "wb") as f:
         f.write(b"not an arrow stream at all")
-    manifest = manifest_of(folder)
-    manifest["files"][name] = {"size": os.path.getsize(path), "xxh3_64": file_checksum(path)}
-    write_manifest(folder, manifest)
+    reseal(folder, name, path)
     with pytest.raises(ExperienceFormatError, match="not an Arrow stream") as caught:
         load_experience(folder)
     assert caught.value.file == path
@@ -530,9 +533,7 @@ def test_a_table_that_expands_far_beyond_its_file_is_refused(tmp_path):
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, data.schema, options=options) as writer:
         writer.write_table(data)
     assert os.path.getsize(path) < 100_000
-    manifest = manifest_of(folder)
-    manifest["files"][name] = {"size": os.path.getsize(path), "xxh3_64": file_checksum(path)}
-    write_manifest(folder, manifest)
+    reseal(folder, name, path)
     with pytest.raises(ExperienceFormatError, match="expands to more than 8x") as caught:
         load_experience(folder)
     assert caught.value.file == path
