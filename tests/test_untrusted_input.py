@@ -68,6 +68,9 @@ def test_damage_is_one_error_naming_the_file(tmp_path):
     (tmp_path / "pool" / "state.json").write_text('{"format_version": 3, "snapshot": ')
     with pytest.raises(PoolFormatError, match="state.json: not valid JSON"):
         ExperiencePool.load(str(tmp_path / "pool"))
+    (tmp_path / "pool" / "state.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion
+    with pytest.raises(PoolFormatError, match="state.json: not valid JSON"):
+        ExperiencePool.load(str(tmp_path / "pool"))
 
 
 def test_a_shard_with_columns_of_another_type_is_refused(tmp_path):

@@ -7,7 +7,8 @@
 #   tools/stress_launch.sh N [OUT_DIR] [KIND ...]
 #
 # KIND is any of: ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume
-# ddp-tools zero3-tools (TRL's tool loop with replay, tests/scripts/tool_replay_multiprocess.py)
+# ddp-tools zero3-tools (TRL's tool loop with replay, tests/scripts/tool_replay_multiprocess.py) ddp-guided
+# (experience-guided rollouts; zero3 guides too, as tests/test_multiprocess.py launches them)
 # (default: these, in turn; a resume first runs the whole run it resumes from, and both count as launches), or
 # exit-race, exit-race-destroy, exit-race-plain: tests/scripts/gloo_exit.py's "natural" exit race (DDP, 3 s a launch)
 # ended by exit_distributed(), by barrier + destroy_process_group(), or not at all; name them to compare the endings
@@ -19,13 +20,13 @@
 # Environment: PYTHON (default python3), LAUNCH_TIMEOUT (seconds a launch may run, default 480).
 set -uo pipefail
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [[ $# -ge 1 && "$1" =~ ^[0-9]+$ ]] || usage
 N=$1
 OUT=${2:-stress-launch-$(date +%Y%m%d-%H%M%S)}
 shift $(( $# >= 2 ? 2 : 1 ))
 SUITE_KINDS=(ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume ddp-tools
-  zero3-tools)
+  zero3-tools ddp-guided)
 ALL_KINDS=("${SUITE_KINDS[@]}" exit-race exit-race-destroy exit-race-plain)
 KINDS=("${@:-${SUITE_KINDS[@]}}")
 for kind in "${KINDS[@]}"; do
@@ -139,9 +140,13 @@ while ((launches < N)); do
       if launch "$dir" "$config" "$SCRIPT" "$dir/out" multi-turn; then status=0; else status=$?; fi
       launches=$((launches + 1))
       ;;
+    *-guided)
+      if launch "$dir" "$config" "$SCRIPT" "$dir/out" guided; then status=0; else status=$?; fi
+      launches=$((launches + 1))
+      ;;
     *)
       extra=()
-      [[ $kind == zero3 ]] && extra=(trl-options)  # as tests/test_multiprocess.py launches it
+      [[ $kind == zero3 ]] && extra=(trl-options guided)  # as tests/test_multiprocess.py launches it
       if launch "$dir" "$config" "$SCRIPT" "$dir/out" "${extra[@]}"; then status=0; else status=$?; fi
       launches=$((launches + 1))
       ;;

@@ -445,6 +445,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not to a config
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
     if not condition:
         raise ValueError(f"Invalid value {value!r} for `{name}`: allowed values are {allowed}.")
@@ -474,7 +478,7 @@ def validate_replay_options(
     for name in ("replay_ratio", "replay_start_ratio"):
         value = o[name]
         _check(
-            isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
+            _is_number(value) and 0.0 <= value <= 1.0,
             name,
             value,
             "numbers in [0, 1]",
@@ -530,7 +534,7 @@ def validate_replay_options(
             )
     threshold = o["replay_success_threshold"]
     _check(
-        isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and math.isfinite(threshold),
+        _is_number(threshold) and math.isfinite(threshold),
         "replay_success_threshold",
         threshold,
         "finite numbers",
@@ -582,7 +586,7 @@ def validate_guidance_options(o: dict[str, Any], num_generations: int | None) ->
     for name in ("rollout_expratio", "train_sample_keepratio"):
         value = o[name]
         _check(
-            isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
+            _is_number(value) and 0.0 <= value <= 1.0,
             name,
             value,
             "numbers in [0, 1]",
@@ -625,7 +629,7 @@ def validate_guidance_options(o: dict[str, Any], num_generations: int | None) ->
         )
     timeout = o["experience_timeout"]
     _check(
-        isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0,
+        _is_number(timeout) and timeout > 0,
         "experience_timeout",
         timeout,
         "numbers > 0",

@@ -21,6 +21,7 @@ import logging
 import os
 import warnings
 from collections import Counter
+from itertools import groupby
 
 import torch
 import xxhash
@@ -102,11 +103,14 @@ class ExperienceGuidance:
         """At a step boundary: the main process collects a finished summarisation (never waiting for one), and every
         process adds its records at this same step; every `experience_update_freq` steps the main process hands the
         backlog to the background thread. Collective (one broadcast) for an in-process store."""
+        init, freq = self.replay["init_experience_before_training"], self.replay["experience_update_freq"]
+        if not init and not freq:  # nothing is ever summarised: no collective to make (the config is every rank's)
+            return
         step = self.state.global_step
         records = []
         if not self._experience_started:
             self._experience_started = True
-            if self.replay["init_experience_before_training"] and step == 0:
+            if init and step == 0:
                 records += self._init_experience()
         if self._summarizes:
             records += self._summarizer.collect()  # [] while the job runs
@@ -114,7 +118,7 @@ class ExperienceGuidance:
             records = broadcast_object_list([records], from_process=0)[0]
         if records:
             self._experience.add(records)
-        freq, last = self.replay["experience_update_freq"], self._last_update_step
+        last = self._last_update_step
         if freq and (last is None or step - last >= freq):
             self._last_update_step = step
             if self._summarizes:
@@ -317,14 +321,11 @@ class ExperienceGuidance:
 
     def _summary_input(self, task_id, query, completion_ids, completion_mask, reward, step) -> SummaryInput:
         """A successful rollout as text: the model's turns (runs of model tokens) and the environment's between."""
-        runs: list[tuple[int, list[int]]] = []
-        for token, trained in zip(completion_ids, completion_mask):
-            if runs and runs[-1][0] == int(trained):
-                runs[-1][1].append(token)
-            else:
-                runs.append((int(trained), [token]))
         decode = self.processing_class.decode
-        texts = [(trained, decode(ids, skip_special_tokens=True).strip()) for trained, ids in runs]
+        texts = [
+            (trained, decode([token for token, _ in run], skip_special_tokens=True).strip())
+            for trained, run in groupby(zip(completion_ids, completion_mask), key=lambda pair: bool(pair[1]))
+        ]
         digest = xxhash.xxh3_64_hexdigest(repr(list(completion_ids)).encode())
         return SummaryInput(
             source=f"{task_id}:{digest}",
@@ -365,7 +366,8 @@ class ExperienceGuidance:
         metrics["guide/summarizer_backlog"] = [len(summarizer.pending())]
         metrics["guide/summarizer_failures"] = [summarizer.failures]  # running totals: the latest value
         metrics["guide/retrieve_failures"] = [failures]
-        metrics["guide/store_records"] = [len(self._experience.records())]
+        provider = self._experience  # its size, without copying its records where it can say it
+        metrics["guide/store_records"] = [len(provider) if hasattr(provider, "__len__") else len(provider.records())]
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _save_experience(self, output_dir: str) -> None:

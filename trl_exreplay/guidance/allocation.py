@@ -80,9 +80,6 @@ class GuidanceAllocation:
         """A guided row whose guidance is stripped for training (trained off-policy)."""
         return self.guided[row] and not self.keeps(row)
 
-    def rows(self, offset: int, count: int) -> range:
-        return range(offset, offset + count)
-
 
 def allocate_guidance(
     num_generations: int,

@@ -105,3 +105,6 @@ class OfflineExperienceProvider:
 
     def records(self) -> list[ExperienceRecord]:
         return self.store.records()
+
+    def __len__(self) -> int:
+        return len(self.store)

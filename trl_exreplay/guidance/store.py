@@ -66,7 +66,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..pool.check import CHECKSUM, PoolFormatError, check_arrow, file_checksum
+from ..pool.check import CHECKSUM, PoolFormatError, _is_int, _within, check_arrow, file_checksum
 from ..pool.store import fsync_path
 from .provider import ExperienceRecord, SummaryInput
 
@@ -231,10 +231,6 @@ class ExperienceStore:
 
 
 # ------------------------------------------------------------------------------------------------------- saving
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_strings(value, what: str) -> None:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise TypeError(f"{what} must be a list of str, got {value!r}.")
@@ -418,10 +414,6 @@ class LoadedExperience:
 def _need(condition: bool, file: str, problem: str) -> None:
     if not condition:
         raise ExperienceFormatError(file, problem)
-
-
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def _regular_file(folder: str, name: str, file: str) -> tuple[str, os.stat_result]:

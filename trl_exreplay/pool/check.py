@@ -188,7 +188,7 @@ def parse_state(text: bytes | str, file: str, version: int, folders: Sequence[st
     """
     try:
         state = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting too deep to parse
         raise PoolFormatError(file, f"not valid JSON ({e}).") from None
     _need(isinstance(state, dict), file, f"must hold a JSON object, got {type(state).__name__}.")
     found = state.get("format_version")
