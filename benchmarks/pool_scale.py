@@ -95,7 +95,7 @@ def replay_plan(pool, step: int, replayable=None):
     return plan_replay(
         [f"group-{g}" for g in range(2 * SAMPLE)],
         pool.replay_buckets(1, step, None, None) if replayable is None else replayable(),
-        exp_ratio=0.5,
+        num_tasks=SAMPLE,  # replay_ratio 0.5 of 2 * SAMPLE groups
         num_generations=8,
         num_replayed=1,
         weighting="uniform",

@@ -82,6 +82,25 @@ def test_ddp_two_processes_draw_identical_guided_allocations(tmp_path):
 
 
 @pytest.mark.slow
+def test_ddp_a_long_run_share_of_replay_is_rank_identical_and_resumes_exactly(tmp_path):
+    """replay_ratio 0.5 of 3 groups: 1.5 a batch, so batches alternate between replaying 1 and 2 groups by their global
+    index (steps 2-5: 1, 2, 1, 2), on both ranks alike; a run resumed from its step-3 checkpoint replays what the
+    uninterrupted run replays."""
+    whole = launch("recipes/accelerate/ddp_cpu.yaml", tmp_path / "whole", "ratio=0.5")
+    check_rank_identical(whole)
+    for rank in whole:
+        assert rank["plan_steps"] == [2, 3, 4, 5] and rank["plan_due"] == [1, 2, 1, 2]
+        assert [len(plan) for plan in rank["plans"]] == [1, 2, 1, 2]  # the pool held enough tasks
+        assert rank["replay_tasks"] == [0.0, 0.0, 1.0, 2.0, 1.0, 2.0]
+    checkpoint = tmp_path / "whole" / "run" / "checkpoint-3"
+    resumed = launch("recipes/accelerate/ddp_cpu.yaml", tmp_path / "resumed", "ratio=0.5", f"resume={checkpoint}")
+    for rank in range(2):
+        assert resumed[rank]["plan_steps"] == [3, 4, 5] and resumed[rank]["plan_due"] == [2, 1, 2]
+        assert resumed[rank]["plans"] == whole[rank]["plans"][1:]
+        assert resumed[rank]["losses"] == whole[rank]["losses"]
+        assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
+
+
 def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
     """With TRL options whose replayed term gathers over ranks (entropy selection) and a non-default loss type; and
     experience-guided rollouts, whose discarded rows take a behaviour forward that ZeRO-3 makes collective."""

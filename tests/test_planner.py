@@ -19,13 +19,55 @@ from trl_exreplay.planner import (
     bucket_weights,
     draw_replay_tasks,
     plan_replay,
+    replay_groups_due,
 )
 
 
-def plan(group_keys, replayable, exp_ratio, G=4, k=1, weighting="uniform", seed=0):
+def plan(group_keys, replayable, ratio, G=4, k=1, weighting="uniform", seed=0):
+    """The plan of a run's first generation batch at `replay_ratio=ratio`."""
+    num_tasks = replay_groups_due(ratio, len(group_keys), 0)
     return plan_replay(
-        group_keys, replayable, exp_ratio=exp_ratio, num_generations=G, num_replayed=k, weighting=weighting, seed=seed
+        group_keys, replayable, num_tasks=num_tasks, num_generations=G, num_replayed=k, weighting=weighting, seed=seed
     )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# replay_groups_due: replay_ratio as a long-run share of groups
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_the_docstring_examples_hold():
+    import doctest
+
+    import trl_exreplay.planner
+
+    assert doctest.testmod(trl_exreplay.planner).failed == 0
+
+
+def test_one_group_a_batch_at_one_half_replays_every_second_batch():
+    assert [replay_groups_due(0.5, 1, n) for n in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert [replay_groups_due(0.25, 1, n) for n in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert [replay_groups_due(1.0, 1, n) for n in range(4)] == [1, 1, 1, 1]
+    assert [replay_groups_due(0.0, 3, n) for n in range(4)] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("ratio, groups", [(0.5, 2), (0.5, 4), (0.25, 8), (0.3, 10), (0.29, 100), (0.7, 10), (1.0, 6)])
+def test_a_whole_share_replays_the_same_number_in_every_batch(ratio, groups):
+    """Where replay_ratio * groups is a whole number, every batch replays exactly that many (the planner's count before
+    the share was long-run); read as decimals, so 0.29 * 100 (28.999999999999996 in floats) is 29."""
+    whole = round(ratio * groups)
+    assert [replay_groups_due(ratio, groups, n) for n in range(50)] == [whole] * 50
+
+
+@pytest.mark.parametrize("ratio, groups", [(0.5, 1), (0.3, 2), (0.6, 4), (0.35, 3), (1 / 3, 1), (0.123, 7)])
+def test_the_share_holds_over_any_stretch_of_batches(ratio, groups):
+    """Each batch replays floor or ceil of r*g, and any n consecutive batches replay r*g*n groups up to one."""
+    due = [replay_groups_due(ratio, groups, n) for n in range(400)]
+    share = ratio * groups
+    assert set(due) <= {int(share), int(share) + 1}
+    for start in (0, 17, 123):
+        for length in (1, 10, 99, 250):
+            assert abs(sum(due[start : start + length]) - share * length) < 1 + 1e-9
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -105,11 +147,11 @@ def test_empty_replay_plan():
 
 
 @pytest.mark.parametrize(
-    "num_groups, exp_ratio, num_replayable, expected",
+    "num_groups, ratio, num_replayable, expected",
     [
         (4, 0.0, 3, 0),
         (4, 0.5, 0, 0),
-        (3, 0.3, 5, 0),  # int(0.9) = 0
+        (3, 0.3, 5, 0),  # floor(0.9) = 0 in a run's first batch
         (4, 0.5, 5, 2),
         (4, 0.6, 5, 2),  # int(2.4) = 2
         (8, 0.5, 2, 2),  # fewer: the pool is small
@@ -117,10 +159,10 @@ def test_empty_replay_plan():
         (5, 1.0, 12, 5),
     ],
 )
-def test_plan_size(num_groups, exp_ratio, num_replayable, expected):
+def test_plan_size(num_groups, ratio, num_replayable, expected):
     keys = [f"g{i}" for i in range(num_groups)]
     replayable = [(f"p{i}", i % 3) for i in range(num_replayable)]
-    p = plan(keys, replayable, exp_ratio, seed=11)
+    p = plan(keys, replayable, ratio, seed=11)
     assert p.num_tasks == expected
     assert len(set(p.replay_groups.values())) == expected  # distinct tasks
     assert set(p.replay_groups.values()) <= {t for t, _ in replayable}

@@ -39,7 +39,7 @@ def drawn_tasks(pool, seed, wanted, weighting="uniform", G=4, **limits) -> list[
     p = plan_replay(
         keys,
         pool.replay_buckets(**limits),
-        exp_ratio=1.0,
+        num_tasks=wanted,
         num_generations=G,
         num_replayed=limits.get("min_trajectories", 1),
         weighting=weighting,
@@ -181,7 +181,7 @@ def test_small_pools_plan_exactly_as_from_the_listed_replayable_tasks(weighting)
         buckets = pool.replay_buckets(**limits)
         listed = pool.replayable_tasks(**limits)
         for seed in range(10):
-            kwargs = dict(exp_ratio=0.5, num_generations=4, num_replayed=1, weighting=weighting, seed=[seed, 2])
+            kwargs = dict(num_tasks=4, num_generations=4, num_replayed=1, weighting=weighting, seed=[seed, 2])
             assert plan_replay(keys, buckets, **kwargs) == plan_replay(keys, listed, **kwargs)
 
 

@@ -314,6 +314,35 @@ def test_exp_is_correct_off_uses_current_logps(tmp_path):
         assert entry["replay/logp_drift"] == 0.0
 
 
+def test_one_group_a_generation_batch_replays_on_alternate_batches(tmp_path, caplog):
+    """TRL's default batch holds one group a generation batch: replay_ratio 0.5 is a long-run share, so that group is
+    a replayed task on every second batch (the odd ones), its last row replayed, and the run says so once."""
+    trainer = make_trainer(
+        tmp_path, trainer_cls=RecordingTrainer, num_tasks=1, per_device_train_batch_size=4, max_steps=12,
+        replay_start_ratio=0.0, learning_rate=1e-2,
+    )  # fmt: skip
+    assert "holds 1 task group(s), so replay_ratio=0.5 replays a group in only about one generation batch of 2" in (
+        caplog.text
+    )
+    trainer.train()
+    replayed_batches = []
+    for n, ((output, pool_before), generated) in enumerate(zip(trainer.batches, trainer.generated_rows)):
+        rows = output["exp_mask"].bool().any(dim=1).tolist()
+        if n % 2 == 1 and pool_before:
+            assert rows == [False, False, False, True], n
+            assert generated == 3
+            (stored,) = pool_before.values()
+            assert output["completion_ids"][3, : int(output["completion_mask"][3].sum())].tolist() in [
+                t.completion_ids for t in stored
+            ]
+            replayed_batches.append(n)
+        else:
+            assert rows == [False] * 4 and generated == 4, n
+    assert len(replayed_batches) >= 3  # the test saw replay, not only its absence
+    tasks = [e["replay/tasks"] for e in trainer.state.log_history if "replay/tasks" in e]
+    assert tasks == [float(n in replayed_batches) for n in range(12)]
+
+
 def test_plain_grpo_config_replays_with_defaults(tmp_path):
     args = make_args(tmp_path, GRPOConfig, max_steps=6)
     trainer = make_trainer(tmp_path, args=args)

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from helpers import as_format_2, load_script, make_trainer, reseal_pool
 
-from trl_exreplay.config import validate_replay_options
 from trl_exreplay.examples import VOCABULARY, said_target
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, tokenizer_fingerprint
 from trl_exreplay.pool.check import PoolFormatError
@@ -255,26 +254,6 @@ def test_an_infinite_reward_is_a_counted_missing_reward_never_stored(tmp_path):
     assert stored  # the other rows were stored as usual
     assert all(np.isfinite(t.reward) and np.isfinite(t.rewards).all() for t in stored)
     assert all(np.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
-
-
-# ----------------------------------------------------------------------------------------------- 4: configs
-def test_a_replay_ratio_that_replays_no_group_is_refused_with_the_smallest_that_does():
-    options = dict(
-        enable_experience_replay=True, replay_select_by_current_entropy=True, replay_importance_sampling=True, replay_resume_without_pool=False,
-        replay_ratio=0.5, replay_start_ratio=0.35, replay_trajectories_per_group=1, replay_max_trajectories_per_task=5,
-        replay_store_lbound=0, replay_store_rbound=None, replay_success_threshold=1.0, replay_select_mode="argmin",
-        replay_shaping="clip", replay_bucket_weighting="normal", replay_store_mode="all", replay_clip_high=100.0,
-        replay_dual_clip_c=3.0, replay_shaping_beta=0.1, replay_max_policy_age=None, replay_window=None,
-        task_id_column="task_id", max_turns=1, max_tokens_per_turn=None, env_step_timeout=60.0, env_workers=1,
-    )  # fmt: skip
-    with pytest.raises(
-        ValueError, match=r"`replay_ratio`.*holds 1 task group.*smallest replay_ratio that replays one is 1"
-    ):
-        validate_replay_options(options, num_generations=8, generation_batch_size=8)
-    with pytest.raises(ValueError, match="smallest replay_ratio that replays one is 0.25"):
-        validate_replay_options({**options, "replay_ratio": 0.2}, num_generations=4, generation_batch_size=16)
-    validate_replay_options({**options, "replay_ratio": 0.25}, num_generations=4, generation_batch_size=16)
-    validate_replay_options({**options, "replay_ratio": 0.0}, num_generations=8, generation_batch_size=8)  # fill only
 
 
 # -------------------------------------------------------------------------- 5: scratch, resume, fingerprints

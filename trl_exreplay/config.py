@@ -27,7 +27,8 @@ class ExReplayGRPOConfig(GRPOConfig):
     successes (total reward >= `replay_success_threshold`) among its fresh rollouts. Tasks solved by every fresh rollout go to
     a skip set and leave the pool; successful rollouts of tasks with `replay_store_lbound < successes <
     replay_store_rbound` enter the pool (at most `replay_max_trajectories_per_task` per task). From `replay_start_ratio` of
-    training on, `int(replay_ratio * tasks_per_batch)` groups of each generation batch are pool tasks: each gets
+    training on, a share `replay_ratio` of the task groups is drawn from the pool (`replay_ratio * groups` a generation
+    batch, rounded down or up so that the share holds over the run): each gets
     `num_generations - replay_trajectories_per_group` fresh rollouts plus `replay_trajectories_per_group`
     replayed trajectories in the same GRPO group. Replayed tokens are trained with their recorded log-probs as the
     behaviour policy.
@@ -43,7 +44,7 @@ class ExReplayGRPOConfig(GRPOConfig):
         output_dir="out",
         use_cpu=not torch.cuda.is_available(),  # TRL's default bf16 needs a GPU
         num_generations=8,
-        steps_per_generation=4,  # 4 groups of 8 per generation batch (8 rows a step): replay_ratio 0.5 replays 2
+        steps_per_generation=4,  # 4 groups of 8 per generation batch: replay_ratio 0.5 replays 2 in each
         replay_ratio=0.5,
         replay_start_ratio=0.35,
         replay_trajectories_per_group=1,
@@ -59,9 +60,10 @@ class ExReplayGRPOConfig(GRPOConfig):
     replay_ratio: float = field(
         default=0.5,
         metadata={
-            "help": "Fraction of the tasks of each generation batch drawn from the replay pool once replay has "
-            "started (batch size unchanged): int(replay_ratio * groups) of its groups. In [0, 1]; a value > 0 that "
-            "replays no group at the configured batch is refused (the error gives the smallest that replays one)."
+            "help": "Long-run share of task groups drawn from the replay pool once replay has started (batch size "
+            "unchanged). Generation batch n (counted over the run) replays floor(r*g*(n+1)) - floor(r*g*n) of its g "
+            "groups: r*g in every batch when that is a whole number, else alternately fewer and more, so that a batch "
+            "of one group at 0.5 replays every second batch. In [0, 1]."
         },
     )
     replay_start_ratio: float = field(
@@ -454,14 +456,8 @@ def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
         raise ValueError(f"Invalid value {value!r} for `{name}`: allowed values are {allowed}.")
 
 
-def validate_replay_options(
-    options: dict[str, Any], num_generations: int | None, generation_batch_size: int | None = None
-) -> None:
-    """Raise `ValueError` naming the field, its value and its allowed values for the first invalid replay option.
-
-    Given `num_generations` and the global `generation_batch_size`, also refuses an `replay_ratio` that would replay no
-    task of a generation batch (``int(replay_ratio * groups) == 0`` with ``replay_ratio > 0``).
-    """
+def validate_replay_options(options: dict[str, Any], num_generations: int | None) -> None:
+    """Raise `ValueError` naming the field, its value and its allowed values for the first invalid replay option."""
     o = options
     for name in (
         "enable_experience_replay",
@@ -482,16 +478,6 @@ def validate_replay_options(
             name,
             value,
             "numbers in [0, 1]",
-        )
-    groups = generation_batch_size // num_generations if generation_batch_size and num_generations else None
-    ratio = o["replay_ratio"]
-    if o["enable_experience_replay"] and groups and ratio > 0 and int(ratio * groups) == 0:
-        raise ValueError(
-            f"Invalid value {ratio!r} for `replay_ratio`: a generation batch holds {groups} task group(s) "
-            f"(generation_batch_size {generation_batch_size} / num_generations {num_generations}), and "
-            f"int(replay_ratio * {groups}) = 0, so no task would ever be replayed. The smallest replay_ratio that replays one "
-            f"is {1 / groups:g}; or give each generation batch more groups (steps_per_generation, "
-            "per_device_train_batch_size or more processes), or set replay_ratio=0 to fill the pool without replaying."
         )
     k = o["replay_trajectories_per_group"]
     upper = f"num_generations - 1 = {num_generations - 1}" if num_generations else "num_generations - 1"

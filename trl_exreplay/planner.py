@@ -11,12 +11,41 @@ generated fresh.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
 NORMAL_BUCKET_STD = 0.25  # std of the Gaussian over bucket accuracy (successes / G) for "normal" weighting
+
+
+def replay_groups_due(replay_ratio: float, num_groups: int, batch_index: int) -> int:
+    """How many of the `num_groups` groups of generation batch `batch_index` (0, 1, ... over the whole run) replay a
+    pool task, so that `replay_ratio` is the long-run share of replayed groups:
+    ``floor(r*g*(n+1)) - floor(r*g*n)``.
+
+    When ``r*g`` is a whole number every batch replays exactly ``r*g`` groups; otherwise batches alternate between
+    ``floor(r*g)`` and ``ceil(r*g)``, so a batch of one group at ``r = 0.5`` replays on every second batch (the odd
+    ones). A pure function of the global batch index: every rank gets the same count, and a resumed run the count of
+    the uninterrupted one. The ratio is read as the decimal it was written as (0.3 is 3/10), so float rounding never
+    moves a whole ``r*g`` by one.
+
+    Example:
+
+    ```pycon
+    >>> [replay_groups_due(0.5, 1, n) for n in range(6)]
+    [0, 1, 0, 1, 0, 1]
+    >>> [replay_groups_due(0.5, 4, n) for n in range(3)]
+    [2, 2, 2]
+    >>> [replay_groups_due(0.3, 2, n) for n in range(5)]  # 0.6 groups a batch: 3 in 5 batches
+    [0, 1, 0, 1, 1]
+
+    ```
+    """
+    share = Fraction(repr(float(replay_ratio))) * num_groups
+    return math.floor(share * (batch_index + 1)) - math.floor(share * batch_index)
 
 
 @dataclass(frozen=True)
@@ -239,7 +268,7 @@ def plan_replay(
     group_keys: Sequence[str],
     replayable: Sequence[tuple[str, int]] | TaskBuckets,
     *,
-    exp_ratio: float,
+    num_tasks: int,
     num_generations: int,
     num_replayed: int,
     weighting: str = "uniform",
@@ -251,8 +280,8 @@ def plan_replay(
         group_keys: task id of each group of the global batch, in order.
         replayable: (task id, difficulty) of the pool tasks that can be replayed now, or the pool's `TaskBuckets`
             (``ExperiencePool.replay_buckets``: the draw then costs O(groups), whatever the pool's size).
-        exp_ratio: fraction of groups to turn into replay tasks (`int(num_groups * exp_ratio)`, fewer if the pool is
-            small).
+        num_tasks: how many groups to turn into replay tasks (the trainer's `replay_groups_due`; fewer if the pool
+            holds fewer replayable tasks, at most every group).
         num_generations: G, the rollouts of a group.
         num_replayed: k, the replayed rollouts of a replayed group.
         weighting: how tasks are drawn over difficulty buckets (see `bucket_weights` and `draw_replay_tasks`).
@@ -263,7 +292,7 @@ def plan_replay(
     tasks only when no such group is left).
     """
     num_groups = len(group_keys)
-    wanted = int(num_groups * exp_ratio)
+    wanted = min(num_tasks, num_groups)
     if wanted <= 0:
         return ReplayPlan(num_generations, num_replayed, {})
     buckets = replayable if isinstance(replayable, TaskBuckets) else TaskBuckets.from_pairs(replayable)

@@ -27,7 +27,7 @@ from .hub import CITATIONS
 from .loss import TOKEN_SUM_LOSS_TYPES, aggregate_loss, off_policy_loss
 from .metrics import log_generation, log_off_policy
 from .multiturn import MultiTurnRollouts, check_multi_turn_vllm
-from .planner import ReplayPlan, plan_replay
+from .planner import ReplayPlan, plan_replay, replay_groups_due
 from .pool import ExperiencePool, task_key
 from .selection import ReplaySelection
 from .step import GenerationStep, LossForward, attach_replay_tensors
@@ -106,6 +106,15 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         "citation": CITATIONS["ExGRPO"],
     }
 
+    # Our state, as it is before `__init__` sets it: an override called on a trainer that never ran our `__init__`
+    # (TRL's tests build `GRPOTrainer`s with `object.__new__`) reads these and does what TRL's method does.
+    _replay_enabled = False
+    _guide_train = _guide_eval = _guidance_on = False
+    _generation: GenerationStep | None = None  # the generation step in progress (see `trl_exreplay.step`)
+    _loss_forward: LossForward | None = None  # TRL's loss forward in progress (see `_compute_loss`)
+    _pending = None  # the last generation step's outcomes, not yet in the pool (`trainer_pool.PendingOutcomes`)
+    text_env_factory = None
+
     def __init__(
         self,
         *args,
@@ -135,17 +144,23 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         super().__init__(*args, **kwargs)
         apply_former_names(self.args)  # a former name assigned after the config was built
         self.replay = replay_options(self.args)
-        validate_replay_options(self.replay, self.num_generations, self.args.generation_batch_size)
+        validate_replay_options(self.replay, self.num_generations)
         self._replay_enabled = bool(self.replay["enable_experience_replay"])
+        groups = self.args.generation_batch_size // self.num_generations
+        if self._replay_enabled and 0 < self.replay["replay_ratio"] * groups < 1:
+            logger.warning(
+                "trl_exreplay: a generation batch holds %d task group(s), so replay_ratio=%g replays a group in only "
+                "about one generation batch of %.3g (replay/tasks is 0 in the others). To replay in every batch, give "
+                "it more groups (steps_per_generation, per_device_train_batch_size, processes).",
+                groups, self.replay["replay_ratio"], 1 / (self.replay["replay_ratio"] * groups),
+            )  # fmt: skip
         user_rollout_func = self.rollout_func is not None
         if self._replay_enabled:
             self._check_supported()
         self.text_env_factory = text_env_factory
-        self._generation: GenerationStep | None = None  # the generation step in progress (see `trl_exreplay.step`)
         if text_env_factory is not None:
             self._setup_multi_turn(text_env_factory)
         self._setup_pool(experience_pool)
-        self._loss_forward: LossForward | None = None  # TRL's loss forward in progress (see `_compute_loss`)
         self._replay_counts: Counter = Counter()  # faults and mismatches, logged once per kind
         self._warned: set[str] = set()
         self._setup_guidance(experience_provider, user_rollout_func)
@@ -199,16 +214,21 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         step = self.state.global_step
         # Several generation batches share a global step when steps_per_generation < gradient_accumulation_steps;
         # the micro-step index (identical on every rank, 0 at every step boundary, so resume-safe) tells them apart.
-        draw_seed = [self.args.seed, step, self._step % self.args.gradient_accumulation_steps]
+        micro_step = self._step % self.args.gradient_accumulation_steps
+        draw_seed = [self.args.seed, step, micro_step]
 
         plan = ReplayPlan(num_generations, self.replay["replay_trajectories_per_group"], {})
         if self._replay_enabled and self._replay_started():
+            # replay_ratio is a long-run share: a batch of fewer than 1 / replay_ratio groups replays on some batches
+            batch_index = (step * self.args.gradient_accumulation_steps + micro_step) // (
+                self.args.steps_per_generation * self.num_iterations
+            )
             plan = plan_replay(
                 group_keys,
                 self.pool.replay_buckets(  # drawn from in O(batch), whatever the pool's size
                     plan.num_replayed, step, self.replay["replay_max_policy_age"], self.replay["replay_window"]
                 ),
-                exp_ratio=self.replay["replay_ratio"],
+                num_tasks=replay_groups_due(self.replay["replay_ratio"], len(group_keys), batch_index),
                 num_generations=num_generations,
                 num_replayed=plan.num_replayed,
                 weighting=self.replay["replay_bucket_weighting"],
@@ -472,8 +492,11 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
 
     def get_high_entropy_mask(self, entropies, mask, threshold):
         selected = super().get_high_entropy_mask(entropies, mask, threshold)
-        if self._loss_forward is not None:  # TRL's loss selecting its tokens: the replayed term takes the same
-            self._loss_forward.entropy_mask = selected
+        # TRL's loss selecting its tokens: the replayed term takes the same. Called outside our loss forward (or, as
+        # TRL's own tests do, on a stand-in trainer that never ran our __init__), it is TRL's method alone.
+        forward = getattr(self, "_loss_forward", None)
+        if isinstance(forward, LossForward):
+            forward.entropy_mask = selected
         return selected
 
     @staticmethod

@@ -9,7 +9,7 @@ makes collective calls of its own (TRL's entropy selection gathers every rank's 
 clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`. `scratch=DIR`: the
 live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared. `small-shards`: the
 trainer gets a pool whose shards hold 2 rows, so that files are written during training (and shared between ranks).
-`sharing=MODE`: `replay_scratch_sharing` (machine, all, none). `guided`: experience-guided rollouts too (mixed, half
+`sharing=MODE`: `replay_scratch_sharing` (machine, all, none). `ratio=R`: `replay_ratio` (default 1). `guided`: experience-guided rollouts too (mixed, half
 the tasks keep, the offline provider updated every step; evaluation guided every 3 steps, one group spanning both
 ranks); each rank records every allocation it draws.
 
@@ -35,7 +35,7 @@ from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E4
 out_dir, options = sys.argv[1], sys.argv[2:]
 multi_turn = "multi-turn" in options
 resume_from = next((option.split("=", 1)[1] for option in options if option.startswith("resume=")), None)
-plans, plan_steps = [], []
+plans, plan_steps, plan_due = [], [], []
 original_plan_replay = trainer_module.plan_replay
 
 
@@ -43,6 +43,7 @@ def recording_plan_replay(*args, **kwargs):
     plan = original_plan_replay(*args, **kwargs)
     plans.append({str(group): task for group, task in plan.replay_groups.items()})
     plan_steps.append(kwargs["seed"][1])  # the global step it was drawn for: [seed, step, micro-step]
+    plan_due.append(kwargs["num_tasks"])  # the groups replay_ratio asked of this batch
     return plan
 
 
@@ -128,7 +129,7 @@ config = ExReplayGRPOConfig(
     save_steps=3,
     report_to="none",
     disable_tqdm=True,
-    replay_ratio=1.0,
+    replay_ratio=float(next((o.split("=", 1)[1] for o in options if o.startswith("ratio=")), 1.0)),
     replay_start_ratio=0.3,
     ds3_gather_for_generation=os.environ.get("EXREPLAY_TEST_DS3_GATHER", "1") == "1",
     replay_scratch_dir=next((option.split("=", 1)[1] for option in options if option.startswith("scratch=")), None),
@@ -166,6 +167,7 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             "shard_files": {k: v for k, v in trainer.pool.storage_stats().items() if k.startswith("shard_files")},
             "plans": plans,
             "plan_steps": plan_steps,
+            "plan_due": plan_due,
             "losses": losses,
             "replay_tasks": replay_tasks,
             "generated_rows": generated_rows,
