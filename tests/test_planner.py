@@ -81,18 +81,36 @@ def test_bucket_weights_uniform_is_one_per_task():
 
 
 def test_bucket_weights_normal():
-    assert NORMAL_BUCKET_STD == 0.25
-    # G = 4: accuracies 0, .25, .5, .5, .75 -> z = -2, -1, 0, 0, 1; the bucket of 2 shares exp(0) = 1 between its tasks
+    assert NORMAL_BUCKET_STD == 1.0
+    # G = 4: successes 0, 1, 2, 2, 3 -> k - G/2 = -2, -1, 0, 0, 1; the bucket of 2 shares exp(0) = 1 between its tasks
     w = bucket_weights([0, 1, 2, 2, 3], 4, "normal")
     expected = [math.exp(-2.0), math.exp(-0.5), 0.5, 0.5, math.exp(-0.5)]
     np.testing.assert_allclose(w, expected, rtol=1e-12, atol=0)
 
 
 def test_bucket_weights_normal_other_group_size():
-    # G = 8: accuracy 2/8 = .25 -> z = -1; 6/8 -> z = 1; 4/8 -> z = 0 shared by three tasks
+    # G = 8: 2 successes -> k - 4 = -2; 6 -> 2; 4 -> 0, shared by three tasks
     w = bucket_weights([2, 4, 4, 4, 6], 8, "normal")
-    expected = [math.exp(-0.5), 1 / 3, 1 / 3, 1 / 3, math.exp(-0.5)]
+    expected = [math.exp(-2.0), 1 / 3, 1 / 3, 1 / 3, math.exp(-2.0)]
     np.testing.assert_allclose(w, expected, rtol=1e-12, atol=0)
+
+
+def test_normal_weighting_draws_buckets_as_exgrpo_does():
+    """ExGRPO's weight of bucket k is exp(-(k - G/2)^2 / 2): one success wide. With the 7 buckets 1..7 of G = 8 filled
+    (one task each), a draw lands in them with these probabilities (hand-computed: exp(-z^2/2) for z = -3..3 over their
+    sum 2.505950); buckets 3-5 take 88% of the draws."""
+    w = bucket_weights(list(range(1, 8)), 8, "normal")
+    p = w / w.sum()
+    np.testing.assert_allclose(p, [0.004433, 0.054006, 0.242036, 0.399050, 0.242036, 0.054006, 0.004433], atol=1e-6)
+    assert p[2:5].sum() == pytest.approx(0.883122, abs=1e-6)
+    # and the planner draws accordingly: first draws of 20,000 one-task plans
+    buckets = TaskBuckets.from_pairs([(f"t{k}", k) for k in range(1, 8)])
+    rng = np.random.default_rng(0)
+    counts = np.zeros(7)
+    for _ in range(20_000):
+        (task,) = draw_replay_tasks(buckets, 1, num_generations=8, weighting="normal", rng=rng)
+        counts[task] += 1
+    np.testing.assert_allclose(counts / counts.sum(), p, atol=0.01)
 
 
 def test_bucket_weights_linear():

@@ -144,7 +144,7 @@ class ExReplayGRPOConfig(GRPOConfig):
         default="uniform",
         metadata={
             "help": "How replay tasks are drawn over difficulty buckets: 'uniform' (every pool task alike), "
-            "'normal' (buckets weighted by a Gaussian around num_generations / 2, as ExGRPO), 'linear' (bucket "
+            "'normal' (bucket of k successes weighted exp(-(k - num_generations/2)^2 / 2), ExGRPO's Gaussian), 'linear' (bucket "
             "weight grows linearly as tasks get harder, i.e. fewer successes)."
         },
     )

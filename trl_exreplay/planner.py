@@ -18,7 +18,7 @@ from fractions import Fraction
 
 import numpy as np
 
-NORMAL_BUCKET_STD = 0.25  # std of the Gaussian over bucket accuracy (successes / G) for "normal" weighting
+NORMAL_BUCKET_STD = 1.0  # "normal" weighting: std, in successes, of ExGRPO's Gaussian around G / 2 successes
 
 
 def replay_groups_due(replay_ratio: float, num_groups: int, batch_index: int) -> int:
@@ -101,9 +101,8 @@ def _bucket_mass(difficulties: np.ndarray, num_generations: int, weighting: str)
     whatever its bucket)."""
     if weighting == "uniform":
         return None
-    if weighting == "normal":
-        accuracy = difficulties / num_generations
-        return np.exp(-0.5 * ((accuracy - 0.5) / NORMAL_BUCKET_STD) ** 2)
+    if weighting == "normal":  # ExGRPO's exp(-(k - G/2)^2 / 2), k the bucket's successes
+        return np.exp(-0.5 * ((difficulties - num_generations / 2) / NORMAL_BUCKET_STD) ** 2)
     if weighting == "linear":
         return (num_generations - difficulties).clip(min=1.0)
     raise ValueError(f"Unknown replay_bucket_weighting {weighting!r}: allowed 'uniform', 'normal', 'linear'.")
