@@ -7,12 +7,24 @@ from dataclasses import fields
 import pytest
 from trl import GRPOConfig
 
-from trl_exreplay.config import RENAMED_FIELDS, ExReplayGRPOConfig, replay_options, validate_replay_options
+from trl_exreplay.config import (
+    RENAMED_FIELDS,
+    REPLAY_PROFILES,
+    ExReplayGRPOConfig,
+    replay_options,
+    validate_replay_options,
+)
 
 REPLAY_FIELDS = {
     "enable_experience_replay",
+    "replay_profile",
     "replay_ratio",
+    "replay_start",
     "replay_start_ratio",
+    "replay_start_solved_fraction",
+    "replay_retire_solved",
+    "replay_count_replayed_successes",
+    "replay_unclipped_fresh",
     "replay_trajectories_per_group",
     "replay_max_trajectories_per_task",
     "replay_store_lbound",
@@ -69,8 +81,14 @@ def make(tmp_path, config_cls=ExReplayGRPOConfig, **kwargs):
 # Every field ExReplayGRPOConfig adds to GRPOConfig, with its default (the design documents' values where they give one).
 DEFAULTS = {
     "enable_experience_replay": True,
+    "replay_profile": None,
     "replay_ratio": 0.5,
+    "replay_start": "steps",
     "replay_start_ratio": 0.35,
+    "replay_start_solved_fraction": 0.35,
+    "replay_retire_solved": False,
+    "replay_count_replayed_successes": False,
+    "replay_unclipped_fresh": False,
     "replay_trajectories_per_group": 1,
     "replay_max_trajectories_per_task": 5,
     "replay_store_lbound": 0,
@@ -120,6 +138,28 @@ def test_defaults(tmp_path):
     assert isinstance(c, GRPOConfig)
 
 
+def test_the_exgrpo_profile_sets_exgrpos_recipe_on_fields_left_at_their_defaults(tmp_path, caplog):
+    c = make(tmp_path, replay_profile="exgrpo")
+    assert {name: getattr(c, name) for name in REPLAY_PROFILES["exgrpo"]} == {
+        "replay_start": "solved",
+        "replay_start_solved_fraction": 0.35,
+        "replay_retire_solved": True,
+        "replay_count_replayed_successes": True,
+        "replay_unclipped_fresh": True,
+        "replay_bucket_weighting": "normal",
+        "replay_shaping": "exgrpo",
+        "replay_shaping_beta": 0.1,
+    }
+    assert c.replay_ratio == 0.5 and c.replay_trajectories_per_group == 1 and c.replay_select_mode == "argmin"
+    mine = make(tmp_path, replay_profile="exgrpo", replay_bucket_weighting="linear", replay_start_solved_fraction=0.5)
+    assert mine.replay_bucket_weighting == "linear" and mine.replay_start_solved_fraction == 0.5  # kept, and said
+    assert mine.replay_retire_solved and mine.replay_shaping == "exgrpo"
+    assert "replay_profile='exgrpo' sets replay_bucket_weighting='normal'; your replay_bucket_weighting='linear'" in (
+        caplog.text
+    )
+    assert make(tmp_path).replay_start == "steps"  # no profile: the design documents' defaults
+
+
 def test_boundary_values_are_valid(tmp_path):
     boundaries = [
         dict(
@@ -147,6 +187,13 @@ def test_boundary_values_are_valid(tmp_path):
 
 
 INVALID = [
+    ("replay_profile", dict(replay_profile="ExGRPO"), "None, 'exgrpo'"),
+    ("replay_start", dict(replay_start="capability"), "'steps', 'solved'"),
+    ("replay_start_solved_fraction", dict(replay_start_solved_fraction=1.0), "numbers in [0, 1)"),
+    ("replay_start_solved_fraction", dict(replay_start_solved_fraction="0.35"), "numbers in [0, 1)"),
+    ("replay_retire_solved", dict(replay_retire_solved="true"), "True or False"),
+    ("replay_count_replayed_successes", dict(replay_count_replayed_successes=1), "True or False"),
+    ("replay_unclipped_fresh", dict(replay_unclipped_fresh=None), "True or False"),
     ("replay_scratch_dir", dict(replay_scratch_dir=" "), "None or a folder's path"),
     ("replay_scratch_dir", dict(replay_scratch_dir=3), "None or a folder's path"),
     ("replay_scratch_sharing", dict(replay_scratch_sharing="node"), "'machine', 'all', 'none'"),

@@ -26,6 +26,8 @@ DOCSTRINGS = [
     "trl_exreplay.trainer:ExReplayGRPOTrainer",
     "trl_exreplay.pool.experience_pool:ExperiencePool",
     "trl_exreplay.pool.rules:",
+    "trl_exreplay.schedule:",
+    "trl_exreplay.outcomes:",
     "trl_exreplay.pool.store:",
     "trl_exreplay.envs.base:TextEnv",
     "trl_exreplay.envs.process:EnvProcessPool",

@@ -54,15 +54,17 @@ SEED_NAMES = {
 }
 
 GROUPS = (
-    ("Replay: when and how much", ("enable_experience_replay", "replay_ratio", "replay_start_ratio",
-                                   "replay_trajectories_per_group", "replay_bucket_weighting")),
+    ("Replay: when and how much", ("enable_experience_replay", "replay_profile", "replay_ratio", "replay_start",
+                                   "replay_start_ratio", "replay_start_solved_fraction", "replay_retire_solved",
+                                   "replay_trajectories_per_group", "replay_bucket_weighting",
+                                   "replay_count_replayed_successes")),
     ("The pool: what is stored and kept", ("replay_success_threshold", "replay_store_lbound", "replay_store_rbound",
                                            "replay_max_trajectories_per_task", "replay_store_mode",
                                            "replay_max_policy_age", "replay_window", "replay_resume_without_pool",
                                            "replay_scratch_dir", "replay_scratch_sharing")),
     ("Selection: which stored trajectory", ("replay_select_mode", "replay_select_by_current_entropy")),
-    ("The replayed tokens' loss", ("replay_importance_sampling", "replay_clip_high", "replay_dual_clip_c",
-                                   "replay_shaping", "replay_shaping_beta")),
+    ("The loss", ("replay_importance_sampling", "replay_clip_high", "replay_dual_clip_c", "replay_shaping",
+                  "replay_shaping_beta", "replay_unclipped_fresh")),
     ("Data columns", ("task_id_column", "system_prompt_column")),
     ("Multi-turn episodes (games given as `text_env_factory`)", ("max_turns", "max_tokens_per_turn",
                                                                  "env_step_timeout", "env_workers")),

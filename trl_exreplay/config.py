@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from dataclasses import dataclass, field, fields
@@ -12,6 +13,8 @@ from trl import GRPOConfig
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
 from .guidance.allocation import ROLLOUT_MODES, SAMPLE_MODES
 from .pool.check import SELECT_MODES, STORE_MODES  # one list of each, shared with saved pools' checks
+
+logger = logging.getLogger(__name__)
 
 SHAPING_MODES = ("clip", "exgrpo")
 BUCKET_WEIGHTINGS = ("uniform", "normal", "linear")
@@ -66,11 +69,60 @@ class ExReplayGRPOConfig(GRPOConfig):
             "of one group at 0.5 replays every second batch. In [0, 1]."
         },
     )
+    replay_profile: str | None = field(
+        default=None,
+        metadata={
+            "help": "A published recipe for every replay field left at its default: 'exgrpo' (ExGRPO's code: "
+            "replay_start='solved', replay_retire_solved, replay_count_replayed_successes, replay_unclipped_fresh, "
+            "replay_bucket_weighting='normal', replay_shaping='exgrpo'). A field you set to another value keeps it "
+            "(with a warning naming it). None: the design documents' defaults, as listed here."
+        },
+    )
+    replay_start: str = field(
+        default="steps",
+        metadata={
+            "help": "When replay starts: 'steps' (at replay_start_ratio of max_steps; the pool fills from the first "
+            "step, as the design documents say) or 'solved' (ExGRPO: replay and the pool's collection start at the "
+            "first generation batch whose fresh rollouts succeed more often than replay_start_solved_fraction, "
+            "and stay on)."
+        },
+    )
     replay_start_ratio: float = field(
         default=0.35,
         metadata={
-            "help": "Fraction of total training steps after which replay starts; before it the pool only fills. "
-            "In [0, 1]."
+            "help": "replay_start='steps': fraction of total training steps after which replay starts; before it the "
+            "pool only fills. In [0, 1]."
+        },
+    )
+    replay_start_solved_fraction: float = field(
+        default=0.35,
+        metadata={
+            "help": "replay_start='solved': replay starts once a generation batch's fresh rollouts succeed (total "
+            "reward >= replay_success_threshold) strictly more often than this. In [0, 1)."
+        },
+    )
+    replay_retire_solved: bool = field(
+        default=False,
+        metadata={
+            "help": "Retired questions leave the fresh stream (ExGRPO): at each epoch's start, the dataset rows of "
+            "skip-set tasks (solved by every fresh rollout) are no longer sampled, for good; the epoch keeps its "
+            "length by cycling the remaining rows. A map-style dataset only (an iterable one trains without it, "
+            "with a warning)."
+        },
+    )
+    replay_count_replayed_successes: bool = field(
+        default=False,
+        metadata={
+            "help": "A replayed task's difficulty counts its replayed trajectories' successes with its fresh ones "
+            "((s + k) of num_generations, as ExGRPO); False: its fresh rollouts' alone (s of num_generations - k)."
+        },
+    )
+    replay_unclipped_fresh: bool = field(
+        default=False,
+        metadata={
+            "help": "Once replay has started, train fresh tokens without the PPO clip (TRL's epsilon and "
+            "epsilon_high ignored; ExGRPO's loss_remove_clip). Changes anything only where the ratio can leave 1: "
+            "num_iterations > 1, or steps_per_generation > gradient_accumulation_steps."
         },
     )
     replay_trajectories_per_group: int = field(
@@ -384,6 +436,7 @@ class ExReplayGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         apply_former_names(self)
+        apply_replay_profile(self)
         super().__post_init__()
         validate_replay_options(replay_options(self), self.num_generations)
 
@@ -430,7 +483,43 @@ def apply_former_names(config) -> None:
         setattr(config, old, None)
 
 
+# ExGRPO's published recipe (its code, ElliottYan/LUFFY, folder ExGRPO), where it differs from the design documents'
+# defaults; docs/config.md tabulates both. Its pool bounds (lbound < s <= rbound with 0 and G-1) are ours with the
+# default replay_store_rbound (s < G), and it also selects by lowest current entropy, as the defaults do.
+REPLAY_PROFILES: dict[str, dict[str, Any]] = {
+    "exgrpo": {
+        "replay_start": "solved",
+        "replay_start_solved_fraction": 0.35,
+        "replay_retire_solved": True,
+        "replay_count_replayed_successes": True,
+        "replay_unclipped_fresh": True,
+        "replay_bucket_weighting": "normal",
+        "replay_shaping": "exgrpo",
+        "replay_shaping_beta": 0.1,
+    },
+}
+
+
+def apply_replay_profile(config) -> None:
+    """Set the fields of `config.replay_profile` that are still at their defaults; a field set to another value keeps
+    it, with a warning naming it. Unknown profiles are left to `validate_replay_options`."""
+    settings = REPLAY_PROFILES.get(getattr(config, "replay_profile", None))
+    if settings is None:
+        return
+    defaults = {f.name: f.default for f in fields(type(config))}
+    for name, value in settings.items():
+        current = getattr(config, name)
+        if current == defaults[name]:
+            setattr(config, name, value)
+        elif current != value:
+            logger.warning(
+                "trl_exreplay: replay_profile=%r sets %s=%r; your %s=%r is kept.",
+                config.replay_profile, name, value, name, current,
+            )  # fmt: skip
+
+
 SCRATCH_SHARING = ("machine", "all", "none")
+REPLAY_STARTS = ("steps", "solved")
 EXPERIENCE_PROVIDERS = ("offline", "reme")
 
 
@@ -464,8 +553,17 @@ def validate_replay_options(options: dict[str, Any], num_generations: int | None
         "replay_select_by_current_entropy",
         "replay_importance_sampling",
         "replay_resume_without_pool",
+        "replay_retire_solved",
+        "replay_count_replayed_successes",
+        "replay_unclipped_fresh",
     ):
         _check(isinstance(o[name], bool), name, o[name], "True or False (a bool, not a string)")
+    profile = o["replay_profile"]
+    _check(profile is None or profile in REPLAY_PROFILES, "replay_profile", profile,
+           "None, " + ", ".join(map(repr, REPLAY_PROFILES)))  # fmt: skip
+    _check(o["replay_start"] in REPLAY_STARTS, "replay_start", o["replay_start"], ", ".join(map(repr, REPLAY_STARTS)))
+    solved = o["replay_start_solved_fraction"]
+    _check(_is_number(solved) and 0.0 <= solved < 1.0, "replay_start_solved_fraction", solved, "numbers in [0, 1)")
     scratch = o.get("replay_scratch_dir")
     _check(scratch is None or (isinstance(scratch, str) and scratch.strip() != ""), "replay_scratch_dir", scratch,
            "None or a folder's path")  # fmt: skip

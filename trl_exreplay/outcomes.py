@@ -10,7 +10,9 @@ Example:
 from trl_exreplay.outcomes import task_outcomes
 
 outcomes = task_outcomes(["a", "a", "b", "b"], fresh_rows=[0, 1, 2], success=[True, False, True, True])
-assert outcomes == {"a": [1, 2, [0]], "b": [1, 1, [2]]}  # task -> [successes, fresh rollouts, winning rows]
+assert outcomes == {"a": [1, 2, [0]], "b": [1, 1, [2]]}  # task -> [successes, rollouts, winning rows]
+# row 3 replayed, counted as ExGRPO counts a replayed task: 2 successes of 2 for "b", its fresh success alone wins
+assert task_outcomes(["a", "a", "b", "b"], [0, 1, 2], [True, False, True, True], replayed_rows=[3])["b"] == [2, 2, [2]]
 ```
 """
 
@@ -25,16 +27,21 @@ import torch
 from .pool import TaskOutcome, Trajectory
 
 
-def task_outcomes(row_tasks: list[str], fresh_rows: list[int], success: list[bool]) -> dict[str, list]:
-    """One outcome per task over all its groups in the batch (a dataset may repeat a task), from its fresh rows only:
-    task -> [successes, fresh rollouts, winning global rows]."""
+def task_outcomes(
+    row_tasks: list[str], fresh_rows: list[int], success: list[bool], replayed_rows: list[int] = ()
+) -> dict[str, list]:
+    """One outcome per task over all its groups in the batch (a dataset may repeat a task): task -> [successes,
+    rollouts counted, winning global rows]. Fresh rows count and win; `replayed_rows` (ExGRPO's bucket of a replayed
+    task, ``(s + k) / G``) count in the successes and rollouts but never win: they are in the pool already."""
     outcomes: dict[str, list] = {}
-    for row in fresh_rows:
+    replayed = set(replayed_rows)
+    for row in sorted({*fresh_rows, *replayed}):
         outcome = outcomes.setdefault(row_tasks[row], [0, 0, []])
         outcome[1] += 1
         if success[row]:
             outcome[0] += 1
-            outcome[2].append(row)
+            if row not in replayed:
+                outcome[2].append(row)
     return outcomes
 
 

@@ -28,6 +28,7 @@ from .loss import TOKEN_SUM_LOSS_TYPES, aggregate_loss, off_policy_loss
 from .metrics import log_generation, log_off_policy
 from .multiturn import MultiTurnRollouts, check_multi_turn_vllm
 from .planner import ReplayPlan, plan_replay, replay_groups_due
+from .schedule import ReplaySchedule, redirect_retired_groups
 from .pool import ExperiencePool, task_key
 from .selection import ReplaySelection
 from .step import GenerationStep, LossForward, attach_replay_tensors
@@ -113,6 +114,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
     _generation: GenerationStep | None = None  # the generation step in progress (see `trl_exreplay.step`)
     _loss_forward: LossForward | None = None  # TRL's loss forward in progress (see `_compute_loss`)
     _pending = None  # the last generation step's outcomes, not yet in the pool (`trainer_pool.PendingOutcomes`)
+    _retiring = False
     text_env_factory = None
 
     def __init__(
@@ -157,6 +159,17 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         user_rollout_func = self.rollout_func is not None
         if self._replay_enabled:
             self._check_supported()
+        self._schedule = ReplaySchedule()  # ExGRPO's start and retired questions, saved with checkpoints
+        self._retiring = self._replay_enabled and self.replay["replay_retire_solved"]
+        if self._retiring and not hasattr(self.train_dataset, "__getitem__"):
+            self._retiring = False
+            logger.warning(
+                "trl_exreplay: replay_retire_solved needs a dataset whose rows can be read by index (a map-style "
+                "`datasets.Dataset`); with this %s, solved questions stay in the fresh stream.",
+                type(self.train_dataset).__name__,
+            )
+        self._retired: set[str] | None = None  # this epoch's retired tasks (`_redirect_retired`)
+        self._dataset_keys: list[str] | None = None  # the task of each training dataset row
         self.text_env_factory = text_env_factory
         if text_env_factory is not None:
             self._setup_multi_turn(text_env_factory)
@@ -210,12 +223,14 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         offset = rank * local_rows
         column = self.replay["task_id_column"]
         row_keys = gather_object([task_key(x, column) for x in inputs])
-        group_keys = row_keys[::num_generations]
         step = self.state.global_step
         # Several generation batches share a global step when steps_per_generation < gradient_accumulation_steps;
         # the micro-step index (identical on every rank, 0 at every step boundary, so resume-safe) tells them apart.
         micro_step = self._step % self.args.gradient_accumulation_steps
         draw_seed = [self.args.seed, step, micro_step]
+        if self._retiring:
+            inputs, row_keys = self._redirect_retired(inputs, row_keys, offset, draw_seed)
+        group_keys = row_keys[::num_generations]
 
         plan = ReplayPlan(num_generations, self.replay["replay_trajectories_per_group"], {})
         if self._replay_enabled and self._replay_started():
@@ -270,6 +285,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
             self._queue_outcomes(output, task_rows, row_tasks, generation, offset)
             metrics = self._metrics["train"]
             if self._replay_enabled:
+                metrics["replay/started"].append(float(self._replay_started()))
                 ages = [step - t.policy_version for ts in selected.values() for t in ts]
                 log_generation(metrics, plan, len(row_keys), ages, self.pool.stats(), self._replay_counts)
         finally:
@@ -303,8 +319,46 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         return logps, (entropies if kwargs.get("compute_entropy") else None), aux
 
     def _replay_started(self) -> bool:
+        if self.replay["replay_start"] == "solved":  # ExGRPO: from the step after the one that succeeded often enough
+            started = self._schedule.started_at
+            return started is not None and self.state.global_step > started
         max_steps = max(self.state.max_steps, 1)
         return self.state.global_step / max_steps >= self.replay["replay_start_ratio"]
+
+    def _redirect_retired(self, inputs: list, row_keys: list[str], offset: int, seed: list) -> tuple[list, list]:
+        """ExGRPO's retired questions (`trl_exreplay.schedule`): the groups whose task is in this epoch's retired set
+        take other dataset rows, the same on every rank (the batch's keys are gathered, the pool is rank-identical)."""
+        G, schedule = self.num_generations, self._schedule
+        epoch = int(self.state.epoch or 0)
+        if schedule.retired_epoch != epoch:  # the epoch's first generation batch freezes the skip set as it is now
+            schedule.retired_epoch, schedule.retired_stamp = epoch, self.pool.stamp
+            self._retired = None
+        if self._retired is None:
+            self._retired = self.pool.skip_set_until(schedule.retired_stamp)
+            if self._dataset_keys is None:
+                column = self.replay["task_id_column"]
+                self._dataset_keys = [task_key(row, column) for row in self.train_dataset]
+            active = [i for i, key in enumerate(self._dataset_keys) if key not in self._retired]
+            self._active_rows = (active, [self._dataset_keys[i] for i in active])
+            if not active:
+                self.control.should_training_stop = True
+                logger.warning(
+                    "trl_exreplay: every training question is retired (solved by all its fresh rollouts: %d tasks, "
+                    "replay_retire_solved=True), so no fresh rollout is left to make; training stops after step %d.",
+                    len(self._retired), self.state.global_step + 1,
+                )  # fmt: skip
+        redirect = redirect_retired_groups(row_keys[::G], self._retired, *self._active_rows, seed=[*seed, 2])
+        metrics = self._metrics["train"]
+        metrics["replay/retired_tasks"].append(float(len(self._retired)))
+        metrics["replay/redirected_groups"].append(float(len(redirect)))
+        if not redirect:
+            return inputs, row_keys
+        inputs = [
+            self.train_dataset[redirect[(offset + i) // G]] if (offset + i) // G in redirect else row
+            for i, row in enumerate(inputs)
+        ]
+        row_keys = [self._dataset_keys[redirect[r // G]] if r // G in redirect else k for r, k in enumerate(row_keys)]
+        return inputs, row_keys
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self._generation is not None and self._generation.tool_loop_lockstep:
@@ -432,10 +486,15 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
             inputs = {**inputs, "advantages": advantages.masked_fill(replayed_rows, 0.0)}
         # TRL's loss makes one policy forward; the hook keeps its log-probs and entropies (the pool's records too).
         self._loss_forward = forward = LossForward(inputs)
+        clip = self.epsilon_low, self.epsilon_high
+        if self.replay["replay_unclipped_fresh"] and self._replay_started() and self.model.training:
+            # ExGRPO's loss_remove_clip: TRL's loss reads its clip range when it runs; an infinite one clips nothing
+            self.epsilon_low = self.epsilon_high = float("inf")
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
             self._loss_forward = None
+            self.epsilon_low, self.epsilon_high = clip
         if replaying:
             loss = loss + self._off_policy_term(inputs, advantages, forward)
         return loss
@@ -528,6 +587,8 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         if self._replay_enabled:
             if self.args.should_save:
                 self.pool.save(os.path.join(output_dir or self.args.output_dir, POOL_DIR))
+                if self._schedule != ReplaySchedule():
+                    self._schedule.save(output_dir or self.args.output_dir)
             elif self._pool_shared:
                 # A save seals the open shard; the ranks that do not save seal theirs too, so that their shard files
                 # stay the saving rank's, byte for byte, and can be linked rather than written (`share_storage`).
@@ -537,6 +598,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._replay_enabled and checkpoint is not None:
             self._resume_pool(checkpoint)
+            self._schedule, self._retired = ReplaySchedule.load(checkpoint), None
         if self._guidance_on and checkpoint is not None:
             self._resume_experience(checkpoint)
 

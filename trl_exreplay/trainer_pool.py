@@ -15,6 +15,8 @@ from accelerate.utils import gather_object
 from .config import RENAMED_FIELDS
 from .outcomes import PendingOutcomes, task_outcomes, trajectory_records
 from .pool import ExperiencePool, tokenizer_fingerprint
+from .pool.rules import is_solved
+from .schedule import starts_replay
 from .step import GenerationStep
 
 logger = logging.getLogger(__name__)
@@ -127,7 +129,10 @@ class TrainerPool:
             fresh_rows = [r for r in fresh_rows if not faulted[r]]
         if fresh_rows:
             self._metrics["train"]["replay/fresh_reward"].append(totals[fresh_rows].nanmean().item())
-        outcomes = task_outcomes(row_tasks, fresh_rows, success)
+        replayed_rows = []
+        if self.replay["replay_count_replayed_successes"]:  # ExGRPO: a replayed task's bucket is (s + k) of G
+            replayed_rows = [r for r in range(len(row_tasks)) if step.plan.is_replayed(r) and not missing[r]]
+        outcomes = task_outcomes(row_tasks, fresh_rows, success, replayed_rows)
         local_winners = sorted(
             r - offset for *_, rows in outcomes.values() for r in rows if 0 <= r - offset < len(inputs)
         )
@@ -147,6 +152,13 @@ class TrainerPool:
             self._guided_records(output, records, step, offset)
             if self._guide_train:
                 self._log_guidance(step, success, fresh_rows, len(inputs))
+        if self.replay["replay_start"] == "solved" and self._schedule.started_at is None:
+            # ExGRPO before replay starts: solved tasks enter the skip set, nothing enters the pool or a bucket. The
+            # first batch that succeeds often enough starts replay (`success` is gathered: every rank decides alike);
+            # the next batch is the first one collected, and the one after it the first that can replay.
+            outcomes = {task: o for task, o in outcomes.items() if is_solved(o[0], o[1])}
+            if starts_replay(success, fresh_rows, self.replay["replay_start_solved_fraction"]):
+                self._schedule.started_at = self.state.global_step
         self._pending = PendingOutcomes([(task, *o) for task, o in outcomes.items()], records, offset)
 
     def _flush_pending(self) -> None:

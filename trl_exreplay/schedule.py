@@ -1,0 +1,110 @@
+"""When replay starts, and which questions stay in the fresh stream: ExGRPO's two run-level rules.
+
+* **Start by capability** (``replay_start="solved"``): replay, and the pool's collection with it, start at the first
+  generation batch whose fresh rollouts succeed more often than ``replay_start_solved_fraction`` (`starts_replay`),
+  and stay on. The design documents' rule (``"steps"``: at ``replay_start_ratio`` of the steps) needs no state.
+* **Retired questions** (``replay_retire_solved``): at each epoch's first generation batch the skip set (tasks every
+  fresh rollout solved) is frozen as that epoch's retired set. A group whose task is retired takes another dataset
+  row instead, drawn from the rows whose task is not (`redirect_retired_groups`): no fresh rollout goes to a question
+  that is already solved, and every batch keeps its size. A retired task is never sampled again, so it never leaves
+  the skip set: the retired set only grows.
+
+Both are decided on the gathered batch, identically on every rank, and depend on no data loader: the retired set is
+read after the pool has taken the previous batch's outcomes, so a run resumed from a checkpoint (whose pool has them)
+reads the same set as the run that was not stopped. What the two rules need to survive a resume (the step replay
+started at, the retired set's epoch and pool stamp) is `ReplaySchedule`, saved beside the pool in every checkpoint
+as `exreplay_schedule.json`.
+
+Example:
+
+```python
+from trl_exreplay.schedule import redirect_retired_groups, starts_replay
+
+assert starts_replay([True, False, True, False], fresh_rows=[0, 1, 2, 3], threshold=0.35)  # 0.5 > 0.35
+# group 1's task "b" is retired: it takes active row 5 (row 6 holds "a", a task the batch has already)
+assert redirect_retired_groups(["a", "b"], {"b"}, [5, 6], ["d", "a"], seed=0) == {1: 5}
+```
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+SCHEDULE_FILE = "exreplay_schedule.json"
+
+
+def starts_replay(success: Sequence[bool], fresh_rows: Sequence[int], threshold: float) -> bool:
+    """ExGRPO's start: the batch's fresh rollouts succeed strictly more often than `threshold`."""
+    return bool(fresh_rows) and sum(bool(success[r]) for r in fresh_rows) / len(fresh_rows) > threshold
+
+
+def redirect_retired_groups(
+    group_keys: Sequence[str],
+    retired: Collection[str],
+    active_rows: Sequence[int],
+    active_keys: Sequence[str],
+    seed: int | Sequence[int],
+) -> dict[int, int]:
+    """For each group whose task is `retired`, the dataset row (one of `active_rows`, whose tasks are `active_keys`)
+    that replaces it: drawn uniformly without replacement among the active rows whose task is not in the batch, then,
+    when those run out, among the others (a small dataset repeats a task rather than replay a retired one). Empty
+    when no group is retired or no row is active."""
+    groups = [g for g, key in enumerate(group_keys) if key in retired]
+    if not groups or not active_rows:
+        return {}
+    rng = np.random.default_rng(seed)
+    in_batch = set(group_keys)
+    order = rng.permutation(len(active_rows))
+    preferred = [i for i in order.tolist() if active_keys[i] not in in_batch]
+    chosen = preferred[: len(groups)]
+    while len(chosen) < len(groups):  # fewer active tasks than retired groups: any active row, repeats allowed
+        chosen.append(int(rng.integers(len(active_rows))))
+    return {g: int(active_rows[i]) for g, i in zip(groups, chosen)}
+
+
+@dataclass
+class ReplaySchedule:
+    """The run-level state of ExGRPO's start and retirement rules (see the module docstring)."""
+
+    started_at: int | None = None  # the global step replay started at (replay_start="solved")
+    retired_epoch: int | None = None  # the epoch whose retired set is frozen
+    retired_stamp: int | None = None  # ... as the pool's skip-set entries stamped up to this value
+
+    def save(self, folder: str) -> None:
+        """Write `exreplay_schedule.json` in `folder`, whole or not at all (a temporary file, then a rename)."""
+        path = os.path.join(folder, SCHEDULE_FILE)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"format_version": 1, **asdict(self)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, folder: str) -> ReplaySchedule:
+        """Read `exreplay_schedule.json` from `folder` (a checkpoint); a checkpoint without one (saved by a run that
+        used neither rule) gives the initial state. Raises `ValueError` naming the file and the field on bad content."""
+        path = os.path.join(folder, SCHEDULE_FILE)
+        if not os.path.isfile(path):
+            return cls()
+        if os.path.getsize(path) > 4096:
+            raise ValueError(f"{path}: {os.path.getsize(path)} bytes; a replay schedule is a few dozen")
+        try:
+            with open(path, encoding="utf-8") as f:
+                state = json.load(f)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path}: not valid JSON ({error})") from None
+        if not isinstance(state, dict) or state.get("format_version") != 1:
+            raise ValueError(f"{path}: expected a JSON object with format_version 1")
+        values = {}
+        for name in ("started_at", "retired_epoch", "retired_stamp"):
+            value = state.get(name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"{path}: `{name}` is {value!r}; allowed: null or an integer >= 0")
+            values[name] = value
+        return cls(**values)
