@@ -101,6 +101,33 @@ def test_ddp_a_long_run_share_of_replay_is_rank_identical_and_resumes_exactly(tm
         assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp_cpu", "zero3_cpu"])
+def test_the_exgrpo_profile_is_rank_identical_and_resumes_exactly(tmp_path, config):
+    """replay_profile="exgrpo" on 2 ranks: the start by capability, the retired questions (an epoch of 2 steps) and
+    the replayed tasks' buckets are decided alike on both ranks, and a run resumed from its step-6 checkpoint (whose
+    exreplay_schedule.json holds the start and the frozen skip set) makes the plans, losses and pool of the run that
+    was not stopped (12 steps: replay starts after a batch of steps 2-6 and questions retire at an epoch's start)."""
+    config = f"recipes/accelerate/{config}.yaml"
+    whole = launch(config, tmp_path / "whole", "exgrpo")
+    check_rank_identical(whole)
+    rank0, rank1 = whole
+    assert rank0["schedule"] == rank1["schedule"] and rank0["schedule"][0] is not None  # replay started
+    assert rank0["redirected_groups"] == rank1["redirected_groups"] and sum(rank0["redirected_groups"]) > 0
+    assert any(rank0["retired_tasks"]) and any(rank0["replay_tasks"])
+    checkpoint = tmp_path / "whole" / "run" / "checkpoint-6"
+    assert (checkpoint / "exreplay_schedule.json").exists()
+    resumed = launch(config, tmp_path / "resumed", "exgrpo", f"resume={checkpoint}")
+    for rank in range(2):
+        after = [plan for plan, step in zip(whole[rank]["plans"], whole[rank]["plan_steps"]) if step >= 6]
+        assert resumed[rank]["plans"] == after
+        assert resumed[rank]["losses"] == whole[rank]["losses"]
+        assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
+        assert resumed[rank]["schedule"] == whole[rank]["schedule"]
+        assert resumed[rank]["skip_set"] == whole[rank]["skip_set"]
+        assert resumed[rank]["redirected_groups"][-6:] == whole[rank]["redirected_groups"][-6:]
+
+
 def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
     """With TRL options whose replayed term gathers over ranks (entropy selection) and a non-default loss type; and
     experience-guided rollouts, whose discarded rows take a behaviour forward that ZeRO-3 makes collective."""

@@ -15,6 +15,7 @@ from trl_exreplay.compat import TRL_BELOW, TRL_MIN, TRL_SUPPORTED, check_trl_ver
 
 # Parameters of each overridden method as TRL 1.16 defines them (names, in order).
 OVERRIDDEN = {
+    "_get_train_sampler": ["self", "dataset"],
     "_generate_and_score_completions": ["self", "inputs"],
     "_get_per_token_logps_and_entropies": [
         "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",

@@ -11,7 +11,9 @@
 
 Both are decided on the gathered batch, identically on every rank, and depend on no data loader: the retired set is
 read after the pool has taken the previous batch's outcomes, so a run resumed from a checkpoint (whose pool has them)
-reads the same set as the run that was not stopped. What the two rules need to survive a resume (the step replay
+reads the same set as the run that was not stopped. The rows a resumed run draws are those of the run that was not
+stopped too: `EpochSeededSampler` makes TRL's sampler draw epoch e's order from the epoch's number, not from how many
+epochs this process has iterated (TRL's own sampler starts again from the first epoch's order on resume). What the two rules need to survive a resume (the step replay
 started at, the retired set's epoch and pool stamp) is `ReplaySchedule`, saved beside the pool in every checkpoint
 as `exreplay_schedule.json`.
 
@@ -34,6 +36,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
+from torch.utils.data import Sampler
 
 SCHEDULE_FILE = "exreplay_schedule.json"
 
@@ -65,6 +69,32 @@ def redirect_retired_groups(
     while len(chosen) < len(groups):  # fewer active tasks than retired groups: any active row, repeats allowed
         chosen.append(int(rng.integers(len(active_rows))))
     return {g: int(active_rows[i]) for g, i in zip(groups, chosen)}
+
+
+class EpochSeededSampler(Sampler):
+    """TRL's `RepeatSampler` (`inner`), its epoch e drawing TRL's e-th shuffle whatever came before.
+
+    The Trainer calls `set_epoch(e)` before each epoch, resumed or not. A run that is not stopped draws exactly what
+    `inner` draws alone (the e-th permutation of a generator seeded with the run's seed); a run resumed in epoch e draws
+    the same, where `inner` would draw the first epoch's order again."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self):
+        inner = self.inner
+        if inner.shuffle and inner.seed is not None:
+            inner.generator.manual_seed(inner.seed)
+            for _ in range(self.epoch):  # the permutations of the epochs before (one each: TRL's __iter__ draws one)
+                torch.randperm(inner.num_samples, generator=inner.generator)
+        return iter(inner)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from .loss import TOKEN_SUM_LOSS_TYPES, aggregate_loss, off_policy_loss
 from .metrics import log_generation, log_off_policy
 from .multiturn import MultiTurnRollouts, check_multi_turn_vllm
 from .planner import ReplayPlan, plan_replay, replay_groups_due
-from .schedule import ReplaySchedule, redirect_retired_groups
+from .schedule import EpochSeededSampler, ReplaySchedule, redirect_retired_groups
 from .pool import ExperiencePool, task_key
 from .selection import ReplaySelection
 from .step import GenerationStep, LossForward, attach_replay_tensors
@@ -50,6 +50,8 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
 
     TRL methods it overrides, each calling `super()` (no TRL method body is copied), and why:
 
+    * `_get_train_sampler`: to draw each epoch's rows by the epoch's number (`schedule.EpochSeededSampler`), so that a
+      resumed run draws the rows of the run that was not stopped (TRL's sampler starts again from the first epoch);
     * `_generate_and_score_completions`: to swap the planned replay tasks into their groups (the plan is drawn on
       global rows, identical on every rank) and to tag the batch's replayed rows for the loss and queue its outcomes;
     * `_generate_single_turn`: to generate the fresh rows only and splice in the replayed completions, and to give
@@ -61,7 +63,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
       collective (ZeRO-3, FSDP);
     * `_calculate_rewards`: so that replayed rows keep their recorded rewards (they count in their group's advantage);
     * `_compute_loss`: to add the replayed tokens' term (`loss.off_policy_loss`) to TRL's loss, given the replayed
-      rows at advantage 0;
+      rows at advantage 0 (and, with `replay_unclipped_fresh`, TRL's loss with no clip range once replay runs);
     * `_get_per_token_logps_and_entropies`: to keep TRL's loss forward (for that term and the pool's records: no extra
       forward) and the entropies of its old-log-probs forward (the generating policy's);
     * `get_high_entropy_mask`: to keep the tokens TRL's loss selects (`top_entropy_quantile`) for the replayed term,
@@ -115,6 +117,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
     _loss_forward: LossForward | None = None  # TRL's loss forward in progress (see `_compute_loss`)
     _pending = None  # the last generation step's outcomes, not yet in the pool (`trainer_pool.PendingOutcomes`)
     _retiring = False
+    _exhausted = False  # every training question is retired (`_redirect_retired`)
     text_env_factory = None
 
     def __init__(
@@ -197,6 +200,11 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
             self.rollout_func = replaying_rollout(self.rollout_func, self)
 
     # -------------------------------------------------------------------------------------------- generation
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        # TRL's sampler, its epochs drawn by number: a resumed run draws the rows the run that was not stopped draws
+        return EpochSeededSampler(sampler) if self._replay_enabled else sampler
+
     def _generate_and_score_completions(self, inputs):
         if not self.model.training or not (self._replay_enabled or self._guide_train):
             self._generation = step = GenerationStep(rows=[self._with_prompt(row) for row in inputs])
@@ -341,6 +349,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
             active = [i for i, key in enumerate(self._dataset_keys) if key not in self._retired]
             self._active_rows = (active, [self._dataset_keys[i] for i in active])
             if not active:
+                self._exhausted = True  # this last batch is of retired tasks: its outcomes stay out of the pool
                 self.control.should_training_stop = True
                 logger.warning(
                     "trl_exreplay: every training question is retired (solved by all its fresh rollouts: %d tasks, "

@@ -152,7 +152,9 @@ class TrainerPool:
             self._guided_records(output, records, step, offset)
             if self._guide_train:
                 self._log_guidance(step, success, fresh_rows, len(inputs))
-        if self.replay["replay_start"] == "solved" and self._schedule.started_at is None:
+        if self._exhausted:  # every question retired: the run's last batch, of retired tasks, leaves them retired
+            outcomes = {}
+        elif self.replay["replay_start"] == "solved" and self._schedule.started_at is None:
             # ExGRPO before replay starts: solved tasks enter the skip set, nothing enters the pool or a bucket. The
             # first batch that succeeds often enough starts replay (`success` is gathered: every rank decides alike);
             # the next batch is the first one collected, and the one after it the first that can replay.

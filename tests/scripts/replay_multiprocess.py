@@ -9,7 +9,8 @@ makes collective calls of its own (TRL's entropy selection gathers every rank's 
 clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`. `scratch=DIR`: the
 live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared. `small-shards`: the
 trainer gets a pool whose shards hold 2 rows, so that files are written during training (and shared between ranks).
-`sharing=MODE`: `replay_scratch_sharing` (machine, all, none). `ratio=R`: `replay_ratio` (default 1). `guided`: experience-guided rollouts too (mixed, half
+`sharing=MODE`: `replay_scratch_sharing` (machine, all, none). `ratio=R`: `replay_ratio` (default 1). `exgrpo`: `replay_profile="exgrpo"` for 12 steps on a dataset of 6
+rows (an epoch of 2 steps, so questions retire during the run). `guided`: experience-guided rollouts too (mixed, half
 the tasks keep, the offline provider updated every step; evaluation guided every 3 steps, one group spanning both
 ranks); each rank records every allocation it draws.
 
@@ -106,8 +107,9 @@ TRL_OPTIONS = dict(loss_type="cispo", top_entropy_quantile=0.5, entropy_coef=0.0
 episodes = []
 tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY if multi_turn else VOCABULARY)
 single_turn_settings = dict(
-    per_device_train_batch_size=6, replay_trajectories_per_group=1, max_steps=6, max_completion_length=4
-)
+    per_device_train_batch_size=6, replay_trajectories_per_group=1, max_steps=12 if "exgrpo" in options else 6,
+    max_completion_length=4,
+)  # fmt: skip
 multi_turn_settings = dict(
     per_device_train_batch_size=2,
     replay_trajectories_per_group=2,
@@ -137,11 +139,13 @@ config = ExReplayGRPOConfig(
     **(multi_turn_settings if multi_turn else single_turn_settings),
     **(TRL_OPTIONS if "trl-options" in options else {}),
     **(GUIDED if "guided" in options else {}),
+    **({"replay_profile": "exgrpo"} if "exgrpo" in options else {}),
 )
 if multi_turn:
     task_setup = dict(text_env_factory=KeyDoorEnv, train_dataset=key_door_dataset(num_tasks=1, repeats=40))
 else:
-    task_setup = dict(reward_funcs=said_target, train_dataset=say_word_dataset(num_tasks=3, repeats=20))
+    repeats = 2 if "exgrpo" in options else 20
+    task_setup = dict(reward_funcs=said_target, train_dataset=say_word_dataset(num_tasks=3, repeats=repeats))
     if "guided" in options:
         task_setup["eval_dataset"] = say_word_dataset(num_tasks=2, repeats=4)
 if "small-shards" in options:
@@ -174,6 +178,12 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             "episode_lengths": episodes,
             "env_errors": [e["env/errors"] for e in trainer.state.log_history if "env/errors" in e],
             "allocations": allocations,
+            "schedule": [trainer._schedule.started_at, trainer._schedule.retired_epoch, trainer._schedule.retired_stamp],
+            "redirected_groups": [
+                e["replay/redirected_groups"] for e in trainer.state.log_history if "replay/redirected_groups" in e
+            ],
+            "retired_tasks": [e["replay/retired_tasks"] for e in trainer.state.log_history if "replay/retired_tasks" in e],
+            "skip_set": trainer.pool.skip_set,
             "experience": [r.as_dict() for r in trainer._experience.records()] if trainer._guidance_on else [],
             "guided_fraction": [
                 e["guide/guided_fraction"] for e in trainer.state.log_history if "guide/guided_fraction" in e
