@@ -85,7 +85,10 @@ GUIDED = {
 PRESETS: dict[str, dict] = {
     "grpo": {"enable_experience_replay": False},
     "exreplay": {},
-    "exreplay-exgrpo": {"replay_shaping": "exgrpo"},
+    "exreplay-exgrpo": {"replay_shaping": "exgrpo"},  # the shaping alone (before replay_profile existed)
+    # ExGRPO's published recipe (replay_profile, docs/config.md "Profiles"), and the same without retired questions
+    "exgrpo": {"replay_profile": "exgrpo"},
+    "exgrpo-noretire": {"replay_profile": "exgrpo", "replay_retire_solved": False},
     # Candidates tried on the tuning seeds (0-4); see docs/results.md for what they showed.
     "exreplay-k4": {"replay_trajectories_per_group": 4},  # half of a replayed task's group is replayed
     "exreplay-early": {"replay_start_ratio": 0.1},

@@ -8,6 +8,7 @@ import pytest
 from trl import GRPOConfig
 
 from trl_exreplay.config import (
+    PROFILE_FIELDS,
     RENAMED_FIELDS,
     REPLAY_PROFILES,
     ExReplayGRPOConfig,
@@ -138,26 +139,39 @@ def test_defaults(tmp_path):
     assert isinstance(c, GRPOConfig)
 
 
-def test_the_exgrpo_profile_sets_exgrpos_recipe_on_fields_left_at_their_defaults(tmp_path, caplog):
+def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_path):
     c = make(tmp_path, replay_profile="exgrpo")
     assert {name: getattr(c, name) for name in REPLAY_PROFILES["exgrpo"]} == {
         "replay_start": "solved",
-        "replay_start_solved_fraction": 0.35,
         "replay_retire_solved": True,
         "replay_count_replayed_successes": True,
         "replay_unclipped_fresh": True,
         "replay_bucket_weighting": "normal",
         "replay_shaping": "exgrpo",
-        "replay_shaping_beta": 0.1,
     }
-    assert c.replay_ratio == 0.5 and c.replay_trajectories_per_group == 1 and c.replay_select_mode == "argmin"
-    mine = make(tmp_path, replay_profile="exgrpo", replay_bucket_weighting="linear", replay_start_solved_fraction=0.5)
-    assert mine.replay_bucket_weighting == "linear" and mine.replay_start_solved_fraction == 0.5  # kept, and said
-    assert mine.replay_retire_solved and mine.replay_shaping == "exgrpo"
-    assert "replay_profile='exgrpo' sets replay_bucket_weighting='normal'; your replay_bucket_weighting='linear'" in (
-        caplog.text
+    assert (c.replay_ratio, c.replay_trajectories_per_group, c.replay_select_mode) == (0.5, 1, "argmin")
+    assert (c.replay_start_solved_fraction, c.replay_shaping_beta) == (0.35, 0.1)
+    # a field set wins, whatever its value, the design documents' included
+    mine = make(tmp_path, replay_profile="exgrpo", replay_retire_solved=False, replay_bucket_weighting="uniform")
+    assert (mine.replay_retire_solved, mine.replay_bucket_weighting) == (False, "uniform")
+    assert mine.replay_start == "solved" and mine.replay_shaping == "exgrpo"
+    # no profile: the design documents' values, also for a plain GRPOConfig
+    assert {name: getattr(make(tmp_path), name) for name in PROFILE_FIELDS} == PROFILE_FIELDS
+    assert {name: replay_options(make(tmp_path, config_cls=GRPOConfig))[name] for name in PROFILE_FIELDS} == (
+        PROFILE_FIELDS
     )
-    assert make(tmp_path).replay_start == "steps"  # no profile: the design documents' defaults
+
+
+def test_the_profile_is_read_from_yaml_and_flags_as_it_is_from_code(tmp_path):
+    from trl import TrlParser
+
+    path = tmp_path / "config.yaml"
+    path.write_text("output_dir: out\nuse_cpu: true\nreplay_profile: exgrpo\nreplay_retire_solved: false\n")
+    (config,) = TrlParser([ExReplayGRPOConfig]).parse_args_and_config(
+        ["--config", str(path), "--replay_unclipped_fresh", "false", "--replay_shaping", "clip"]
+    )
+    assert (config.replay_retire_solved, config.replay_unclipped_fresh, config.replay_shaping) == (False, False, "clip")
+    assert (config.replay_start, config.replay_count_replayed_successes) == ("solved", True)
 
 
 def test_boundary_values_are_valid(tmp_path):
@@ -193,7 +207,7 @@ INVALID = [
     ("replay_start_solved_fraction", dict(replay_start_solved_fraction="0.35"), "numbers in [0, 1)"),
     ("replay_retire_solved", dict(replay_retire_solved="true"), "True or False"),
     ("replay_count_replayed_successes", dict(replay_count_replayed_successes=1), "True or False"),
-    ("replay_unclipped_fresh", dict(replay_unclipped_fresh=None), "True or False"),
+    ("replay_unclipped_fresh", dict(replay_unclipped_fresh="yes"), "True or False"),
     ("replay_scratch_dir", dict(replay_scratch_dir=" "), "None or a folder's path"),
     ("replay_scratch_dir", dict(replay_scratch_dir=3), "None or a folder's path"),
     ("replay_scratch_sharing", dict(replay_scratch_sharing="node"), "'machine', 'all', 'none'"),

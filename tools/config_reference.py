@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPOSITORY))
 
 from trl import GRPOConfig  # noqa: E402
 
-from trl_exreplay.config import RENAMED_FIELDS, ExReplayGRPOConfig  # noqa: E402
+from trl_exreplay.config import PROFILE_FIELDS, RENAMED_FIELDS, REPLAY_PROFILES, ExReplayGRPOConfig  # noqa: E402
 
 OUTPUT = REPOSITORY / "docs" / "config.md"
 
@@ -119,7 +119,56 @@ def render() -> str:
             lines.append(
                 f"| `{name}` | `{default!r}` | {old} | {SEED_NAMES.get(name, '')} | {_cell(f.metadata['help'])} |"
             )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + profiles()) + "\n"
+
+
+# Where ExGRPO's code (github.com/ElliottYan/LUFFY, folder ExGRPO, a verl fork) sets each profile field.
+EXGRPO_SOURCES = {
+    "replay_start": "`trainer.experience_start_sratio`: mixed mode from the step after `batch/solved` > 0.35",
+    "replay_retire_solved": "`set_skip_uid_set` at each epoch (`rl_dataset_with_experience.py`)",
+    "replay_count_replayed_successes": "`update_bucket(uid, num_success)` over all G rollouts",
+    "replay_unclipped_fresh": "`actor.loss_remove_clip: true` (only in mixed mode)",
+    "replay_bucket_weighting": "`exp_bucket_manager: normal` (`weighted_bucket_sampler.py`, sigma 1)",
+    "replay_shaping": "`off_policy_reshape: p_div_p_0.1` (w / (w + 0.1): our replay_shaping_beta's default)",
+}
+
+
+def profiles() -> list[str]:
+    """The profiles' table: each field the profile sets, under the design documents' defaults and under the profile."""
+    lines = [
+        "",
+        "## Profiles",
+        "",
+        "`replay_profile` gives the fields below that are left unset (None) a published recipe's values; a field "
+        "set by hand, in code, YAML or a flag, keeps its value. Without a profile they take the design documents' "
+        "values (AgentEvolver's pipeline); `replay_profile=\"exgrpo\"` is ExGRPO's code as published (arXiv "
+        "2510.02245), whose start threshold 0.35 is `replay_start_solved_fraction`'s default. Which one to use: "
+        "[results](results.md) compares them.",
+        "",
+        "| field | design documents (default) | `exgrpo` | in ExGRPO's code |",
+        "|---|---|---|---|",
+    ]
+    for name, value in REPLAY_PROFILES["exgrpo"].items():
+        lines.append(f"| `{name}` | `{PROFILE_FIELDS[name]!r}` | `{value!r}` | {EXGRPO_SOURCES[name]} |")
+    lines += [
+        "",
+        "Shared by both: a replay ratio of 0.5 of the batch's questions, k = 1 replayed trajectory in a group of G, "
+        "the lowest-entropy trajectory under the current policy, recorded log-probs as the behaviour policy. "
+        "**Pool bounds:** ExGRPO admits a question when `lbound < s <= rbound` (0 and 7 of G = 8); the design "
+        "documents, and this library, when `replay_store_lbound < s < replay_store_rbound`, so ExGRPO's `rbound` is "
+        "our `replay_store_rbound - 1` and its defaults are ours (`replay_store_rbound=None` is G: s from 1 to G-1).",
+        "",
+        "Where the profile still differs from ExGRPO's code: a question solved by some but not all rollouts moves to "
+        "its new bucket here, while ExGRPO leaves a question with 0 successes in its old bucket; the replay tasks "
+        "of a batch are drawn one after another over the buckets' weights, where ExGRPO draws bucket counts from a "
+        "multinomial and then tasks within buckets; ExGRPO stops retiring questions once fewer than a batch plus 20 "
+        "would remain, and ends its epochs early, where this library keeps every epoch's length by drawing other "
+        "rows and stops the run when every question is retired; ExGRPO's mean entropy of a stored trajectory "
+        "averages over padding positions (`experience_helpers.py`), ours over the completion's tokens; and ExGRPO "
+        "does not normalise advantages by the group's standard deviation (`grpo_use_std=False`), which is TRL's "
+        "`scale_rewards=\"none\"`, not a replay field.",
+    ]
+    return lines
 
 
 def main(argv=None) -> int:

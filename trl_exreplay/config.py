@@ -72,19 +72,19 @@ class ExReplayGRPOConfig(GRPOConfig):
     replay_profile: str | None = field(
         default=None,
         metadata={
-            "help": "A published recipe for every replay field left at its default: 'exgrpo' (ExGRPO's code: "
-            "replay_start='solved', replay_retire_solved, replay_count_replayed_successes, replay_unclipped_fresh, "
-            "replay_bucket_weighting='normal', replay_shaping='exgrpo'). A field you set to another value keeps it "
-            "(with a warning naming it). None: the design documents' defaults, as listed here."
+            "help": "The recipe that gives the fields left unset (None) their values: None, the design documents' "
+            "(the value after 'None:' in each field's help), or 'exgrpo', ExGRPO's published code "
+            "(replay_start='solved', replay_retire_solved, replay_count_replayed_successes, replay_unclipped_fresh, "
+            "replay_bucket_weighting='normal', replay_shaping='exgrpo'; see Profiles below). A field you set wins."
         },
     )
-    replay_start: str = field(
-        default="steps",
+    replay_start: str | None = field(
+        default=None,
         metadata={
             "help": "When replay starts: 'steps' (at replay_start_ratio of max_steps; the pool fills from the first "
             "step, as the design documents say) or 'solved' (ExGRPO: replay and the pool's collection start at the "
             "first generation batch whose fresh rollouts succeed more often than replay_start_solved_fraction, "
-            "and stay on)."
+            "and stay on). None: the profile's; 'steps' without one."
         },
     )
     replay_start_ratio: float = field(
@@ -101,28 +101,30 @@ class ExReplayGRPOConfig(GRPOConfig):
             "reward >= replay_success_threshold) strictly more often than this. In [0, 1)."
         },
     )
-    replay_retire_solved: bool = field(
-        default=False,
+    replay_retire_solved: bool | None = field(
+        default=None,
         metadata={
             "help": "Retired questions leave the fresh stream (ExGRPO): at each epoch's start, the dataset rows of "
             "skip-set tasks (solved by every fresh rollout) are no longer sampled, for good; the epoch keeps its "
             "length by cycling the remaining rows. A map-style dataset only (an iterable one trains without it, "
-            "with a warning)."
+            "with a warning). None: the profile's; False without one."
         },
     )
-    replay_count_replayed_successes: bool = field(
-        default=False,
+    replay_count_replayed_successes: bool | None = field(
+        default=None,
         metadata={
             "help": "A replayed task's difficulty counts its replayed trajectories' successes with its fresh ones "
-            "((s + k) of num_generations, as ExGRPO); False: its fresh rollouts' alone (s of num_generations - k)."
+            "((s + k) of num_generations, as ExGRPO); False: its fresh rollouts' alone (s of num_generations - k). "
+            "None: the profile's; False without one."
         },
     )
-    replay_unclipped_fresh: bool = field(
-        default=False,
+    replay_unclipped_fresh: bool | None = field(
+        default=None,
         metadata={
             "help": "Once replay has started, train fresh tokens without the PPO clip (TRL's epsilon and "
             "epsilon_high ignored; ExGRPO's loss_remove_clip). Changes anything only where the ratio can leave 1: "
-            "num_iterations > 1, or steps_per_generation > gradient_accumulation_steps."
+            "num_iterations > 1, or steps_per_generation > gradient_accumulation_steps. None: the profile's; False "
+            "without one."
         },
     )
     replay_trajectories_per_group: int = field(
@@ -181,23 +183,25 @@ class ExReplayGRPOConfig(GRPOConfig):
         default=3.0,
         metadata={"help": "Dual-clip constant c bounding the replayed tokens' loss for negative advantages. >= 1."},
     )
-    replay_shaping: str = field(
-        default="clip",
+    replay_shaping: str | None = field(
+        default=None,
         metadata={
             "help": "Objective on replayed tokens: 'clip' (dual-clip PPO with replay_clip_high and replay_dual_clip_c) "
-            "or 'exgrpo' (-A * w / (w + replay_shaping_beta), w the importance ratio, no clip)."
+            "or 'exgrpo' (-A * w / (w + replay_shaping_beta), w the importance ratio, no clip). None: the profile's; "
+            "'clip' without one."
         },
     )
     replay_shaping_beta: float = field(
         default=0.1,
         metadata={"help": "beta of the 'exgrpo' shaping w / (w + beta). > 0."},
     )
-    replay_bucket_weighting: str = field(
-        default="uniform",
+    replay_bucket_weighting: str | None = field(
+        default=None,
         metadata={
             "help": "How replay tasks are drawn over difficulty buckets: 'uniform' (every pool task alike), "
             "'normal' (bucket of k successes weighted exp(-(k - num_generations/2)^2 / 2), ExGRPO's Gaussian), 'linear' (bucket "
-            "weight grows linearly as tasks get harder, i.e. fewer successes)."
+            "weight grows linearly as tasks get harder, i.e. fewer successes). None: the profile's; 'uniform' without "
+            "one."
         },
     )
     replay_max_policy_age: int | None = field(
@@ -436,7 +440,9 @@ class ExReplayGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         apply_former_names(self)
-        apply_replay_profile(self)
+        current = {name: getattr(self, name) for name in PROFILE_FIELDS}
+        for name, value in profile_values(self.replay_profile, current).items():
+            setattr(self, name, value)  # read back as it trains, not None
         super().__post_init__()
         validate_replay_options(replay_options(self), self.num_generations)
 
@@ -483,39 +489,36 @@ def apply_former_names(config) -> None:
         setattr(config, old, None)
 
 
-# ExGRPO's published recipe (its code, ElliottYan/LUFFY, folder ExGRPO), where it differs from the design documents'
-# defaults; docs/config.md tabulates both. Its pool bounds (lbound < s <= rbound with 0 and G-1) are ours with the
-# default replay_store_rbound (s < G), and it also selects by lowest current entropy, as the defaults do.
+# The fields whose value, left None, comes from `replay_profile`: the design documents' values (no profile), and
+# ExGRPO's published recipe (its code, ElliottYan/LUFFY, folder ExGRPO), where it differs; docs/config.md tabulates both.
+# ExGRPO's pool bounds (lbound < s <= rbound with 0 and G-1) are ours with the default replay_store_rbound (s < G), and
+# it too selects the lowest entropy under the current policy, replays half the questions, k = 1, beta 0.1.
+PROFILE_FIELDS: dict[str, Any] = {
+    "replay_start": "steps",
+    "replay_retire_solved": False,
+    "replay_count_replayed_successes": False,
+    "replay_unclipped_fresh": False,
+    "replay_bucket_weighting": "uniform",
+    "replay_shaping": "clip",
+}
 REPLAY_PROFILES: dict[str, dict[str, Any]] = {
     "exgrpo": {
         "replay_start": "solved",
-        "replay_start_solved_fraction": 0.35,
         "replay_retire_solved": True,
         "replay_count_replayed_successes": True,
         "replay_unclipped_fresh": True,
         "replay_bucket_weighting": "normal",
         "replay_shaping": "exgrpo",
-        "replay_shaping_beta": 0.1,
     },
 }
 
 
-def apply_replay_profile(config) -> None:
-    """Set the fields of `config.replay_profile` that are still at their defaults; a field set to another value keeps
-    it, with a warning naming it. Unknown profiles are left to `validate_replay_options`."""
-    settings = REPLAY_PROFILES.get(getattr(config, "replay_profile", None))
-    if settings is None:
-        return
-    defaults = {f.name: f.default for f in fields(type(config))}
-    for name, value in settings.items():
-        current = getattr(config, name)
-        if current == defaults[name]:
-            setattr(config, name, value)
-        elif current != value:
-            logger.warning(
-                "trl_exreplay: replay_profile=%r sets %s=%r; your %s=%r is kept.",
-                config.replay_profile, name, value, name, current,
-            )  # fmt: skip
+def profile_values(profile: str | None, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` of the `PROFILE_FIELDS`, each one left None given `profile`'s value (the design documents' without a
+    profile). An unknown profile is left to `validate_replay_options`."""
+    recipe = REPLAY_PROFILES.get(profile, {})
+    return {name: recipe.get(name, design) if values.get(name) is None else values[name]
+            for name, design in PROFILE_FIELDS.items()}  # fmt: skip
 
 
 SCRATCH_SHARING = ("machine", "all", "none")
@@ -529,6 +532,7 @@ def replay_options(args: Any) -> dict[str, Any]:
     for f in fields(ExReplayGRPOConfig):
         if f.name in _REPLAY_FIELD_NAMES:
             options[f.name] = getattr(args, f.name, f.default)
+    options.update(profile_values(options["replay_profile"], options))
     return options
 
 
