@@ -300,7 +300,9 @@ INVALID = [
         dict(train_rollout_expmode="all", experience_provider="reme", experience_base_url=None),
         "URL",
     ),
-    ("experience_timeout", dict(experience_timeout=0), "numbers > 0"),
+    ("experience_timeout", dict(experience_timeout=0), "numbers of seconds in (0, 86400]"),
+    ("experience_timeout", dict(experience_timeout=1e10), "numbers of seconds in (0, 86400]"),
+    ("experience_timeout", dict(experience_timeout=float("inf")), "numbers of seconds in (0, 86400]"),
     ("experience_workspace_id", dict(experience_workspace_id=""), "non-empty strings"),
 ]
 

@@ -354,6 +354,17 @@ def test_a_kill_during_background_summarisation_loses_no_experience(tmp_path):
     assert previous <= {r.source for r in resumed._experience.records()}
 
 
+def test_retrieved_text_that_is_not_text_is_a_counted_failure(tmp_path):
+    """A lone surrogate in a retrieved record (a provider's str, or ReMe's valid JSON "\\ud800") cannot be tokenized:
+    the provider counts as failed, its rollouts go unguided, training goes on."""
+    provider = FixedProvider(text="say the word \ud800 red")
+    trainer = make_trainer(tmp_path, max_steps=2, trainer_kwargs={"experience_provider": provider}, **GUIDED)
+    trainer.train()
+    history = [e for e in trainer.state.log_history if "guide/guided_fraction" in e]
+    assert len(history) == 2 and all(e["guide/guided_fraction"] == 0 for e in history)
+    assert history[-1]["guide/retrieve_failures"] == len(provider.queries) > 0
+
+
 def test_a_provider_that_answers_no_list_is_a_counted_failure(tmp_path):
     class NoneProvider(FixedProvider):
         def retrieve(self, task, k):

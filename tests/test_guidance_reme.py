@@ -35,7 +35,8 @@ class FakeReMe(ThreadingHTTPServer):
         self.requests: list[tuple[str, dict, dict]] = []  # (path, headers, body)
         self.override: dict[str, tuple[int, bytes]] = {}  # path -> (status, raw body): a broken server
         self.sleep = 0.0
-        self.fail_task: str | None = None  # a summary request for this task id gets a 500
+        self.fail_task: str | None = None  # a summary request for this task id gets `failure` (a 500)
+        self.failure: tuple[int, bytes] = (500, b'{"detail": "model down"}')
         self.lock = threading.Lock()
 
     @property
@@ -102,7 +103,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.path in server.override:
                 status, data = server.override[self.path]
             elif failing:
-                status, data = 500, b'{"detail": "model down"}'
+                status, data = server.failure
             elif self.path == SUMMARY_ENDPOINT:
                 status, data = 200, json.dumps(server.summary(body)).encode()
             elif self.path == RETRIEVE_ENDPOINT:
@@ -279,6 +280,7 @@ def _reply(memory_list=None, **top) -> bytes:
         (200, _reply([{"content": ["a"]}]), r"'metadata.memory_list\[0\].content': expected a string, got list"),
         (200, _reply([{"content": "a", "when_to_use": 1}]), r"\[0\].when_to_use': expected a string, got int"),
         (200, _reply(metadata={}), "field 'metadata.memory_list' is missing"),
+        (200, b'{"answer": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
     ],
 )
 def test_a_malformed_reply_raises_naming_endpoint_and_field(server, endpoint, status, body, match):
@@ -342,8 +344,8 @@ def test_construction():
     assert provider.base_url == "https://reme.example:8443/api"
     assert provider.workspace_id == "default" and provider.timeout == 30.0
     assert isinstance(provider, ExperienceProvider) and provider.shared is True
-    for bad in (0, -1, float("inf"), float("nan"), True, "5"):
-        with pytest.raises(ValueError, match="timeout"):
+    for bad in (0, -1, float("inf"), float("nan"), True, "5", 1e10, 86_400.5):
+        with pytest.raises(ValueError, match=r"timeout must be a number of seconds in \(0, 86400\]"):
             ReMeExperienceProvider("http://127.0.0.1:8001", timeout=bad)
     for bad in ("", "  ", None):
         with pytest.raises(ValueError, match="workspace_id"):
@@ -379,3 +381,17 @@ def test_a_summary_that_fails_for_one_task_keeps_the_others_and_offers_only_it_a
     with pytest.raises(ReMeError, match="HTTP status 500"):  # every task failed: the service's own error
         server.fail_task = "t2"
         provider.summarize([LAMP])
+
+
+def test_a_reply_nested_too_deeply_for_one_task_keeps_the_other_tasks_memories(server):
+    """Valid JSON nested 100,000 deep (a RecursionError in Python's parser) answering the second task's summary is that
+    task's ReMeError: the first task's stored memories are kept and only the second is offered again."""
+    from trl_exreplay.guidance import PartialSummaryError
+
+    server.fail_task = "t2"
+    server.failure = (200, b'{"answer": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    provider = ReMeExperienceProvider(server.url, workspace_id="deep")
+    with pytest.raises(PartialSummaryError) as caught:
+        provider.summarize([MUG, LAMP])
+    assert [r.task_id for r in caught.value.records] == ["t1"] and caught.value.failed == [LAMP]
+    assert "nested too deeply" in str(caught.value.cause)

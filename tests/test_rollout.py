@@ -620,3 +620,46 @@ def test_a_non_finite_reward_is_a_counted_fault_that_keeps_the_penalties(tok, re
     assert bad.error == "nonfinite_reward" and bad.reward == -0.25 and bad.finished
     assert ok.error is None and ok.reward == 1.0
     assert engine.errors == {"nonfinite_reward": 1}
+
+
+class Unprintable:
+    def __str__(self):
+        raise ValueError("no text")
+
+
+BAD_OBSERVATIONS = [None, b"you see a key", 7, "you see a \udcff door", Unprintable()]
+BAD_IDS = ["none", "bytes", "int", "lone-surrogate", "str-raises"]
+
+
+@pytest.mark.parametrize("observation", BAD_OBSERVATIONS, ids=BAD_IDS)
+def test_a_reset_that_returns_no_text_is_a_reset_error(tok, observation):
+    """An environment's first observation must be a str that is text (encodable as UTF-8): anything else (None, bytes,
+    a number, a lone surrogate, an object whose str() raises) fails its episode as a counted reset_error, never the
+    rollout, and is never trained as text ("None", "b'...'")."""
+    engine = engine_for(tok, Factory())
+    tasks = [{"task_id": "bad", "observation": observation}, {"task_id": "ok", "steps": [("x", 1.0, True, {})]}]
+    bad, ok = engine.run(tasks, ScriptedGenerate(tok, ["key <eos>"]))
+    assert bad.error == "reset_error" and bad.finished and bad.turns == 0 and bad.reward == 0.0
+    assert bad.prompt_ids == ids(tok, "<user> <eos> <assistant>")  # the empty observation
+    assert ok.error is None and ok.reward == 1.0
+    assert engine.errors == Counter({"reset_error": 1})
+
+
+@pytest.mark.parametrize("observation", BAD_OBSERVATIONS, ids=BAD_IDS)
+def test_a_step_that_returns_no_text_is_a_step_error(tok, observation):
+    engine = engine_for(tok, Factory())
+    tasks = [
+        {"task_id": "bad", "steps": [(observation, 0.5, False, {}), ("x", 1.0, True, {})]},
+        {"task_id": "ok", "steps": [("you see a key", 0.0, False, {}), ("x", 1.0, True, {})]},
+    ]
+    bad, ok = engine.run(tasks, ScriptedGenerate(tok, ["key <eos>", "key <eos>"]))
+    assert bad.error == "step_error" and bad.finished and bad.reward == 0.0 and bad.turns == 1
+    assert ok.error is None and ok.reward == 1.0 and ok.turns == 2
+    assert engine.errors == Counter({"step_error": 1})
+
+
+def test_a_last_step_may_return_no_observation(tok):
+    """The observation of an episode's last step is never read: None there (as some games return) is no fault."""
+    engine = engine_for(tok, Factory())
+    (episode,) = engine.run([{"task_id": "t", "steps": [(None, 1.0, True, {})]}], ScriptedGenerate(tok, ["key <eos>"]))
+    assert episode.error is None and episode.reward == 1.0

@@ -12,6 +12,7 @@ from trl import GRPOConfig
 
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
 from .guidance.allocation import ROLLOUT_MODES, SAMPLE_MODES
+from .guidance.reme import MAX_TIMEOUT
 from .pool.check import SELECT_MODES, STORE_MODES  # one list of each, shared with saved pools' checks
 
 logger = logging.getLogger(__name__)
@@ -360,7 +361,7 @@ class ExReplayGRPOConfig(GRPOConfig):
         default=10.0,
         metadata={
             "help": "Seconds a ReMe request may take (per connection and per read); a retrieval past it leaves its "
-            "rollout unguided (counted in guide/retrieve_failures). > 0."
+            "rollout unguided (counted in guide/retrieve_failures). In (0, 86400]."
         },
     )
     experience_workspace_id: str = field(
@@ -717,10 +718,10 @@ def validate_guidance_options(o: dict[str, Any], num_generations: int | None) ->
         )
     timeout = o["experience_timeout"]
     _check(
-        _is_number(timeout) and timeout > 0,
+        _is_number(timeout) and 0 < timeout <= MAX_TIMEOUT,
         "experience_timeout",
         timeout,
-        "numbers > 0",
+        f"numbers of seconds in (0, {MAX_TIMEOUT:g}]",
     )
     workspace = o["experience_workspace_id"]
     _check(isinstance(workspace, str) and workspace != "", "experience_workspace_id", workspace, "non-empty strings")

@@ -159,6 +159,15 @@ def run_concurrently(
     return results
 
 
+def observation_text(observation) -> str:
+    """An environment's observation as the text it must be: a str that UTF-8 can encode. Anything else (None, bytes,
+    a number, a lone surrogate) raises `TypeError` or `ValueError`: the environment's fault, never text to train on."""
+    if not isinstance(observation, str):
+        raise TypeError(f"an observation must be a str, got {type(observation).__name__}")
+    observation.encode("utf-8")  # UnicodeEncodeError (a ValueError) on a lone surrogate
+    return observation
+
+
 class MultiTurnRollout:
     """Runs the episodes of one rank's fresh rows.
 
@@ -251,11 +260,16 @@ class MultiTurnRollout:
         for episode, (env, factory_error) in zip(episodes, taken):
             system = episode.task.get(self.system_prompt_column)
             observation, error, _ = (None, factory_error, 0.0) if env is None else next(resets)
+            if error is None:
+                try:
+                    observation = observation_text(observation)
+                except (TypeError, ValueError) as bad:  # a malformed first observation fails its episode only
+                    error = bad
             if error is not None:
                 kind = "factory_error" if env is None else _fault_kind(error, "reset_error")
                 self._fault(episode, env, kind, error)
                 observation = ""
-            episode.observation = str(observation)
+            episode.observation = observation
             episode.prompt_ids = self.turns.prompt_ids(episode.observation, system)
             text = guide(len(episode_guides), episode.observation) if guide is not None and error is None else None
             episode_guides.append(text)
@@ -304,7 +318,7 @@ class MultiTurnRollout:
                             raise TypeError(f"step() info must be a dict, got {type(info).__name__}")
                         invalid = bool(info.get("invalid_action", False))
                         last = done or turn == self.max_turns - 1
-                        env_ids = [] if last else self.turns.env_turn_ids(str(observation))
+                        env_ids = [] if last else self.turns.env_turn_ids(observation_text(observation))
                     except Exception as bad:  # noqa: BLE001 - a malformed answer fails its episode only
                         error = bad
                 if error is not None:

@@ -203,6 +203,8 @@ class ExperienceGuidance:
                 if not isinstance(contents, (list, tuple)):
                     raise TypeError(f"retrieve() returned {type(contents).__name__}, not a list of strings")
                 contents = [c for c in contents if isinstance(c, str) and c.strip()][:k]
+                for text in contents:
+                    text.encode("utf-8")  # a lone surrogate cannot be tokenized: the provider failed
                 if contents:
                     result = (format_experience(self._experience_template, contents), len(contents))
             except Exception as error:  # noqa: BLE001 - a failing provider is counted; the rollout goes unguided

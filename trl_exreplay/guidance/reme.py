@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -42,6 +41,7 @@ __all__ = ["RETRIEVE_ENDPOINT", "SUMMARY_ENDPOINT", "ReMeError", "ReMeExperience
 SUMMARY_ENDPOINT = "/summary_task_memory"
 RETRIEVE_ENDPOINT = "/retrieve_task_memory"
 MAX_REPLY_BYTES = 32 * 1024 * 1024  # a reply larger than this is refused, not read
+MAX_TIMEOUT = 86_400.0  # seconds: a day; a socket refuses far larger timeouts (OverflowError), and none is meant
 
 
 class ReMeError(RuntimeError):
@@ -122,8 +122,8 @@ class ReMeExperienceProvider:
         self.base_url = _validate_base_url(base_url)
         if not isinstance(workspace_id, str) or not workspace_id.strip():
             raise ValueError(f"experience_workspace_id must be a non-empty string, got {workspace_id!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout <= MAX_TIMEOUT):
+            raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {timeout!r}")
         self.workspace_id = workspace_id
         self.timeout = float(timeout)
         self._opener = urllib.request.build_opener(_NoRedirect())
@@ -208,6 +208,8 @@ class ReMeExperienceProvider:
             reply = json.loads(body.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ReMeError(f"ReMe {endpoint}: reply body is not JSON ({error}): {body[:200]!r}") from error
+        except RecursionError:  # valid JSON nested deeper than Python's parser goes: no reply ReMe makes
+            raise ReMeError(f"ReMe {endpoint}: reply body is JSON nested too deeply to read: {body[:200]!r}") from None
         if not isinstance(reply, dict):
             raise ReMeError(f"ReMe {endpoint}: reply: expected a JSON object, got {type(reply).__name__}")
         success = reply.get("success")
