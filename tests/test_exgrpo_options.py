@@ -48,31 +48,33 @@ def test_before_the_start_only_solved_tasks_are_recorded(tmp_path):
 
 
 class RetirementTrainer(ExReplayGRPOTrainer):
-    """Records, for every generation batch, the epoch's retired set and the batch's task groups after redirection."""
+    """Records, for every generation batch, the skip set it was planned with and its task groups after redirection."""
 
     def _redirect_retired(self, inputs, row_keys, offset, seed):
+        skip_set = set(self.pool.skip_set)
         inputs, row_keys = super()._redirect_retired(inputs, row_keys, offset, seed)
-        self.seen = getattr(self, "seen", []) + [(int(self.state.epoch), set(self._retired), row_keys[:: 4], len(inputs))]
+        self.seen = getattr(self, "seen", []) + [(skip_set, row_keys[::4], len(inputs))]
         return inputs, row_keys
 
 
 def test_retired_questions_leave_the_fresh_stream(tmp_path):
-    """Each epoch's first batch freezes the skip set; no group of that epoch holds a retired task, every batch keeps
-    its 16 rows, and a retired task never comes back."""
+    """From the batch after a task entered the skip set, no group holds it; every batch keeps its 16 rows; a retired
+    task never comes back (the dataset repeats its 4 tasks 8 times an epoch, as the evidence harness's datasets do)."""
     trainer = make_trainer(
         tmp_path, trainer_cls=RetirementTrainer, num_tasks=4, max_steps=24, replay_retire_solved=True
     )
     trainer.train()
-    assert len(trainer.seen) == 24
-    epochs = {}
-    for epoch, retired, group_keys, rows in trainer.seen:
+    assert len(trainer.seen) == trainer.state.global_step > 12  # (it may stop early: every question retired)
+    for step, (retired, group_keys, rows) in enumerate(trainer.seen):
         assert rows == 16
-        assert not set(group_keys) & retired, (epoch, retired, group_keys)
-        epochs.setdefault(epoch, retired)
-        assert retired == epochs[epoch]  # frozen within the epoch
-    frozen = [epochs[e] for e in sorted(epochs)]
-    assert all(a <= b for a, b in zip(frozen, frozen[1:]))  # only grows
-    assert len(frozen[-1]) >= 2  # the test saw questions retire
+        if len(retired) == 4:  # every question retired: this batch (of retired tasks) is the run's last
+            assert step == len(trainer.seen) - 1
+            continue
+        assert not set(group_keys) & retired, (step, retired, group_keys)
+    sets = [retired for retired, _, _ in trainer.seen]
+    assert all(a <= b for a, b in zip(sets, sets[1:]))  # only grows
+    assert len(sets[-1]) >= 2  # the test saw questions retire
+    assert trainer.pool.skip_set and set(trainer.pool.skip_set) >= sets[-1]
     redirected = [e["replay/redirected_groups"] for e in trainer.state.log_history if "replay/redirected_groups" in e]
     assert sum(redirected) > 0
 

@@ -106,8 +106,8 @@ def test_ddp_a_long_run_share_of_replay_is_rank_identical_and_resumes_exactly(tm
 def test_the_exgrpo_profile_is_rank_identical_and_resumes_exactly(tmp_path, config):
     """replay_profile="exgrpo" on 2 ranks: the start by capability, the retired questions (an epoch of 2 steps) and
     the replayed tasks' buckets are decided alike on both ranks, and a run resumed from its step-6 checkpoint (whose
-    exreplay_schedule.json holds the start and the frozen skip set) makes the plans, losses and pool of the run that
-    was not stopped (12 steps: replay starts after a batch of steps 2-6 and questions retire at an epoch's start)."""
+    exreplay_schedule.json holds the step replay started at, and whose pool holds the retired tasks) makes the plans, losses and pool of the run that
+    was not stopped (12 steps: replay starts after a batch of steps 2-6 and solved questions retire; an epoch is 2 steps, so the resume crosses epochs)."""
     config = f"recipes/accelerate/{config}.yaml"
     whole = launch(config, tmp_path / "whole", "exgrpo")
     check_rank_identical(whole)

@@ -54,7 +54,7 @@ def test_nothing_to_redirect():
 
 def test_schedule_round_trip_and_absent_file(tmp_path):
     assert ReplaySchedule.load(str(tmp_path)) == ReplaySchedule()
-    schedule = ReplaySchedule(started_at=7, retired_epoch=2, retired_stamp=41)
+    schedule = ReplaySchedule(started_at=7)
     schedule.save(str(tmp_path))
     assert ReplaySchedule.load(str(tmp_path)) == schedule
     assert [p.name for p in tmp_path.iterdir()] == [SCHEDULE_FILE]  # no temporary file left
@@ -69,9 +69,9 @@ def test_schedule_round_trip_and_absent_file(tmp_path):
         ('{"format_version": 2}', "format_version 1"),
         ('{"format_version": 1, "started_at": -1}', "`started_at` is -1; allowed: null or an integer >= 0"),
         ('{"format_version": 1, "started_at": true}', "`started_at` is True"),
-        ('{"format_version": 1, "retired_stamp": "3"}', "`retired_stamp` is '3'"),
-        ('{"format_version": 1, "retired_epoch": 1.5}', "`retired_epoch` is 1.5"),
-        ('{"format_version": 1, "retired_epoch": ' + "[" * 100_000 + "]" * 100_000 + "}", "bytes"),
+        ('{"format_version": 1, "started_at": "3"}', "`started_at` is '3'"),
+        ('{"format_version": 1, "started_at": 1.5}', "`started_at` is 1.5"),
+        ('{"format_version": 1, "started_at": ' + "[" * 100_000 + "]" * 100_000 + "}", "bytes"),
     ],
 )
 def test_a_bad_schedule_file_is_refused_naming_it(tmp_path, content, message):
@@ -80,19 +80,6 @@ def test_a_bad_schedule_file_is_refused_naming_it(tmp_path, content, message):
     with pytest.raises(ValueError, match=message) as error:
         ReplaySchedule.load(str(tmp_path))
     assert SCHEDULE_FILE in str(error.value)
-
-
-def test_skip_set_until_a_stamp_is_the_skip_set_as_it_was_then():
-    pool = ExperiencePool()
-    pool.record_outcome(TaskOutcome("a", successes=4, num_fresh=4))
-    stamp = pool.stamp
-    pool.record_outcome(TaskOutcome("b", successes=4, num_fresh=4))
-    pool.record_outcome(TaskOutcome("c", successes=1, num_fresh=4, successful=[traj("c", 0.5)]))
-    assert pool.skip_set_until(stamp) == {"a"}
-    assert pool.skip_set_until(pool.stamp) == {"a", "b"}
-    pool.record_outcome(TaskOutcome("a", successes=2, num_fresh=4))  # a task that left the skip set is not in it
-    assert pool.skip_set_until(pool.stamp) == {"b"}
-    assert json.loads(json.dumps(sorted(pool.skip_set_until(0)))) == []
 
 
 def test_the_epoch_seeded_sampler_draws_trls_orders_by_epoch_number():

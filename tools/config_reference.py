@@ -125,7 +125,7 @@ def render() -> str:
 # Where ExGRPO's code (github.com/ElliottYan/LUFFY, folder ExGRPO, a verl fork) sets each profile field.
 EXGRPO_SOURCES = {
     "replay_start": "`trainer.experience_start_sratio`: mixed mode from the step after `batch/solved` > 0.35",
-    "replay_retire_solved": "`set_skip_uid_set` at each epoch (`rl_dataset_with_experience.py`)",
+    "replay_retire_solved": "`set_skip_uid_set` drops skip-set questions at each epoch (`rl_dataset_with_experience.py`)",
     "replay_count_replayed_successes": "`update_bucket(uid, num_success)` over all G rollouts",
     "replay_unclipped_fresh": "`actor.loss_remove_clip: true` (only in mixed mode)",
     "replay_bucket_weighting": "`exp_bucket_manager: normal` (`weighted_bucket_sampler.py`, sigma 1)",
@@ -161,9 +161,11 @@ def profiles() -> list[str]:
         "Where the profile still differs from ExGRPO's code: a question solved by some but not all rollouts moves to "
         "its new bucket here, while ExGRPO leaves a question with 0 successes in its old bucket; the replay tasks "
         "of a batch are drawn one after another over the buckets' weights, where ExGRPO draws bucket counts from a "
-        "multinomial and then tasks within buckets; ExGRPO stops retiring questions once fewer than a batch plus 20 "
-        "would remain, and ends its epochs early, where this library keeps every epoch's length by drawing other "
-        "rows and stops the run when every question is retired; ExGRPO's mean entropy of a stored trajectory "
+        "multinomial and then tasks within buckets; ExGRPO retires questions at each epoch's start (an epoch draws each "
+        "question once, so a solved question is never drawn again), stops retiring once fewer than a batch plus 20 "
+        "would remain, and ends its epochs early, where this library retires a question from the next batch on (the "
+        "same where each question comes once an epoch, and still so where a dataset repeats its questions), keeps "
+        "every batch's size by drawing other rows, and stops the run when every question is retired; ExGRPO's mean entropy of a stored trajectory "
         "averages over padding positions (`experience_helpers.py`), ours over the completion's tokens; and ExGRPO "
         "does not normalise advantages by the group's standard deviation (`grpo_use_std=False`), which is TRL's "
         "`scale_rewards=\"none\"`, not a replay field.",

@@ -105,9 +105,9 @@ class ExReplayGRPOConfig(GRPOConfig):
     replay_retire_solved: bool | None = field(
         default=None,
         metadata={
-            "help": "Retired questions leave the fresh stream (ExGRPO): at each epoch's start, the dataset rows of "
-            "skip-set tasks (solved by every fresh rollout) are no longer sampled, for good; the epoch keeps its "
-            "length by cycling the remaining rows. A map-style dataset only (an iterable one trains without it, "
+            "help": "Retired questions leave the fresh stream (ExGRPO): from the next generation batch on, a "
+            "skip-set task (solved by every fresh rollout) gets no fresh rollout again: its groups take other dataset "
+            "rows, so every batch keeps its size. A map-style dataset only (an iterable one trains without it, "
             "with a warning). None: the profile's; False without one."
         },
     )

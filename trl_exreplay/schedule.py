@@ -3,19 +3,21 @@
 * **Start by capability** (``replay_start="solved"``): replay, and the pool's collection with it, start at the first
   generation batch whose fresh rollouts succeed more often than ``replay_start_solved_fraction`` (`starts_replay`),
   and stay on. The design documents' rule (``"steps"``: at ``replay_start_ratio`` of the steps) needs no state.
-* **Retired questions** (``replay_retire_solved``): at each epoch's first generation batch the skip set (tasks every
-  fresh rollout solved) is frozen as that epoch's retired set. A group whose task is retired takes another dataset
-  row instead, drawn from the rows whose task is not (`redirect_retired_groups`): no fresh rollout goes to a question
-  that is already solved, and every batch keeps its size. A retired task is never sampled again, so it never leaves
-  the skip set: the retired set only grows.
+* **Retired questions** (``replay_retire_solved``): a task in the skip set (every fresh rollout of it succeeded) is
+  retired: a group whose task is retired takes another dataset row instead, drawn from the rows whose task is not
+  (`redirect_retired_groups`), so no fresh rollout goes to a question that is already solved, and every batch keeps
+  its size. A retired task is never sampled nor replayed again, so it never leaves the skip set: the retired set only
+  grows. (ExGRPO drops skip-set questions from its data at each epoch, an epoch drawing each question once: a solved
+  question is never drawn again. Here the rule acts from the next generation batch, so that it holds too where a
+  dataset repeats its questions within one epoch, as the evidence harness's do.)
 
 Both are decided on the gathered batch, identically on every rank, and depend on no data loader: the retired set is
 read after the pool has taken the previous batch's outcomes, so a run resumed from a checkpoint (whose pool has them)
 reads the same set as the run that was not stopped. The rows a resumed run draws are those of the run that was not
 stopped too: `EpochSeededSampler` makes TRL's sampler draw epoch e's order from the epoch's number, not from how many
-epochs this process has iterated (TRL's own sampler starts again from the first epoch's order on resume). What the two rules need to survive a resume (the step replay
-started at, the retired set's epoch and pool stamp) is `ReplaySchedule`, saved beside the pool in every checkpoint
-as `exreplay_schedule.json`.
+epochs this process has iterated (TRL's own sampler starts again from the first epoch's order on resume). What the start rule needs to survive a resume (the step replay started
+at) is `ReplaySchedule`, saved beside the pool in every checkpoint as `exreplay_schedule.json`; the retired set is the
+pool's skip set, saved with the pool.
 
 Example:
 
@@ -99,11 +101,9 @@ class EpochSeededSampler(Sampler):
 
 @dataclass
 class ReplaySchedule:
-    """The run-level state of ExGRPO's start and retirement rules (see the module docstring)."""
+    """The run-level state of ExGRPO's start rule (see the module docstring)."""
 
     started_at: int | None = None  # the global step replay started at (replay_start="solved")
-    retired_epoch: int | None = None  # the epoch whose retired set is frozen
-    retired_stamp: int | None = None  # ... as the pool's skip-set entries stamped up to this value
 
     def save(self, folder: str) -> None:
         """Write `exreplay_schedule.json` in `folder`, whole or not at all (a temporary file, then a rename)."""
@@ -132,7 +132,7 @@ class ReplaySchedule:
         if not isinstance(state, dict) or state.get("format_version") != 1:
             raise ValueError(f"{path}: expected a JSON object with format_version 1")
         values = {}
-        for name in ("started_at", "retired_epoch", "retired_stamp"):
+        for name in ("started_at",):
             value = state.get(name)
             if value is not None and (type(value) is not int or value < 0):
                 raise ValueError(f"{path}: `{name}` is {value!r}; allowed: null or an integer >= 0")

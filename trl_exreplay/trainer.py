@@ -171,7 +171,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
                 "`datasets.Dataset`); with this %s, solved questions stay in the fresh stream.",
                 type(self.train_dataset).__name__,
             )
-        self._retired: set[str] | None = None  # this epoch's retired tasks (`_redirect_retired`)
+        self._retired: set[str] | None = None  # the retired tasks, as of the last generation batch
         self._dataset_keys: list[str] | None = None  # the task of each training dataset row
         self.text_env_factory = text_env_factory
         if text_env_factory is not None:
@@ -336,13 +336,13 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
     def _redirect_retired(self, inputs: list, row_keys: list[str], offset: int, seed: list) -> tuple[list, list]:
         """ExGRPO's retired questions (`trl_exreplay.schedule`): the groups whose task is in this epoch's retired set
         take other dataset rows, the same on every rank (the batch's keys are gathered, the pool is rank-identical)."""
-        G, schedule = self.num_generations, self._schedule
-        epoch = int(self.state.epoch or 0)
-        if schedule.retired_epoch != epoch:  # the epoch's first generation batch freezes the skip set as it is now
-            schedule.retired_epoch, schedule.retired_stamp = epoch, self.pool.stamp
-            self._retired = None
-        if self._retired is None:
-            self._retired = self.pool.skip_set_until(schedule.retired_stamp)
+        G = self.num_generations
+        # Read after the pool took the previous batch's outcomes: a question every fresh rollout solved is not drawn
+        # again (ExGRPO drops it from the data at the next epoch, in which it would be drawn once: the same thing, but
+        # also where a dataset repeats its questions within an epoch). It is not replayed either, so it stays retired.
+        retired = set(self.pool.skip_set)
+        if retired != self._retired:
+            self._retired = retired
             if self._dataset_keys is None:
                 column = self.replay["task_id_column"]
                 self._dataset_keys = [task_key(row, column) for row in self.train_dataset]
@@ -607,7 +607,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._replay_enabled and checkpoint is not None:
             self._resume_pool(checkpoint)
-            self._schedule, self._retired = ReplaySchedule.load(checkpoint), None
+            self._schedule = ReplaySchedule.load(checkpoint)
         if self._guidance_on and checkpoint is not None:
             self._resume_experience(checkpoint)
 

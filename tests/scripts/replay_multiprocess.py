@@ -178,7 +178,7 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             "episode_lengths": episodes,
             "env_errors": [e["env/errors"] for e in trainer.state.log_history if "env/errors" in e],
             "allocations": allocations,
-            "schedule": [trainer._schedule.started_at, trainer._schedule.retired_epoch, trainer._schedule.retired_stamp],
+            "schedule": [trainer._schedule.started_at],
             "redirected_groups": [
                 e["replay/redirected_groups"] for e in trainer.state.log_history if "replay/redirected_groups" in e
             ],

@@ -498,18 +498,6 @@ class ExperiencePool:
         return [self._task_ids[t] for t in self._ordered(self._skip_order).tolist()]
 
     @property
-    def stamp(self) -> int:
-        """The latest order stamp given (a skip-set entry stamped at most this was in the skip set by now)."""
-        return self._stamp
-
-    def skip_set_until(self, stamp: int) -> set[str]:
-        """The skip set's tasks whose entry is stamped at most `stamp`: the skip set as it was then, less the tasks
-        that left it since."""
-        n = len(self._task_ids)
-        tasks = np.nonzero((self._skip_order[:n] >= 0) & (self._skip_order[:n] <= stamp))[0]
-        return {self._task_ids[t] for t in tasks.tolist()}
-
-    @property
     def num_tasks(self) -> int:
         """Tasks with at least one stored trajectory."""
         return self._num_stored_tasks
