@@ -95,6 +95,15 @@ def test_bucket_weights_normal_other_group_size():
     np.testing.assert_allclose(w, expected, rtol=1e-12, atol=0)
 
 
+def test_normal_weighting_of_a_count_above_g_is_that_of_g():
+    """A task that filled several groups of one batch has more than G outcomes (here 48 successes of 56 at G = 8); it
+    weighs as a task solved G times, so a pool of such tasks still draws (before: weights 0, probabilities NaN)."""
+    w = bucket_weights([48, 8, 4], 8, "normal")
+    np.testing.assert_allclose(w, [math.exp(-8.0), math.exp(-8.0), 1.0], rtol=1e-12, atol=0)
+    buckets = TaskBuckets.from_pairs([("a", 48), ("b", 50)])
+    assert sorted(draw_replay_tasks(buckets, 2, num_generations=8, weighting="normal", rng=np.random.default_rng(0))) == [0, 1]
+
+
 def test_normal_weighting_draws_buckets_as_exgrpo_does():
     """ExGRPO's weight of bucket k is exp(-(k - G/2)^2 / 2): one success wide. With the 7 buckets 1..7 of G = 8 filled
     (one task each), a draw lands in them with these probabilities (hand-computed: exp(-z^2/2) for z = -3..3 over their

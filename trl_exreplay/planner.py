@@ -102,7 +102,10 @@ def _bucket_mass(difficulties: np.ndarray, num_generations: int, weighting: str)
     if weighting == "uniform":
         return None
     if weighting == "normal":  # ExGRPO's exp(-(k - G/2)^2 / 2), k the bucket's successes
-        return np.exp(-0.5 * ((difficulties - num_generations / 2) / NORMAL_BUCKET_STD) ** 2)
+        # A task drawn into several groups of one batch counts its successes over all of them, so k can exceed G: it
+        # weighs as k = G does (exp of -k^2/2 far out would underflow to 0, and a draw over zeros is NaN).
+        successes = difficulties.clip(0, num_generations)
+        return np.exp(-0.5 * ((successes - num_generations / 2) / NORMAL_BUCKET_STD) ** 2)
     if weighting == "linear":
         return (num_generations - difficulties).clip(min=1.0)
     raise ValueError(f"Unknown replay_bucket_weighting {weighting!r}: allowed 'uniform', 'normal', 'linear'.")
