@@ -162,7 +162,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         user_rollout_func = self.rollout_func is not None
         if self._replay_enabled:
             self._check_supported()
-        self._schedule = ReplaySchedule()  # ExGRPO's start and retired questions, saved with checkpoints
+        self._schedule = ReplaySchedule()  # ExGRPO's start step, saved with checkpoints
         self._retiring = self._replay_enabled and self.replay["replay_retire_solved"]
         if self._retiring and not hasattr(self.train_dataset, "__getitem__"):
             self._retiring = False
@@ -334,8 +334,8 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         return self.state.global_step / max_steps >= self.replay["replay_start_ratio"]
 
     def _redirect_retired(self, inputs: list, row_keys: list[str], offset: int, seed: list) -> tuple[list, list]:
-        """ExGRPO's retired questions (`trl_exreplay.schedule`): the groups whose task is in this epoch's retired set
-        take other dataset rows, the same on every rank (the batch's keys are gathered, the pool is rank-identical)."""
+        """ExGRPO's retired questions (`trl_exreplay.schedule`): the groups whose task is in the pool's skip set take
+        other dataset rows, the same on every rank (the batch's keys are gathered, the pool is rank-identical)."""
         G = self.num_generations
         # Read after the pool took the previous batch's outcomes: a question every fresh rollout solved is not drawn
         # again (ExGRPO drops it from the data at the next epoch, in which it would be drawn once: the same thing, but
