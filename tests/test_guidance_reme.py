@@ -313,7 +313,7 @@ def test_a_server_that_does_not_answer_in_time_raises(server):
     server.sleep = 2.0
     provider = ReMeExperienceProvider(server.url, timeout=0.5)
     start = time.monotonic()
-    with pytest.raises(ReMeError, match=r"^ReMe /retrieve_task_memory: no answer from .* within 0.5 s"):
+    with pytest.raises(ReMeError, match=r"^ReMe /retrieve_task_memory: no complete answer from .* within 0.5 s"):
         provider.retrieve("put a mug", 3)
     assert time.monotonic() - start < 1.8
 
@@ -395,3 +395,71 @@ def test_a_reply_nested_too_deeply_for_one_task_keeps_the_other_tasks_memories(s
         provider.summarize([MUG, LAMP])
     assert [r.task_id for r in caught.value.records] == ["t1"] and caught.value.failed == [LAMP]
     assert "nested too deeply" in str(caught.value.cause)
+
+
+class DrippingServer:
+    """A raw socket server that reads a request, then sends `reply` one byte every `interval` seconds: a slow or
+    hostile service whose every single read arrives well within any per-read timeout."""
+
+    def __init__(self, reply: bytes, interval: float = 0.05):
+        self.reply, self.interval = reply, interval
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        self.listener.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._drip, args=(client,), daemon=True).start()
+
+    def _drip(self, client):
+        with client:
+            client.settimeout(5)
+            try:
+                client.recv(65536)
+                for i in range(len(self.reply)):
+                    if self.stop.is_set():
+                        return
+                    client.sendall(self.reply[i : i + 1])
+                    time.sleep(self.interval)
+            except OSError:  # the client gave up: what the test wants
+                return
+
+    def close(self):
+        self.stop.set()
+        self.listener.close()
+
+
+_BODY = json.dumps({"answer": "", "success": True, "metadata": {"memory_list": [{"content": "x" * 400}]}}).encode()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 200 OK\r\n" + b"X-Slow: " + b"a" * 200 + b"\r\n\r\n",  # dripped headers
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(_BODY) + _BODY,  # prompt headers, dripped body
+        b'HTTP/1.1 500 Oops\r\nContent-Length: 400\r\n\r\n{"detail": "' + b"e" * 380 + b'"}',  # dripped error body
+    ],
+    ids=["headers", "body", "error-body"],
+)
+def test_a_dripping_server_costs_one_timeout_in_all(reply):
+    """Each byte arrives within 0.05 s, so a per-read timeout never fires; the request must still end at its one
+    deadline (0.5 s), not after the ~10-25 s the whole reply takes."""
+    server = DrippingServer(reply)
+    try:
+        provider = ReMeExperienceProvider(server.url, timeout=0.5)
+        start = time.monotonic()
+        with pytest.raises(ReMeError, match=r"^ReMe /retrieve_task_memory: no complete answer from .* within 0.5 s"):
+            provider.retrieve("put a mug", 3)
+        assert time.monotonic() - start < 1.5
+        start = time.monotonic()
+        with pytest.raises(ReMeError, match=r"^ReMe /summary_task_memory: no complete answer"):
+            provider.summarize([MUG])
+        assert time.monotonic() - start < 1.5
+    finally:
+        server.close()

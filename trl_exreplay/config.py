@@ -360,8 +360,8 @@ class ExReplayGRPOConfig(GRPOConfig):
     experience_timeout: float = field(
         default=10.0,
         metadata={
-            "help": "Seconds a ReMe request may take (per connection and per read); a retrieval past it leaves its "
-            "rollout unguided (counted in guide/retrieve_failures). In (0, 86400]."
+            "help": "Seconds a ReMe request may take in all (connect, send, the whole reply); a retrieval past it "
+            "leaves its rollout unguided (counted in guide/retrieve_failures). In (0, 86400]."
         },
     )
     experience_workspace_id: str = field(

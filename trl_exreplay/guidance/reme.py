@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import http.client
 import json
-import urllib.error
+import socket
+import threading
+import time
 import urllib.parse
-import urllib.request
 from typing import Any
 
 from .provider import ExperienceRecord, PartialSummaryError, SummaryInput
@@ -46,13 +47,6 @@ MAX_TIMEOUT = 86_400.0  # seconds: a day; a socket refuses far larger timeouts (
 
 class ReMeError(RuntimeError):
     """The ReMe service could not be reached, or its reply was not what the endpoint promises."""
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect is an unexpected reply (urllib would replay a POST as a GET without its body)."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
 
 
 def trajectory_payload(trajectory: SummaryInput) -> dict:
@@ -109,8 +103,9 @@ class ReMeExperienceProvider:
       made" only when `metadata.update_result.inserted_count` is 0 (what ReMe 0.2 replies then).
     * `add` does nothing; `records` returns [].
 
-    Every failure raises `ReMeError` (a `RuntimeError`): no connection, no answer within `timeout` seconds (per
-    connect and per read), a status other than 200 (redirects are not followed), a body that is not JSON, or a
+    Every failure raises `ReMeError` (a `RuntimeError`): no connection, no complete answer within `timeout` seconds
+    (one deadline for the whole request, however slowly the server drips its reply), a status other than 200
+    (redirects are not followed; no proxy is used: the service is reached directly), a body that is not JSON, or a
     missing or wrong-typed field; the message names the endpoint and the field. ReMe replies 200 with
     `success: false` when a flow fails: that raises too. (ReMe 0.2 also swallows some failures inside a summary flow
     and replies as if nothing was made; a client cannot tell those apart.)
@@ -126,7 +121,6 @@ class ReMeExperienceProvider:
             raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {timeout!r}")
         self.workspace_id = workspace_id
         self.timeout = float(timeout)
-        self._opener = urllib.request.build_opener(_NoRedirect())
 
     def __repr__(self) -> str:
         return f"ReMeExperienceProvider({self.base_url!r}, workspace_id={self.workspace_id!r})"
@@ -179,29 +173,9 @@ class ReMeExperienceProvider:
 
     def _post(self, endpoint: str, payload: dict) -> dict:
         url = self.base_url + endpoint
-        request = urllib.request.Request(
-            url,
-            data=json.dumps(payload, ensure_ascii=False).encode("utf-8"),
-            headers={"Content-Type": "application/json", "Accept": "application/json"},
-            method="POST",
-        )
-        try:
-            with self._opener.open(request, timeout=self.timeout) as response:
-                status = response.status
-                body = response.read(MAX_REPLY_BYTES + 1)
-        except urllib.error.HTTPError as error:
-            detail = error.read(500).decode("utf-8", "replace") if error.fp is not None else ""
-            raise ReMeError(f"ReMe {endpoint}: HTTP status {error.code}, expected 200: {detail!r}") from error
-        except TimeoutError as error:
-            raise ReMeError(f"ReMe {endpoint}: no answer from {url} within {self.timeout:g} s") from error
-        except urllib.error.URLError as error:
-            if isinstance(error.reason, TimeoutError):
-                raise ReMeError(f"ReMe {endpoint}: no answer from {url} within {self.timeout:g} s") from error
-            raise ReMeError(f"ReMe {endpoint}: cannot reach {url}: {error.reason}") from error
-        except (OSError, ValueError, http.client.HTTPException) as error:  # a reset connection, a bad status line
-            raise ReMeError(f"ReMe {endpoint}: request to {url} failed: {error!r}") from error
+        body, status, detail = self._exchange(endpoint, url, json.dumps(payload, ensure_ascii=False).encode("utf-8"))
         if status != 200:
-            raise ReMeError(f"ReMe {endpoint}: HTTP status {status}, expected 200")
+            raise ReMeError(f"ReMe {endpoint}: HTTP status {status}, expected 200: {detail!r}")
         if len(body) > MAX_REPLY_BYTES:
             raise ReMeError(f"ReMe {endpoint}: reply larger than {MAX_REPLY_BYTES} bytes, refused")
         try:
@@ -219,6 +193,53 @@ class ReMeExperienceProvider:
             answer = reply.get("answer")
             raise ReMeError(f"ReMe {endpoint}: field 'success' is false (the flow failed): {str(answer)[:500]!r}")
         return reply
+
+    def _exchange(self, endpoint: str, url: str, data: bytes) -> tuple[bytes, int, str]:
+        """POST `data` to `url`: (body, status, the start of a non-200 body). The whole exchange (connect, send, the
+        status line, headers and body) must end within `timeout` seconds: a socket's own timeout bounds each read
+        only, so a server that drips one byte at a time would hold it for ever. A timer shuts the socket down at the
+        deadline, which wakes the blocked read."""
+        parts = urllib.parse.urlsplit(url)
+        connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = connection_class(parts.hostname, parts.port, timeout=self.timeout)
+        deadline = time.monotonic() + self.timeout
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            if connection.sock is not None:
+                try:  # the plain socket's shutdown: an SSL socket's would also drop its SSL state under the reader
+                    socket.socket.shutdown(connection.sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = None
+        late = ReMeError(f"ReMe {endpoint}: no complete answer from {url} within {self.timeout:g} s")
+        try:
+            connection.connect()  # bounded by the socket timeout, itself `timeout`
+            timer = threading.Timer(max(deadline - time.monotonic(), 0.0), expire)
+            timer.daemon = True
+            timer.start()
+            headers = {"Content-Type": "application/json", "Accept": "application/json"}
+            connection.request("POST", parts.path or "/", body=data, headers=headers)
+            response = connection.getresponse()
+            status = response.status
+            body = response.read(MAX_REPLY_BYTES + 1 if status == 200 else 500)
+        except TimeoutError as error:
+            raise late from error
+        except (OSError, ValueError, http.client.HTTPException) as error:  # refused, reset, a bad status line...
+            if expired.is_set():
+                raise late from error
+            if isinstance(error, ConnectionRefusedError) or connection.sock is None:
+                raise ReMeError(f"ReMe {endpoint}: cannot reach {url}: {error!r}") from error
+            raise ReMeError(f"ReMe {endpoint}: request to {url} failed: {error!r}") from error
+        finally:
+            if timer is not None:
+                timer.cancel()
+            connection.close()
+        if expired.is_set():  # the shutdown may have ended the body early, looking like a short reply
+            raise late
+        return body, status, "" if status == 200 else body.decode("utf-8", "replace")
 
     @staticmethod
     def _memory_list(endpoint: str, reply: dict, required: bool) -> list[dict]:
