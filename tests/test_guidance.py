@@ -384,3 +384,31 @@ def test_a_trainer_trains_again_after_its_summariser_was_closed(tmp_path):
     trainer.train()  # closes the summariser's thread at the end
     trainer.train()  # a second run starts another
     assert len([e for e in trainer.state.log_history if "guide/guided_fraction" in e]) == 2
+
+
+def test_a_stuck_summary_request_does_not_keep_the_process_alive(tmp_path):
+    """A provider whose `summarize` never returns (a ReMe request stuck for ever): once the summariser is closed
+    without waiting, the interpreter exits at once. An executor's thread would be joined at exit, for ever."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import threading\n"
+        "from trl_exreplay.guidance import SummaryInput\n"
+        "from trl_exreplay.guidance.summarizer import BackgroundSummarizer\n"
+        "class Stuck:\n"
+        "    shared = False\n"
+        "    def summarize(self, trajectories):\n"
+        "        threading.Event().wait()\n"
+        "summarizer = BackgroundSummarizer(Stuck())\n"
+        "summarizer.offer([SummaryInput('a:1', 'a', 'open the door', ['open door'], 1.0, step=0)])\n"
+        "assert summarizer.submit() and not summarizer.wait(0.2)\n"
+        "summarizer.close()\n"
+        "print('closed', flush=True)\n"
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "closed\n", done.stderr
+    assert time.monotonic() - start < 30  # the interpreter's start-up and imports; no wait on the stuck thread

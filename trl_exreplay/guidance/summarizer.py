@@ -27,7 +27,8 @@ summarizer.close()
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+import threading
+from concurrent.futures import Future, wait
 
 from .provider import ExperienceProvider, ExperienceRecord, PartialSummaryError, SummaryInput
 
@@ -46,7 +47,6 @@ class BackgroundSummarizer:
         self.summarized = 0  # inputs whose records were collected
         self._job: Future | None = None
         self._job_inputs: list[SummaryInput] = []
-        self._executor: ThreadPoolExecutor | None = None  # made on the first job (again after `close`)
 
     def offer(self, inputs: list[SummaryInput]) -> None:
         """Add successful rollouts to the backlog."""
@@ -65,9 +65,7 @@ class BackgroundSummarizer:
         if self._job is not None or not self.backlog:
             return False
         self._job_inputs, self.backlog = self.backlog, []
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exreplay-summarizer")
-        self._job = self._executor.submit(self.provider.summarize, list(self._job_inputs))
+        self._job = _run_in_daemon_thread(self.provider.summarize, list(self._job_inputs))
         return True
 
     def done(self) -> bool:
@@ -120,7 +118,24 @@ class BackgroundSummarizer:
         self.offer(pending)
 
     def close(self, wait_for_job: bool = False) -> None:
-        """Stop the thread (a job in flight finishes and can still be collected); a later `submit` starts another."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=wait_for_job, cancel_futures=True)
-            self._executor = None
+        """Wait for the job in flight when `wait_for_job` (it can still be collected either way). Without waiting, a
+        job that never returns (a stuck service) is left to its daemon thread: it never holds the process at exit."""
+        if wait_for_job:
+            self.wait()
+
+
+def _run_in_daemon_thread(function, *args) -> Future:
+    """`function(*args)` in a daemon thread, as a Future. Not an executor: the interpreter joins an executor's threads
+    at exit, so one stuck request would keep a finished run's process alive for ever."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:  # noqa: BLE001 - handed to `collect`, which counts it
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="exreplay-summarizer", daemon=True).start()
+    return future
