@@ -39,6 +39,7 @@ DOCSTRINGS = [
     "trl_exreplay.guidance.store:",
     "trl_exreplay.guidance.offline:",
     "trl_exreplay.guidance.reme:",
+    "trl_exreplay.untrusted_text:",
 ]
 
 

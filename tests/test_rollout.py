@@ -663,3 +663,43 @@ def test_a_last_step_may_return_no_observation(tok):
     engine = engine_for(tok, Factory())
     (episode,) = engine.run([{"task_id": "t", "steps": [(None, 1.0, True, {})]}], ScriptedGenerate(tok, ["key <eos>"]))
     assert episode.error is None and episode.reward == 1.0
+
+
+class CountingTokenizer:
+    """`tok` that records the length of every text it tokenizes (everything else passes through)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.lengths = tokenizer, []
+
+    def __call__(self, text, *args, **kwargs):
+        self.lengths.append(len(text))
+        return self._tokenizer(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+HUGE = "you see a key " * 200_000  # 800,000 words, 2.8 MB
+
+
+def test_a_first_observation_longer_than_the_context_is_a_reset_error_found_without_tokenizing_it(tok):
+    counting = CountingTokenizer(tok)
+    engine = engine_for(counting, Factory(), max_prompt_tokens=100)
+    counting.lengths.clear()
+    tasks = [{"task_id": "huge", "observation": HUGE}, {"task_id": "fits", "observation": "you see a key " * 25, "steps": [("x", 1.0, True, {})]}]
+    huge, fits = engine.run(tasks, ScriptedGenerate(tok, ["key <eos>"]))
+    assert huge.error == "reset_error" and huge.prompt_ids == ids(tok, "<user> <eos> <assistant>") and huge.turns == 0
+    assert fits.error is None and len(fits.prompt_ids) == 100 + 3  # 100 observation tokens fit the context
+    assert max(counting.lengths) < 10_000  # prefixes only, never the 2.8 MB
+    assert engine.errors == Counter({"reset_error": 1})
+
+
+def test_a_huge_step_observation_is_tokenized_only_as_far_as_the_budget_keeps(tok):
+    counting = CountingTokenizer(tok)
+    engine = engine_for(counting, Factory(), max_completion_length=12)
+    counting.lengths.clear()
+    tasks = [{"task_id": "t", "steps": [(HUGE, 0.0, False, {}), ("x", 1.0, True, {})]}]
+    (episode,) = engine.run(tasks, ScriptedGenerate(tok, ["take the key <eos>"]))
+    assert episode.completion_ids == ids(tok, "take the key <eos> <user> you see a key you see a")
+    assert episode.truncated and episode.finished and episode.error is None
+    assert max(counting.lengths) < 10_000

@@ -330,6 +330,14 @@ class ExReplayGRPOConfig(GRPOConfig):
         default=3,
         metadata={"help": "Experience records retrieved per guided rollout at most. >= 1."},
     )
+    experience_max_tokens: int = field(
+        default=512,
+        metadata={
+            "help": "Tokens of retrieved experience put in one prompt at most (the records joined, before the template); "
+            "the rest is cut (counted in guide/experience_truncated). Retrieved text is untrusted: any spelling of "
+            "a special or added token in it is removed (counted in guide/special_tokens_removed). >= 1."
+        },
+    )
     experience_update_freq: int = field(
         default=0,
         metadata={
@@ -697,6 +705,8 @@ def validate_guidance_options(o: dict[str, Any], num_generations: int | None) ->
     )
     k = o["retrieve_top_k"]
     _check(_is_int(k) and k >= 1, "retrieve_top_k", k, "integers >= 1")
+    budget = o["experience_max_tokens"]
+    _check(_is_int(budget) and budget >= 1, "experience_max_tokens", budget, "integers >= 1")
     freq = o["experience_update_freq"]
     _check(_is_int(freq) and freq >= 0, "experience_update_freq", freq, "integers >= 0 (0: no updates)")
     init = o["init_experience_before_training"]
@@ -733,7 +743,8 @@ def _names(values: tuple[str, ...]) -> str:
 
 _GUIDANCE_FIELDS = frozenset(
     ["train_rollout_expmode", "val_rollout_expmode", "rollout_expratio", "train_sample_expmode",
-     "train_sample_keepratio", "experience_template", "retrieve_top_k", "experience_update_freq",
+     "train_sample_keepratio", "experience_template", "retrieve_top_k", "experience_max_tokens",
+     "experience_update_freq",
      "init_experience_before_training", "experience_provider", "experience_base_url", "experience_timeout",
      "experience_workspace_id"]
 )  # fmt: skip

@@ -50,8 +50,18 @@ class MultiTurnRollouts:
             workers=self.replay["env_workers"],
             system_prompt_column=self.replay["system_prompt_column"],
             chat_template_kwargs=self.chat_template_kwargs,
+            max_prompt_tokens=self._model_context(),
         )
         self.rollout_func = self._multi_turn_rollout
+
+    def _model_context(self) -> int | None:
+        """Tokens the model can attend to (its `max_position_embeddings`, or vLLM's `vllm_max_model_length` when
+        smaller); None when the model does not say."""
+        contexts = [getattr(getattr(self.model, "config", None), "max_position_embeddings", None)]
+        if self.use_vllm:
+            contexts.append(self.args.vllm_max_model_length)
+        contexts = [c for c in contexts if isinstance(c, int) and c > 0]
+        return min(contexts) if contexts else None
 
     def _with_prompt(self, row: dict) -> dict:
         """Multi-turn: a copy of the row with a placeholder prompt (TRL requires one); the rollout replaces it in place

@@ -22,8 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .guidance.template import insert_experience
+from .untrusted_text import token_prefix
 
 logger = logging.getLogger(__name__)
+
+_CUT_MARGIN_TOKENS = 8  # an observation cut for the budget keeps this many tokens more than fit: its end tokenizes alone
 
 
 class ChatTurns:
@@ -181,6 +184,8 @@ class MultiTurnRollout:
         step_timeout: seconds an environment `reset` or `step` may take.
         workers: environment calls running at once.
         system_prompt_column: dataset column holding an optional system prompt.
+        max_prompt_tokens: tokens a first observation may have (the model's context; None: no bound). A longer one
+            is the environment's fault (`reset_error`), found without tokenizing all of it.
     """
 
     def __init__(
@@ -195,8 +200,10 @@ class MultiTurnRollout:
         workers: int = 16,
         system_prompt_column: str = "system_prompt",
         chat_template_kwargs: dict | None = None,
+        max_prompt_tokens: int | None = None,
     ):
         self.text_env_factory = text_env_factory
+        self.max_prompt_tokens = max_prompt_tokens
         self.tokenizer = tokenizer
         self.turns = ChatTurns(tokenizer, chat_template_kwargs)
         self.max_turns = max_turns
@@ -262,7 +269,7 @@ class MultiTurnRollout:
             observation, error, _ = (None, factory_error, 0.0) if env is None else next(resets)
             if error is None:
                 try:
-                    observation = observation_text(observation)
+                    observation = self._first_observation(observation)
                 except (TypeError, ValueError) as bad:  # a malformed first observation fails its episode only
                     error = bad
             if error is not None:
@@ -318,7 +325,7 @@ class MultiTurnRollout:
                             raise TypeError(f"step() info must be a dict, got {type(info).__name__}")
                         invalid = bool(info.get("invalid_action", False))
                         last = done or turn == self.max_turns - 1
-                        env_ids = [] if last else self.turns.env_turn_ids(observation_text(observation))
+                        env_ids = [] if last else self._env_turn_ids(observation, episode)
                     except Exception as bad:  # noqa: BLE001 - a malformed answer fails its episode only
                         error = bad
                 if error is not None:
@@ -357,6 +364,20 @@ class MultiTurnRollout:
                 episode.env_mask = [0] * len(episode.env_mask)
                 episode.logprobs = [None] * len(episode.logprobs)
         return episodes
+
+    def _first_observation(self, observation) -> str:
+        text = observation_text(observation)
+        budget = self.max_prompt_tokens
+        if budget is not None and token_prefix(text, self.tokenizer, budget)[1]:
+            raise ValueError(f"the first observation has more than {budget} tokens, the model's context")
+        return text
+
+    def _env_turn_ids(self, observation, episode: Episode) -> list[int]:
+        """An environment turn's tokens, its observation tokenized only as far as the episode's budget can keep (and
+        a margin, so the kept tokens are those of the whole text): a huge observation costs what is kept."""
+        room = self.max_completion_length - len(episode.completion_ids)
+        text, _ = token_prefix(observation_text(observation), self.tokenizer, room + _CUT_MARGIN_TOKENS)
+        return self.turns.env_turn_ids(text)
 
     def close(self) -> None:
         """Close the idle environments (the trainer calls this at the end of training)."""

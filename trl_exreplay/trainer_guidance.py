@@ -31,10 +31,15 @@ from .guidance import ExperienceProvider, SummaryInput
 from .guidance.allocation import allocate_guidance
 from .guidance.summarizer import BackgroundSummarizer
 from .guidance.template import format_experience, insert_experience, task_text
+from .untrusted_text import added_token_strings, remove_token_strings, token_prefix
 
 logger = logging.getLogger(__name__)
 
 EXPERIENCE_DIR = "exreplay_experience"
+
+
+# Counts every process adds to for the whole run, logged as the sum over processes so far.
+_RUNNING_TOTALS = ("retrieve_failures", "special_tokens_removed", "experience_truncated")
 
 
 def make_provider(options: dict) -> ExperienceProvider:
@@ -206,7 +211,7 @@ class ExperienceGuidance:
                 for text in contents:
                     text.encode("utf-8")  # a lone surrogate cannot be tokenized: the provider failed
                 if contents:
-                    result = (format_experience(self._experience_template, contents), len(contents))
+                    result = (format_experience(self._experience_template, [self._bounded(contents)]), len(contents))
             except Exception as error:  # noqa: BLE001 - a failing provider is counted; the rollout goes unguided
                 step.retrieval_down = True
                 self._guide_counts["retrieve_failures"] += 1
@@ -216,6 +221,16 @@ class ExperienceGuidance:
                     logger.warning(message, error, "guide/retrieve_failures; logged once")
         step.retrieved[query] = result
         return result
+
+    def _bounded(self, contents: list[str]) -> str:
+        """Retrieved records joined as the template receives them, made safe: no spelling of a special or added token
+        (it would forge a chat turn or an end of sequence in the trained prompt), at most `experience_max_tokens`."""
+        tokenizer = self.processing_class
+        text, removed = remove_token_strings("\n".join(contents), added_token_strings(tokenizer))
+        text, cut = token_prefix(text, tokenizer, self.replay["experience_max_tokens"])
+        self._guide_counts["special_tokens_removed"] += removed
+        self._guide_counts["experience_truncated"] += int(cut)
+        return text
 
     def _guide_rows(self, step, offset: int, queries: dict[int, str | None]) -> None:
         """Retrieve for this rank's allocated rows (local row -> task text, None: the row cannot be guided) and keep
@@ -350,11 +365,11 @@ class ExperienceGuidance:
         guided = self._gather_row_flags(set(step.guided_text), num_local)
         counts = self._guide_counts
         local = torch.tensor(
-            [*self._take_step_counts(), counts["retrieve_failures"]],
+            [*self._take_step_counts(), *(counts[kind] for kind in _RUNNING_TOTALS)],
             dtype=torch.float64,
             device=self.accelerator.device,
         )
-        allocated, retrieved, discarded, failures = self.accelerator.reduce(local, reduction="sum").tolist()
+        allocated, retrieved, discarded, *totals = self.accelerator.reduce(local, reduction="sum").tolist()
         metrics = self._metrics["train" if self.model.training else "eval"]
         metrics["guide/guided_fraction"].append(sum(guided) / max(len(guided), 1))
         metrics["guide/discarded_fraction"].append(discarded / max(len(guided), 1))
@@ -367,7 +382,8 @@ class ExperienceGuidance:
         summarizer = self._summarizer
         metrics["guide/summarizer_backlog"] = [len(summarizer.pending())]
         metrics["guide/summarizer_failures"] = [summarizer.failures]  # running totals: the latest value
-        metrics["guide/retrieve_failures"] = [failures]
+        for kind, total in zip(_RUNNING_TOTALS, totals):
+            metrics[f"guide/{kind}"] = [total]
         provider = self._experience  # its size, without copying its records where it can say it
         metrics["guide/store_records"] = [len(provider) if hasattr(provider, "__len__") else len(provider.records())]
 
