@@ -9,7 +9,6 @@ from trl import GRPOConfig
 
 from trl_exreplay.config import (
     PROFILE_FIELDS,
-    RENAMED_FIELDS,
     REPLAY_PROFILES,
     ExReplayGRPOConfig,
     replay_options,
@@ -135,7 +134,7 @@ DEFAULTS = {
 
 def test_defaults(tmp_path):
     c = make(tmp_path)
-    added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)} - set(RENAMED_FIELDS)
+    added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)}
     assert added == set(DEFAULTS), "a field was added or removed: give its default here"
     assert {name: getattr(c, name) for name in DEFAULTS} == DEFAULTS
     assert isinstance(c, GRPOConfig)
@@ -172,7 +171,11 @@ def test_the_profile_is_read_from_yaml_and_flags_as_it_is_from_code(tmp_path):
     (config,) = TrlParser([ExReplayGRPOConfig]).parse_args_and_config(
         ["--config", str(path), "--replay_unclipped_fresh", "false", "--replay_shaping", "clip"]
     )
-    assert (config.replay_retire_solved, config.replay_unclipped_fresh, config.replay_shaping) == (False, False, "clip")
+    assert (config.replay_retire_solved, config.replay_unclipped_fresh, config.replay_shaping) == (
+        False,
+        False,
+        "clip",
+    )
     assert (config.replay_start, config.replay_count_replayed_successes) == ("solved", True)
 
 
@@ -366,7 +369,7 @@ def test_validate_reports_num_generations_bound(tmp_path):
 def test_the_naming_rule_every_replay_field_starts_with_replay():
     """The rule docs/config.md states: replay fields are `replay_<what>`, but the switch and the data columns; the
     guided rollouts' fields keep seed 003's names, the providers' begin `experience_`."""
-    added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)} - set(RENAMED_FIELDS)
+    added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)}
     episode = {"max_turns", "max_tokens_per_turn", "env_step_timeout", "env_workers"}
     columns = {name for name in added if name.endswith("_column")}
     assert columns == {"task_id_column", "system_prompt_column"}
@@ -376,74 +379,32 @@ def test_the_naming_rule_every_replay_field_starts_with_replay():
     assert {name for name in added - episode - columns - guided - providers if not name.startswith("replay_")} == {
         "enable_experience_replay"
     }
-    assert set(RENAMED_FIELDS.values()) <= added and not set(RENAMED_FIELDS) & added
 
 
-@pytest.mark.parametrize("old, new", sorted(RENAMED_FIELDS.items()))
-def test_a_former_name_still_sets_its_field_with_a_warning_naming_the_new_one(tmp_path, old, new):
-    value = {
-        "exp_ratio": 0.25, "offpolicy_trajectories_per_task": 2, "max_trajectories_per_task": 7,
-        "experience_lbound": 1, "experience_rbound": 3, "success_threshold": 0.5, "exp_select_mode": "random",
-        "use_current_policy_entropy": False, "exp_is_correct": False, "off_cliprange_high": 0.5,
-        "off_clip_ratio_c": 2.0, "off_policy_shaping": "exgrpo", "off_policy_shaping_beta": 0.3, "max_policy_age": 4,
-        "pool_store_mode": "best", "resume_without_pool": True,
-    }[old]  # fmt: skip
-    assert value != DEFAULTS[new]  # so that the value can only have come through the former name
-    with pytest.warns(FutureWarning, match=f"`{old}` is deprecated: it is the former name of `{new}`"):
-        c = make(tmp_path, **{old: value})
-    assert getattr(c, new) == value and getattr(c, old) is None
-    assert replay_options(c)[new] == value and old not in replay_options(c)
-
-
-def test_a_former_name_in_a_yaml_config_still_works(tmp_path):
+def test_the_design_documents_names_are_not_fields(tmp_path):
+    """One vocabulary: the design documents' names (`exp_ratio`, `exp_is_correct`, ...) are the reference's column,
+    not fields, so no value set under one can silently lose to, or beat, the field's own value: a YAML file or a
+    command line that uses one fails, naming it."""
     from trl import TrlParser
 
     config = tmp_path / "config.yaml"
-    config.write_text("output_dir: out\nuse_cpu: true\nreport_to: none\nexp_ratio: 0.25\nexp_select_mode: random\n")
-    with pytest.warns(FutureWarning, match="former name of `replay_ratio`"):
-        (args,) = TrlParser((ExReplayGRPOConfig,)).parse_args_and_config(["--config", str(config)])
-    assert args.replay_ratio == 0.25 and args.replay_select_mode == "random"
-
-
-def test_a_former_name_overrides_its_field_and_says_so(tmp_path):
-    """As a flag overrides a YAML file: `--exp_ratio` on the command line wins over `replay_ratio` in the config."""
-    with pytest.warns(FutureWarning, match=r"former name of `replay_ratio`.*\(it overrides replay_ratio=0.75\)"):
-        assert make(tmp_path, exp_ratio=0.25, replay_ratio=0.75).replay_ratio == 0.25
-    with pytest.warns(FutureWarning) as caught:  # the same value twice is only redundant
-        assert make(tmp_path, exp_ratio=0.25, replay_ratio=0.25).replay_ratio == 0.25
-    assert not any("overrides" in str(w.message) for w in caught)
-
-
-def test_former_bool_names_on_the_command_line(tmp_path):
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(ExReplayGRPOConfig)
-    base = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none"]
-    with pytest.warns(FutureWarning, match="former name of `replay_resume_without_pool`"):
-        (args,) = parser.parse_args_into_dataclasses([*base, "--resume_without_pool"])  # bare flag: true
-    assert args.replay_resume_without_pool is True
-    with pytest.warns(FutureWarning, match="former name of `replay_importance_sampling`"):
-        (args,) = parser.parse_args_into_dataclasses([*base, "--exp_is_correct", "false"])
-    assert args.replay_importance_sampling is False
-
-
-def test_a_former_name_assigned_after_the_config_was_built_reaches_the_trainer(tmp_path):
-    from helpers import make_trainer
-
-    args = make(tmp_path, per_device_train_batch_size=16)
-    args.exp_ratio = 0.25
-    with pytest.warns(FutureWarning, match="former name of `replay_ratio`"):
-        trainer = make_trainer(tmp_path, args=args)
-    assert trainer.replay["replay_ratio"] == 0.25 and args.exp_ratio is None
+    config.write_text("output_dir: out\nuse_cpu: true\nreport_to: none\nexp_is_correct: false\n")
+    with pytest.raises(ValueError, match="exp_is_correct"):
+        TrlParser((ExReplayGRPOConfig,)).parse_args_and_config(["--config", str(config)])
+    with pytest.raises(ValueError, match="exp_ratio"):
+        TrlParser((ExReplayGRPOConfig,)).parse_args_and_config(
+            ["--output_dir", "out", "--use_cpu", "true", "--exp_ratio", "0.25"]
+        )
+    with pytest.raises(TypeError, match="exp_ratio"):
+        make(tmp_path, exp_ratio=0.25)
 
 
 def test_the_config_reference_is_what_the_config_says():
-    """docs/config.md is written from the dataclass (`tools/config_reference.py`): a field, default, help text or
-    former name changed without rewriting it fails here."""
+    """docs/config.md is written from the dataclass (`tools/config_reference.py`): a field, default or help text
+    changed without rewriting it fails here."""
     from helpers import load_script
 
     reference = load_script("tools/config_reference.py", "config_reference")
     assert reference.main(["--check"]) == 0, "run python tools/config_reference.py"
     text = (reference.OUTPUT).read_text()
-    for old, new in RENAMED_FIELDS.items():
-        assert f"| `{new}` |" in text and f"`{old}`" in text
+    assert "| `replay_ratio` | `0.5` | `exp_ratio` |" in text  # a design documents' name, mapped

@@ -258,21 +258,6 @@ def test_environments_in_worker_processes_or_ray_actors_train_like_in_process_on
     assert any(not torch.equal(initial[name], weights[0][name].cpu()) for name in initial)  # it did train
 
 
-def test_the_old_env_factory_name_still_works_with_a_warning(tmp_path):
-    from helpers import make_args
-
-    tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
-    with pytest.warns(FutureWarning, match="renamed `text_env_factory`"):
-        trainer = ExReplayGRPOTrainer(
-            model=build_tiny_model(tokenizer, seed=0),
-            args=make_args(tmp_path, max_steps=1, max_completion_length=48, max_tokens_per_turn=4, max_turns=5),
-            train_dataset=key_door_dataset(num_tasks=1, repeats=16),
-            processing_class=tokenizer,
-            env_factory=KeyDoorEnv,
-        )
-    assert trainer.text_env_factory is KeyDoorEnv
-
-
 def test_multi_turn_replaying_losses_are_trls_plus_the_replayed_term(tmp_path):
     from loss_check import CheckingTrainer, assert_replaying_losses_compose
 

@@ -3,12 +3,8 @@ as pure functions; the checkpointed state read back or refused; and the pool's s
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from helpers import traj
 
-from trl_exreplay.pool import ExperiencePool, TaskOutcome
 from trl_exreplay.schedule import (
     SCHEDULE_FILE,
     EpochSeededSampler,

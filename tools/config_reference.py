@@ -4,8 +4,8 @@
     python tools/config_reference.py --check    # exit 1 if docs/config.md is not what the config says
 
 `tests/test_config.py` runs the check, so the page cannot drift from the code: every field with its default, its
-help text, its former name (still accepted, with a FutureWarning) and its name in the design documents (seeds 000-002,
-ExGRPO / AgentEvolver), so that readers of those documents find their way.
+help text and its name in the design documents (seeds 000-003, ExGRPO / AgentEvolver), so that readers of those
+documents find their way.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPOSITORY))
 
 from trl import GRPOConfig  # noqa: E402
 
-from trl_exreplay.config import PROFILE_FIELDS, RENAMED_FIELDS, REPLAY_PROFILES, ExReplayGRPOConfig  # noqa: E402
+from trl_exreplay.config import PROFILE_FIELDS, REPLAY_PROFILES, ExReplayGRPOConfig  # noqa: E402
 
 OUTPUT = REPOSITORY / "docs" / "config.md"
 
@@ -86,10 +86,9 @@ def _cell(text: str) -> str:
 def render() -> str:
     own = {f.name: f for f in fields(ExReplayGRPOConfig) if f.name not in {g.name for g in fields(GRPOConfig)}}
     listed = [name for _, names in GROUPS for name in names]
-    missing = sorted(set(own) - set(listed) - set(RENAMED_FIELDS))
+    missing = sorted(set(own) - set(listed))
     if missing or len(listed) != len(set(listed)) or set(listed) - set(own):
         raise SystemExit(f"tools/config_reference.py: GROUPS must list each field once; not listed: {missing}")
-    former = {new: old for old, new in RENAMED_FIELDS.items()}
     lines = [
         "# Configuration reference",
         "",
@@ -103,23 +102,16 @@ def render() -> str:
         "the design document that specifies them (seed 003, AgentEvolver's Self-Navigating), so that its readers "
         "and its configurations find them, and the providers' fields begin `experience_`.",
         "",
-        "A field's **former name** (most are the design documents' own) is still accepted, in code, on the command "
-        "line and in YAML files, with a `FutureWarning` naming the new field; it will be removed in trl-exreplay "
-        "0.3. Where both names are set, the former one wins and the warning says what it overrode (so a former name "
-        "on the command line overrides the new one in a YAML file). The `--no_` flags of the former boolean names "
-        "are gone: write `--exp_is_correct false`. The **design documents' name** column maps each field to the name the ExGRPO / AgentEvolver design "
+        "The **design documents' name** column maps each field to the name the ExGRPO / AgentEvolver design "
         "documents use (seeds 000-003), where they name it.",
     ]
     for title, names in GROUPS:
-        lines += ["", f"## {title}", "", "| field | default | former name | design documents' name | what it does |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", f"## {title}", "", "| field | default | design documents' name | what it does |",
+                  "|---|---|---|---|"]  # fmt: skip
         for name in names:
             f = own[name]
             default = f.default if f.default is not MISSING else f.default_factory()
-            old = f"`{former[name]}`" if name in former else ""
-            lines.append(
-                f"| `{name}` | `{default!r}` | {old} | {SEED_NAMES.get(name, '')} | {_cell(f.metadata['help'])} |"
-            )
+            lines.append(f"| `{name}` | `{default!r}` | {SEED_NAMES.get(name, '')} | {_cell(f.metadata['help'])} |")
     return "\n".join(lines + profiles()) + "\n"
 
 
@@ -169,7 +161,7 @@ def profiles() -> list[str]:
         "every batch's size by drawing other rows, and stops the run when every question is retired; ExGRPO's mean entropy of a stored trajectory "
         "averages over padding positions (`experience_helpers.py`), ours over the completion's tokens; and ExGRPO "
         "does not normalise advantages by the group's standard deviation (`grpo_use_std=False`), which is TRL's "
-        "`scale_rewards=\"none\"`, not a replay field.",
+        '`scale_rewards="none"`, not a replay field.',
     ]
     return lines
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -377,125 +376,12 @@ class ExReplayGRPOConfig(GRPOConfig):
         metadata={"help": "The ReMe workspace that holds this run's experience (experience_provider='reme')."},
     )
 
-    # ---- former names: a YAML file or script that sets one still works, with a FutureWarning naming the new field
-    exp_ratio: float | None = field(
-        default=None, metadata={"help": "Deprecated: the former name of `replay_ratio`; set that instead."}
-    )
-    offpolicy_trajectories_per_task: int | None = field(
-        default=None,
-        metadata={"help": "Deprecated: the former name of `replay_trajectories_per_group`; set that instead."},
-    )
-    max_trajectories_per_task: int | None = field(
-        default=None,
-        metadata={"help": "Deprecated: the former name of `replay_max_trajectories_per_task`; set that instead."},
-    )
-    experience_lbound: int | None = field(
-        default=None, metadata={"help": "Deprecated: the former name of `replay_store_lbound`; set that instead."}
-    )
-    experience_rbound: int | None = field(
-        default=None, metadata={"help": "Deprecated: the former name of `replay_store_rbound`; set that instead."}
-    )
-    success_threshold: float | None = field(
-        default=None, metadata={"help": "Deprecated: the former name of `replay_success_threshold`; set that instead."}
-    )
-    exp_select_mode: str | None = field(
-        default=None, metadata={"help": "Deprecated: the former name of `replay_select_mode`; set that instead."}
-    )
-    use_current_policy_entropy: bool | None = field(
-        default=None,
-        # nargs/const: a bare `--use_current_policy_entropy` means true, as it did (its `--no_` form is gone: write `false`)
-        metadata={
-            "help": "Deprecated: the former name of `replay_select_by_current_entropy`; set that instead.",
-            "nargs": "?",
-            "const": True,
-        },
-    )
-    exp_is_correct: bool | None = field(
-        default=None,
-        # nargs/const: a bare `--exp_is_correct` means true, as it did (its `--no_` form is gone: write `false`)
-        metadata={
-            "help": "Deprecated: the former name of `replay_importance_sampling`; set that instead.",
-            "nargs": "?",
-            "const": True,
-        },
-    )
-    off_cliprange_high: float | None = field(
-        default=None, metadata={"help": "Deprecated: the former name of `replay_clip_high`; set that instead."}
-    )
-    off_clip_ratio_c: float | None = field(
-        default=None, metadata={"help": "Deprecated: the former name of `replay_dual_clip_c`; set that instead."}
-    )
-    off_policy_shaping: str | None = field(
-        default=None, metadata={"help": "Deprecated: the former name of `replay_shaping`; set that instead."}
-    )
-    off_policy_shaping_beta: float | None = field(
-        default=None, metadata={"help": "Deprecated: the former name of `replay_shaping_beta`; set that instead."}
-    )
-    max_policy_age: int | None = field(
-        default=None, metadata={"help": "Deprecated: the former name of `replay_max_policy_age`; set that instead."}
-    )
-    pool_store_mode: str | None = field(
-        default=None, metadata={"help": "Deprecated: the former name of `replay_store_mode`; set that instead."}
-    )
-    resume_without_pool: bool | None = field(
-        default=None,
-        # nargs/const: a bare `--resume_without_pool` means true, as it did (its `--no_` form is gone: write `false`)
-        metadata={
-            "help": "Deprecated: the former name of `replay_resume_without_pool`; set that instead.",
-            "nargs": "?",
-            "const": True,
-        },
-    )
-
     def __post_init__(self):
-        apply_former_names(self)
         current = {name: getattr(self, name) for name in PROFILE_FIELDS}
         for name, value in profile_values(self.replay_profile, current).items():
             setattr(self, name, value)  # read back as it trains, not None
         super().__post_init__()
         validate_replay_options(replay_options(self), self.num_generations)
-
-
-# The fields' former names (most are the design documents' own: seeds 000-002) -> the fields that replaced them.
-RENAMED_FIELDS: dict[str, str] = {
-    "exp_ratio": "replay_ratio",
-    "offpolicy_trajectories_per_task": "replay_trajectories_per_group",
-    "max_trajectories_per_task": "replay_max_trajectories_per_task",
-    "experience_lbound": "replay_store_lbound",
-    "experience_rbound": "replay_store_rbound",
-    "success_threshold": "replay_success_threshold",
-    "exp_select_mode": "replay_select_mode",
-    "use_current_policy_entropy": "replay_select_by_current_entropy",
-    "exp_is_correct": "replay_importance_sampling",
-    "off_cliprange_high": "replay_clip_high",
-    "off_clip_ratio_c": "replay_dual_clip_c",
-    "off_policy_shaping": "replay_shaping",
-    "off_policy_shaping_beta": "replay_shaping_beta",
-    "max_policy_age": "replay_max_policy_age",
-    "pool_store_mode": "replay_store_mode",
-    "resume_without_pool": "replay_resume_without_pool",
-}
-
-
-def apply_former_names(config) -> None:
-    """Move values set under a former name (`RENAMED_FIELDS`) to the field's name, with a FutureWarning; the former
-    name reads None afterwards. Where both are set, the former name wins and the warning says what it overrode: a
-    former name on the command line then overrides the new one in a YAML config, as any flag overrides the file."""
-    defaults = {f.name: f.default for f in fields(type(config))}
-    for old, new in RENAMED_FIELDS.items():
-        value = getattr(config, old, None)
-        if value is None:
-            continue
-        current = getattr(config, new)
-        overridden = f" (it overrides {new}={current!r})" if current != defaults[new] and current != value else ""
-        warnings.warn(
-            f"`{old}` is deprecated: it is the former name of `{new}`; set {new}={value!r} instead{overridden}. The "
-            "former name will be removed in trl-exreplay 0.3.",
-            FutureWarning,
-            stacklevel=4,
-        )
-        setattr(config, new, value)
-        setattr(config, old, None)
 
 
 # The fields whose value, left None, comes from `replay_profile`: the design documents' values (no profile), and
@@ -749,7 +635,5 @@ _GUIDANCE_FIELDS = frozenset(
      "experience_workspace_id"]
 )  # fmt: skip
 _REPLAY_FIELD_NAMES = frozenset(
-    name
-    for name in ExReplayGRPOConfig.__dataclass_fields__
-    if name not in GRPOConfig.__dataclass_fields__ and name not in RENAMED_FIELDS
+    name for name in ExReplayGRPOConfig.__dataclass_fields__ if name not in GRPOConfig.__dataclass_fields__
 )

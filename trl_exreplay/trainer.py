@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections import Counter
 from collections.abc import Callable
 
@@ -19,7 +18,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
-from .config import apply_former_names, replay_options, validate_replay_options
+from .config import replay_options, validate_replay_options
 from .custom_rollouts import replaying_rollout
 from .envs import env_reward
 from .guidance import ExperienceProvider
@@ -28,8 +27,8 @@ from .loss import TOKEN_SUM_LOSS_TYPES, aggregate_loss, off_policy_loss
 from .metrics import log_generation, log_off_policy
 from .multiturn import MultiTurnRollouts, check_multi_turn_vllm
 from .planner import ReplayPlan, plan_replay, replay_groups_due
-from .schedule import EpochSeededSampler, ReplaySchedule, redirect_retired_groups
 from .pool import ExperiencePool, task_key
+from .schedule import EpochSeededSampler, ReplaySchedule, redirect_retired_groups
 from .selection import ReplaySelection
 from .step import GenerationStep, LossForward, attach_replay_tensors
 from .trainer_guidance import EXPERIENCE_DIR, ExperienceGuidance
@@ -128,14 +127,6 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         experience_provider: ExperienceProvider | None = None,
         **kwargs,
     ):
-        if "env_factory" in kwargs:  # the name before 0.1 (TRL's `environment_factory` is a different contract)
-            warnings.warn(
-                "`env_factory` is renamed `text_env_factory` (a `trl_exreplay.envs.TextEnv` factory: reset/step "
-                "games); it is not TRL's `environment_factory` (tool-calling environments), which also replays.",
-                FutureWarning,
-                stacklevel=2,
-            )
-            text_env_factory = kwargs.pop("env_factory")
         if text_env_factory is not None and len(args) < 2 and kwargs.get("reward_funcs") is None:
             kwargs["reward_funcs"] = env_reward  # the environment's reward, unless the user scores rollouts
         config = args[2] if len(args) > 2 else kwargs.get("args")
@@ -147,7 +138,6 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
                 path = "Experience replay through TRL's tool loop (`tools`, `environment_factory`)"
                 check_multi_turn_vllm(config.vllm_mode, config.vllm_tensor_parallel_size, path)
         super().__init__(*args, **kwargs)
-        apply_former_names(self.args)  # a former name assigned after the config was built
         self.replay = replay_options(self.args)
         validate_replay_options(self.replay, self.num_generations)
         self._replay_enabled = bool(self.replay["enable_experience_replay"])
@@ -182,11 +172,6 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         self._setup_guidance(experience_provider, user_rollout_func)
         if self._replay_enabled or text_env_factory is not None or self._guidance_on:
             self.add_callback(_AtTrainEnd(self))
-
-    @property
-    def env_factory(self):
-        """The old name of `text_env_factory` (kept for code that reads it)."""
-        return self.text_env_factory
 
     # ------------------------------------------------------------------------------------------------ checks
     def _check_supported(self) -> None:

@@ -12,7 +12,6 @@ import warnings
 import torch
 from accelerate.utils import gather_object
 
-from .config import RENAMED_FIELDS
 from .outcomes import PendingOutcomes, task_outcomes, trajectory_records
 from .pool import ExperiencePool, tokenizer_fingerprint
 from .pool.rules import is_solved
@@ -26,22 +25,26 @@ POOL_DIR = "exreplay_pool"
 # leading underscore keeps it out of `Trainer.push_to_hub` uploads.
 POOL_WORK_DIR = "_exreplay_pool_work"
 
+# `ExperiencePool`'s settings keep the design documents' names (seeds 000-002); the config field each comes from.
+_POOL_SETTING_FIELDS = {
+    "max_trajectories_per_task": "replay_max_trajectories_per_task",
+    "experience_lbound": "replay_store_lbound",
+    "experience_rbound": "replay_store_rbound",
+    "exp_select_mode": "replay_select_mode",
+    "pool_store_mode": "replay_store_mode",
+    "max_policy_age": "replay_max_policy_age",
+    "replay_window": "replay_window",
+}
+
 
 class TrainerPool:
     """`self.pool`, and `self._pending`: the last step's outcomes, recorded in the pool at the next step."""
 
     def _setup_pool(self, experience_pool: ExperiencePool | None) -> None:
         rbound = self.replay["replay_store_rbound"]
-        self._pool_settings = {
-            "max_trajectories_per_task": self.replay["replay_max_trajectories_per_task"],
-            "experience_lbound": self.replay["replay_store_lbound"],
-            "experience_rbound": self.num_generations if rbound is None else rbound,
-            "exp_select_mode": self.replay["replay_select_mode"],
-            "pool_store_mode": self.replay["replay_store_mode"],
-            "max_policy_age": self.replay["replay_max_policy_age"],
-            "replay_window": self.replay["replay_window"],
-            "seed": self.args.seed,
-        }
+        values = {**self.replay, "replay_store_rbound": self.num_generations if rbound is None else rbound}
+        self._pool_settings = {name: values[field] for name, field in _POOL_SETTING_FIELDS.items()}
+        self._pool_settings["seed"] = self.args.seed
         # The pool's token ids must be this tokenizer's wherever they are read: replay, and the experience of guided
         # rollouts when it starts from the pool.
         reads_pool = self._replay_enabled or self.replay["init_experience_before_training"]
@@ -80,7 +83,7 @@ class TrainerPool:
         changed = pool.configure(**self._pool_settings)
         if changed:
             # The pool's own settings keep the design documents' names; the run sets them under the config's names.
-            fields = [RENAMED_FIELDS.get(name, name) for name in changed]
+            fields = [_POOL_SETTING_FIELDS.get(name, name) for name in changed]
             logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, fields)
         self.pool = pool
         self._share_pool_storage()
