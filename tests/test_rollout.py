@@ -686,7 +686,10 @@ def test_a_first_observation_longer_than_the_context_is_a_reset_error_found_with
     counting = CountingTokenizer(tok)
     engine = engine_for(counting, Factory(), max_prompt_tokens=100)
     counting.lengths.clear()
-    tasks = [{"task_id": "huge", "observation": HUGE}, {"task_id": "fits", "observation": "you see a key " * 25, "steps": [("x", 1.0, True, {})]}]
+    tasks = [
+        {"task_id": "huge", "observation": HUGE},
+        {"task_id": "fits", "observation": "you see a key " * 25, "steps": [("x", 1.0, True, {})]},
+    ]
     huge, fits = engine.run(tasks, ScriptedGenerate(tok, ["key <eos>"]))
     assert huge.error == "reset_error" and huge.prompt_ids == ids(tok, "<user> <eos> <assistant>") and huge.turns == 0
     assert fits.error is None and len(fits.prompt_ids) == 100 + 3  # 100 observation tokens fit the context

@@ -56,6 +56,15 @@ def test_fuzzed_pools_never_crash_and_are_never_read_as_other_data():
     assert result["clear_errors"] > 50 and result["counted_rejections"] > 0
 
 
+def test_the_guidance_probe_finds_no_crash_hang_or_silent_result(capsys):
+    """benchmarks/guidance_probe.py --quick: a slow, broken or hostile experience service, forged retrieved text, bad
+    environment answers and out-of-range settings (the full probe: 55 cases)."""
+    probe = load_script("benchmarks/guidance_probe.py", "guidance_probe")
+    counts = probe.main(["--quick"])
+    assert counts["ok"] == 24 and set(counts) == {"ok"}, capsys.readouterr().out
+    assert capsys.readouterr().out.endswith("cases 24, crashes 0, hangs 0, silent 0\n")
+
+
 def test_damage_is_one_error_naming_the_file(tmp_path):
     saved_pool(tmp_path / "pool")
     shard = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]

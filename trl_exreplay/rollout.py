@@ -26,7 +26,9 @@ from .untrusted_text import token_prefix
 
 logger = logging.getLogger(__name__)
 
-_CUT_MARGIN_TOKENS = 8  # an observation cut for the budget keeps this many tokens more than fit: its end tokenizes alone
+_CUT_MARGIN_TOKENS = (
+    8  # an observation cut for the budget keeps this many tokens more than fit: its end tokenizes alone
+)
 
 
 class ChatTurns:
