@@ -38,6 +38,7 @@ to `grpo`'s (the drop-in claim, measured; `--no-trl-check` skips it).
                                                  # GUIDE_SERIES, only in experience-guided runs
                   "wall_s": float, "step_s": float,   # training time (evaluation excluded), per optimizer step
                   "losses": [float per step], "settings": {every config field this run set},
+                  "zero_std_groups": [float per step],  # TRL's frac_reward_zero_std (absent in older runs)
                   "run": {"command": str, "commit": str, "versions": {...}, "machine": {...}, "date": str}
                 }
               }
@@ -170,7 +171,7 @@ class _Recorder:
         self.callback = Callback()
         self.testbed, self.tokenizer = testbed, tokenizer
         self.rows_per_step, self.max_steps = rows_per_step, max_steps
-        self.points, self.losses = [], []
+        self.points, self.losses, self.zero_std_groups = [], [], []
         self.replay = {name: [] for name in REPLAY_SERIES}
         self.guidance = {name: [] for name in GUIDE_SERIES}
         self.fresh = 0
@@ -205,6 +206,7 @@ class _Recorder:
         # One generation per optimizer step (steps_per_generation = gradient_accumulation_steps), logged every step.
         self.fresh += int(round(logs.get("replay/generated_rows", self.rows_per_step)))
         self.losses.append(logs["loss"])
+        self.zero_std_groups.append(logs.get("frac_reward_zero_std"))
         train_success = logs.get("replay/fresh_reward", logs.get("env/success_rate", logs.get("reward")))
         if "replay/rows_fraction" in logs:
             for name in REPLAY_SERIES:
@@ -271,6 +273,7 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
     return {
         "points": recorder.points,
         "losses": recorder.losses,
+        "zero_std_groups": recorder.zero_std_groups,
         "replay": recorder.replay,
         **({"guidance": recorder.guidance} if recorder.guidance["guided_fraction"] else {}),
         "wall_s": round(wall, 3),
@@ -424,8 +427,10 @@ def method_curve(runs: dict) -> tuple[list[float], list[float], list[float], lis
     return xs, [sum(y) / len(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
 
 
-# Two-sided 97.5% quantiles of Student's t for 1..10 degrees of freedom (no scipy needed).
-T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+# 97.5% quantiles of Student's t for 1..30 degrees of freedom (no scipy needed); past 30, the value at 30 (wider than
+# the exact one, never narrower).
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]  # fmt: skip
 
 
 def paired_interval(differences: list[float]) -> dict | None:
@@ -435,8 +440,23 @@ def paired_interval(differences: list[float]) -> dict | None:
         return None
     mean = sum(differences) / n
     std = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
-    half = (T975[n - 2] if n - 1 <= len(T975) else 1.96) * std / math.sqrt(n)
+    half = T975[min(n - 1, len(T975)) - 1] * std / math.sqrt(n)
     return {"mean": mean, "std": std, "low": mean - half, "high": mean + half, "seeds": n}
+
+
+def sign_test(differences: list[float]) -> dict:
+    """Seeds above and below the baseline (ties dropped) and the exact two-sided binomial p of so lopsided a split
+    under "either is as likely"."""
+    wins, losses = sum(d > 0 for d in differences), sum(d < 0 for d in differences)
+    n = wins + losses
+    tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1)) / 2**n if n else 1.0
+    return {"wins": wins, "losses": losses, "ties": len(differences) - n, "p": min(1.0, 2 * tail)}
+
+
+def collapsed(points: list[dict]) -> bool:
+    """A run that ends below half its own best held-out success (and had one above 0)."""
+    best = max(p["heldout_success"] for p in points)
+    return best > 0 and points[-1]["heldout_success"] < best / 2
 
 
 def rollouts_to_reach(xs: list[float], ys: list[float], level: float) -> float | None:
@@ -492,9 +512,19 @@ def summarize(entry: dict, baseline: str = "grpo") -> list[dict]:
             "rollout_ratio": (need / base_need) if (need is not None and base_need) else None,
             "auc": auc, "generation_saved": saved,
             "paired_difference": paired_interval(paired),
+            "sign_test": sign_test(paired) if paired else None,
+            "collapse_rate": sum(collapsed(run["points"]) for run in runs.values()) / len(runs),
+            # Share of the groups TRL scored with zero reward spread (`frac_reward_zero_std`), over all steps; None
+            # for runs recorded before the series was (it was added at the pre-registered test's second half).
+            "zero_std_groups": _mean_of_series(run.get("zero_std_groups") for run in runs.values()),
             "step_s": sum(run["step_s"] for run in runs.values()) / len(runs),
         })  # fmt: skip
     return rows
+
+
+def _mean_of_series(series) -> float | None:
+    values = [v for one in series if one for v in one if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
@@ -505,8 +535,9 @@ def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
         f"### {name}: {entry['summary']}",
         "",
         f"| method | held-out success, final (mean ± std) | per seed | initial | paired Δ vs {baseline} [95% CI] "
-        f"| fresh rollouts to {baseline}'s final (ratio) | AUC | generation saved | s / step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| sign test (above/below, p) | fresh rollouts to {baseline}'s final (ratio) | AUC | collapsed "
+        "| zero-spread groups | generation saved | s / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         per_seed = ", ".join(f"{seed}: {value:.3f}" for seed, value in sorted(r["final_per_seed"].items(),
@@ -516,9 +547,13 @@ def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
         ratio = "" if r["rollout_ratio"] is None else f" ({r['rollout_ratio']:.2f}x)"
         d = r["paired_difference"]
         delta = "" if d is None or r["method"] == baseline else f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+        t = r["sign_test"]
+        sign = "" if t is None or r["method"] == baseline else f"{t['wins']}/{t['losses']}, p={t['p']:.3g}"
+        zero = "" if r["zero_std_groups"] is None else f"{100 * r['zero_std_groups']:.1f}%"
         lines.append(
             f"| {r['method']} | {r['final_mean']:.3f} ± {r['final_std']:.3f} | {per_seed} | {r['initial_mean']:.3f} "
-            f"| {delta} | {need}{ratio} | {r['auc']:.3f} | {100 * r['generation_saved']:.1f}% | {r['step_s']:.2f} |"
+            f"| {delta} | {sign} | {need}{ratio} | {r['auc']:.3f} | {100 * r['collapse_rate']:.0f}% | {zero} "
+            f"| {100 * r['generation_saved']:.1f}% | {r['step_s']:.2f} |"
         )
     guidance = guidance_lines(entry)
     if guidance:

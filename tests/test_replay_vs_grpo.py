@@ -132,3 +132,19 @@ def test_the_doors_testbed_gives_guidance_its_vocabulary_can_spell(harness):
     assert record.content == "take red key and open red door"
     assert unknown(testbed.experience_settings["experience_template"], record.content) == (0, 8)
     assert harness.PRESETS["exreplay-guided-env"]["experience_from_testbed"] is True
+
+
+def test_the_statistics_of_the_tables(harness):
+    """The paired 95% t interval uses Student's t for the seeds' degrees of freedom (20 seeds: 2.093, not 1.96); the
+    sign test is the exact two-sided binomial over seeds that differ; a collapse ends below half the run's best."""
+    differences = [0.1] * 10 + [0.3] * 10
+    interval = harness.paired_interval(differences)
+    half = 2.093 * interval["std"] / 20**0.5
+    assert interval["low"] == pytest.approx(0.2 - half) and interval["high"] == pytest.approx(0.2 + half)
+    test = harness.sign_test([1.0] * 12 + [-1.0] * 6 + [0.0] * 2)
+    assert (test["wins"], test["losses"], test["ties"]) == (12, 6, 2)
+    assert test["p"] == pytest.approx(2 * sum(__import__("math").comb(18, k) for k in range(7)) / 2**18)  # 0.238
+    assert harness.sign_test([-1.0] * 20)["p"] == pytest.approx(2 / 2**20)
+    assert harness.sign_test([0.0, 0.0])["p"] == 1.0
+    points = [{"heldout_success": s} for s in (0.4, 0.6, 0.29)]
+    assert harness.collapsed(points) and not harness.collapsed(points[:2]) and not harness.collapsed(points[:1])
