@@ -65,8 +65,10 @@ class CheckingTrainer(ExReplayGRPOTrainer):
             selection = GRPOTrainer.get_high_entropy_mask(self, entropies, mask, 1 - args.top_entropy_quantile)
         # The option mapping is the trainer's (that each option reaches `loss.py` as it should is checked by hand in
         # tests/test_replay_objective.py); this check is of the composition: the rows, the selection, the normaliser.
-        options = self._off_policy_options(selection)
-        per_token, _ = off_policy_loss(logps, behaviour, advantages, inputs["exp_mask"] * mask, **options)
+        options = self._off_policy_options()
+        per_token, _ = off_policy_loss(
+            logps, behaviour, advantages, inputs["exp_mask"] * mask, options, token_mask=selection
+        )
         accumulation = self.current_gradient_accumulation_steps
         if args.loss_type in TOKEN_SUM_LOSS_TYPES:
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes

@@ -12,9 +12,16 @@ import math
 import pytest
 import torch
 
-from trl_exreplay.loss import LOSS_TYPES, aggregate_loss, off_policy_loss
+from trl_exreplay.loss import LOSS_TYPES, OffPolicyOptions, aggregate_loss, off_policy_loss
 
 DT = torch.float64  # hand-worked checks run in float64 so they can be tight
+
+
+def replayed_term(per_token_logps, behaviour_logps, advantages, exp_mask, token_mask=None, **options):
+    """`off_policy_loss` with the fields of its `OffPolicyOptions` given as keywords."""
+    return off_policy_loss(
+        per_token_logps, behaviour_logps, advantages, exp_mask, OffPolicyOptions(**options), token_mask=token_mask
+    )
 
 
 def t(values, dtype=DT):
@@ -51,12 +58,12 @@ def replay_batch(requires_grad=False):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
 def test_clip_and_dual_clip(loss_type):
-    per_token, m = off_policy_loss(
-        *replay_batch(), loss_type=loss_type, epsilon_low=0.2, off_cliprange_high=1.0, off_clip_ratio_c=3.0
+    per_token, m = replayed_term(
+        *replay_batch(), loss_type=loss_type, epsilon_low=0.2, replay_clip_high=1.0, replay_dual_clip_c=3.0
     )
     # A = +1: pg1 = -r, pg2 = -clamp(r, 0.8, 2.0), loss = max(pg1, pg2)
     #   r = 2.5 > 2.0 -> max(-2.5, -2.0) = -2.0 (clipped)
-    #   r = 1.5 (clipped on-policy at 1 + epsilon_high, but the replayed bound is 1 + off_cliprange_high) -> -1.5
+    #   r = 1.5 (clipped on-policy at 1 + epsilon_high, but the replayed bound is 1 + replay_clip_high) -> -1.5
     #   r = 0.5 -> max(-0.5, -0.8) = -0.5
     # A = -2: clip1 = max(2r, 2 clamp(r)), dual clip min(-A c = 6, clip1)
     #   r = e^5 -> clip1 = 2 e^5 ~ 296.8, dual clip -> 6.0 (clipped)
@@ -77,27 +84,27 @@ def test_clip_and_dual_clip(loss_type):
 def test_dual_clip_caps_negative_advantage_loss_at_c():
     # A single replayed token, A = -0.5, log-ratio 8: -A * r = 0.5 e^8 ~ 1490, capped at -A * c = 0.5 * 3
     logp, old, one = t([[-0.1]]), t([[-8.1]]), torch.ones(1, 1)
-    per_token, m = off_policy_loss(logp, old, t([-0.5]), one, loss_type="grpo", off_clip_ratio_c=3.0)
+    per_token, m = replayed_term(logp, old, t([-0.5]), one, loss_type="grpo", replay_dual_clip_c=3.0)
     close(per_token, [[1.5]])
     assert m["clipped_tokens"].item() == 1.0
-    per_token, _ = off_policy_loss(logp, old, t([-0.5]), one, loss_type="grpo", off_clip_ratio_c=1e9)
+    per_token, _ = replayed_term(logp, old, t([-0.5]), one, loss_type="grpo", replay_dual_clip_c=1e9)
     close(per_token, [[0.5 * math.exp(8.0)]], atol=1e-8)  # the dual clip out of reach: plain -A * r
 
 
 def test_delta_caps_the_unclipped_branch():
     # TRL's two-sided clip: min(r, delta) in the unclipped branch. A = -2, r = 2.5, delta 1.5: max(2 * 1.5, 2 * 2.0).
     logp, old, one = t([[math.log(2.5)]]), t([[0.0]]), torch.ones(1, 1)
-    per_token, _ = off_policy_loss(logp, old, t([-2.0]), one, loss_type="dapo", delta=1.5)
+    per_token, _ = replayed_term(logp, old, t([-2.0]), one, loss_type="dapo", delta=1.5)
     close(per_token, [[4.0]])  # the clipped branch -A * clamp(2.5, 0.8, 2.0) = 4 now wins over 3
-    per_token, _ = off_policy_loss(logp, old, t([-2.0]), one, loss_type="dapo")
+    per_token, _ = replayed_term(logp, old, t([-2.0]), one, loss_type="dapo")
     close(per_token, [[5.0]])
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_exgrpo_shaping_whatever_the_loss_type(loss_type):
     beta = 0.1
-    per_token, m = off_policy_loss(
-        *replay_batch(), loss_type=loss_type, off_policy_shaping="exgrpo", off_policy_shaping_beta=beta
+    per_token, m = replayed_term(
+        *replay_batch(), loss_type=loss_type, replay_shaping="exgrpo", replay_shaping_beta=beta
     )
     close(per_token, [[-a * r / (r + beta) for r in row] for a, row in zip(REPLAY_ADV, REPLAY_RATIOS)])
     assert m["clipped_tokens"].item() == 0.0
@@ -108,7 +115,7 @@ def test_behaviour_equal_to_current_gives_ratio_one(shaping):
     # replay_importance_sampling=False: the replayed rows are scored as on-policy, ratio 1 everywhere.
     logp = t([[-0.3, -1.7, -2.2], [-0.9, -0.4, -5.0]])
     adv = [1.5, -0.7]
-    per_token, m = off_policy_loss(logp, logp.clone(), t(adv), ALL_2x3, loss_type="bnpo", off_policy_shaping=shaping)
+    per_token, m = replayed_term(logp, logp.clone(), t(adv), ALL_2x3, loss_type="bnpo", replay_shaping=shaping)
     factor = 1.0 if shaping == "clip" else 1.0 / 1.1
     close(per_token, [[-adv[0] * factor] * 3, [-adv[1] * factor] * 3])
     assert m["ratio_min"].item() == m["ratio_max"].item() == 1.0
@@ -118,8 +125,8 @@ def test_behaviour_equal_to_current_gives_ratio_one(shaping):
 def test_log_ratio_is_bounded():
     # A replayed token with an absurd log-ratio (mu = -1e4): ratio exp(20), loss and gradient finite.
     logp = t([[-0.5]]).requires_grad_()
-    per_token, m = off_policy_loss(
-        logp, t([[-1.0e4]]), t([0.8]), torch.ones(1, 1), off_policy_shaping="exgrpo", off_policy_shaping_beta=0.1
+    per_token, m = replayed_term(
+        logp, t([[-1.0e4]]), t([0.8]), torch.ones(1, 1), replay_shaping="exgrpo", replay_shaping_beta=0.1
     )
     w = math.exp(20.0)
     close(per_token, [[-0.8 * w / (w + 0.1)]])
@@ -131,7 +138,7 @@ def test_log_ratio_is_bounded():
 
 def test_sequence_level_ratio_is_one_per_row():
     # GSPO: w = exp(mean log-ratio over the row's replayed tokens), the same for each of its tokens.
-    per_token, m = off_policy_loss(*replay_batch(), loss_type="grpo", importance_sampling_level="sequence")
+    per_token, m = replayed_term(*replay_batch(), loss_type="grpo", importance_sampling_level="sequence")
     w0 = math.exp(sum(math.log(r) for r in REPLAY_RATIOS[0]) / 3)  # (2.5 * 1.5 * 0.5) ** (1/3) ~ 1.233
     w1 = math.exp(sum(math.log(r) for r in REPLAY_RATIOS[1]) / 3)  # ~ 3.44: -A w = 6.88, clipped: max(6.88, 4) ->
     close(per_token, [[-w0] * 3, [6.0] * 3])  # the dual clip at -A c = 6
@@ -142,21 +149,21 @@ def test_sequence_level_ratio_is_one_per_row():
 def test_sequence_level_ratio_counts_only_replayed_tokens():
     logp = t([[math.log(4.0), 7.0, 0.0]])  # token 1 is not replayed: its log-probs never count
     exp_mask = torch.tensor([[1, 0, 1]])
-    per_token, _ = off_policy_loss(
+    per_token, _ = replayed_term(
         logp,
         t([[0.0, math.nan, 0.0]]),
         t([1.0]),
         exp_mask,
         loss_type="grpo",
         importance_sampling_level="sequence",
-        off_cliprange_high=5.0,
+        replay_clip_high=5.0,
     )
     close(per_token, [[-2.0, 0.0, -2.0]])  # w = exp((log 4 + 0) / 2) = 2
 
 
 def test_cispo_truncated_weight_times_log_prob():
     logp = t(logps_from_ratios(REPLAY_RATIOS, OLD_2x3)).requires_grad_()
-    per_token, m = off_policy_loss(logp, t(OLD_2x3), t(REPLAY_ADV), ALL_2x3, loss_type="cispo", off_cliprange_high=1.0)
+    per_token, m = replayed_term(logp, t(OLD_2x3), t(REPLAY_ADV), ALL_2x3, loss_type="cispo", replay_clip_high=1.0)
     weights = [[min(r, 2.0) for r in row] for row in REPLAY_RATIOS]
     expected = [[-w * a * lp for w, lp in zip(wr, lr)] for a, wr, lr in zip(REPLAY_ADV, weights, logp.tolist())]
     close(per_token, expected)
@@ -166,7 +173,7 @@ def test_cispo_truncated_weight_times_log_prob():
 
 
 def test_sapo_soft_gate():
-    per_token, m = off_policy_loss(
+    per_token, m = replayed_term(
         *replay_batch(), loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05
     )
 
@@ -180,7 +187,7 @@ def test_sapo_soft_gate():
 
 def test_vespo_gamma_weight_of_the_sequence_ratio():
     logp = t(logps_from_ratios(REPLAY_RATIOS, OLD_2x3))
-    per_token, _ = off_policy_loss(logp, t(OLD_2x3), t(REPLAY_ADV), ALL_2x3, loss_type="vespo")
+    per_token, _ = replayed_term(logp, t(OLD_2x3), t(REPLAY_ADV), ALL_2x3, loss_type="vespo")
 
     def phi(w, k, lam):  # TRL's gamma weight e^lam w^k e^(-lam w), 1 at w = 1
         return math.exp(lam) * w**k * math.exp(-lam * w)
@@ -196,9 +203,9 @@ def test_off_policy_mask_drops_negative_rows_far_from_the_behaviour_policy():
     # OPSM (TRL's get_off_policy_mask): row 1 has A < 0 and mean(mu - logp) = mean(-log r) < 0 here, so it is kept;
     # flip its ratios below 1 and it is dropped. Row 0 (A > 0) is always kept.
     logp, old, adv, mask = replay_batch()
-    kept, _ = off_policy_loss(logp, old, adv, mask, loss_type="grpo", off_policy_mask_threshold=0.5)
+    kept, _ = replayed_term(logp, old, adv, mask, loss_type="grpo", off_policy_mask_threshold=0.5)
     low = t(logps_from_ratios([[1.0, 1.0, 1.0], [0.2, 0.3, 0.5]], OLD_2x3))  # mean(-log r) ~ 0.97 > 0.5
-    dropped, _ = off_policy_loss(low, old, adv, mask, loss_type="grpo", off_policy_mask_threshold=0.5)
+    dropped, _ = replayed_term(low, old, adv, mask, loss_type="grpo", off_policy_mask_threshold=0.5)
     assert (kept[1] != 0).all() and (dropped[1] == 0).all() and (dropped[0] != 0).all()
 
 
@@ -208,7 +215,7 @@ def test_token_mask_and_exp_mask_zero_everything_else():
     old[0, 1] = math.nan  # garbage where nothing is replayed never reaches the loss or the gradient
     exp_mask = torch.tensor([[1, 0, 1], [1, 1, 1]])
     token_mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
-    per_token, m = off_policy_loss(logp, old, adv, exp_mask, loss_type="grpo", token_mask=token_mask)
+    per_token, m = replayed_term(logp, old, adv, exp_mask, loss_type="grpo", token_mask=token_mask)
     close(per_token, [[-2.0, 0.0, -0.5], [0.0, 5.0, 1.6]])
     (grad,) = torch.autograd.grad(per_token.sum(), logp)
     assert torch.isfinite(grad).all() and grad[0, 1] == 0 and grad[1, 0] == 0
@@ -222,8 +229,8 @@ def test_gradients_finite_and_only_on_replayed_tokens(loss_type, shaping, level)
     logp, old, adv, _ = replay_batch(requires_grad=True)
     old = torch.where(torch.tensor([[True, True, False], [True, False, False]]), old, t(-math.inf))
     exp_mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    per_token, m = off_policy_loss(
-        logp, old, adv, exp_mask, loss_type=loss_type, off_policy_shaping=shaping, importance_sampling_level=level
+    per_token, m = replayed_term(
+        logp, old, adv, exp_mask, loss_type=loss_type, replay_shaping=shaping, importance_sampling_level=level
     )
     (grad,) = torch.autograd.grad(
         aggregate_loss(per_token, ALL_2x3, loss_type=loss_type, max_completion_length=3), logp
@@ -236,7 +243,7 @@ def test_gradients_finite_and_only_on_replayed_tokens(loss_type, shaping, level)
 def test_nothing_replayed_gives_zero_and_neutral_extremes():
     logp = t([[-0.3, -0.4]]).requires_grad_()
     for loss_type in LOSS_TYPES:
-        per_token, m = off_policy_loss(
+        per_token, m = replayed_term(
             logp, t([[math.nan, -math.inf]]), t([1.0]), torch.zeros(1, 2), loss_type=loss_type
         )
         assert (per_token == 0).all()
@@ -250,8 +257,8 @@ def test_exgrpo_gradient_single_token():
     a, beta, logp0, old0 = 0.8, 0.1, -0.3, -1.0
     w = math.exp(logp0 - old0)
     logp = t([[logp0]]).requires_grad_()
-    per_token, _ = off_policy_loss(
-        logp, t([[old0]]), t([a]), torch.ones(1, 1), off_policy_shaping="exgrpo", off_policy_shaping_beta=beta
+    per_token, _ = replayed_term(
+        logp, t([[old0]]), t([a]), torch.ones(1, 1), replay_shaping="exgrpo", replay_shaping_beta=beta
     )
     (grad,) = torch.autograd.grad(per_token.sum(), logp)
     close(grad, [[-a * beta * w / (w + beta) ** 2]])  # d/dlogp of -A w / (w + beta), dw/dlogp = w
@@ -260,24 +267,40 @@ def test_exgrpo_gradient_single_token():
 def test_clip_gradient_zero_when_clipped():
     # A = -2, ratios e^5 (dual clip), 2.5 (unclipped: -A r), 0.5 (clipped low).
     logp = t([[-0.7 + 5.0, -3.0 + math.log(2.5), -1.2 + math.log(0.5)]]).requires_grad_()
-    per_token, _ = off_policy_loss(logp, t([[-0.7, -3.0, -1.2]]), t([-2.0]), torch.ones(1, 3), loss_type="grpo")
+    per_token, _ = replayed_term(logp, t([[-0.7, -3.0, -1.2]]), t([-2.0]), torch.ones(1, 3), loss_type="grpo")
     close(per_token, [[6.0, 5.0, 1.6]])
     (grad,) = torch.autograd.grad(per_token.sum(), logp)
     close(grad, [[0.0, 2.0 * 2.5, 0.0]])
 
 
+def test_every_trl_loss_type_has_a_registered_formula_and_a_new_one_can_be_added(monkeypatch):
+    from trl_exreplay import loss
+
+    assert set(loss.OFF_POLICY_LOSSES) == set(LOSS_TYPES) and set(loss.OFF_POLICY_SHAPINGS) == {"clip", "exgrpo"}
+    monkeypatch.setattr(loss, "OFF_POLICY_LOSSES", dict(loss.OFF_POLICY_LOSSES))
+
+    @loss.register_off_policy_loss("grpo")
+    def reinforce(ratio, advantages, logps, raw_log_ratio, replayed_f, options):
+        return -advantages * logps, torch.zeros_like(logps, dtype=torch.bool), ratio
+
+    logp, old, adv, mask = replay_batch()
+    per_token, m = replayed_term(logp, old, adv, mask, loss_type="grpo")
+    close(per_token, -t(REPLAY_ADV).unsqueeze(1) * logp)
+    assert m["clipped_tokens"].item() == 0.0
+
+
 def test_errors():
     logp, old, adv, mask = replay_batch()
     with pytest.raises(ValueError, match=r"loss_type 'ppo'.*'grpo'.*'vespo'"):
-        off_policy_loss(logp, old, adv, mask, loss_type="ppo")
-    with pytest.raises(ValueError, match=r"off_policy_shaping.*'clip'.*'exgrpo'"):
-        off_policy_loss(logp, old, adv, mask, off_policy_shaping="sapo")
+        replayed_term(logp, old, adv, mask, loss_type="ppo")
+    with pytest.raises(ValueError, match=r"replay_shaping.*'clip'.*'exgrpo'"):
+        replayed_term(logp, old, adv, mask, replay_shaping="sapo")
     with pytest.raises(ValueError, match=r"importance_sampling_level.*'token'.*'sequence'"):
-        off_policy_loss(logp, old, adv, mask, importance_sampling_level="row")
+        replayed_term(logp, old, adv, mask, importance_sampling_level="row")
     with pytest.raises(ValueError, match="exp_mask"):
-        off_policy_loss(logp, old, adv, mask[:, :2])
+        replayed_term(logp, old, adv, mask[:, :2])
     with pytest.raises(ValueError, match="behaviour_logps"):
-        off_policy_loss(logp, old[:1], adv, mask)
+        replayed_term(logp, old[:1], adv, mask)
 
 
 # --------------------------------------------------------------------------------------------------------------------

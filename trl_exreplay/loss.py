@@ -12,21 +12,24 @@ tokens were sampled by an older policy ``mu`` whose log-probabilities were recor
 one ratio per row, ``exp`` of the mean log-ratio over its replayed tokens (GSPO). With ``A`` the row's advantage:
 
 ==========================================  =================================================================================
-``off_policy_shaping="exgrpo"`` (any type)  ``-A * w / (w + off_policy_shaping_beta)`` (ExGRPO's policy shaping, no clip)
-grpo, bnpo, dr_grpo, dapo, luspo            ``max(-A * min(w, delta), -A * clamp(w, 1 - epsilon_low, 1 + off_cliprange_high))``,
-                                            then for ``A < 0`` at most ``-A * off_clip_ratio_c`` (verl's dual clip)
-cispo                                       ``-sg(min(w, 1 + off_cliprange_high)) * A * logp`` (CISPO's truncated IS weight)
+``replay_shaping="exgrpo"`` (any type)      ``-A * w / (w + replay_shaping_beta)`` (ExGRPO's policy shaping, no clip)
+grpo, bnpo, dr_grpo, dapo, luspo            ``max(-A * min(w, delta), -A * clamp(w, 1 - epsilon_low, 1 + replay_clip_high))``,
+                                            then for ``A < 0`` at most ``-A * replay_dual_clip_c`` (verl's dual clip)
+cispo                                       ``-sg(min(w, 1 + replay_clip_high)) * A * logp`` (CISPO's truncated IS weight)
 sapo                                        ``-A * sigmoid(tau * (w - 1)) * 4 / tau``, ``tau`` by the sign of ``A`` (SAPO's gate)
 vespo                                       ``-sg(phi(w_seq)) * A * logp``, ``phi`` TRL's gamma weights on the sequence ratio
 ==========================================  =================================================================================
 
 ``delta`` (TRL's two-sided clip) is ``None`` unless set. SAPO's gate and VESPO's gamma weight already vanish far from
-``w = 1``, so ``off_cliprange_high`` plays no part there. Then TRL's ``off_policy_mask_threshold`` (OPSM) drops
+``w = 1``, so ``replay_clip_high`` plays no part there. Then TRL's ``off_policy_mask_threshold`` (OPSM) drops
 replayed rows with ``A < 0`` whose mean ``logp_mu - logp`` exceeds it, and a ``token_mask`` (TRL's
 ``top_entropy_quantile`` selection) keeps only the selected tokens.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from trl import GRPOTrainer
@@ -36,7 +39,6 @@ CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-style clip
 # Loss types that divide a token sum by TRL's `num_items_in_batch` normaliser (the caller passes it).
 TOKEN_SUM_LOSS_TYPES = ("dapo", "cispo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-OFF_POLICY_SHAPINGS = ("clip", "exgrpo")
 
 # Replayed tokens can come from a policy many steps old: bound their log-ratio before `exp` (as verl does) so the
 # ratio, the shaping and their gradients stay finite.
@@ -99,27 +101,111 @@ def aggregate_loss(
     return masked_loss.sum() / normalizer
 
 
+@dataclass(frozen=True)
+class OffPolicyOptions:
+    """Everything `off_policy_loss` reads of a run's configuration, under the config's own names: TRL's fields, which
+    pick and parametrise the formula, and the `replay_*` fields of replayed tokens. `ExReplayGRPOTrainer` builds one
+    from its config (`_off_policy_options`)."""
+
+    loss_type: str = "dapo"  # TRL's; picks the registered formula
+    importance_sampling_level: str = "token"  # TRL's: "token", or "sequence" (GSPO: one ratio per row)
+    epsilon_low: float = 0.2  # TRL's lower clip 1 - epsilon (clip family)
+    delta: float | None = None  # TRL's two-sided clip: the unclipped branch's ratio capped at delta; None: none
+    replay_clip_high: float = 1.0  # upper clip 1 + c of replayed ratios (clip family); CISPO's truncation
+    replay_dual_clip_c: float = 3.0  # a replayed token with A < 0 loses at most -A * c
+    replay_shaping: str = "clip"  # "clip": the loss type's rule; "exgrpo": -A * w / (w + beta) for every type
+    replay_shaping_beta: float = 0.1
+    sapo_temperature_pos: float = 1.0  # TRL's SAPO gate temperatures
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0  # TRL's VESPO gamma weights
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None  # TRL's OPSM threshold; None: off
+
+
+# A formula: (ratio, advantages, per_token_logps, raw_log_ratio, replayed_f, options) -> (per-token loss, clipped
+# tokens, the ratio to report). `ratio` is (B, T), or (B, 1) for sequence-level ratios; the loss may broadcast.
+OffPolicyFormula = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+OFF_POLICY_LOSSES: dict[str, OffPolicyFormula] = {}  # TRL loss type -> its replayed tokens' formula
+OFF_POLICY_SHAPINGS: dict[str, OffPolicyFormula | None] = {"clip": None}  # None: the loss type's own formula
+
+
+def register_off_policy_loss(*loss_types: str, registry: dict | None = None):
+    """Register the decorated formula for `loss_types` (TRL loss types; or, with `registry=OFF_POLICY_SHAPINGS`, a
+    shaping that replaces every type's formula), as verl's `register_policy_loss` does."""
+    target = OFF_POLICY_LOSSES if registry is None else registry
+
+    def register(formula: OffPolicyFormula) -> OffPolicyFormula:
+        for name in loss_types:
+            target[name] = formula
+        return formula
+
+    return register
+
+
+@register_off_policy_loss("exgrpo", registry=OFF_POLICY_SHAPINGS)
+def _exgrpo_shaping(ratio, advantages, logps, raw_log_ratio, replayed_f, o: OffPolicyOptions):
+    """ExGRPO's policy shaping `-A * w / (w + beta)`: no clip."""
+    return -advantages * ratio / (ratio + o.replay_shaping_beta), torch.zeros_like(ratio, dtype=torch.bool), ratio
+
+
+@register_off_policy_loss(*CLIP_LOSS_TYPES)
+def _clipped_surrogate(ratio, advantages, logps, raw_log_ratio, replayed_f, o: OffPolicyOptions):
+    """PPO's clipped surrogate with the replayed upper bound, then verl's dual clip for A < 0."""
+    capped = ratio if o.delta is None else torch.clamp(ratio, max=o.delta)
+    pg1 = -advantages * capped
+    pg2 = -advantages * torch.clamp(ratio, 1 - o.epsilon_low, 1 + o.replay_clip_high)
+    clip1 = torch.maximum(pg1, pg2)
+    pg3 = -advantages * o.replay_dual_clip_c
+    negative = advantages < 0
+    per_token_loss = torch.where(negative, torch.minimum(pg3, clip1), clip1)
+    return per_token_loss, (pg2 > pg1) | (negative & (clip1 > pg3)), ratio
+
+
+@register_off_policy_loss("cispo")
+def _cispo(ratio, advantages, logps, raw_log_ratio, replayed_f, o: OffPolicyOptions):
+    """CISPO's truncated importance weight, detached, on a REINFORCE term."""
+    weight = torch.clamp(ratio, max=1 + o.replay_clip_high)
+    return -weight.detach() * advantages * logps, ratio > 1 + o.replay_clip_high, ratio
+
+
+@register_off_policy_loss("sapo")
+def _sapo(ratio, advantages, logps, raw_log_ratio, replayed_f, o: OffPolicyOptions):
+    """SAPO's soft gate, its temperature by the sign of A."""
+    temperatures = torch.full_like(advantages, o.sapo_temperature_neg).masked_fill(
+        advantages > 0, o.sapo_temperature_pos
+    )
+    per_token_loss = -torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures * advantages
+    return per_token_loss, torch.zeros_like(ratio, dtype=torch.bool), ratio
+
+
+@register_off_policy_loss("vespo")
+def _vespo(ratio, advantages, logps, raw_log_ratio, replayed_f, o: OffPolicyOptions):
+    """TRL's own gamma weights, on the sequence ratio to the recorded behaviour policy."""
+    phi = GRPOTrainer.get_gamma_weights(
+        advantages=advantages,
+        log_ratio_per_token=raw_log_ratio,
+        mask=replayed_f,
+        importance_sampling_ratio=None,
+        k_pos=o.vespo_k_pos,
+        lambda_pos=o.vespo_lambda_pos,
+        k_neg=o.vespo_k_neg,
+        lambda_neg=o.vespo_lambda_neg,
+    )
+    bounded = raw_log_ratio.clamp(-_OFF_LOG_RATIO_BOUND, _OFF_LOG_RATIO_BOUND)
+    sequence_ratio = torch.exp((bounded * replayed_f).sum(-1, keepdim=True).clamp(-_OFF_LOG_RATIO_BOUND,
+                                                                                _OFF_LOG_RATIO_BOUND))  # fmt: skip
+    return -phi * advantages * logps, torch.zeros_like(logps, dtype=torch.bool), sequence_ratio
+
+
 def off_policy_loss(
     per_token_logps: torch.Tensor,
     behaviour_logps: torch.Tensor,
     advantages: torch.Tensor,
     exp_mask: torch.Tensor,
+    options: OffPolicyOptions | None = None,
     *,
-    loss_type: str = "dapo",
-    importance_sampling_level: str = "token",
-    epsilon_low: float = 0.2,
-    delta: float | None = None,
-    off_cliprange_high: float = 1.0,
-    off_clip_ratio_c: float = 3.0,
-    off_policy_shaping: str = "clip",
-    off_policy_shaping_beta: float = 0.1,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
-    off_policy_mask_threshold: float | None = None,
     token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss of the replayed tokens (the module docstring gives each loss type's formula).
@@ -127,30 +213,14 @@ def off_policy_loss(
     Args:
         per_token_logps: ``(B, T)`` log-probabilities of the completion tokens under the current policy (with grad).
         behaviour_logps: ``(B, T)`` log-probabilities recorded when the replayed rows were sampled (``mu``); pass
-            ``per_token_logps.detach()`` to treat them as on-policy (``replay_importance_sampling=False``: ratio 1). Values where
-            ``exp_mask`` is 0 are never read (they may be 0, ``-inf``, NaN).
+            ``per_token_logps.detach()`` to treat them as on-policy (``replay_importance_sampling=False``: ratio 1).
+            Values where ``exp_mask`` is 0 are never read (they may be 0, ``-inf``, NaN).
         advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)`` advantages (TRL's, computed over each group).
         exp_mask: ``(B, T)``, 1 for a replayed model token that is trained, 0 elsewhere (fresh tokens, padding,
             environment tokens).
-        loss_type: one of TRL 1.16's loss types (``LOSS_TYPES``); it picks the formula.
-        importance_sampling_level: ``"token"`` (a ratio per token) or ``"sequence"`` (GSPO: one per row, the exp of
-            the mean log-ratio over the row's replayed tokens). VESPO always uses its own sequence ratio (a sum).
-        epsilon_low: lower clip ``1 - epsilon_low`` (TRL's ``epsilon``), clip-family types.
-        delta: TRL's two-sided clip: the unclipped branch's ratio is capped at ``delta``; ``None`` for none.
-        off_cliprange_high: upper clip ``1 + off_cliprange_high`` of replayed ratios (clip family), and CISPO's
-            truncation of the replayed IS weight.
-        off_clip_ratio_c: dual clip: a replayed token with ``A < 0`` loses at most ``-A * off_clip_ratio_c``.
-        off_policy_shaping: ``"clip"`` (the loss type's own rule above) or ``"exgrpo"`` (ExGRPO's shaping
-            ``-A * w / (w + off_policy_shaping_beta)`` whatever the loss type).
-        off_policy_shaping_beta: the ``beta`` of the ExGRPO shaping.
-        sapo_temperature_pos: SAPO's gate temperature for positive advantages (TRL's config field).
-        sapo_temperature_neg: SAPO's gate temperature for negative advantages.
-        vespo_k_pos: VESPO's gamma parameter k for positive advantages (TRL's field).
-        vespo_lambda_pos: VESPO's lambda for positive advantages.
-        vespo_k_neg: VESPO's k for negative advantages.
-        vespo_lambda_neg: VESPO's lambda for negative advantages.
-        off_policy_mask_threshold: TRL's OPSM threshold: a replayed row with negative advantage whose mean
-            ``logp_mu - logp`` over its replayed tokens exceeds it trains nothing. ``None``: off.
+        options: the run's `OffPolicyOptions` (default: all defaults, TRL's ``"dapo"``). Its ``loss_type`` picks the
+            formula registered for it (``OFF_POLICY_LOSSES``), unless ``replay_shaping`` names a shaping
+            (``OFF_POLICY_SHAPINGS``). VESPO always uses its own sequence ratio (a sum).
         token_mask: ``(B, T)``, the tokens whose policy loss counts (TRL's ``top_entropy_quantile`` selection).
 
     Returns:
@@ -171,19 +241,21 @@ def off_policy_loss(
 
     ```python
     >>> import torch
-    >>> from trl_exreplay.loss import off_policy_loss
+    >>> from trl_exreplay.loss import OffPolicyOptions, off_policy_loss
     >>> logp, mu = torch.log(torch.tensor([[3.0, 1.0]])), torch.zeros(1, 2)  # ratios 3 and 1
-    >>> loss, metrics = off_policy_loss(logp, mu, torch.tensor([1.0]), torch.tensor([[1, 1]]), loss_type="grpo")
-    >>> loss  # -A * min(w, 1 + off_cliprange_high): the first ratio is clipped to 2
+    >>> loss, metrics = off_policy_loss(logp, mu, torch.tensor([1.0]), torch.tensor([[1, 1]]),
+    ...                                 OffPolicyOptions(loss_type="grpo"))
+    >>> loss  # -A * min(w, 1 + replay_clip_high): the first ratio is clipped to 2
     tensor([[-2., -1.]])
     >>> int(metrics["clipped_tokens"])
     1
 
     ```
     """
-    _check_choice("loss_type", loss_type, LOSS_TYPES)
-    _check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-    _check_choice("off_policy_shaping", off_policy_shaping, OFF_POLICY_SHAPINGS)
+    o = OffPolicyOptions() if options is None else options
+    _check_choice("loss_type", o.loss_type, LOSS_TYPES)
+    _check_choice("importance_sampling_level", o.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    _check_choice("replay_shaping", o.replay_shaping, tuple(OFF_POLICY_SHAPINGS))
     if per_token_logps.dim() != 2:
         raise ValueError(f"per_token_logps must be (B, T), got shape {tuple(per_token_logps.shape)}.")
     shape = per_token_logps.shape
@@ -202,49 +274,15 @@ def off_policy_loss(
     # `where`, not a product: garbage (inf, NaN) at other positions never reaches the loss or its gradient.
     raw_log_ratio = torch.where(replayed, per_token_logps - behaviour_logps, zero)
     log_ratio = raw_log_ratio.clamp(-_OFF_LOG_RATIO_BOUND, _OFF_LOG_RATIO_BOUND)
-    if importance_sampling_level == "sequence" and loss_type != "vespo":
+    if o.importance_sampling_level == "sequence" and o.loss_type != "vespo":
         log_ratio = (log_ratio * replayed_f).sum(-1, keepdim=True) / replayed_f.sum(-1, keepdim=True).clamp(min=1.0)
     ratio = torch.exp(log_ratio)  # (B, T), or (B, 1) for sequence-level ratios
 
-    clipped = torch.zeros(shape, dtype=torch.bool, device=per_token_logps.device)
-    if off_policy_shaping == "exgrpo":
-        per_token_loss = -advantages * ratio / (ratio + off_policy_shaping_beta)
-    elif loss_type in CLIP_LOSS_TYPES:
-        capped = ratio if delta is None else torch.clamp(ratio, max=delta)
-        pg1 = -advantages * capped
-        pg2 = -advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + off_cliprange_high)
-        clip1 = torch.maximum(pg1, pg2)
-        pg3 = -advantages * off_clip_ratio_c
-        negative = advantages < 0
-        per_token_loss = torch.where(negative, torch.minimum(pg3, clip1), clip1)
-        clipped = (pg2 > pg1) | (negative & (clip1 > pg3))
-    elif loss_type == "cispo":
-        weight = torch.clamp(ratio, max=1 + off_cliprange_high)
-        per_token_loss = -weight.detach() * advantages * per_token_logps
-        clipped = ratio > 1 + off_cliprange_high
-    elif loss_type == "sapo":
-        temperatures = torch.full_like(advantages, sapo_temperature_neg).masked_fill(
-            advantages > 0, sapo_temperature_pos
-        )
-        per_token_loss = -torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures * advantages
-    else:  # "vespo": TRL's own gamma weights, on the ratio to the recorded behaviour policy
-        phi = GRPOTrainer.get_gamma_weights(
-            advantages=advantages,
-            log_ratio_per_token=raw_log_ratio,
-            mask=replayed_f,
-            importance_sampling_ratio=None,
-            k_pos=vespo_k_pos,
-            lambda_pos=vespo_lambda_pos,
-            k_neg=vespo_k_neg,
-            lambda_neg=vespo_lambda_neg,
-        )
-        per_token_loss = -phi * advantages * per_token_logps
-        ratio = torch.exp(
-            (log_ratio * replayed_f).sum(-1, keepdim=True).clamp(-_OFF_LOG_RATIO_BOUND, _OFF_LOG_RATIO_BOUND)
-        )
+    formula = OFF_POLICY_SHAPINGS[o.replay_shaping] or OFF_POLICY_LOSSES[o.loss_type]
+    per_token_loss, clipped, ratio = formula(ratio, advantages, per_token_logps, raw_log_ratio, replayed_f, o)
 
     keep = replayed
-    if off_policy_mask_threshold is not None:
+    if o.off_policy_mask_threshold is not None:
         keep = (
             keep
             & GRPOTrainer.get_off_policy_mask(
@@ -252,7 +290,7 @@ def off_policy_loss(
                 per_token_logps=per_token_logps,
                 sampling_per_token_logps=torch.where(replayed, behaviour_logps, per_token_logps.detach()),
                 mask=replayed_f,
-                off_policy_threshold=off_policy_mask_threshold,
+                off_policy_threshold=o.off_policy_mask_threshold,
             ).bool()
         )
     if token_mask is not None:

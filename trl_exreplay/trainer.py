@@ -23,7 +23,7 @@ from .custom_rollouts import replaying_rollout
 from .envs import env_reward
 from .guidance import ExperienceProvider
 from .hub import CITATIONS
-from .loss import TOKEN_SUM_LOSS_TYPES, aggregate_loss, off_policy_loss
+from .loss import TOKEN_SUM_LOSS_TYPES, OffPolicyOptions, aggregate_loss, off_policy_loss
 from .metrics import log_generation, log_off_policy
 from .multiturn import MultiTurnRollouts, check_multi_turn_vllm
 from .planner import ReplayPlan, plan_replay, replay_groups_due
@@ -37,6 +37,12 @@ from .trainer_pool import POOL_DIR, POOL_WORK_DIR, TrainerPool
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXPERIENCE_DIR", "POOL_DIR", "POOL_WORK_DIR", "ExReplayGRPOTrainer"]
+
+
+# The fields of `loss.OffPolicyOptions` read from TRL's config as they are, and from ours.
+_TRL_LOSS_FIELDS = ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+                    "vespo_k_neg", "vespo_lambda_neg")  # fmt: skip
+_REPLAY_LOSS_FIELDS = ("replay_clip_high", "replay_dual_clip_c", "replay_shaping", "replay_shaping_beta")
 
 
 class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, ExperienceGuidance, GRPOTrainer):
@@ -504,8 +510,9 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
             )
         behaviour = inputs["recorded_per_token_logps"] if self.replay["replay_importance_sampling"] else logps.detach()
         per_token_loss, metrics = off_policy_loss(
-            logps, behaviour, advantages, inputs["exp_mask"] * mask, **self._off_policy_options(forward.entropy_mask)
-        )
+            logps, behaviour, advantages, inputs["exp_mask"] * mask, self._off_policy_options(),
+            token_mask=forward.entropy_mask,  # TRL's `top_entropy_quantile` selection, fresh and replayed alike
+        )  # fmt: skip
         # The loss type's normaliser and gradient-accumulation scaling, as TRL's `_compute_loss` applies them.
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         if self.loss_type in TOKEN_SUM_LOSS_TYPES:
@@ -521,27 +528,19 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         log_off_policy(self._metrics[mode], self.accelerator, metrics)
         return term
 
-    def _off_policy_options(self, token_mask=None) -> dict:
-        """The keyword arguments of `loss.off_policy_loss` under this run's configuration (TRL's and ours)."""
+    def _off_policy_options(self) -> OffPolicyOptions:
+        """`loss.off_policy_loss`'s options under this run's configuration (TRL's fields and ours)."""
         args = self.args
-        return {
-            "loss_type": self.loss_type,
-            "importance_sampling_level": self.importance_sampling_level,
-            "epsilon_low": self.epsilon_low,
-            "delta": args.delta,
-            "off_cliprange_high": self.replay["replay_clip_high"],
-            "off_clip_ratio_c": self.replay["replay_dual_clip_c"],
-            "off_policy_shaping": self.replay["replay_shaping"],
-            "off_policy_shaping_beta": self.replay["replay_shaping_beta"],
-            "sapo_temperature_pos": args.sapo_temperature_pos,
-            "sapo_temperature_neg": args.sapo_temperature_neg,
-            "vespo_k_pos": args.vespo_k_pos,
-            "vespo_lambda_pos": args.vespo_lambda_pos,
-            "vespo_k_neg": args.vespo_k_neg,
-            "vespo_lambda_neg": args.vespo_lambda_neg,
-            "off_policy_mask_threshold": self.off_policy_mask_threshold,
-            "token_mask": token_mask,  # TRL's `top_entropy_quantile` selection in its loss, fresh and replayed alike
-        }
+        trl = {name: getattr(args, name) for name in _TRL_LOSS_FIELDS}
+        ours = {name: self.replay[name] for name in _REPLAY_LOSS_FIELDS}
+        return OffPolicyOptions(
+            loss_type=self.loss_type,
+            importance_sampling_level=self.importance_sampling_level,
+            epsilon_low=self.epsilon_low,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            **trl,
+            **ours,
+        )
 
     def get_high_entropy_mask(self, entropies, mask, threshold):
         selected = super().get_high_entropy_mask(entropies, mask, threshold)
