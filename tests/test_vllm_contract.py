@@ -114,3 +114,18 @@ def test_vllm_server_mode_samples_each_guided_row_on_its_own_prompt(tmp_path):
     assert stand_in.calls == [(16, 1)] * 3  # one generation per row: no row is sampled on another row's prompt
     guided_prompts = [sum(1 for p in prompts if tokenizer.convert_tokens_to_ids("please") in p) for prompts in sent]
     assert guided_prompts == [8, 8, 8]  # round(4 * 0.5) rows of each of the 4 groups, every task retrieving
+
+
+def test_the_vllm_stand_ins_keep_trls_signatures():
+    """The stand-ins replace TRL's `VLLMGeneration`: a TRL that renames, adds or reorders a parameter of the methods
+    the trainer calls (`generate`, `sync_weights`) must fail here, not pass against a stale imitation."""
+    import inspect
+
+    from test_vllm_multiturn import FakeVLLMGeneration
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    for stand_in in (ServerModeStandIn, FakeVLLMGeneration):
+        for name in ("generate", "sync_weights"):
+            theirs = list(inspect.signature(getattr(VLLMGeneration, name)).parameters)
+            ours = list(inspect.signature(getattr(stand_in, name)).parameters)
+            assert ours == theirs, (stand_in.__name__, name, theirs)

@@ -127,23 +127,27 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
 
     def __init__(
         self,
-        *args,
+        model,
+        reward_funcs=None,
+        args=None,
+        train_dataset=None,
+        *trl_args,
         experience_pool: ExperiencePool | None = None,
         text_env_factory: Callable[[], object] | None = None,
         experience_provider: ExperienceProvider | None = None,
-        **kwargs,
+        **trl_kwargs,
     ):
-        if text_env_factory is not None and len(args) < 2 and kwargs.get("reward_funcs") is None:
-            kwargs["reward_funcs"] = env_reward  # the environment's reward, unless the user scores rollouts
-        config = args[2] if len(args) > 2 else kwargs.get("args")
-        if getattr(config, "use_vllm", False):  # before TRL starts vLLM or waits for its server
+        """TRL's `GRPOTrainer` parameters (the first four named, the rest passed on as given), plus ours."""
+        if text_env_factory is not None and reward_funcs is None:
+            reward_funcs = env_reward  # the environment's reward, unless the user scores rollouts
+        if getattr(args, "use_vllm", False):  # before TRL starts vLLM or waits for its server
             if text_env_factory is not None:
-                check_multi_turn_vllm(config.vllm_mode, config.vllm_tensor_parallel_size)
-            tool_loop = kwargs.get("tools") or kwargs.get("environment_factory") is not None
-            if tool_loop and getattr(config, "enable_experience_replay", True):
+                check_multi_turn_vllm(args.vllm_mode, args.vllm_tensor_parallel_size)
+            tool_loop = trl_kwargs.get("tools") or trl_kwargs.get("environment_factory") is not None
+            if tool_loop and getattr(args, "enable_experience_replay", True):
                 path = "Experience replay through TRL's tool loop (`tools`, `environment_factory`)"
-                check_multi_turn_vllm(config.vllm_mode, config.vllm_tensor_parallel_size, path)
-        super().__init__(*args, **kwargs)
+                check_multi_turn_vllm(args.vllm_mode, args.vllm_tensor_parallel_size, path)
+        super().__init__(model, reward_funcs, args, train_dataset, *trl_args, **trl_kwargs)
         self.replay = replay_options(self.args)
         validate_replay_options(self.replay, self.num_generations)
         self._replay_enabled = bool(self.replay["enable_experience_replay"])
