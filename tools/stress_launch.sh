@@ -8,7 +8,8 @@
 #
 # KIND is any of: ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume
 # ddp-tools zero3-tools (TRL's tool loop with replay, tests/scripts/tool_replay_multiprocess.py) ddp-guided
-# (experience-guided rollouts; zero3 guides too, as tests/test_multiprocess.py launches them)
+# (experience-guided rollouts; zero3 guides too, as tests/test_multiprocess.py launches them) ddp-exgrpo
+# zero3-exgrpo (replay_profile="exgrpo": start by capability, retired questions; a whole run, then its resume)
 # (default: these, in turn; a resume first runs the whole run it resumes from, and both count as launches), or
 # exit-race, exit-race-destroy, exit-race-plain: tests/scripts/gloo_exit.py's "natural" exit race (DDP, 3 s a launch)
 # ended by exit_distributed(), by barrier + destroy_process_group(), or not at all; name them to compare the endings
@@ -26,7 +27,7 @@ N=$1
 OUT=${2:-stress-launch-$(date +%Y%m%d-%H%M%S)}
 shift $(( $# >= 2 ? 2 : 1 ))
 SUITE_KINDS=(ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume ddp-tools
-  zero3-tools ddp-guided)
+  zero3-tools ddp-guided ddp-exgrpo zero3-exgrpo)
 ALL_KINDS=("${SUITE_KINDS[@]}" exit-race exit-race-destroy exit-race-plain)
 KINDS=("${@:-${SUITE_KINDS[@]}}")
 for kind in "${KINDS[@]}"; do
@@ -125,6 +126,19 @@ while ((launches < N)); do
       launches=$((launches + 1))
       if ((status == 0 && launches < N)); then
         if launch "$dir/resumed" "$config" "$SCRIPT" "$dir/resumed/out" "resume=$dir/whole/out/run/checkpoint-3"; then
+          status=0
+        else
+          status=$?
+        fi
+        launches=$((launches + 1))
+      fi
+      ;;
+    *-exgrpo)
+      if launch "$dir/whole" "$config" "$SCRIPT" "$dir/whole/out" exgrpo; then status=0; else status=$?; fi
+      launches=$((launches + 1))
+      if ((status == 0 && launches < N)); then
+        checkpoint="$dir/whole/out/run/checkpoint-6"
+        if launch "$dir/resumed" "$config" "$SCRIPT" "$dir/resumed/out" exgrpo "resume=$checkpoint"; then
           status=0
         else
           status=$?
