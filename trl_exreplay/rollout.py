@@ -371,7 +371,10 @@ class MultiTurnRollout:
         text = observation_text(observation)
         budget = self.max_prompt_tokens
         if budget is not None and token_prefix(text, self.tokenizer, budget)[1]:
-            raise ValueError(f"the first observation has more than {budget} tokens, the model's context")
+            raise ValueError(
+                f"the first observation has more than {budget} tokens, the model's context (its config's "
+                "max_position_embeddings, or vllm_max_model_length)"
+            )
         return text
 
     def _env_turn_ids(self, observation, episode: Episode) -> list[int]:
