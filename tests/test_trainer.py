@@ -357,9 +357,9 @@ def test_top_entropy_quantile_trains_the_highest_entropy_tokens_fresh_and_replay
     losses_seen, selections = [], []
     term = trainer_module.off_policy_loss
 
-    def spy_loss(logps, behaviour, advantages, exp_mask, token_mask=None, **kwargs):
+    def spy_loss(logps, behaviour, advantages, exp_mask, options=None, token_mask=None):
         losses_seen.append((exp_mask.clone(), token_mask))
-        return term(logps, behaviour, advantages, exp_mask, token_mask=token_mask, **kwargs)
+        return term(logps, behaviour, advantages, exp_mask, options, token_mask=token_mask)
 
     monkeypatch.setattr(trainer_module, "off_policy_loss", spy_loss)
     trainer = make_trainer(tmp_path, max_steps=6, top_entropy_quantile=0.5)

@@ -44,6 +44,8 @@ class GenerationStep:
     # experience-guided rollouts (see `trl_exreplay.trainer_guidance`)
     guidance: Any = None  # the batch's `GuidanceAllocation` (global rows); None: nothing is guided
     offset: int = 0  # this rank's first global row
+    task_rows: list[dict] = field(default_factory=list)  # this rank's dataset rows as stored (before prompt rewriting)
+    row_tasks: list[Any] = field(default_factory=list)  # each global row's task id (what the pool records it under)
     guided_text: dict[int, str] = field(default_factory=dict)  # local row -> the experience text put in its prompt
     plain_prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # local guided row -> prompt without it
     # local guided row -> the prompt it was sampled on

@@ -202,22 +202,38 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
 
     def _generate_and_score_completions(self, inputs):
         if not self.model.training or not (self._replay_enabled or self._guide_train):
-            self._generation = step = GenerationStep(rows=[self._with_prompt(row) for row in inputs])
-            if self._guide_eval and not self.model.training:
-                # drawn on the global evaluation batch (a group may span ranks), from the step and the batch's number
-                seed = [self.args.seed, self.state.global_step, self._eval_batches, 1]
-                self._eval_batches += 1
-                step.offset = self.accelerator.process_index * len(inputs)
-                step.guidance = self._allocate(len(inputs) * self.accelerator.num_processes, seed, training=False)
-                if self.text_env_factory is None:  # multi-turn rows retrieve once their first observation is known
-                    self._guide_rows(step, step.offset, self._row_queries(step.rows))
-            try:
-                output = super()._generate_and_score_completions(step.rows)
-                if step.guidance is not None:
-                    self._take_step_counts()  # evaluation's retrievals stay out of the training metrics
-                return output
-            finally:
-                self._generation = None
+            return self._generate_unplanned(inputs)
+        self._generation = step = self._plan_generation(inputs)
+        try:
+            output = super()._generate_and_score_completions(step.rows)
+            self._finish_generation(output, step)
+        finally:
+            self._generation = None
+        return output
+
+    def _generate_unplanned(self, inputs):
+        """Evaluation, or training without replay and guidance: TRL's generation on the rows as they are (multi-turn
+        rows get their placeholder prompt), guided when evaluation is."""
+        self._generation = step = GenerationStep(rows=[self._with_prompt(row) for row in inputs])
+        if self._guide_eval and not self.model.training:
+            # drawn on the global evaluation batch (a group may span ranks), from the step and the batch's number
+            seed = [self.args.seed, self.state.global_step, self._eval_batches, 1]
+            self._eval_batches += 1
+            step.offset = self.accelerator.process_index * len(inputs)
+            step.guidance = self._allocate(len(inputs) * self.accelerator.num_processes, seed, training=False)
+            if self.text_env_factory is None:  # multi-turn rows retrieve once their first observation is known
+                self._guide_rows(step, step.offset, self._row_queries(step.rows))
+        try:
+            output = super()._generate_and_score_completions(step.rows)
+            if step.guidance is not None:
+                self._take_step_counts()  # evaluation's retrievals stay out of the training metrics
+            return output
+        finally:
+            self._generation = None
+
+    def _plan_generation(self, inputs) -> GenerationStep:
+        """A training generation batch's plan, the same on every rank: which groups replay which stored trajectories
+        (retired questions redirected first), and which rows are guided."""
         self._flush_pending()
         if self._guidance_on:
             self._experience_step_begin()
@@ -257,43 +273,42 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
         swapped, replayed_local = plan.rank_rows(offset, local_rows, group_keys, selected)
         # The dataset rows as they are (stored with trajectories): a replayed group's task row from the pool.
         task_rows = [self.pool.task_row(swapped[i]) if i in swapped else row for i, row in enumerate(inputs)]
-        new_inputs = [self._with_prompt(row) for row in task_rows]
-        row_tasks = [plan.task_of_row(r, group_keys) for r in range(len(row_keys))]
-        fresh_per_rank = plan.fresh_rows_per_rank(len(row_keys), local_rows)
-
-        self._generation = GenerationStep(
-            rows=new_inputs,
+        generation = GenerationStep(
+            rows=[self._with_prompt(row) for row in task_rows],
             plan=plan,
             selected=selected,
             replayed_local=replayed_local,
-            fresh_per_rank=fresh_per_rank,
+            fresh_per_rank=plan.fresh_rows_per_rank(len(row_keys), local_rows),
             # When TRL runs its old-log-probs forward (right after generation), its entropies are the generating
             # policy's.
             wants_entropies=self._trl_computes_old_logps(),
             offset=offset,
+            task_rows=task_rows,
+            row_tasks=[plan.task_of_row(r, group_keys) for r in range(len(row_keys))],
         )
-        generation = self._generation
-        discarding = False
         if self._guide_train:
             replayed_rows = [r for r in range(len(row_keys)) if plan.is_replayed(r)]  # the plan is global
             generation.guidance = self._allocate(len(row_keys), draw_seed, replayed_rows)
-            discarding = any(generation.guidance.discarded(r) for r in range(len(row_keys)))
             if self.text_env_factory is None:  # multi-turn rows retrieve once their first observation is known
-                self._guide_rows(generation, offset, self._row_queries(new_inputs))
-        try:
-            output = super()._generate_and_score_completions(new_inputs)
-            attach_replay_tensors(output, replayed_local, replaying=bool(plan.replay_groups) or discarding)
-            if discarding:
-                self._attach_guided_rows(output, generation, offset)
-            self._queue_outcomes(output, task_rows, row_tasks, generation, offset)
+                self._guide_rows(generation, offset, self._row_queries(generation.rows))
+        return generation
+
+    def _finish_generation(self, output: dict, generation: GenerationStep) -> None:
+        """After TRL's generation and scoring: the replay tensors the loss reads, the discarded guided rows' behaviour
+        log-probs, the outcomes queued for the pool, the step's metrics."""
+        plan, num_rows = generation.plan, len(generation.row_tasks)
+        guidance = generation.guidance
+        discarding = guidance is not None and any(guidance.discarded(r) for r in range(num_rows))
+        attach_replay_tensors(output, generation.replayed_local, replaying=bool(plan.replay_groups) or discarding)
+        if discarding:
+            self._attach_guided_rows(output, generation, generation.offset)
+        self._queue_outcomes(output, generation.task_rows, generation.row_tasks, generation, generation.offset)
+        if self._replay_enabled:
             metrics = self._metrics["train"]
-            if self._replay_enabled:
-                metrics["replay/started"].append(float(self._replay_started()))
-                ages = [step - t.policy_version for ts in selected.values() for t in ts]
-                log_generation(metrics, plan, len(row_keys), ages, self.pool.stats(), self._replay_counts)
-        finally:
-            self._generation = None
-        return output
+            metrics["replay/started"].append(float(self._replay_started()))
+            step = self.state.global_step
+            ages = [step - t.policy_version for ts in generation.selected.values() for t in ts]
+            log_generation(metrics, plan, num_rows, ages, self.pool.stats(), self._replay_counts)
 
     def _trl_computes_old_logps(self) -> bool:
         """TRL's own condition for computing `old_per_token_logps` in `_generate_and_score_completions`."""
