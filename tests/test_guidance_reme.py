@@ -397,42 +397,12 @@ def test_a_reply_nested_too_deeply_for_one_task_keeps_the_other_tasks_memories(s
     assert "nested too deeply" in str(caught.value.cause)
 
 
-class DrippingServer:
-    """A raw socket server that reads a request, then sends `reply` one byte every `interval` seconds: a slow or
-    hostile service whose every single read arrives well within any per-read timeout."""
+def dripping_server(reply: bytes):
+    """A raw socket server that reads a request, then sends `reply` one byte every 0.05 s: a slow or hostile service
+    whose every single read arrives well within any per-read timeout (the guidance probe's server)."""
+    from helpers import load_script
 
-    def __init__(self, reply: bytes, interval: float = 0.05):
-        self.reply, self.interval = reply, interval
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.stop = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        self.listener.settimeout(0.1)
-        while not self.stop.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                continue
-            threading.Thread(target=self._drip, args=(client,), daemon=True).start()
-
-    def _drip(self, client):
-        with client:
-            client.settimeout(5)
-            try:
-                client.recv(65536)
-                for i in range(len(self.reply)):
-                    if self.stop.is_set():
-                        return
-                    client.sendall(self.reply[i : i + 1])
-                    time.sleep(self.interval)
-            except OSError:  # the client gave up: what the test wants
-                return
-
-    def close(self):
-        self.stop.set()
-        self.listener.close()
+    return load_script("benchmarks/guidance_probe.py", "guidance_probe").RawServer(reply, interval=0.05)
 
 
 _BODY = json.dumps({"answer": "", "success": True, "metadata": {"memory_list": [{"content": "x" * 400}]}}).encode()
@@ -450,7 +420,7 @@ _BODY = json.dumps({"answer": "", "success": True, "metadata": {"memory_list": [
 def test_a_dripping_server_costs_one_timeout_in_all(reply):
     """Each byte arrives within 0.05 s, so a per-read timeout never fires; the request must still end at its one
     deadline (0.5 s), not after the ~10-25 s the whole reply takes."""
-    server = DrippingServer(reply)
+    server = dripping_server(reply)
     try:
         provider = ReMeExperienceProvider(server.url, timeout=0.5)
         start = time.monotonic()
