@@ -83,3 +83,30 @@ def _finish_and_exit(status: int) -> None:
         except (AttributeError, OSError, ValueError):  # replaced, closed or detached by the script
             pass
     os._exit(status)
+
+
+# ---------------------------------------------------------------------------------------------- the trainer's collectives
+# Every rank must make each of these calls, as often as the others: they are how ranks that hold different rows agree.
+
+
+def any_rank_active(accelerator, active: bool) -> bool:
+    """Each rank says whether it still has work (an episode, a tool round); True when any rank has. Collective."""
+    import torch
+
+    flag = torch.tensor([1.0 if active else 0.0], device=accelerator.device)
+    return accelerator.reduce(flag, reduction="sum").item() > 0
+
+
+def gather_row_flags(accelerator, local_rows: set[int], num_local: int) -> list[bool]:
+    """This rank's flagged row indices -> a flag per row of the whole (gathered) batch. Collective."""
+    import torch
+
+    flags = torch.zeros(num_local, device=accelerator.device)
+    flags[sorted(local_rows)] = 1.0
+    return accelerator.gather(flags).bool().tolist()
+
+
+def generation_is_collective(accelerator, dist) -> bool:
+    """Whether a generation call needs every rank: a sharded model (ZeRO-3, FSDP; `dist` is TRL's `_dist`) gathers its
+    parameters collectively in every forward, so ranks must make their generation calls in lockstep."""
+    return accelerator.num_processes > 1 and (dist.is_zero3 or dist.is_fsdp)

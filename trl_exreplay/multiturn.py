@@ -7,11 +7,13 @@ aligned), replayed rows return their stored trajectories, and the environment's 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 from trl.models import unwrap_model_for_generation
 
+from .distributed import any_rank_active, generation_is_collective
 from .envs import env_reward
 from .pool import task_key
 from .rollout import MultiTurnRollout, generate_batch
@@ -79,7 +81,8 @@ class MultiTurnRollouts:
         # One gather context for all turns (entered and left once by every rank). Inside it, a forward of a sharded
         # model is still collective (ZeRO-3's start-of-forward hook; FSDP), so ranks agree on the number of turns
         # (`sync`) and a rank with nothing left to play generates a dummy row: every rank calls generate as often.
-        sync = self._any_rank_active if self._generation_is_collective() else None
+        collective = generation_is_collective(self.accelerator, self._dist)
+        sync = functools.partial(any_rank_active, self.accelerator) if collective else None
         tasks = [rows[i] for i in fresh]
         guide = None
         if step.guidance is not None:  # experience-guided rollouts: retrieved by the first observation
@@ -168,21 +171,6 @@ class MultiTurnRollouts:
         # one log-prob per token: TRL asks vLLM for the sampled token's only (`logprobs=0`), first in each list
         logprobs = [[lp[0] if lp else None for lp in row] for row in logprobs]
         return [list(ids)[:max_new_tokens] for ids in completion_ids], [row[:max_new_tokens] for row in logprobs]
-
-    def _gather_row_flags(self, local_rows: set[int], num_local: int) -> list[bool]:
-        """This rank's flagged row indices -> a flag per row of the whole (gathered) batch; collective."""
-        flags = torch.zeros(num_local, device=self.accelerator.device)
-        flags[sorted(local_rows)] = 1.0
-        return self.accelerator.gather(flags).bool().tolist()
-
-    def _generation_is_collective(self) -> bool:
-        """Whether a generation call needs every rank: a sharded model (ZeRO-3, FSDP) gathers its parameters
-        collectively in every forward, so ranks must make their generation calls in lockstep."""
-        return self.accelerator.num_processes > 1 and (self._dist.is_zero3 or self._dist.is_fsdp)
-
-    def _any_rank_active(self, active: bool) -> bool:
-        flag = torch.tensor([1.0 if active else 0.0], device=self.accelerator.device)
-        return self.accelerator.reduce(flag, reduction="sum").item() > 0
 
     def _generate_turn(self, model, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """One batched generation over the active episodes; each result stops after its first eos."""

@@ -20,6 +20,7 @@ from trl import GRPOTrainer
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
 from .config import replay_options, validate_replay_options
 from .custom_rollouts import replaying_rollout
+from .distributed import any_rank_active, generation_is_collective
 from .envs import env_reward
 from .guidance import ExperienceProvider
 from .hub import CITATIONS
@@ -381,7 +382,8 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self._generation is not None and self._generation.tool_loop_lockstep:
-            self._any_rank_active(True)  # this rank plays one more round of TRL's tool loop (see `_tool_call_loop`)
+            # this rank's vote that it plays one more round of TRL's tool loop (see `_tool_call_loop`)
+            any_rank_active(self.accelerator, True)
         result = self._generate_with_replay(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if self._generation is not None:
             self._generation.strip_discarded(prompt_ids)  # in the list TRL keeps: what its loss trains on
@@ -445,7 +447,7 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         step = self._generation
-        if step is None or not self._replay_enabled or (step.plan is None and not self._generation_is_collective()):
+        if step is None or not self._replay_enabled or (step.plan is None and not generation_is_collective(self.accelerator, self._dist)):
             return super()._tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
             )
@@ -453,12 +455,12 @@ class ExReplayGRPOTrainer(TrainerPool, ReplaySelection, MultiTurnRollouts, Exper
             text = self.processing_class.decode(completion_ids[i], skip_special_tokens=True)
             completions[i] = [{"role": "assistant", "content": text}]
         # Ranks take different numbers of tool rounds; where generation is collective, each round is agreed on.
-        step.tool_loop_lockstep = self._generation_is_collective()
+        step.tool_loop_lockstep = generation_is_collective(self.accelerator, self._dist)
         try:
             result = super()._tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
             )
-            while step.tool_loop_lockstep and self._any_rank_active(False):
+            while step.tool_loop_lockstep and any_rank_active(self.accelerator, False):
                 super()._generate_single_turn([prompt_ids[0]], None, {}, 1)  # a round another rank still plays
         finally:
             step.tool_loop_lockstep = False

@@ -27,6 +27,7 @@ import torch
 import xxhash
 from accelerate.utils import broadcast_object_list
 
+from .distributed import gather_row_flags
 from .guidance import ExperienceProvider, SummaryInput
 from .guidance.allocation import allocate_guidance
 from .guidance.summarizer import BackgroundSummarizer
@@ -362,7 +363,7 @@ class ExperienceGuidance:
 
     def _log_guidance(self, step, success: list[bool], fresh_rows: list[int], num_local: int) -> None:
         """`guide/*` metrics of a generation step. Collective."""
-        guided = self._gather_row_flags(set(step.guided_text), num_local)
+        guided = gather_row_flags(self.accelerator, set(step.guided_text), num_local)
         counts = self._guide_counts
         local = torch.tensor(
             [*self._take_step_counts(), *(counts[kind] for kind in _RUNNING_TOTALS)],

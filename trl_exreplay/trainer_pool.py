@@ -12,6 +12,7 @@ import warnings
 import torch
 from accelerate.utils import gather_object
 
+from .distributed import gather_row_flags
 from .outcomes import PendingOutcomes, task_outcomes, trajectory_records
 from .pool import ExperiencePool, tokenizer_fingerprint
 from .pool.rules import is_solved
@@ -128,7 +129,7 @@ class TrainerPool:
         missing = torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
         fresh_rows = [r for r in range(len(row_tasks)) if not step.plan.is_replayed(r) and not missing[r]]
         if self.text_env_factory is not None:  # an episode the environment failed says nothing about the task
-            faulted = self._gather_row_flags(step.faulted_rows, len(inputs))
+            faulted = gather_row_flags(self.accelerator, step.faulted_rows, len(inputs))
             fresh_rows = [r for r in fresh_rows if not faulted[r]]
         if fresh_rows:
             self._metrics["train"]["replay/fresh_reward"].append(totals[fresh_rows].nanmean().item())
