@@ -555,6 +555,7 @@ def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
             f"| {delta} | {sign} | {need}{ratio} | {r['auc']:.3f} | {100 * r['collapse_rate']:.0f}% | {zero} "
             f"| {100 * r['generation_saved']:.1f}% | {r['step_s']:.2f} |"
         )
+    lines += detail_lines(entry)
     guidance = guidance_lines(entry)
     if guidance:
         lines += ["", *guidance]
@@ -564,6 +565,21 @@ def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
                       f"(max loss difference {check['max_loss_diff']:.3g}, max held-out difference "
                       f"{check['max_point_diff']:.3g})."]  # fmt: skip
     return "\n".join(lines)
+
+
+def detail_lines(entry: dict) -> list[str]:
+    """Held-out success by part (`heldout_detail`: problem length, doors, split), mean over each method's seeds, from
+    the first point to the last: where a method gains or loses."""
+    lines = []
+    for name, method in entry["methods"].items():
+        runs = [run["points"] for run in method["runs"].values() if run["points"][0].get("heldout_detail")]
+        if not runs:
+            continue
+        parts = sorted(runs[0][0]["heldout_detail"])
+        mean = lambda i, part: sum(points[i]["heldout_detail"][part] for points in runs) / len(runs)  # noqa: E731
+        cells = ", ".join(f"{part} {mean(0, part):.2f} -> {mean(-1, part):.2f}" for part in parts)
+        lines.append(f"- `{name}` ({len(runs)} seeds): {cells}")
+    return ["", "Held-out success by part (mean over seeds, first point -> last):", *lines] if lines else []
 
 
 def guidance_lines(entry: dict) -> list[str]:

@@ -148,3 +148,13 @@ def test_the_statistics_of_the_tables(harness):
     assert harness.sign_test([0.0, 0.0])["p"] == 1.0
     points = [{"heldout_success": s} for s in (0.4, 0.6, 0.29)]
     assert harness.collapsed(points) and not harness.collapsed(points[:2]) and not harness.collapsed(points[:1])
+
+
+def test_the_report_gives_held_out_success_by_part(harness):
+    def run(first, last):
+        return {"points": [{"heldout_detail": first}, {"heldout_detail": last}]}
+
+    entry = {"methods": {"a": {"runs": {"1": run({"x": 0.2, "y": 0.0}, {"x": 0.4, "y": 1.0}),
+                                        "2": run({"x": 0.4, "y": 0.0}, {"x": 0.8, "y": 0.0})}}}}  # fmt: skip
+    lines = harness.detail_lines(entry)
+    assert lines[-1] == "- `a` (2 seeds): x 0.30 -> 0.60, y 0.00 -> 0.50"

@@ -26,9 +26,11 @@ from .untrusted_text import token_prefix
 
 logger = logging.getLogger(__name__)
 
-_CUT_MARGIN_TOKENS = (
-    8  # an observation cut for the budget keeps this many tokens more than fit: its end tokenizes alone
-)
+# An observation cut for the budget keeps this many tokens more than fit, so the kept ones tokenize as in the whole.
+_CUT_MARGIN_TOKENS = 8
+# Characters per token past which an observation is cut before it is tokenized; a shorter one costs at most that many
+# characters per token it could keep, and is tokenized once, whole.
+_CUT_CHARS_PER_TOKEN = 8
 
 
 class ChatTurns:
@@ -380,8 +382,10 @@ class MultiTurnRollout:
     def _env_turn_ids(self, observation, episode: Episode) -> list[int]:
         """An environment turn's tokens, its observation tokenized only as far as the episode's budget can keep (and
         a margin, so the kept tokens are those of the whole text): a huge observation costs what is kept."""
-        room = self.max_completion_length - len(episode.completion_ids)
-        text, _ = token_prefix(observation_text(observation), self.tokenizer, room + _CUT_MARGIN_TOKENS)
+        text = observation_text(observation)
+        keep = self.max_completion_length - len(episode.completion_ids) + _CUT_MARGIN_TOKENS
+        if len(text) > keep * _CUT_CHARS_PER_TOKEN:  # only a long one: a usual observation is tokenized once
+            text, _ = token_prefix(text, self.tokenizer, keep)
         return self.turns.env_turn_ids(text)
 
     def close(self) -> None:

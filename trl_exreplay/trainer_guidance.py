@@ -103,6 +103,7 @@ class ExperienceGuidance:
         self._last_update_step: int | None = None
         self._experience_started = False
         self._experience_template = o["experience_template"]
+        self._token_strings: list[str] | None = None  # what retrieved text may not spell (`_bounded`)
 
     # ------------------------------------------------------------------------------------------- each step
     def _experience_step_begin(self) -> None:
@@ -226,9 +227,10 @@ class ExperienceGuidance:
     def _bounded(self, contents: list[str]) -> str:
         """Retrieved records joined as the template receives them, made safe: no spelling of a special or added token
         (it would forge a chat turn or an end of sequence in the trained prompt), at most `experience_max_tokens`."""
-        tokenizer = self.processing_class
-        text, removed = remove_token_strings("\n".join(contents), added_token_strings(tokenizer))
-        text, cut = token_prefix(text, tokenizer, self.replay["experience_max_tokens"])
+        if self._token_strings is None:  # the tokenizer's added tokens do not change during a run
+            self._token_strings = added_token_strings(self.processing_class)
+        text, removed = remove_token_strings("\n".join(contents), self._token_strings)
+        text, cut = token_prefix(text, self.processing_class, self.replay["experience_max_tokens"])
         self._guide_counts["special_tokens_removed"] += removed
         self._guide_counts["experience_truncated"] += int(cut)
         return text

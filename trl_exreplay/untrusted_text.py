@@ -57,21 +57,16 @@ def token_prefix(text: str, tokenizer, max_tokens: int) -> tuple[str, bool]:
     and whether anything was cut. Tokenizes prefixes of growing length, never more than about twice what it keeps."""
     if max_tokens <= 0:
         return "", bool(text)
+    fast = getattr(tokenizer, "is_fast", False)  # a fast tokenizer gives character offsets: an exact cut
     length = max_tokens * _FIRST_CHARS_PER_TOKEN
     while True:
         piece = text[:length]
-        ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+        encoded = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=fast)
+        ids = encoded["input_ids"]
         if len(ids) > max_tokens:
-            return _cut(piece, ids, tokenizer, max_tokens), True
+            if fast:
+                return piece[: encoded["offset_mapping"][max_tokens - 1][1]], True
+            return tokenizer.decode(ids[:max_tokens]), True
         if length >= len(text):
             return text, False
         length *= 2
-
-
-def _cut(piece: str, ids: list[int], tokenizer, max_tokens: int) -> str:
-    """`piece` up to the end of its `max_tokens`-th token: by character offsets where the tokenizer gives them (exact),
-    else by decoding the kept ids."""
-    if getattr(tokenizer, "is_fast", False):
-        offsets = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        return piece[: offsets[max_tokens - 1][1]]
-    return tokenizer.decode(ids[:max_tokens])
