@@ -575,11 +575,16 @@ def detail_lines(entry: dict) -> list[str]:
         runs = [run["points"] for run in method["runs"].values() if run["points"][0].get("heldout_detail")]
         if not runs:
             continue
-        parts = sorted(runs[0][0]["heldout_detail"])
-        mean = lambda i, part: sum(points[i]["heldout_detail"][part] for points in runs) / len(runs)  # noqa: E731
-        cells = ", ".join(f"{part} {mean(0, part):.2f} -> {mean(-1, part):.2f}" for part in parts)
+        cells = ", ".join(
+            f"{part} {_mean_part(runs, 0, part):.2f} -> {_mean_part(runs, -1, part):.2f}"
+            for part in sorted(runs[0][0]["heldout_detail"])
+        )
         lines.append(f"- `{name}` ({len(runs)} seeds): {cells}")
     return ["", "Held-out success by part (mean over seeds, first point -> last):", *lines] if lines else []
+
+
+def _mean_part(runs: list[list[dict]], index: int, part: str) -> float:
+    return sum(points[index]["heldout_detail"][part] for points in runs) / len(runs)
 
 
 def guidance_lines(entry: dict) -> list[str]:
