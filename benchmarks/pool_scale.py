@@ -104,7 +104,7 @@ def replay_plan(pool, step: int, replayable=None):
 
 
 def replay_read(pool, step: int) -> dict:
-    """One step's replay read (`_select_trajectories` with replay_select_by_current_entropy=False: the replayed
+    """One step's replay read (`selection.select_trajectories` with replay_select_by_current_entropy=False: the replayed
     trajectory by saved entropy, since scoring candidates under the current policy needs a model): the plan, then
     `choose`, which reads the chosen trajectories from the shards."""
     plan = replay_plan(pool, step)

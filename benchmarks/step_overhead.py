@@ -6,12 +6,12 @@ For each testbed of `benchmarks/replay_vs_grpo.py`, `ExReplayGRPOTrainer` trains
 from the same initial model, with `enable_experience_replay=False` and with the config defaults. Steps are timed from
 the step at which replay starts (before it the two runs do the same work) to the end, and split into parts:
 
-* generation: the model's `generate` calls (single-turn `_generate_single_turn`, multi-turn `_generate_turn`);
+* generation: the model's `generate` calls (single-turn `_generate_single_turn`, multi-turn `generate_batch`);
 * environment: the environments' `reset` and `step` (multi-turn);
 * reward: `_calculate_rewards`;
 * pool add: `_flush_pending` (outcomes and trajectories into the pool);
-* pool sample: `_select_trajectories` without the entropy forward (buckets, candidates, reads);
-* entropy forward: `_current_policy_entropies` (the current policy's no-grad forward over candidates);
+* pool sample: `select_trajectories` without the entropy forward (buckets, candidates, reads);
+* entropy forward: `current_policy_entropies` (the current policy's no-grad forward over candidates);
 * loss and backward: `training_step` without `_prepare_inputs`;
 * other: the rest of the step (optimizer, scheduler, TRL's bookkeeping, old/ref log-probs, rollout assembly).
 
@@ -21,7 +21,9 @@ The target the issue sets: replay step time / GRPO step time <= (1 - fraction of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import importlib
 import os
 import platform
 import shutil
@@ -39,13 +41,16 @@ from replay_testbeds import TESTBEDS  # noqa: E402
 PARTS = ("generation", "environment", "reward", "pool add", "pool sample", "entropy forward", "loss and backward")
 TIMED_METHODS = {
     "_generate_single_turn": "generation",
-    "_generate_turn": "generation",
     "_calculate_rewards": "reward",
     "_flush_pending": "pool add",
-    "_select_trajectories": "pool select",
-    "_current_policy_entropies": "entropy forward",
     "training_step": "training step",
     "_prepare_inputs": "prepare inputs",
+}
+# Functions the trainer's parts call by their module's name for them: (module, name) -> part.
+TIMED_FUNCTIONS = {
+    ("trl_exreplay.multiturn", "generate_batch"): "generation",
+    ("trl_exreplay.replay", "select_trajectories"): "pool select",
+    ("trl_exreplay.selection", "current_policy_entropies"): "entropy forward",
 }
 
 
@@ -69,6 +74,30 @@ def timed_trainer_class(clock: dict):
 
     methods = {name: timed(name, label) for name, label in TIMED_METHODS.items() if hasattr(ExReplayGRPOTrainer, name)}
     return type("TimedExReplayGRPOTrainer", (ExReplayGRPOTrainer,), methods)
+
+
+@contextlib.contextmanager
+def timed_functions(clock: dict):
+    """While open, the functions of `TIMED_FUNCTIONS` add their wall time to `clock["seconds"]`."""
+    originals = {}
+    for (module_name, name), label in TIMED_FUNCTIONS.items():
+        module = importlib.import_module(module_name)
+        originals[module, name] = function = getattr(module, name)
+
+        def wrapper(*args, _function=function, _label=label, **kwargs):
+            began = time.perf_counter()
+            try:
+                return _function(*args, **kwargs)
+            finally:
+                if clock["on"]:
+                    clock["seconds"][_label] += time.perf_counter() - began
+
+        setattr(module, name, wrapper)
+    try:
+        yield
+    finally:
+        for (module, name), function in originals.items():
+            setattr(module, name, function)
 
 
 def timed_env_factory(factory, clock: dict):
@@ -130,7 +159,8 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
             **kwargs,
         )
         trainer.remove_callback(PrinterCallback)
-        trainer.train()
+        with timed_functions(clock):
+            trainer.train()
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
     generated = [e["replay/generated_rows"] for e in trainer.state.log_history if "replay/generated_rows" in e]

@@ -16,7 +16,7 @@ import torch
 from trl import GRPOTrainer
 
 from trl_exreplay import ExReplayGRPOTrainer
-from trl_exreplay.loss import TOKEN_SUM_LOSS_TYPES, aggregate_loss, off_policy_loss
+from trl_exreplay.loss import TOKEN_SUM_LOSS_TYPES, OffPolicyOptions, aggregate_loss, off_policy_loss
 
 # TRL's adaptive-entropy controller state, which its `_compute_loss` updates.
 TRL_STATE = ("entropy_coef", "_entropy_window_stats", "_last_world_entropy")
@@ -65,7 +65,10 @@ class CheckingTrainer(ExReplayGRPOTrainer):
             selection = GRPOTrainer.get_high_entropy_mask(self, entropies, mask, 1 - args.top_entropy_quantile)
         # The option mapping is the trainer's (that each option reaches `loss.py` as it should is checked by hand in
         # tests/test_replay_objective.py); this check is of the composition: the rows, the selection, the normaliser.
-        options = self._off_policy_options()
+        options = OffPolicyOptions.from_config(
+            args, self.replay, loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+            epsilon_low=self.epsilon_low, off_policy_mask_threshold=self.off_policy_mask_threshold,
+        )  # fmt: skip
         per_token, _ = off_policy_loss(
             logps, behaviour, advantages, inputs["exp_mask"] * mask, options, token_mask=selection
         )

@@ -24,7 +24,7 @@ def test_replay_starts_after_the_first_batch_that_succeeds_often_enough(tmp_path
     rates = fresh_rewards(trainer)
     start = next(step for step, rate in enumerate(rates) if rate > 0.35)
     assert 0 < start < 9, rates  # the test sees steps before and after the start
-    assert trainer._schedule.started_at == start
+    assert trainer._replay.schedule.started_at == start
     started = [e["replay/started"] for e in trainer.state.log_history if "replay/started" in e]
     assert started == [0.0] * (start + 1) + [1.0] * (12 - start - 1)
     pool_sizes = [e["replay/pool_trajectories"] for e in trainer.state.log_history if "replay/pool_trajectories" in e]
@@ -41,7 +41,7 @@ def test_before_the_start_only_solved_tasks_are_recorded(tmp_path):
     """A threshold no batch reaches: the run never replays nor stores, but its solved tasks fill the skip set."""
     trainer = make_trainer(tmp_path, max_steps=8, replay_start="solved", replay_start_solved_fraction=0.999)
     trainer.train()
-    assert trainer._schedule.started_at is None
+    assert trainer._replay.schedule.started_at is None
     assert trainer.pool.num_trajectories == 0 and trainer.pool.buckets() == {}
     assert trainer.pool.skip_set  # the tiny model solves some task in 8 steps
     assert not any(e.get("replay/tasks") for e in trainer.state.log_history)
@@ -50,11 +50,17 @@ def test_before_the_start_only_solved_tasks_are_recorded(tmp_path):
 class RetirementTrainer(ExReplayGRPOTrainer):
     """Records, for every generation batch, the skip set it was planned with and its task groups after redirection."""
 
-    def _redirect_retired(self, inputs, row_keys, offset, seed):
-        skip_set = set(self.pool.skip_set)
-        inputs, row_keys = super()._redirect_retired(inputs, row_keys, offset, seed)
-        self.seen = getattr(self, "seen", []) + [(skip_set, row_keys[::4], len(inputs))]
-        return inputs, row_keys
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen, redirect = [], self._replay._redirect_retired
+
+        def recording(inputs, row_keys, *rest):
+            skip_set = set(self.pool.skip_set)
+            inputs, row_keys = redirect(inputs, row_keys, *rest)
+            self.seen.append((skip_set, row_keys[::4], len(inputs)))
+            return inputs, row_keys
+
+        self._replay._redirect_retired = recording
 
 
 def test_retired_questions_leave_the_fresh_stream(tmp_path):
@@ -80,9 +86,7 @@ def test_retired_questions_leave_the_fresh_stream(tmp_path):
 
 
 def test_when_every_question_is_retired_the_run_says_so_and_stops(tmp_path, caplog):
-    trainer = make_trainer(
-        tmp_path, num_tasks=1, max_steps=60, replay_retire_solved=True, learning_rate=5e-2
-    )
+    trainer = make_trainer(tmp_path, num_tasks=1, max_steps=60, replay_retire_solved=True, learning_rate=5e-2)
     trainer.train()
     assert trainer.pool.skip_set == ["task-0"]
     assert trainer.state.global_step < 60
@@ -92,14 +96,14 @@ def test_when_every_question_is_retired_the_run_says_so_and_stops(tmp_path, capl
 
 class OutcomeTrainer(ExReplayGRPOTrainer):
     def _flush_pending(self):
-        pending = self._pending
+        pending = self._replay.pending
         super()._flush_pending()
         if pending is not None:
             self.outcomes = getattr(self, "outcomes", []) + [(pending.outcomes, self._last_plan)]
 
-    def _queue_outcomes(self, output, inputs, row_tasks, step, offset):
-        self._last_plan = step.plan, list(row_tasks)
-        super()._queue_outcomes(output, inputs, row_tasks, step, offset)
+    def _finish_generation(self, output, step):
+        self._last_plan = step.plan, list(step.row_tasks)
+        super()._finish_generation(output, step)
 
 
 def test_a_replayed_tasks_bucket_counts_its_replayed_success(tmp_path):

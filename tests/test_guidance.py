@@ -57,9 +57,9 @@ class GuidedRecordingTrainer(RecordingTrainer):
         super().__init__(*args, **kwargs)
         self.steps = []
 
-    def _queue_outcomes(self, output, inputs, row_tasks, step, offset):
+    def _finish_generation(self, output, step):
         self.steps.append((output, step))
-        return super()._queue_outcomes(output, inputs, row_tasks, step, offset)
+        return super()._finish_generation(output, step)
 
 
 GUIDED = dict(
@@ -219,19 +219,19 @@ def test_a_failing_provider_is_counted_and_training_goes_on_unguided(tmp_path):
     assert len(history) == 6 and all(e["guide/guided_fraction"] == 0 for e in history)
     assert history[-1]["guide/retrieve_failures"] == len(provider.queries) > 0
     assert history[-1]["guide/summarizer_failures"] > 0
-    assert trainer._summarizer.pending()  # what could not be summarised waits, nothing is lost
+    assert trainer._guidance.summarizer.pending()  # what could not be summarised waits, nothing is lost
 
 
 def test_summaries_reach_the_store_at_a_step_boundary_and_feed_retrieval(tmp_path):
     from trl_exreplay.guidance.offline import OfflineExperienceProvider
 
     trainer = make_trainer(tmp_path, experience_update_freq=1, **GUIDED)
-    assert isinstance(trainer._experience, OfflineExperienceProvider)
+    assert isinstance(trainer._guidance.experience, OfflineExperienceProvider)
     trainer.train()
     history = [e for e in trainer.state.log_history if "guide/store_records" in e]
     assert history[0]["guide/store_records"] == 0 and history[-1]["guide/store_records"] > 0
     assert any(e["guide/guided_fraction"] > 0 for e in history) and history[0]["guide/guided_fraction"] == 0
-    records = trainer._experience.records()
+    records = trainer._guidance.experience.records()
     assert all(r.query.startswith("say the word") and r.content for r in records)
     assert all(math.isfinite(e["guide/records_per_rollout"]) for e in history if "guide/records_per_rollout" in e)
 
@@ -280,15 +280,19 @@ class AllocationRecordingTrainer(GuidedRecordingTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.allocations, self.resumed_records = [], None
+        guidance = self._guidance
+        allocate, resume = guidance._allocate, guidance.resume
 
-    def _allocate(self, num_rows, seed, replayed_rows=(), training=True):
-        allocation = super()._allocate(num_rows, seed, replayed_rows, training)
-        self.allocations.append((self.state.global_step, allocation))
-        return allocation
+        def recording_allocate(*args, **kwargs):
+            allocation = allocate(*args, **kwargs)
+            self.allocations.append((self.state.global_step, allocation))
+            return allocation
 
-    def _resume_experience(self, checkpoint):
-        super()._resume_experience(checkpoint)
-        self.resumed_records = (self._experience.records(), self._summarizer.pending())
+        def recording_resume(checkpoint):
+            resume(checkpoint)
+            self.resumed_records = (guidance.experience.records(), guidance.summarizer.pending())
+
+        guidance._allocate, guidance.resume = recording_allocate, recording_resume
 
 
 def test_resume_restores_the_store_the_backlog_and_the_allocation_stream(tmp_path):
@@ -349,9 +353,9 @@ def test_a_kill_during_background_summarisation_loses_no_experience(tmp_path):
     resumed = make_trainer(out, max_steps=5, save_strategy="steps", save_steps=1, experience_update_freq=1,
                            train_rollout_expmode="mixed", rollout_expratio=0.5)  # fmt: skip
     resumed.train(resume_from_checkpoint=str(out / "out" / "checkpoint-4"))
-    resumed._summarizer.wait(30)
-    resumed._experience.add(resumed._summarizer.collect())
-    assert previous <= {r.source for r in resumed._experience.records()}
+    resumed._guidance.summarizer.wait(30)
+    resumed._guidance.experience.add(resumed._guidance.summarizer.collect())
+    assert previous <= {r.source for r in resumed._guidance.experience.records()}
 
 
 def test_retrieved_text_that_is_not_text_is_a_counted_failure(tmp_path):

@@ -22,13 +22,13 @@ class RecordingMultiTurnTrainer(ExReplayGRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batches, self.episodes_played = [], []
-        run = self._rollout_engine.run
+        run = self._multi_turn.engine.run
 
         def recording_run(tasks, generate, sync=None):
             self.episodes_played.append(len(tasks))
             return run(tasks, generate, sync)
 
-        self._rollout_engine.run = recording_run
+        self._multi_turn.engine.run = recording_run
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -139,7 +139,7 @@ def test_environment_faults_are_counted_and_training_completes(tmp_path):
     assert time.perf_counter() - start < 60
     errors = [e["env/errors"] for e in trainer.state.log_history if "env/errors" in e]
     assert len(errors) == 3 and errors[-1] == 4.0  # 2 step faults + 1 timeout + 1 reset fault
-    assert dict(trainer._rollout_engine.errors) == {"step_error": 2, "timeout": 1, "reset_error": 1}
+    assert dict(trainer._multi_turn.engine.errors) == {"step_error": 2, "timeout": 1, "reset_error": 1}
     assert FaultyKeyDoorEnv.steps > 10
     # the 4 failed episodes train nothing (their model turns are masked) and count in no task's outcome
     untrained = sum(int(((b["completion_mask"] * b["tool_mask"]).sum(dim=1) == 0).sum()) for b in trainer.batches)

@@ -101,7 +101,9 @@ def test_normal_weighting_of_a_count_above_g_is_that_of_g():
     w = bucket_weights([48, 8, 4], 8, "normal")
     np.testing.assert_allclose(w, [math.exp(-8.0), math.exp(-8.0), 1.0], rtol=1e-12, atol=0)
     buckets = TaskBuckets.from_pairs([("a", 48), ("b", 50)])
-    assert sorted(draw_replay_tasks(buckets, 2, num_generations=8, weighting="normal", rng=np.random.default_rng(0))) == [0, 1]
+    assert sorted(
+        draw_replay_tasks(buckets, 2, num_generations=8, weighting="normal", rng=np.random.default_rng(0))
+    ) == [0, 1]
 
 
 def test_normal_weighting_draws_buckets_as_exgrpo_does():

@@ -31,7 +31,9 @@ def test_retired_groups_take_active_rows_not_in_the_batch():
     assert sorted(redirect) == [0, 2]
     assert sorted(redirect.values()) == [11, 12]  # the active rows whose task is not in the batch, each once
     assert redirect == redirect_retired_groups(keys, {"a"}, active_rows, active_keys, seed=[0, 5])  # seeded
-    draws = {tuple(redirect_retired_groups(keys, {"a"}, active_rows, active_keys, seed=[s]).items()) for s in range(20)}
+    draws = {
+        tuple(redirect_retired_groups(keys, {"a"}, active_rows, active_keys, seed=[s]).items()) for s in range(20)
+    }
     assert len(draws) == 2  # both orders of rows 11, 12 occur
 
 

@@ -33,6 +33,8 @@ OVERRIDDEN = {
     "save_model": ["self", "output_dir", "_internal_call"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
 }  # fmt: skip
+
+
 def test_the_overrides_are_exactly_the_pinned_ones():
     ours = [cls for cls in ExReplayGRPOTrainer.__mro__ if cls.__module__.startswith("trl_exreplay")]  # and mixins
     overridden = sorted(
@@ -50,16 +52,17 @@ def test_each_overridden_trl_method_has_the_pinned_signature(name):
     assert parameters == OVERRIDDEN[name], f"GRPOTrainer.{name} changed: {parameters}"
 
 
-def _self_attributes(classes) -> tuple[set[str], set[str]]:
-    """(read, assigned): the names of `self.<name>` loaded and stored in the methods of `classes`, from their source."""
+def _attributes(sources, name: str) -> tuple[set[str], set[str]]:
+    """(read, assigned): the attributes of the variable `name` (`self`, `trainer`) loaded and stored in `sources`
+    (classes or modules), from their source."""
     import ast
     import textwrap
 
     read, assigned = set(), set()
-    for cls in classes:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    for source in sources:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(source)))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == name:
                 (assigned if isinstance(node.ctx, ast.Store) else read).add(node.attr)
     return read, assigned
 
@@ -69,10 +72,17 @@ def test_every_trl_attribute_the_trainer_reads_exists(tmp_path):
     themselves must be an attribute of TRL's trainer (a TRL that renames one fails here)."""
     from helpers import make_trainer
 
+    import trl_exreplay.custom_rollouts
+    import trl_exreplay.multiturn
+    import trl_exreplay.selection
+
     ours = [cls for cls in ExReplayGRPOTrainer.__mro__ if cls.__module__.startswith("trl_exreplay")]
-    read, assigned = _self_attributes(ours)
+    read, assigned = _attributes(ours, "self")
     defined = assigned | {name for cls in ours for name in vars(cls)}
-    from_trl = read - defined
+    # The parts that are handed the trainer (as TRL hands it to a `rollout_func`) read TRL's attributes from it.
+    handed = (trl_exreplay.multiturn, trl_exreplay.selection, trl_exreplay.custom_rollouts)
+    read_by_parts, _ = _attributes(handed, "trainer")
+    from_trl = (read - defined) | {name for name in read_by_parts if name not in defined}
     trainer = make_trainer(tmp_path, max_steps=1)
     # Some exist only in a setting this run lacks (vLLM) or while `train()` runs: those TRL's or the Trainer's source
     # assigns.
@@ -84,7 +94,104 @@ def test_every_trl_attribute_the_trainer_reads_exists(tmp_path):
         name for name in from_trl if not hasattr(trainer, name) and not re.search(rf"self\.{name}\s*=", sources)
     )
     assert not missing, f"attributes read from TRL's trainer that it does not have: {missing}"
-    assert {"loss_type", "num_generations", "_metrics", "accelerator"} <= from_trl  # the scan sees them
+    assert {"loss_type", "num_generations", "_metrics", "accelerator", "model_wrapped", "_dist"} <= from_trl
+
+
+def test_the_constructor_takes_trls_parameters_as_trl_does():
+    """`ExReplayGRPOTrainer.__init__` names every `GRPOTrainer.__init__` parameter, in TRL's order, kind and default;
+    ours follow, keyword-only."""
+    trl = list(inspect.signature(GRPOTrainer.__init__).parameters.values())
+    ours = list(inspect.signature(ExReplayGRPOTrainer.__init__).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours[: len(trl)]] == [(p.name, p.kind, p.default) for p in trl]
+    extra = ours[len(trl) :]
+    assert [p.name for p in extra] == ["experience_pool", "text_env_factory", "experience_provider"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None for p in extra)
+
+
+LOSS_SETTINGS = {"luspo": {"importance_sampling_level": "sequence"}}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+def test_the_replayed_terms_reduction_is_trls_for_every_loss_type(tmp_path, loss_type):
+    """`loss.reduce_as_trl` against TRL's own `_compute_loss`: at advantage 0 and ratio 1, TRL's loss is its KL term
+    alone, `beta * KL` per token through TRL's normaliser; the same per-token values through ours must give the same
+    loss, in training (with gradient accumulation and several steps per generation) and in evaluation."""
+    import torch
+
+    from trl_exreplay.examples import VOCABULARY
+    from trl_exreplay.loss import reduce_as_trl
+    from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    build_tiny_model(tokenizer, seed=0).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    from helpers import make_trainer
+
+    beta, accumulation, per_generation = 0.25, 3, 2
+    trainer = make_trainer(
+        tmp_path, trainer_cls=GRPOTrainer, model=str(tmp_path / "model"), loss_type=loss_type, beta=beta,
+        gradient_accumulation_steps=accumulation, steps_per_generation=per_generation, per_device_train_batch_size=8,
+        **LOSS_SETTINGS.get(loss_type, {}),
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    rows, prompt_length, length = 8, 3, 5
+    vocabulary = len(tokenizer)
+    completion_mask = torch.ones(rows, length, dtype=torch.long)
+    completion_mask[torch.arange(rows), torch.randint(1, length, (rows,), generator=generator)] = 0
+    completion_mask = completion_mask.cumprod(dim=1)  # each row ends somewhere
+    inputs = {
+        "prompt_ids": torch.randint(0, vocabulary, (rows, prompt_length), generator=generator),
+        "prompt_mask": torch.ones(rows, prompt_length, dtype=torch.long),
+        "completion_ids": torch.randint(0, vocabulary, (rows, length), generator=generator),
+        "completion_mask": completion_mask,
+        "advantages": torch.zeros(rows),
+        "num_items_in_batch": completion_mask.sum() * 5,  # the generation batch's tokens: more than this micro-batch's
+    }
+    model = trainer.model
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+    with torch.no_grad():
+        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, attention, length)
+    inputs["ref_per_token_logps"] = logps + torch.randn(rows, length, generator=generator) * 0.3
+    difference = inputs["ref_per_token_logps"] - logps
+    per_token_kl = torch.exp(difference) - difference - 1
+    trainer.current_gradient_accumulation_steps = accumulation
+    for training in (True, False):
+        model.train(training)
+        with torch.no_grad():
+            trl_loss = GRPOTrainer._compute_loss(trainer, model, dict(inputs))
+        ours = reduce_as_trl(
+            beta * per_token_kl, completion_mask, loss_type=loss_type, training=training,
+            num_items_in_batch=inputs["num_items_in_batch"], num_processes=1, accumulation=accumulation,
+            steps_per_generation=per_generation, max_completion_length=trainer.max_completion_length,
+        )  # fmt: skip
+        torch.testing.assert_close(ours, trl_loss, rtol=1e-5, atol=1e-7)
+        assert trl_loss.abs() > 1e-4  # the comparison is not of two zeros
+
+
+class OldLogpsTrainer(ExReplayGRPOTrainer):
+    """Records, per generation batch, whether TRL computed old log-probs and whether the trainer expected it."""
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.seen = getattr(self, "seen", []) + [("old_per_token_logps" in output, self._trl_computes_old_logps())]
+        return output
+
+
+@pytest.mark.parametrize(
+    ("steps_per_generation", "accumulation", "iterations"), [(1, 1, 1), (2, 2, 1), (1, 2, 1), (2, 4, 1), (1, 1, 2)]
+)
+def test_the_old_logprobs_condition_is_trls(tmp_path, steps_per_generation, accumulation, iterations):
+    """`_trl_computes_old_logps` (which sets whether the generating policy's entropies come from TRL's old-log-probs
+    forward) says what TRL does: compared with the batch TRL returns, for aligned and misaligned schedules."""
+    from helpers import make_trainer
+
+    trainer = make_trainer(
+        tmp_path, trainer_cls=OldLogpsTrainer, max_steps=2, per_device_train_batch_size=8,
+        steps_per_generation=steps_per_generation, gradient_accumulation_steps=accumulation, num_iterations=iterations,
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.seen and all(computed == expected for computed, expected in trainer.seen), trainer.seen
 
 
 def test_the_supported_range_is_the_declared_pin_and_is_enforced():

@@ -258,7 +258,7 @@ def test_an_infinite_reward_is_a_counted_missing_reward_never_stored(tmp_path):
 
     trainer = make_trainer(tmp_path, reward_funcs=inf_for_one, max_steps=2, replay_start_ratio=1.0)
     trainer.train()
-    assert trainer._replay_counts["nonfinite_rewards"] >= 1
+    assert trainer._faults.totals["nonfinite_rewards"] >= 1
     stored = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.trajectories(task)]
     assert stored  # the other rows were stored as usual
     assert all(np.isfinite(t.reward) and np.isfinite(t.rewards).all() for t in stored)

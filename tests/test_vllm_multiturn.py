@@ -18,6 +18,7 @@ from helpers import TRAINER_DEFAULTS, ids
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 from trl_exreplay.envs import KeyDoorEnv
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
+from trl_exreplay.multiturn import MultiTurnRollouts
 from trl_exreplay.rollout import MultiTurnRollout
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -124,7 +125,7 @@ def record_batches(trainer) -> list[dict]:
 
 def record_episodes(trainer, engine: FakeVLLMGeneration) -> list[tuple[list, int]]:
     """Per rollout-engine run: (its episodes, the generate calls it made)."""
-    runs, run = [], trainer._rollout_engine.run
+    runs, run = [], trainer._multi_turn.engine.run
 
     def recording(tasks, generate, sync=None):
         before = len(engine.calls)
@@ -132,7 +133,7 @@ def record_episodes(trainer, engine: FakeVLLMGeneration) -> list[tuple[list, int
         runs.append((episodes, len(engine.calls) - before))
         return episodes
 
-    trainer._rollout_engine.run = recording
+    trainer._multi_turn.engine.run = recording
     return runs
 
 
@@ -232,7 +233,7 @@ def test_vllm_server_mode_and_tensor_parallelism_are_rejected(tmp_path, mode, te
     trainer.use_vllm, trainer.vllm_mode = True, mode
     trainer.vllm_tensor_parallel_size = trainer.args.vllm_tensor_parallel_size = tensor_parallel
     with pytest.raises(NotImplementedError, match="vllm_mode") as error:
-        trainer._setup_multi_turn(KeyDoorEnv)
+        MultiTurnRollouts.for_trainer(KeyDoorEnv, trainer, trainer.replay)
     message = str(error.value)
     assert "vllm_tensor_parallel_size" in message
     assert f"vllm_mode={mode!r}" in message and f"vllm_tensor_parallel_size={tensor_parallel}" in message
@@ -241,8 +242,7 @@ def test_vllm_server_mode_and_tensor_parallelism_are_rejected(tmp_path, mode, te
 def test_vllm_colocate_without_tensor_parallelism_is_accepted(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=1)
     trainer.use_vllm, trainer.vllm_mode = True, "colocate"
-    trainer._setup_multi_turn(KeyDoorEnv)
-    assert trainer.rollout_func == trainer._multi_turn_rollout
+    assert isinstance(MultiTurnRollouts.for_trainer(KeyDoorEnv, trainer, trainer.replay), MultiTurnRollouts)
 
 
 # ------------------------------------------------------------------------------------------ the rollout engine

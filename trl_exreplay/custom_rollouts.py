@@ -29,7 +29,9 @@ def replaying_rollout(rollout_func: Callable, trainer) -> Callable:
         if replayed is None:
             return rollout_func(prompts, rollout_trainer)
         fresh = [i for i in range(len(prompts)) if i not in replayed]
-        asked = [prompts[i] for i in fresh] + [prompts[0]] * trainer._padding_rows(len(fresh))
+        asked = [prompts[i] for i in fresh] + [prompts[0]] * trainer._replay.padding_rows(
+            step, len(fresh), trainer._vllm_equal_shares()
+        )
         output = rollout_func(asked, rollout_trainer) if asked else {key: [] for key in ROLLOUT_KEYS}
         if len(output.get("completion_ids") or []) != len(asked):
             raise ValueError(
@@ -39,7 +41,7 @@ def replaying_rollout(rollout_func: Callable, trainer) -> Callable:
                 "rollout_func that generates num_generations completions per unique prompt cannot replay: set "
                 "`enable_experience_replay=False`."
             )
-        return splice_replayed(output, len(prompts), fresh, replayed, trainer._fit_completion)
+        return splice_replayed(output, len(prompts), fresh, replayed, trainer._replay.fit_completion)
 
     return rollout
 

@@ -29,7 +29,7 @@ replayed rows with ``A < 0`` whose mean ``logp_mu - logp`` exceeds it, and a ``t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from trl import GRPOTrainer
@@ -101,11 +101,39 @@ def aggregate_loss(
     return masked_loss.sum() / normalizer
 
 
+def reduce_as_trl(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str,
+    training: bool,
+    num_items_in_batch: torch.Tensor | None = None,
+    num_processes: int = 1,
+    accumulation: int = 1,
+    steps_per_generation: int = 1,
+    max_completion_length: int | None = None,
+) -> torch.Tensor:
+    """The scalar TRL 1.16's `GRPOTrainer._compute_loss` makes of a ``(B, T)`` per-token loss of `loss_type` in one
+    micro-batch: `aggregate_loss` with TRL's normaliser, divided for gradient accumulation as TRL divides (`training`:
+    by `accumulation`, TRL's `current_gradient_accumulation_steps`; evaluation divides by nothing). The token-sum types
+    divide by the generation batch's token count (`num_items_in_batch`, summed over ranks) per process, per
+    micro-batch; the others divide their own reduction by `accumulation`. `tests/unit/test_loss.py` pins it to TRL's
+    loss for every loss type."""
+    accumulation = accumulation if training else 1
+    if loss_type in TOKEN_SUM_LOSS_TYPES:
+        normalizer = num_items_in_batch.clamp(min=1.0) / num_processes
+        if training:
+            normalizer = normalizer * accumulation / steps_per_generation
+        return aggregate_loss(per_token_loss, mask, loss_type=loss_type, loss_normalizer=normalizer)
+    term = aggregate_loss(per_token_loss, mask, loss_type=loss_type, max_completion_length=max_completion_length)
+    return term / accumulation
+
+
 @dataclass(frozen=True)
 class OffPolicyOptions:
     """Everything `off_policy_loss` reads of a run's configuration, under the config's own names: TRL's fields, which
     pick and parametrise the formula, and the `replay_*` fields of replayed tokens. `ExReplayGRPOTrainer` builds one
-    from its config (`_off_policy_options`)."""
+    with `from_config`."""
 
     loss_type: str = "dapo"  # TRL's; picks the registered formula
     importance_sampling_level: str = "token"  # TRL's: "token", or "sequence" (GSPO: one ratio per row)
@@ -122,6 +150,15 @@ class OffPolicyOptions:
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     off_policy_mask_threshold: float | None = None  # TRL's OPSM threshold; None: off
+
+    @classmethod
+    def from_config(cls, args, replay: dict, **trainer_values) -> OffPolicyOptions:
+        """The options of a run: TRL's config fields from `args`, ours from `replay` (`config.replay_options`, the
+        profile applied), and `trainer_values`, the fields TRL's trainer derives from its config (`loss_type`,
+        `importance_sampling_level`, `epsilon_low`, `off_policy_mask_threshold`)."""
+        ours = ("replay_clip_high", "replay_dual_clip_c", "replay_shaping", "replay_shaping_beta")
+        trl = [f.name for f in fields(cls) if f.name not in ours and f.name not in trainer_values]
+        return cls(**{n: getattr(args, n) for n in trl}, **{n: replay[n] for n in ours}, **trainer_values)
 
 
 # A formula: (ratio, advantages, per_token_logps, raw_log_ratio, replayed_f, options) -> (per-token loss, clipped

@@ -4,12 +4,15 @@ same values; the generation ones are computed from the global replay plan and th
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import numpy as np
 import torch
 
 from .planner import ReplayPlan
+
+logger = logging.getLogger(__name__)
 
 OFF_POLICY_SUMS = ("replayed_tokens", "loss_sum", "clipped_tokens", "ratio_sum", "logp_drift_sum")
 
@@ -52,3 +55,22 @@ def log_generation(
         metrics[f"replay/{name}"].append(value)
     for name, count in counts.items():
         metrics[f"replay/{name}"] = [float(count)]  # running totals
+
+
+class FaultCounts:
+    """A run's counted faults and mismatches (`totals`, logged as the running totals `replay/<kind>`), each kind
+    warned about once."""
+
+    def __init__(self):
+        self.totals: Counter = Counter()
+        self._warned: set[str] = set()
+
+    def count(self, kind: str, message: str, number: int = 1) -> None:
+        self.totals[kind] += number
+        self.warn_once(kind, "trl_exreplay: %s (counted in replay/%s; logged once).", message, kind)
+
+    def warn_once(self, key: str, message: str, *args) -> None:
+        """`logger.warning(message, *args)`, the first time `key` is given."""
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)

@@ -1,8 +1,10 @@
 """Multi-turn rollouts of `ExReplayGRPOTrainer`: its `text_env_factory` games played as TRL's `rollout_func`.
 
-`MultiTurnRollouts` is a mixin of the trainer (it reads the trainer's TRL state: accelerator, model, vLLM settings):
-fresh rows are played by `rollout.MultiTurnRollout` in lockstep over ranks (so sharded models' collective forwards stay
-aligned), replayed rows return their stored trajectories, and the environment's metrics are logged under ``env/``.
+`MultiTurnRollouts` plays a generation step's rows: fresh rows are played by `rollout.MultiTurnRollout` in lockstep
+over ranks (so sharded models' collective forwards stay aligned), replayed rows return their stored trajectories, and
+the environment's metrics are logged under ``env/``. Its model is TRL's: each call is given the `GRPOTrainer` whose
+policy plays (its accelerator, model, generation settings and vLLM engine, read when the call runs), as TRL gives it to
+a `rollout_func`; what replay and guidance add (the step, the stored completions' cut, the retrieval) is given too.
 """
 
 from __future__ import annotations
@@ -22,104 +24,107 @@ logger = logging.getLogger(__name__)
 
 
 class MultiTurnRollouts:
-    """The trainer's multi-turn methods (`text_env_factory`)."""
+    """The `text_env_factory` games of a run (`options`: the config's replay fields), played by the policy of the
+    `GRPOTrainer` each call is given. Build it with `for_trainer`, after TRL's `__init__`."""
 
-    def _setup_multi_turn(self, text_env_factory) -> None:
-        column = self.replay["task_id_column"]
-        names = getattr(self.train_dataset, "column_names", None)
+    def __init__(self, engine: MultiTurnRollout, options: dict, reward_funcs: list):
+        self.engine = engine
+        self.options = options
+        self._env_index = next((j for j, f in enumerate(reward_funcs) if f is env_reward), None)
+
+    @classmethod
+    def for_trainer(cls, text_env_factory, trainer, options: dict) -> MultiTurnRollouts:
+        """The games of `trainer` (a `GRPOTrainer` whose `__init__` ran), checked against its settings."""
+        column, args = options["task_id_column"], trainer.args
+        names = getattr(trainer.train_dataset, "column_names", None)
         if names is not None and column not in names:
             raise ValueError(
                 f"Multi-turn rollouts need a task id column: the train dataset has no `{column}` column "
                 f"(`task_id_column`; columns: {names}). Tasks without prompts cannot be told apart otherwise."
             )
-        if self.use_vllm:
-            check_multi_turn_vllm(self.vllm_mode, self.args.vllm_tensor_parallel_size)
-            if self.args.vllm_enable_sleep_mode:
+        if trainer.use_vllm:
+            check_multi_turn_vllm(trainer.vllm_mode, args.vllm_tensor_parallel_size)
+            if args.vllm_enable_sleep_mode:
                 logger.warning(
                     "trl_exreplay: vllm_enable_sleep_mode with multi-turn rollouts reloads vLLM's weights before every "
                     "turn (TRL's engine sleeps after each generate call); it is correct but slow."
                 )
-        if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:
+        if trainer._dist.is_zero3 and not args.ds3_gather_for_generation:
             # Not ours to fix: GRPOTrainer alone fails its first backward this way (TRL 1.16, DeepSpeed 0.19.8, CPU).
             raise ValueError("Multi-turn rollouts under ZeRO-3 need `ds3_gather_for_generation=True`.")
-        self._rollout_engine = MultiTurnRollout(
+        engine = MultiTurnRollout(
             text_env_factory,
-            self.processing_class,
-            max_turns=self.replay["max_turns"],
-            max_completion_length=self.max_completion_length,
-            max_tokens_per_turn=self.replay["max_tokens_per_turn"],
-            step_timeout=self.replay["env_step_timeout"],
-            workers=self.replay["env_workers"],
-            system_prompt_column=self.replay["system_prompt_column"],
-            chat_template_kwargs=self.chat_template_kwargs,
-            max_prompt_tokens=self._model_context(),
+            trainer.processing_class,
+            max_turns=options["max_turns"],
+            max_completion_length=trainer.max_completion_length,
+            max_tokens_per_turn=options["max_tokens_per_turn"],
+            step_timeout=options["env_step_timeout"],
+            workers=options["env_workers"],
+            system_prompt_column=options["system_prompt_column"],
+            chat_template_kwargs=trainer.chat_template_kwargs,
+            max_prompt_tokens=model_context(trainer.model, args if trainer.use_vllm else None),
         )
-        self.rollout_func = self._multi_turn_rollout
+        return cls(engine, options, trainer.reward_funcs)
 
-    def _model_context(self) -> int | None:
-        """Tokens the model can attend to (its `max_position_embeddings`, or vLLM's `vllm_max_model_length` when
-        smaller); None when the model does not say."""
-        contexts = [getattr(getattr(self.model, "config", None), "max_position_embeddings", None)]
-        if self.use_vllm:
-            contexts.append(self.args.vllm_max_model_length)
-        contexts = [c for c in contexts if isinstance(c, int) and c > 0]
-        return min(contexts) if contexts else None
+    def with_prompt(self, row: dict) -> dict:
+        """A copy of the row with a placeholder prompt (TRL requires one); the rollout replaces it in place with the
+        real one, the environment's first observation, which is what reward functions and logs then see."""
+        return {
+            **row,
+            "prompt": [{"role": "user", "content": f"task {task_key(row, self.options['task_id_column'])}"}],
+        }
 
-    def _with_prompt(self, row: dict) -> dict:
-        """Multi-turn: a copy of the row with a placeholder prompt (TRL requires one); the rollout replaces it in place
-        with the real one, the environment's first observation, which is what reward functions and logs then see."""
-        if self.text_env_factory is None:
-            return row
-        return {**row, "prompt": [{"role": "user", "content": f"task {task_key(row, self.replay['task_id_column'])}"}]}
-
-    def _multi_turn_rollout(self, prompts, trainer) -> dict:
-        """TRL `rollout_func`: episodes for the fresh rows, stored trajectories for the replayed ones."""
-        step = self._generation
+    def rollout(self, step, trainer, *, fit_completion, guidance=None) -> dict:
+        """TRL `rollout_func`'s output for `step` (a `GenerationStep`): episodes for the fresh rows, stored
+        trajectories (cut by `fit_completion`) for the replayed ones; `guidance` (a `GuidedRollouts`) retrieves for
+        the guided rows by their first observation. Collective: ranks play in lockstep where generation is."""
         rows = step.rows
         replayed = step.take_replay() or {}
         fresh = [i for i in range(len(rows)) if i not in replayed]
         # One gather context for all turns (entered and left once by every rank). Inside it, a forward of a sharded
         # model is still collective (ZeRO-3's start-of-forward hook; FSDP), so ranks agree on the number of turns
         # (`sync`) and a rank with nothing left to play generates a dummy row: every rank calls generate as often.
-        collective = generation_is_collective(self.accelerator, self._dist)
-        sync = functools.partial(any_rank_active, self.accelerator) if collective else None
+        accelerator = trainer.accelerator
+        collective = generation_is_collective(accelerator, trainer._dist)
+        sync = functools.partial(any_rank_active, accelerator) if collective else None
         tasks = [rows[i] for i in fresh]
         guide = None
         if step.guidance is not None:  # experience-guided rollouts: retrieved by the first observation
 
             def guide(j: int, observation: str) -> str | None:
-                self._guide_rows(step, step.offset, {fresh[j]: observation})
+                guidance.guide_rows(step, step.offset, {fresh[j]: observation})
                 return step.guided_text.get(fresh[j])
 
         guiding = {"guide": guide} if guide is not None else {}
-        if self.use_vllm:  # TRL synced vLLM's weights for this step before calling us
-            episodes = self._rollout_engine.run(tasks, self._generate_turn_vllm, sync, **guiding)
+        if trainer.use_vllm:  # TRL synced vLLM's weights for this step before calling us
+            generate = functools.partial(_generate_turn_vllm, trainer.vllm_generation)
+            episodes = self.engine.run(tasks, generate, sync, **guiding)
         else:
-            episodes = self._generate_episodes_hf(tasks, sync, guiding)
+            episodes = self._generate_episodes_hf(trainer, tasks, sync, guiding)
         by_row = dict(zip(fresh, episodes))
         step.faulted_rows = {i for i, episode in by_row.items() if episode.error is not None}
-        column = self.replay["task_id_column"]
+        column = self.options["task_id_column"]
         real_prompts = {}
         for i, episode in by_row.items():
-            system = episode.task.get(self.replay["system_prompt_column"])
+            system = episode.task.get(self.options["system_prompt_column"])
             messages = [{"role": "system", "content": system}] if system else []
             real_prompts[i] = messages + [{"role": "user", "content": episode.observation}]
             real_prompts.setdefault(task_key(rows[i], column), real_prompts[i])
         for i, row in enumerate(rows):  # in place: the very lists TRL hands to reward functions and logs
             row["prompt"][:] = real_prompts.get(i, real_prompts.get(task_key(row, column), row["prompt"]))
-        env_index = next((j for j, f in enumerate(self.reward_funcs) if f is env_reward), None)
         # vLLM's sampling log-probs feed TRL's importance-sampling correction; tokens without one (environment
         # tokens, replayed rows: their correction is our off-policy loss) get None, i.e. no correction.
         output = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "env_reward": []}
         for i in range(len(rows)):
             if i in replayed:
                 trajectory = replayed[i]
-                completion = self._fit_completion(trajectory.completion_ids)
+                completion = fit_completion(trajectory.completion_ids)
                 output["prompt_ids"].append(trajectory.prompt_ids)
                 output["completion_ids"].append(completion)
                 output["env_mask"].append(trajectory.completion_mask[: len(completion)])
                 output["logprobs"].append([None] * len(completion))
                 recorded = trajectory.rewards
+                env_index = self._env_index
                 has_env_reward = env_index is not None and env_index < len(recorded)
                 output["env_reward"].append(recorded[env_index] if has_env_reward else trajectory.reward)
             else:
@@ -134,58 +139,37 @@ class MultiTurnRollouts:
                 output["env_mask"].append(episode.env_mask)
                 output["logprobs"].append(episode.logprobs)
                 output["env_reward"].append(episode.reward)
-        if not self.use_vllm:
+        if not trainer.use_vllm:
             output["logprobs"] = None  # TRL computes the behaviour log-probs itself
-        self._log_env_metrics(episodes)
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+        self._log_env_metrics(episodes, accelerator, metrics)
         return output
 
-    def _generate_episodes_hf(self, tasks: list[dict], sync, guiding: dict | None = None) -> list:
+    def _generate_episodes_hf(self, trainer, tasks: list[dict], sync, guiding: dict) -> list:
         """Episodes generated by the training model itself (transformers `generate`)."""
+        args, model = trainer.args, trainer.model_wrapped
         with (
             unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                generation_kwargs=self.generation_kwargs,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+                model,
+                trainer.accelerator,
+                gather_deepspeed3_params=args.ds3_gather_for_generation,
+                generation_kwargs=trainer.generation_kwargs,
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
             ) as unwrapped_model,
             torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+            trainer._dist.summon_full_params(model, recurse=False),
         ):
-            episodes = self._rollout_engine.run(
-                tasks, lambda contexts, n: self._generate_turn(unwrapped_model, contexts, n), sync, **(guiding or {})
-            )
-        return episodes
+            generate = functools.partial(
+                generate_batch,
+                unwrapped_model,
+                pad_token_id=trainer.processing_class.pad_token_id,
+                eos_token_ids=trainer.eos_token_ids,
+                generation_config=trainer.generation_config,
+            )  # one batched generation over the active episodes; each result stops after its first eos
+            return self.engine.run(tasks, generate, sync, **guiding)
 
-    def _generate_turn_vllm(self, contexts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:
-        """One turn through TRL's colocated vLLM engine (its weights were synced for this step by TRL)."""
-        if not contexts:
-            return [], []
-        engine = self.vllm_generation
-        # TRL's engine reads its token limit on every call; a turn has its own.
-        limit, engine.max_completion_length = engine.max_completion_length, max_new_tokens
-        try:
-            _, completion_ids, logprobs, _ = engine.generate([list(c) for c in contexts], None, num_generations=1)
-        finally:
-            engine.max_completion_length = limit
-        # one log-prob per token: TRL asks vLLM for the sampled token's only (`logprobs=0`), first in each list
-        logprobs = [[lp[0] if lp else None for lp in row] for row in logprobs]
-        return [list(ids)[:max_new_tokens] for ids in completion_ids], [row[:max_new_tokens] for row in logprobs]
-
-    def _generate_turn(self, model, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """One batched generation over the active episodes; each result stops after its first eos."""
-        return generate_batch(
-            model,
-            contexts,
-            max_new_tokens,
-            pad_token_id=self.processing_class.pad_token_id,
-            eos_token_ids=self.eos_token_ids,
-            generation_config=self.generation_config,
-        )
-
-    def _log_env_metrics(self, episodes) -> None:
-        mode = "train" if self.model.training else "eval"
-        threshold = self.replay["replay_success_threshold"]
+    def _log_env_metrics(self, episodes, accelerator, metrics) -> None:
+        threshold = self.options["replay_success_threshold"]
         steps = [s for e in episodes for s in e.step_seconds]
         local = torch.tensor(
             [
@@ -196,15 +180,14 @@ class MultiTurnRollouts:
                 sum(e.invalid_actions for e in episodes),
                 sum(steps),
                 len(steps),
-                sum(self._rollout_engine.errors.values()),
-                self._rollout_engine.errors["nonfinite_reward"],
+                sum(self.engine.errors.values()),
+                self.engine.errors["nonfinite_reward"],
             ],
             dtype=torch.float64,
-            device=self.accelerator.device,
+            device=accelerator.device,
         )
-        totals = self.accelerator.gather(local.view(1, -1)).view(-1, local.numel()).sum(dim=0).tolist()
+        totals = accelerator.gather(local.view(1, -1)).view(-1, local.numel()).sum(dim=0).tolist()
         count, turns, wins, truncated, invalid, seconds, num_steps, errors, nonfinite = totals
-        metrics = self._metrics[mode]
         if count > 0:
             metrics["env/turns_mean"].append(turns / count)
             metrics["env/success_rate"].append(wins / count)
@@ -214,6 +197,31 @@ class MultiTurnRollouts:
             metrics["env/step_seconds"].append(seconds / num_steps)
         metrics["env/errors"] = [errors]  # a running total: the latest value, not a mean over the logging window
         metrics["env/nonfinite_rewards"] = [nonfinite]  # among the errors, also a running total
+
+
+def _generate_turn_vllm(engine, contexts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:
+    """One turn through TRL's colocated vLLM engine (its weights were synced for this step by TRL)."""
+    if not contexts:
+        return [], []
+    # TRL's engine reads its token limit on every call; a turn has its own.
+    limit, engine.max_completion_length = engine.max_completion_length, max_new_tokens
+    try:
+        _, completion_ids, logprobs, _ = engine.generate([list(c) for c in contexts], None, num_generations=1)
+    finally:
+        engine.max_completion_length = limit
+    # one log-prob per token: TRL asks vLLM for the sampled token's only (`logprobs=0`), first in each list
+    logprobs = [[lp[0] if lp else None for lp in row] for row in logprobs]
+    return [list(ids)[:max_new_tokens] for ids in completion_ids], [row[:max_new_tokens] for row in logprobs]
+
+
+def model_context(model, vllm_args=None) -> int | None:
+    """Tokens the model can attend to (its `max_position_embeddings`, or vLLM's `vllm_max_model_length` of
+    `vllm_args` when smaller); None when the model does not say."""
+    contexts = [getattr(getattr(model, "config", None), "max_position_embeddings", None)]
+    if vllm_args is not None:
+        contexts.append(vllm_args.vllm_max_model_length)
+    contexts = [c for c in contexts if isinstance(c, int) and c > 0]
+    return min(contexts) if contexts else None
 
 
 def check_multi_turn_vllm(

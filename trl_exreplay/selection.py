@@ -1,11 +1,12 @@
 """Which stored trajectories a replayed group gets: the pool's choice on its index (by saved entropy, or at random),
 or, with `replay_select_by_current_entropy`, the lowest entropy under the current policy, scored by one no-grad forward
-sharded over ranks. A mixin of `ExReplayGRPOTrainer` (it needs the model and the accelerator).
+sharded over ranks (`policy_forward`, the trainer's `_policy_forward`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -15,70 +16,73 @@ from .planner import ReplayPlan
 from .pool import Trajectory
 
 
-class ReplaySelection:
-    """The trajectories chosen for a step's replay plan (identical on every rank)."""
+def select_trajectories(
+    pool, plan: ReplayPlan, options: dict, step: int, seed, accelerator, policy_forward: Callable
+) -> dict[str, list[Trajectory]]:
+    """The trajectories of each task `plan` replays (identical on every rank). Collective when entropies under the
+    current policy are scored."""
+    k, age, window = plan.num_replayed, options["replay_max_policy_age"], options["replay_window"]
+    rng = np.random.default_rng([*seed, 1])
+    if not options["replay_select_by_current_entropy"] or options["replay_select_mode"] == "random":
+        # By saved entropy (or at random): chosen on the pool's index; only the chosen trajectories are read.
+        return pool.choose(list(plan.replay_groups.values()), k, step, age, window, rng)
+    # By entropy under the current policy: every candidate of a task with more than k is scored.
+    candidates = {t: pool.candidates(t, step, age, window) for t in plan.replay_groups.values()}
+    entropies: dict[str, list[float]] = {}
+    ranked = [t for t in candidates if len(candidates[t]) > k]
+    flat = [trajectory for t in ranked for trajectory in candidates[t]]
+    values = current_policy_entropies(flat, accelerator, policy_forward)
+    start = 0
+    for t in ranked:
+        entropies[t] = values[start : start + len(candidates[t])]
+        start += len(candidates[t])
+    return {t: pool.select(c, k, entropies.get(t), rng) for t, c in candidates.items()}
 
-    def _select_trajectories(self, plan: ReplayPlan, step: int, seed=None) -> dict[str, list[Trajectory]]:
-        k, age, window = plan.num_replayed, self.replay["replay_max_policy_age"], self.replay["replay_window"]
-        mode = self.replay["replay_select_mode"]
-        rng = np.random.default_rng([*(seed or [self.args.seed, step]), 1])
-        if not self.replay["replay_select_by_current_entropy"] or mode == "random":
-            # By saved entropy (or at random): chosen on the pool's index; only the chosen trajectories are read.
-            return self.pool.choose(list(plan.replay_groups.values()), k, step, age, window, rng)
-        # By entropy under the current policy: every candidate of a task with more than k is scored.
-        candidates = {t: self.pool.candidates(t, step, age, window) for t in plan.replay_groups.values()}
-        entropies: dict[str, list[float]] = {}
-        ranked = [t for t in candidates if len(candidates[t]) > k]
-        flat = [trajectory for t in ranked for trajectory in candidates[t]]
-        values = self._current_policy_entropies(flat)
-        start = 0
-        for t in ranked:
-            entropies[t] = values[start : start + len(candidates[t])]
-            start += len(candidates[t])
-        return {t: self.pool.select(c, k, entropies.get(t), rng) for t, c in candidates.items()}
 
-    @torch.no_grad()
-    def _current_policy_entropies(self, trajectories: list[Trajectory]) -> list[float]:
-        """Mean entropy of each trajectory's model tokens under the current policy.
+@torch.no_grad()
+def current_policy_entropies(trajectories: list[Trajectory], accelerator, policy_forward: Callable) -> list[float]:
+    """Mean entropy of each trajectory's model tokens under the current policy.
 
-        Sharded over processes (rank r scores trajectories r, r+W, ...), every rank making the same number of forward
-        calls (short shards are padded), then gathered, so all ranks see identical values and ZeRO-3 cannot deadlock.
-        """
-        total = len(trajectories)
-        if total == 0:
-            return []
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        per_rank = math.ceil(total / world)
-        mine = [trajectories[i] for i in range(rank, total, world)]
-        mine += [trajectories[0]] * (per_rank - len(mine))
-        _, entropies, model_mask = self._policy_forward(
-            [t.prompt_ids for t in mine], [t.completion_ids for t in mine], [t.completion_mask for t in mine], True
-        )
-        means = (entropies * model_mask).sum(-1) / model_mask.sum(-1).clamp(min=1)
-        gathered = self.accelerator.gather(means.float()).view(world, per_rank).cpu()
-        return [float(gathered[i % world, i // world]) for i in range(total)]
+    Sharded over processes (rank r scores trajectories r, r+W, ...), every rank making the same number of forward
+    calls (short shards are padded), then gathered, so all ranks see identical values and ZeRO-3 cannot deadlock.
+    """
+    total = len(trajectories)
+    if total == 0:
+        return []
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per_rank = math.ceil(total / world)
+    mine = [trajectories[i] for i in range(rank, total, world)]
+    mine += [trajectories[0]] * (per_rank - len(mine))
+    _, entropies, model_mask = policy_forward(
+        [t.prompt_ids for t in mine], [t.completion_ids for t in mine], [t.completion_mask for t in mine], True
+    )
+    means = (entropies * model_mask).sum(-1) / model_mask.sum(-1).clamp(min=1)
+    gathered = accelerator.gather(means.float()).view(world, per_rank).cpu()
+    return [float(gathered[i % world, i // world]) for i in range(total)]
 
-    @torch.no_grad()
-    def _policy_forward(self, prompts: list, completions: list, model_masks: list, compute_entropy: bool = False):
-        """One no-grad forward of the current policy over (prompt, completion) token lists, batched as TRL batches its
-        own: per-token log-probs and entropies (None unless `compute_entropy`) over the completions, (rows, tokens),
-        and the model-token mask padded alike. Every process must make the same number of calls (ZeRO-3, FSDP)."""
-        device = self.accelerator.device
-        pad_id = self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id") else 0
-        prompts = [torch.tensor(list(p), dtype=torch.long) for p in prompts]
-        completions = [torch.tensor(list(c), dtype=torch.long) for c in completions]
-        prompt_ids = pad(prompts, padding_value=pad_id, padding_side="left").to(device)
-        prompt_mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device)
-        completion_ids = pad(completions, padding_value=pad_id, padding_side="right").to(device)
-        completion_mask = pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right")
-        model_mask = pad([torch.tensor(list(m)) for m in model_masks], padding_value=0, padding_side="right")
-        model_mask = (model_mask * completion_mask).to(device)
-        logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            self.model,
-            torch.cat([prompt_ids, completion_ids], dim=1),
-            torch.cat([prompt_mask, completion_mask.to(device)], dim=1),
-            completion_ids.size(1),
-            batch_size=self.args.per_device_train_batch_size,
-            compute_entropy=compute_entropy,
-        )
-        return logps, entropies, model_mask
+
+@torch.no_grad()
+def policy_forward(trainer, prompts: list, completions: list, model_masks: list, compute_entropy: bool = False):
+    """One no-grad forward of `trainer`'s current policy over (prompt, completion) token lists, batched as TRL batches
+    its own (`_get_per_token_logps_and_entropies`): per-token log-probs and entropies (None unless `compute_entropy`)
+    over the completions, (rows, tokens), and the model-token mask padded alike. Every process must make the same
+    number of calls (ZeRO-3, FSDP)."""
+    device = trainer.accelerator.device
+    pad_id = getattr(trainer.processing_class, "pad_token_id", 0)
+    prompts = [torch.tensor(list(p), dtype=torch.long) for p in prompts]
+    completions = [torch.tensor(list(c), dtype=torch.long) for c in completions]
+    prompt_ids = pad(prompts, padding_value=pad_id, padding_side="left").to(device)
+    prompt_mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device)
+    completion_ids = pad(completions, padding_value=pad_id, padding_side="right").to(device)
+    completion_mask = pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right")
+    model_mask = pad([torch.tensor(list(m)) for m in model_masks], padding_value=0, padding_side="right")
+    model_mask = (model_mask * completion_mask).to(device)
+    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model,
+        torch.cat([prompt_ids, completion_ids], dim=1),
+        torch.cat([prompt_mask, completion_mask.to(device)], dim=1),
+        completion_ids.size(1),
+        batch_size=trainer.args.per_device_train_batch_size,
+        compute_entropy=compute_entropy,
+    )
+    return logps, entropies, model_mask

@@ -25,7 +25,7 @@ import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import trl_exreplay.trainer as trainer_module  # noqa: E402
+import trl_exreplay.replay as replay_module  # noqa: E402
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer  # noqa: E402
 from trl_exreplay.distributed import exit_distributed  # noqa: E402
 from trl_exreplay.envs import KeyDoorEnv  # noqa: E402
@@ -37,7 +37,7 @@ out_dir, options = sys.argv[1], sys.argv[2:]
 multi_turn = "multi-turn" in options
 resume_from = next((option.split("=", 1)[1] for option in options if option.startswith("resume=")), None)
 plans, plan_steps, plan_due = [], [], []
-original_plan_replay = trainer_module.plan_replay
+original_plan_replay = replay_module.plan_replay
 
 
 def recording_plan_replay(*args, **kwargs):
@@ -48,12 +48,12 @@ def recording_plan_replay(*args, **kwargs):
     return plan
 
 
-trainer_module.plan_replay = recording_plan_replay
+replay_module.plan_replay = recording_plan_replay
 
 # `guided`: experience-guided rollouts on top of replay; every allocation each rank draws is recorded
 allocations = []
 if "guided" in options:
-    import trl_exreplay.trainer_guidance as guidance_module
+    import trl_exreplay.guided_rollouts as guidance_module
 
     original_allocate = guidance_module.allocate_guidance
 
@@ -93,14 +93,14 @@ class CountingTrainer(ExReplayGRPOTrainer):
 
         model.generate = counting_generate
         if multi_turn:
-            run = self._rollout_engine.run
+            run = self._multi_turn.engine.run
 
             def recording_run(tasks, generate, sync=None):
                 episodes_played = run(tasks, generate, sync)
                 episodes.append([len(e.completion_ids) for e in episodes_played])
                 return episodes_played
 
-            self._rollout_engine.run = recording_run
+            self._multi_turn.engine.run = recording_run
 
 
 TRL_OPTIONS = dict(loss_type="cispo", top_entropy_quantile=0.5, entropy_coef=0.01, off_policy_mask_threshold=0.5)
@@ -178,13 +178,15 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             "episode_lengths": episodes,
             "env_errors": [e["env/errors"] for e in trainer.state.log_history if "env/errors" in e],
             "allocations": allocations,
-            "schedule": [trainer._schedule.started_at],
+            "schedule": [trainer._replay.schedule.started_at],
             "redirected_groups": [
                 e["replay/redirected_groups"] for e in trainer.state.log_history if "replay/redirected_groups" in e
             ],
-            "retired_tasks": [e["replay/retired_tasks"] for e in trainer.state.log_history if "replay/retired_tasks" in e],
+            "retired_tasks": [
+                e["replay/retired_tasks"] for e in trainer.state.log_history if "replay/retired_tasks" in e
+            ],
             "skip_set": trainer.pool.skip_set,
-            "experience": [r.as_dict() for r in trainer._experience.records()] if trainer._guidance_on else [],
+            "experience": [r.as_dict() for r in trainer._guidance.experience.records()] if trainer._guidance else [],
             "guided_fraction": [
                 e["guide/guided_fraction"] for e in trainer.state.log_history if "guide/guided_fraction" in e
             ],

@@ -1,5 +1,6 @@
-"""The trainer's experience-guided rollouts (AgentEvolver's Self-Navigating, seed 003). A mixin of
-`ExReplayGRPOTrainer`; the pure parts live in `trl_exreplay.guidance` (allocation, template, providers, summariser).
+"""The trainer's experience-guided rollouts (AgentEvolver's Self-Navigating, seed 003): `GuidedRollouts`, an object
+`ExReplayGRPOTrainer`'s hooks call, given what it needs (settings and functions at construction, the step's figures in
+each call). The pure parts live in `trl_exreplay.guidance` (allocation, template, providers, summariser).
 
 In a generation step: the allocation (`guidance.allocation`, drawn on global rows, identical on every process) says
 which fresh rows are guided and which tasks keep the guidance; a guided row's task text retrieves records from the
@@ -56,43 +57,66 @@ def make_provider(options: dict) -> ExperienceProvider:
     return OfflineExperienceProvider()
 
 
-class ExperienceGuidance:
-    """`self._experience` (the provider, None when the feature is off) and `self._summarizer`."""
+def guided_rollouts(options: dict, provider: ExperienceProvider | None, **kwargs) -> GuidedRollouts | None:
+    """The run's `GuidedRollouts`, or None when neither training nor evaluation is guided (`train_rollout_expmode`,
+    `val_rollout_expmode`); `kwargs` go to `GuidedRollouts`."""
+    if options["train_rollout_expmode"] == options["val_rollout_expmode"] == "woexp":
+        if provider is not None:
+            warnings.warn(
+                "An experience_provider was given but train_rollout_expmode and val_rollout_expmode are 'woexp': "
+                "no rollout is guided, so it is not used.",
+                stacklevel=3,
+            )
+        return None
+    return GuidedRollouts(options, provider, **kwargs)
 
-    def _setup_guidance(self, provider: ExperienceProvider | None, user_rollout_func: bool) -> None:
-        o = self.replay
-        self._guide_train = o["train_rollout_expmode"] != "woexp"
-        self._guide_eval = o["val_rollout_expmode"] != "woexp"
-        self._guidance_on = self._guide_train or self._guide_eval
-        self._experience: ExperienceProvider | None = None
-        self._summarizer: BackgroundSummarizer | None = None
-        if not self._guidance_on:
-            if provider is not None:
-                warnings.warn(
-                    "An experience_provider was given but train_rollout_expmode and val_rollout_expmode are 'woexp': "
-                    "no rollout is guided, so it is not used.",
-                    stacklevel=3,
-                )
-            return
-        unsupported = {
-            "tools or environment_factory (TRL's tool loop)": bool(self.tools)
-            or self.environment_factories is not None,
-            "a custom rollout_func": user_rollout_func,
-            "vision-language models": self._is_vlm,
-        }
+
+class GuidedRollouts:
+    """Experience-guided rollouts of a run: the provider (`experience`), the summariser, and per step the allocation,
+    the retrieved texts, the discarded rows' behaviour log-probs, the `guide/*` metrics and the summary inputs.
+
+    `unsupported` names the run's features guidance cannot take (a True value refuses); `policy_forward` is a no-grad
+    forward of the current policy (`selection.policy_forward`); `faults` the run's `FaultCounts`."""
+
+    def __init__(
+        self,
+        options: dict,
+        provider: ExperienceProvider | None,
+        *,
+        accelerator,
+        processing_class,
+        num_generations: int,
+        num_generations_eval: int,
+        seed: int,
+        multi_turn: bool,
+        policy_forward,
+        faults,
+        unsupported: dict[str, bool],
+    ):
+        o = self.options = options
+        self.train = o["train_rollout_expmode"] != "woexp"
+        self.eval = o["val_rollout_expmode"] != "woexp"
+        self._accelerator = accelerator
+        self._processing_class = processing_class
+        self._num_generations = num_generations
+        self._num_generations_eval = num_generations_eval
+        self._seed = seed
+        self._multi_turn = multi_turn
+        self._policy_forward = policy_forward
+        self._faults = faults
         for what, present in unsupported.items():
             if present:
                 raise NotImplementedError(
                     f"Experience-guided rollouts with {what} are not supported yet; set train_rollout_expmode and "
                     "val_rollout_expmode to 'woexp'."
                 )
-        self._experience = provider if provider is not None else make_provider(o)
+        self.experience = provider if provider is not None else make_provider(o)
         # The main process alone summarises (once, not once per process: a summary may come from a model, and differ
         # between calls); an in-process store then gets its records broadcast to every process at the same step.
-        self._summarizes = self.accelerator.is_main_process
-        self._summarizer = BackgroundSummarizer(self._experience)
+        self._summarizes = accelerator.is_main_process
+        self.summarizer = BackgroundSummarizer(self.experience)
         can_grow = o["experience_update_freq"] > 0 or o["init_experience_before_training"]
-        if not can_grow and not self._experience.records() and not getattr(self._experience, "shared", False):
+        if not can_grow and not self.experience.records() and not getattr(self.experience, "shared", False):
             logger.warning(
                 "trl_exreplay: experience-guided rollouts are on, but experience_update_freq=0 and "
                 "init_experience_before_training=False leave the experience store empty: no rollout will be guided "
@@ -102,45 +126,44 @@ class ExperienceGuidance:
         self._eval_batches = 0  # evaluation batches drawn so far (every rank makes as many)
         self._last_update_step: int | None = None
         self._experience_started = False
-        self._experience_template = o["experience_template"]
         self._token_strings: list[str] | None = None  # what retrieved text may not spell (`_bounded`)
 
     # ------------------------------------------------------------------------------------------- each step
-    def _experience_step_begin(self) -> None:
+    def step_begin(self, global_step: int, pool) -> None:
         """At a step boundary: the main process collects a finished summarisation (never waiting for one), and every
         process adds its records at this same step; every `experience_update_freq` steps the main process hands the
         backlog to the background thread. Collective (one broadcast) for an in-process store."""
-        init, freq = self.replay["init_experience_before_training"], self.replay["experience_update_freq"]
+        init, freq = self.options["init_experience_before_training"], self.options["experience_update_freq"]
         if not init and not freq:  # nothing is ever summarised: no collective to make (the config is every rank's)
             return
-        step = self.state.global_step
+        step = global_step
         records = []
         if not self._experience_started:
             self._experience_started = True
             if init and step == 0:
-                records += self._init_experience()
+                records += self._init_experience(pool)
         if self._summarizes:
-            records += self._summarizer.collect()  # [] while the job runs
-        if not getattr(self._experience, "shared", False) and self.accelerator.num_processes > 1:
+            records += self.summarizer.collect()  # [] while the job runs
+        if not getattr(self.experience, "shared", False) and self._accelerator.num_processes > 1:
             records = broadcast_object_list([records], from_process=0)[0]
         if records:
-            self._experience.add(records)
+            self.experience.add(records)
         last = self._last_update_step
         if freq and (last is None or step - last >= freq):
             self._last_update_step = step
             if self._summarizes:
-                self._summarizer.submit()
+                self.summarizer.submit()
 
-    def _init_experience(self) -> list:
+    def _init_experience(self, pool) -> list:
         """`init_experience_before_training`, on the main process: the starting pool's trajectories summarised now
         (before the first step) by an in-process provider, whose records it returns; a service gets them in the
         background (a long request must not hold the other processes at a collective)."""
         if not self._summarizes:
             return []
         inputs = []
-        for task_id in self.pool.stored_tasks():
-            row = self.pool.task_row(task_id) or {}
-            for t in self.pool.trajectories(task_id):
+        for task_id in pool.stored_tasks():
+            row = pool.task_row(task_id) or {}
+            for t in pool.trajectories(task_id):
                 query = self._pool_task_text(row, t)
                 inputs.append(
                     self._summary_input(
@@ -150,39 +173,57 @@ class ExperienceGuidance:
         logger.info("trl_exreplay: experience initialised from %d pool trajectories.", len(inputs))
         if not inputs:
             return []
-        if getattr(self._experience, "shared", False):
-            self._summarizer.offer(inputs)
-            self._summarizer.submit()
+        if getattr(self.experience, "shared", False):
+            self.summarizer.offer(inputs)
+            self.summarizer.submit()
             return []
         try:
-            return list(self._experience.summarize(inputs))
+            return list(self.experience.summarize(inputs))
         except Exception as error:  # noqa: BLE001 - a failing provider is counted; training goes on unguided
-            self._summarizer.failures += 1
-            self._summarizer.offer(inputs)
+            self.summarizer.failures += 1
+            self.summarizer.offer(inputs)
             logger.warning("trl_exreplay: summarising the starting pool failed (%r); offered again later.", error)
             return []
 
     def _pool_task_text(self, row: dict, trajectory) -> str:
         prompt = row.get("prompt")
-        if self.text_env_factory is None and prompt:
+        if not self._multi_turn and prompt:
             try:
                 return task_text(prompt)
             except (ValueError, TypeError, KeyError):
                 pass
         # a multi-turn task's text is its first observation, which only the stored prompt's tokens hold
-        return self.processing_class.decode(trajectory.prompt_ids, skip_special_tokens=True)
+        return self._processing_class.decode(trajectory.prompt_ids, skip_special_tokens=True)
+
+    def guide_training(self, step) -> None:
+        """Which rows of a training batch are guided (drawn on global rows, never on replayed ones), and, single-turn,
+        their experience (multi-turn rows retrieve once their first observation is known)."""
+        replayed_rows = [r for r in range(len(step.row_tasks)) if step.plan.is_replayed(r)]  # the plan is global
+        step.guidance = self._allocate(len(step.row_tasks), step.seed, replayed_rows)
+        if not self._multi_turn:
+            self.guide_rows(step, step.offset, self._row_queries(step.rows))
+
+    def guide_evaluation(self, step, global_step: int) -> None:
+        """The same for an evaluation batch: drawn on the global batch (a group may span ranks), seeded by the step
+        and the batch's number."""
+        seed = [self._seed, global_step, self._eval_batches, 1]
+        self._eval_batches += 1
+        step.offset = self._accelerator.process_index * len(step.rows)
+        step.guidance = self._allocate(len(step.rows) * self._accelerator.num_processes, seed, training=False)
+        if not self._multi_turn:
+            self.guide_rows(step, step.offset, self._row_queries(step.rows))
 
     def _allocate(self, num_rows: int, seed: list[int], replayed_rows=(), training: bool = True):
         """The allocation of a batch of `num_rows` rows (groups of num_generations consecutive rows)."""
-        o = self.replay
+        o = self.options
         if training:
             generations, mode, sample_mode = (
-                self.num_generations,
+                self._num_generations,
                 o["train_rollout_expmode"],
                 o["train_sample_expmode"],
             )
         else:  # evaluation trains nothing: a guided row keeps its guidance
-            generations, mode, sample_mode = self.num_generations_eval, o["val_rollout_expmode"], "allkeep"
+            generations, mode, sample_mode = self._num_generations_eval, o["val_rollout_expmode"], "allkeep"
         if mode == "woexp":
             return None
         return allocate_guidance(
@@ -204,23 +245,22 @@ class ExperienceGuidance:
             return step.retrieved[query]
         result: tuple[str | None, int] = (None, 0)
         if not step.retrieval_down:
-            k = self.replay["retrieve_top_k"]
+            k = self.options["retrieve_top_k"]
             try:
-                contents = self._experience.retrieve(query, k)
+                contents = self.experience.retrieve(query, k)
                 if not isinstance(contents, (list, tuple)):
                     raise TypeError(f"retrieve() returned {type(contents).__name__}, not a list of strings")
                 contents = [c for c in contents if isinstance(c, str) and c.strip()][:k]
                 for text in contents:
                     text.encode("utf-8")  # a lone surrogate cannot be tokenized: the provider failed
                 if contents:
-                    result = (format_experience(self._experience_template, [self._bounded(contents)]), len(contents))
+                    template = self.options["experience_template"]
+                    result = (format_experience(template, [self._bounded(contents)]), len(contents))
             except Exception as error:  # noqa: BLE001 - a failing provider is counted; the rollout goes unguided
                 step.retrieval_down = True
                 self._guide_counts["retrieve_failures"] += 1
-                if "retrieve" not in self._warned:
-                    self._warned.add("retrieve")
-                    message = "trl_exreplay: experience retrieval failed (%r); the step goes unguided (counted in %s)."
-                    logger.warning(message, error, "guide/retrieve_failures; logged once")
+                message = "trl_exreplay: experience retrieval failed (%r); the step goes unguided (counted in %s)."
+                self._faults.warn_once("retrieve", message, error, "guide/retrieve_failures; logged once")
         step.retrieved[query] = result
         return result
 
@@ -228,14 +268,14 @@ class ExperienceGuidance:
         """Retrieved records joined as the template receives them, made safe: no spelling of a special or added token
         (it would forge a chat turn or an end of sequence in the trained prompt), at most `experience_max_tokens`."""
         if self._token_strings is None:  # the tokenizer's added tokens do not change during a run
-            self._token_strings = added_token_strings(self.processing_class)
+            self._token_strings = added_token_strings(self._processing_class)
         text, removed = remove_token_strings("\n".join(contents), self._token_strings)
-        text, cut = token_prefix(text, self.processing_class, self.replay["experience_max_tokens"])
+        text, cut = token_prefix(text, self._processing_class, self.options["experience_max_tokens"])
         self._guide_counts["special_tokens_removed"] += removed
         self._guide_counts["experience_truncated"] += int(cut)
         return text
 
-    def _guide_rows(self, step, offset: int, queries: dict[int, str | None]) -> None:
+    def guide_rows(self, step, offset: int, queries: dict[int, str | None]) -> None:
         """Retrieve for this rank's allocated rows (local row -> task text, None: the row cannot be guided) and keep
         the texts in `step`."""
         for i, query in queries.items():
@@ -258,40 +298,38 @@ class ExperienceGuidance:
                 queries[i] = task_text(row["prompt"])
             except (ValueError, TypeError, KeyError):
                 queries[i] = None
-                if "no_user_text" not in self._warned:
-                    self._warned.add("no_user_text")
-                    logger.warning("trl_exreplay: a prompt without a text user message goes unguided (logged once).")
+                message = "trl_exreplay: a prompt without a text user message goes unguided (logged once)."
+                self._faults.warn_once("no_user_text", message)
         return queries
 
-    def _take_step_counts(self) -> list[int]:
+    def take_step_counts(self) -> list[int]:
         """This step's counts (rows allocated to guidance, records retrieved, rows discarded), reset for the next."""
         return [self._guide_counts.pop(kind, 0) for kind in ("rows_allocated", "records_retrieved", "rows_discarded")]
 
     # ------------------------------------------------------------------------------------- single-turn
-    def _tokenize_prompts(self, prompts: list):
-        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
-        step = self._generation
-        if step is None or not step.guided_text or step.guided_prompt_ids:
-            return prompt_ids, images, multimodal_fields
+    @staticmethod
+    def tokenize_guided(step, prompts: list, prompt_ids: list, tokenize) -> None:
+        """Single-turn: the guided rows of `prompt_ids` (TRL's tokenisation of `prompts`) take their guided prompt, in
+        place, tokenized by `tokenize` (TRL's `_tokenize_prompts`); both prompts are kept in `step`."""
+        if not step.guided_text or step.guided_prompt_ids:
+            return
         rows = sorted(step.guided_text)
-        guided = [insert_experience(prompts[i], step.guided_text[i]) for i in rows]
-        guided_ids, _, _ = super()._tokenize_prompts(guided)
+        guided_ids, _, _ = tokenize([insert_experience(prompts[i], step.guided_text[i]) for i in rows])
         for i, ids in zip(rows, guided_ids):
             step.plain_prompt_ids[i] = list(prompt_ids[i])
             step.guided_prompt_ids[i] = list(ids)
             prompt_ids[i] = list(ids)  # generated under the guided prompt
-        return prompt_ids, images, multimodal_fields
 
     # ---------------------------------------------------------------------------------- after generation
-    def _attach_guided_rows(self, output: dict, step, offset: int) -> None:
+    def attach_discarded_rows(self, output: dict, step) -> None:
         """Mark this rank's discarded guided rows for the loss: `exp_mask` on their model tokens, their behaviour
         log-probs (the current policy under the guided prompt, which sampled them), advantage 0 in TRL's own term.
         Collective: every rank makes the same forward calls."""
-        discarded = sorted(i for i in step.guided_prompt_ids if step.guidance.discarded(offset + i))
+        discarded = sorted(i for i in step.guided_prompt_ids if step.guidance.discarded(step.offset + i))
         most = len(discarded)
-        if self.accelerator.num_processes > 1:
-            count = torch.tensor([float(most)], device=self.accelerator.device)
-            most = int(self.accelerator.reduce(count, reduction="max").item())
+        if self._accelerator.num_processes > 1:
+            count = torch.tensor([float(most)], device=self._accelerator.device)
+            most = int(self._accelerator.reduce(count, reduction="max").item())
         if most == 0:
             return
         completion_mask = output["completion_mask"]
@@ -314,12 +352,12 @@ class ExperienceGuidance:
             output["importance_sampling_ratio"][torch.tensor(discarded, device=completion_mask.device)] = 1.0
         self._guide_counts["rows_discarded"] += len(discarded)
 
-    def _guided_records(self, output: dict, records: dict[int, dict], step, offset: int) -> None:
+    def add_to_records(self, output: dict, records: dict[int, dict], step, global_step: int) -> None:
         """Pool records of guided rows: stored with the prompt they will be replayed on, the one without the
         experience (replay trains them off-policy anyway), and the behaviour log-probs recorded under guidance; and
         every success's summary input for the summariser."""
         for row, record in records.items():
-            i = row - offset
+            i = row - step.offset
             if i in step.plain_prompt_ids:
                 record["prompt_ids"] = list(step.plain_prompt_ids[i])
                 if step.guidance.discarded(row):
@@ -335,13 +373,13 @@ class ExperienceGuidance:
                 record["completion_ids"],
                 record["completion_mask"],
                 record["reward"],
-                self.state.global_step,
+                global_step,
             )
             record["summary"] = summary.as_dict()
 
     def _summary_input(self, task_id, query, completion_ids, completion_mask, reward, step) -> SummaryInput:
         """A successful rollout as text: the model's turns (runs of model tokens) and the environment's between."""
-        decode = self.processing_class.decode
+        decode = self._processing_class.decode
         texts = [
             (trained, decode([token for token, _ in run], skip_special_tokens=True).strip())
             for trained, run in groupby(zip(completion_ids, completion_mask), key=lambda pair: bool(pair[1]))
@@ -357,23 +395,22 @@ class ExperienceGuidance:
             observations=[text for trained, text in texts if not trained and text],
         )
 
-    def _offer_summaries(self, merged: dict[int, dict]) -> None:
-        """Take the summary inputs out of every rank's gathered records (in row order) into the backlog."""
-        inputs = [SummaryInput(**merged[row].pop("summary")) for row in sorted(merged) if "summary" in merged[row]]
-        if inputs and self._summarizes and self.replay["experience_update_freq"] > 0:  # 0: nothing will take them
-            self._summarizer.offer(inputs)
+    def offer_summaries(self, summaries: list[dict]) -> None:
+        """Every rank's summary inputs of the last step (in row order, `ReplayController.flush`) into the backlog."""
+        inputs = [SummaryInput(**summary) for summary in summaries]
+        if inputs and self._summarizes and self.options["experience_update_freq"] > 0:  # 0: nothing will take them
+            self.summarizer.offer(inputs)
 
-    def _log_guidance(self, step, success: list[bool], fresh_rows: list[int], num_local: int) -> None:
+    def log(self, step, success: list[bool], fresh_rows: list[int], metrics) -> None:
         """`guide/*` metrics of a generation step. Collective."""
-        guided = gather_row_flags(self.accelerator, set(step.guided_text), num_local)
+        guided = gather_row_flags(self._accelerator, set(step.guided_text), len(step.task_rows))
         counts = self._guide_counts
         local = torch.tensor(
-            [*self._take_step_counts(), *(counts[kind] for kind in _RUNNING_TOTALS)],
+            [*self.take_step_counts(), *(counts[kind] for kind in _RUNNING_TOTALS)],
             dtype=torch.float64,
-            device=self.accelerator.device,
+            device=self._accelerator.device,
         )
-        allocated, retrieved, discarded, *totals = self.accelerator.reduce(local, reduction="sum").tolist()
-        metrics = self._metrics["train" if self.model.training else "eval"]
+        allocated, retrieved, discarded, *totals = self._accelerator.reduce(local, reduction="sum").tolist()
         metrics["guide/guided_fraction"].append(sum(guided) / max(len(guided), 1))
         metrics["guide/discarded_fraction"].append(discarded / max(len(guided), 1))
         if allocated:
@@ -382,24 +419,24 @@ class ExperienceGuidance:
             rows = [r for r in fresh_rows if guided[r] == flag]
             if rows:
                 metrics[f"guide/success_{name}"].append(sum(success[r] for r in rows) / len(rows))
-        summarizer = self._summarizer
+        summarizer = self.summarizer
         metrics["guide/summarizer_backlog"] = [len(summarizer.pending())]
         metrics["guide/summarizer_failures"] = [summarizer.failures]  # running totals: the latest value
         for kind, total in zip(_RUNNING_TOTALS, totals):
             metrics[f"guide/{kind}"] = [total]
-        provider = self._experience  # its size, without copying its records where it can say it
+        provider = self.experience  # its size, without copying its records where it can say it
         metrics["guide/store_records"] = [len(provider) if hasattr(provider, "__len__") else len(provider.records())]
 
     # ------------------------------------------------------------------------------------------ checkpoints
-    def _save_experience(self, output_dir: str) -> None:
+    def save(self, output_dir: str, should_save: bool) -> None:
         from .guidance.store import save_experience
 
-        if self.args.should_save:
+        if should_save:
             save_experience(
-                os.path.join(output_dir, EXPERIENCE_DIR), self._experience.records(), self._summarizer.pending()
+                os.path.join(output_dir, EXPERIENCE_DIR), self.experience.records(), self.summarizer.pending()
             )
 
-    def _resume_experience(self, checkpoint: str) -> None:
+    def resume(self, checkpoint: str) -> None:
         from .guidance.store import load_experience
 
         folder = os.path.join(checkpoint, EXPERIENCE_DIR)
@@ -412,7 +449,7 @@ class ExperienceGuidance:
             warnings.warn(message, stacklevel=2)
             return
         loaded = load_experience(folder)
-        self._experience.add(loaded.records)
+        self.experience.add(loaded.records)
         if self._summarizes:
-            self._summarizer.restore(loaded.backlog)
+            self.summarizer.restore(loaded.backlog)
         self._experience_started = True  # the store was initialised by the run that saved it

@@ -1,0 +1,431 @@
+"""The replay side of a training step, as one object the trainer's hooks call: `ReplayController`.
+
+It holds the experience pool (made from the config, bound to the tokenizer and the model's vocabulary, shared
+between ranks, saved and resumed with checkpoints), ExGRPO's start rule and retired questions, and the outcomes of the
+last generation step until the pool records them. Per step it draws the plan (`planner.plan_replay`) and the replayed
+trajectories (`selection`), splices them into generation, and queues the fresh rollouts' outcomes.
+
+What it needs from the trainer is given to it: settings and a few functions at construction, the step's figures in each
+call. It keeps no reference to the trainer. The methods marked collective must be called by every rank at the same
+point of the step (they gather or reduce).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+from accelerate.utils import gather_object
+
+from .distributed import gather_row_flags
+from .metrics import FaultCounts, log_generation
+from .outcomes import PendingOutcomes, task_outcomes, trajectory_records
+from .planner import ReplayPlan, plan_replay, replay_groups_due
+from .pool import ExperiencePool, task_key, tokenizer_fingerprint
+from .pool.rules import is_solved
+from .schedule import ReplaySchedule, redirect_retired_groups, starts_replay
+from .selection import select_trajectories
+from .step import GenerationStep
+
+logger = logging.getLogger(__name__)
+
+POOL_DIR = "exreplay_pool"
+# The live pool's shards, under output_dir (same disk as the checkpoints, so saves hard-link instead of copying); the
+# leading underscore keeps it out of `Trainer.push_to_hub` uploads.
+POOL_WORK_DIR = "_exreplay_pool_work"
+
+# `ExperiencePool`'s settings keep the design documents' names (seeds 000-002); the config field each comes from.
+_POOL_SETTING_FIELDS = {
+    "max_trajectories_per_task": "replay_max_trajectories_per_task",
+    "experience_lbound": "replay_store_lbound",
+    "experience_rbound": "replay_store_rbound",
+    "exp_select_mode": "replay_select_mode",
+    "pool_store_mode": "replay_store_mode",
+    "max_policy_age": "replay_max_policy_age",
+    "replay_window": "replay_window",
+}
+
+
+class ReplayController:
+    """The pool, the plan and the outcomes of `ExReplayGRPOTrainer`'s steps (`options`: the config's replay fields,
+    `config.replay_options`). With replay off it still runs: the plan replays nothing, and the outcomes only feed
+    guided rollouts' summariser."""
+
+    def __init__(
+        self,
+        options: dict,
+        *,
+        args,
+        accelerator,
+        num_generations: int,
+        processing_class,
+        model,
+        train_dataset,
+        experience_pool: ExperiencePool | None,
+        policy_forward: Callable,
+        counts: FaultCounts,
+        multi_turn: bool = False,
+        max_completion_length: int | None = None,
+    ):
+        self.options = options
+        self.enabled = bool(options["enable_experience_replay"])
+        self.num_generations = num_generations
+        self._args = args
+        self._accelerator = accelerator
+        self._policy_forward = policy_forward  # a no-grad forward of the current policy (`selection`)
+        self._counts = counts
+        self._multi_turn = multi_turn
+        self._max_completion_length = max_completion_length
+        self.schedule = ReplaySchedule()  # ExGRPO's start step, saved with checkpoints
+        self._train_dataset = train_dataset
+        self.retiring = self.enabled and options["replay_retire_solved"]
+        if self.retiring and not hasattr(train_dataset, "__getitem__"):
+            self.retiring = False
+            logger.warning(
+                "trl_exreplay: replay_retire_solved needs a dataset whose rows can be read by index (a map-style "
+                "`datasets.Dataset`); with this %s, solved questions stay in the fresh stream.",
+                type(train_dataset).__name__,
+            )
+        self._retired: set[str] | None = None  # the retired tasks, as of the last generation batch
+        self._dataset_keys: list[str] | None = None  # the task of each training dataset row
+        self._active_rows: tuple[list[int], list[str]] = ([], [])
+        self.exhausted = False  # every training question is retired
+        self.pending: PendingOutcomes | None = None  # the last step's outcomes, not yet in the pool
+        self._setup_pool(processing_class, model, experience_pool)
+
+    # ------------------------------------------------------------------------------------------------- pool
+    def _setup_pool(self, processing_class, model, experience_pool: ExperiencePool | None) -> None:
+        rbound = self.options["replay_store_rbound"]
+        values = {**self.options, "replay_store_rbound": self.num_generations if rbound is None else rbound}
+        self._pool_settings = {name: values[field] for name, field in _POOL_SETTING_FIELDS.items()}
+        self._pool_settings["seed"] = self._args.seed
+        # The pool's token ids must be this tokenizer's wherever they are read: replay, and the experience of guided
+        # rollouts when it starts from the pool.
+        reads_pool = self.enabled or self.options["init_experience_before_training"]
+        self._tokenizer_fingerprint = tokenizer_fingerprint(processing_class) if reads_pool else None
+        self._vocab_size = _vocab_size(model)
+        self.pool = ExperiencePool(**self._pool_settings, work_dir=self._pool_work_dir())
+        if self._vocab_size is not None:
+            self.pool.set_vocab_size(self._vocab_size)
+        if self._tokenizer_fingerprint is not None:
+            self.pool.bind_tokenizer(self._tokenizer_fingerprint)
+        if experience_pool is not None:
+            self._adopt_pool(experience_pool, "the given experience_pool")
+        else:
+            self._share_pool_storage()
+
+    def _pool_work_dir(self) -> str:
+        return self.options["replay_scratch_dir"] or os.path.join(self._args.output_dir, POOL_WORK_DIR)
+
+    def _adopt_pool(self, pool: ExperiencePool, source: str) -> None:
+        """Use `pool` under this run's configuration (the config wins over the settings the pool was saved with).
+
+        A pool recorded with another tokenizer is refused: its token ids would mean other tokens here; so is one holding
+        trajectories but no tokenizer fingerprint, unless the caller bound it (`pool.bind_tokenizer`). Trajectories
+        with token ids outside the model's vocabulary are removed and counted."""
+        if self._tokenizer_fingerprint is not None:
+            if pool.tokenizer_fingerprint is None and pool.num_trajectories:
+                raise ValueError(
+                    f"The experience pool from {source} holds {pool.num_trajectories} trajectories but records no "
+                    "tokenizer fingerprint, so nothing says its token ids are this tokenizer's. If they are, bind it "
+                    "first: pool.bind_tokenizer(trl_exreplay.pool.tokenizer_fingerprint(tokenizer))."
+                )
+            pool.bind_tokenizer(self._tokenizer_fingerprint, source)
+        if self._vocab_size is not None and pool.vocab_size != self._vocab_size:
+            pool.set_vocab_size(self._vocab_size)
+        changed = pool.configure(**self._pool_settings)
+        if changed:
+            # The pool's own settings keep the design documents' names; the run sets them under the config's names.
+            fields = [_POOL_SETTING_FIELDS.get(name, name) for name in changed]
+            logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, fields)
+        self.pool = pool
+        self._share_pool_storage()
+
+    def _share_pool_storage(self) -> None:
+        """One writer of the pool's shard files per machine (or in all, or none: `replay_scratch_sharing`); the other
+        ranks link its files. Collective: every rank calls it when it takes a pool."""
+        sharing = self.options["replay_scratch_sharing"]
+        self._pool_shared = self.enabled and self._accelerator.num_processes > 1 and sharing != "none"
+        if not self._pool_shared:
+            return
+        state = self._accelerator.state
+        folders = gather_object([self.pool.scratch_folder()])  # by rank
+        # torchrun numbers a machine's ranks consecutively: its local main is this rank less its local index
+        writer = 0 if sharing == "all" else state.process_index - state.local_process_index
+        self.pool.share_storage(None if writer == state.process_index else folders[writer])
+
+    def save(self, output_dir: str, should_save: bool) -> None:
+        """Save the pool (and ExGRPO's start step) in `output_dir`. Call on every rank, the saving one with
+        `should_save`."""
+        if should_save:
+            self.pool.save(os.path.join(output_dir, POOL_DIR))
+            if self.schedule != ReplaySchedule():
+                self.schedule.save(output_dir)
+        elif self._pool_shared:
+            # A save seals the open shard; the ranks that do not save seal theirs too, so that their shard files
+            # stay the saving rank's, byte for byte, and can be linked rather than written (`share_storage`).
+            self.pool.flush(wait=True)
+
+    def resume(self, checkpoint: str) -> None:
+        """Take the pool saved in `checkpoint` (or, where there is none, say loudly that the run resumes empty) and
+        ExGRPO's start step."""
+        self.schedule = ReplaySchedule.load(checkpoint)  # the step replay started at, if it did
+        if not os.path.lexists(os.path.join(checkpoint, POOL_DIR)):
+            if not self.options["replay_resume_without_pool"]:
+                message = (
+                    f"trl_exreplay: the checkpoint {checkpoint} holds no experience pool ({POOL_DIR}/): training "
+                    "resumes with an EMPTY pool, so nothing is replayed until it fills again. If the pool was lost, "
+                    "stop and restore it; to start empty on purpose, set replay_resume_without_pool=True."
+                )
+                logger.warning(message)
+                warnings.warn(message, stacklevel=3)
+            return
+        pool = ExperiencePool.load(
+            os.path.join(checkpoint, POOL_DIR), vocab_size=self._vocab_size, work_dir=self._pool_work_dir()
+        )
+        self._adopt_pool(pool, checkpoint)
+        self.pending = None
+
+    # ------------------------------------------------------------------------------------------- the plan
+    def started(self, global_step: int, max_steps: int) -> bool:
+        """Whether replay runs at this step: from `replay_start_ratio` of `max_steps`, or (ExGRPO's rule) from the step
+        after the one whose batch succeeded often enough."""
+        if self.options["replay_start"] == "solved":
+            started = self.schedule.started_at
+            return started is not None and global_step > started
+        return global_step / max(max_steps, 1) >= self.options["replay_start_ratio"]
+
+    def plan(
+        self, inputs: list[dict], *, global_step: int, max_steps: int, micro_step: int, metrics
+    ) -> GenerationStep:
+        """A training generation batch's plan, the same on every rank: which groups replay which stored trajectories
+        (retired questions redirected first). `micro_step` tells apart the generation batches that share a global
+        step (it is 0 at every step boundary, so resume-safe). Collective."""
+        G, args = self.num_generations, self._args
+        rank, local_rows = self._accelerator.process_index, len(inputs)
+        offset = rank * local_rows
+        row_keys = gather_object([task_key(x, self.options["task_id_column"]) for x in inputs])
+        draw_seed = [args.seed, global_step, micro_step]
+        if self.retiring:
+            inputs, row_keys = self._redirect_retired(inputs, row_keys, offset, draw_seed, metrics, global_step)
+        group_keys = row_keys[::G]
+
+        plan = ReplayPlan(G, self.options["replay_trajectories_per_group"], {})
+        if self.enabled and self.started(global_step, max_steps):
+            # replay_ratio is a long-run share: a batch of fewer than 1 / replay_ratio groups replays on some batches
+            batch_index = (global_step * args.gradient_accumulation_steps + micro_step) // (
+                args.steps_per_generation * args.num_iterations
+            )
+            plan = plan_replay(
+                group_keys,
+                self.pool.replay_buckets(  # drawn from in O(batch), whatever the pool's size
+                    plan.num_replayed,
+                    global_step,
+                    self.options["replay_max_policy_age"],
+                    self.options["replay_window"],
+                ),
+                num_tasks=replay_groups_due(self.options["replay_ratio"], len(group_keys), batch_index),
+                num_generations=G,
+                num_replayed=plan.num_replayed,
+                weighting=self.options["replay_bucket_weighting"],
+                seed=draw_seed,
+            )
+        selected = select_trajectories(
+            self.pool, plan, self.options, global_step, draw_seed, self._accelerator, self._policy_forward
+        )
+        swapped, replayed_local = plan.rank_rows(offset, local_rows, group_keys, selected)
+        # The dataset rows as they are (stored with trajectories): a replayed group's task row from the pool.
+        task_rows = [self.pool.task_row(swapped[i]) if i in swapped else row for i, row in enumerate(inputs)]
+        return GenerationStep(
+            rows=task_rows,
+            plan=plan,
+            selected=selected,
+            replayed_local=replayed_local,
+            fresh_per_rank=plan.fresh_rows_per_rank(len(row_keys), local_rows),
+            offset=offset,
+            task_rows=task_rows,
+            row_tasks=[plan.task_of_row(r, group_keys) for r in range(len(row_keys))],
+            seed=draw_seed,
+        )
+
+    def _redirect_retired(self, inputs: list, row_keys: list, offset: int, seed: list, metrics, global_step: int):
+        """ExGRPO's retired questions (`trl_exreplay.schedule`): the groups whose task is in the pool's skip set take
+        other dataset rows, the same on every rank (the batch's keys are gathered, the pool is rank-identical)."""
+        G = self.num_generations
+        # Read after the pool took the previous batch's outcomes: a question every fresh rollout solved is not drawn
+        # again (ExGRPO drops it from the data at the next epoch, in which it would be drawn once: the same thing, but
+        # also where a dataset repeats its questions within an epoch). It is not replayed either, so it stays retired.
+        retired = set(self.pool.skip_set)
+        if retired != self._retired:
+            self._retired = retired
+            if self._dataset_keys is None:
+                column = self.options["task_id_column"]
+                self._dataset_keys = [task_key(row, column) for row in self._train_dataset]
+            active = [i for i, key in enumerate(self._dataset_keys) if key not in retired]
+            self._active_rows = (active, [self._dataset_keys[i] for i in active])
+            if not active:
+                self.exhausted = True  # this last batch is of retired tasks: its outcomes stay out of the pool
+                logger.warning(
+                    "trl_exreplay: every training question is retired (solved by all its fresh rollouts: %d tasks, "
+                    "replay_retire_solved=True), so no fresh rollout is left to make; training stops after step %d.",
+                    len(retired), global_step + 1,
+                )  # fmt: skip
+        redirect = redirect_retired_groups(row_keys[::G], self._retired, *self._active_rows, seed=[*seed, 2])
+        metrics["replay/retired_tasks"].append(float(len(self._retired)))
+        metrics["replay/redirected_groups"].append(float(len(redirect)))
+        if not redirect:
+            return inputs, row_keys
+        inputs = [
+            self._train_dataset[redirect[(offset + i) // G]] if (offset + i) // G in redirect else row
+            for i, row in enumerate(inputs)
+        ]
+        row_keys = [self._dataset_keys[redirect[r // G]] if r // G in redirect else k for r, k in enumerate(row_keys)]
+        return inputs, row_keys
+
+    # ----------------------------------------------------------------------------------------- generation
+    def generate(self, step: GenerationStep, prompt_ids: list, generate: Callable, num_generations: int, *,
+                 multimodal: bool, use_vllm: bool, equal_shares: bool):  # fmt: skip
+        """Single-turn generation of a replaying step: `generate(prompt_ids, images, num_generations=n)` (TRL's) makes
+        the fresh rows only (one sample per row through vLLM), and the replayed rows get their stored completions.
+        None when the step replays nothing (or its replayed rows were taken by an earlier generation call).
+        `equal_shares`: see `padding_rows`."""
+        replayed = step.take_replay()
+        if replayed is None:
+            return None
+        if multimodal:
+            raise NotImplementedError("Experience replay with multimodal prompts is not supported yet.")
+        fresh = [i for i in range(len(prompt_ids)) if i not in replayed]
+        num_padding = self.padding_rows(step, len(fresh), equal_shares)
+        to_generate = [prompt_ids[i] for i in fresh] + [prompt_ids[0]] * num_padding
+        generated, generated_logps = [], None
+        if to_generate:
+            generated, generated_logps = generate(
+                to_generate, None, num_generations=1 if use_vllm else num_generations
+            )
+        self._counts.totals["padding_rows"] += num_padding
+        completion_ids = [None] * len(prompt_ids)
+        logprobs = None if generated_logps is None else [None] * len(prompt_ids)
+        for j, i in enumerate(fresh):
+            completion_ids[i] = generated[j]
+            if logprobs is not None:
+                logprobs[i] = generated_logps[j]
+        for i, trajectory in replayed.items():
+            completion_ids[i] = self.fit_completion(trajectory.completion_ids)
+            if logprobs is not None:  # not sampled now: no sampler log-probs (TRL reads None as NaN, and skips it)
+                logprobs[i] = [None] * len(completion_ids[i])
+            if list(prompt_ids[i]) != trajectory.prompt_ids:
+                self._counts.count("prompt_mismatch", "a replayed trajectory's prompt tokenizes differently now")
+                # The completion is trained after the prompt it was sampled with (TRL keeps this list of prompts), or
+                # its recorded log-probs would be those of another context.
+                prompt_ids[i] = list(trajectory.prompt_ids)
+        return completion_ids, logprobs
+
+    def padding_rows(self, step: GenerationStep, num_fresh: int, equal_shares: bool) -> int:
+        """Rows to generate and discard so every rank makes the same generation calls: as many as the rank with the
+        most fresh rows where the generator slices its output by equal per-rank shares (`equal_shares`: vLLM's server
+        mode or tensor parallelism), else one on a rank with none (ZeRO-3)."""
+        most = max(step.fresh_per_rank)
+        if equal_shares:
+            return most - num_fresh
+        # Sharded models (ZeRO-3, FSDP) gather parameters collectively inside generation: a rank whose rows are all
+        # replayed still generates one row. Cheap, so done for every multi-process run.
+        return 1 if (self._accelerator.num_processes > 1 and num_fresh == 0 and most > 0) else 0
+
+    def fit_completion(self, completion_ids: list[int]) -> list[int]:
+        """A stored completion cut to `max_completion_length` (counted)."""
+        limit = self._max_completion_length
+        if limit is not None and len(completion_ids) > limit:
+            self._counts.count("truncated_replays", "a replayed completion is longer than max_completion_length")
+            return completion_ids[:limit]
+        return completion_ids
+
+    def put_recorded_rewards(self, step: GenerationStep, rewards_per_func: torch.Tensor, compare: bool) -> None:
+        """The replayed rows keep their recorded rewards (in place; mismatches counted)."""
+        counts = step.put_recorded_rewards(rewards_per_func, compare=compare)
+        if counts["reward_mismatch"]:
+            self._counts.totals["reward_mismatch"] += counts["reward_mismatch"]
+        if counts["reward_arity_mismatch"]:
+            message = "recorded rewards do not match the reward functions"
+            self._counts.count("reward_arity_mismatch", message, counts["reward_arity_mismatch"])
+
+    # ------------------------------------------------------------------------------------------- outcomes
+    def queue_outcomes(self, output: dict, step: GenerationStep, *, reward_weights, global_step: int, metrics):
+        """Each task's outcome from the gathered rewards, and this rank's successful fresh rows as pool records, kept
+        in `self.pending` until the loss forward gives them log-probs. Returns (success per global row, the fresh rows
+        that count, the records by global row) for guided rollouts. Collective in multi-turn runs."""
+        rewards_per_func, row_tasks, offset = step.rewards, step.row_tasks, step.offset
+        num_local = len(step.task_rows)
+        totals = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        success = (totals >= self.options["replay_success_threshold"]).cpu().tolist()
+        # A row with no reward at all (every function returned None, NaN or inf) says nothing about its task.
+        missing = torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
+        fresh_rows = [r for r in range(len(row_tasks)) if not step.plan.is_replayed(r) and not missing[r]]
+        if self._multi_turn:  # an episode the environment failed says nothing about the task
+            faulted = gather_row_flags(self._accelerator, step.faulted_rows, num_local)
+            fresh_rows = [r for r in fresh_rows if not faulted[r]]
+        if fresh_rows:
+            metrics["replay/fresh_reward"].append(totals[fresh_rows].nanmean().item())
+        replayed_rows = []
+        if self.options["replay_count_replayed_successes"]:  # ExGRPO: a replayed task's bucket is (s + k) of G
+            replayed_rows = [r for r in range(len(row_tasks)) if step.plan.is_replayed(r) and not missing[r]]
+        outcomes = task_outcomes(row_tasks, fresh_rows, success, replayed_rows)
+        local_winners = sorted(
+            r - offset for *_, rows in outcomes.values() for r in rows if 0 <= r - offset < num_local
+        )
+        records = trajectory_records(
+            output,
+            local_winners,
+            task_rows=step.task_rows,
+            row_tasks=row_tasks,
+            rewards_per_func=rewards_per_func,
+            totals=totals,
+            entropies=step.entropies,
+            offset=offset,
+            policy_version=global_step,
+            count=self._counts.count,
+        )
+        if self.exhausted:  # every question retired: the run's last batch, of retired tasks, leaves them retired
+            outcomes = {}
+        elif self.options["replay_start"] == "solved" and self.schedule.started_at is None:
+            # ExGRPO before replay starts: solved tasks enter the skip set, nothing enters the pool or a bucket. The
+            # first batch that succeeds often enough starts replay (`success` is gathered: every rank decides alike);
+            # the next batch is the first one collected, and the one after it the first that can replay.
+            outcomes = {task: o for task, o in outcomes.items() if is_solved(o[0], o[1])}
+            if starts_replay(success, fresh_rows, self.options["replay_start_solved_fraction"]):
+                self.schedule.started_at = global_step
+        self.pending = PendingOutcomes([(task, *o) for task, o in outcomes.items()], records, offset)
+        return success, fresh_rows, records
+
+    def flush(self) -> list[dict]:
+        """Record the queued outcomes in the pool. Returns the summary inputs guided rollouts attached to the records
+        (every rank's, in row order). Collective: every rank calls it at the same points."""
+        pending, self.pending = self.pending, None
+        ready, uncaptured = pending.captured() if pending is not None else ([], 0)
+        if uncaptured:
+            self._counts.count(
+                "uncaptured_rows", "a successful row was never seen by the loss; not stored", uncaptured
+            )
+        merged = dict(gather_object(ready)) if self._accelerator.num_processes > 1 else dict(ready)
+        summaries = [merged[row].pop("summary") for row in sorted(merged) if "summary" in merged[row]]
+        if self.enabled and pending is not None:
+            for outcome in pending.task_outcomes(merged):
+                self.pool.record_outcome(outcome)
+        return summaries
+
+    def log_generation(self, step: GenerationStep, metrics, *, global_step: int, max_steps: int) -> None:
+        """The step's `replay/*` figures."""
+        metrics["replay/started"].append(float(self.started(global_step, max_steps)))
+        ages = [global_step - t.policy_version for ts in step.selected.values() for t in ts]
+        log_generation(metrics, step.plan, len(step.row_tasks), ages, self.pool.stats(), self._counts.totals)
+
+
+def _vocab_size(model) -> int | None:
+    """The number of token ids the model embeds (its config's, after any resize), None when it does not say."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    size = getattr(config, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
