@@ -144,7 +144,7 @@ def reme_case(reply: bytes | None, interval: float, call: str) -> None:
 
 def reme_surrogate_case(_, __, call) -> None:
     """A lone surrogate in valid JSON reaches `retrieve`'s caller as text: the trainer must count it as a failure
-    (tests/test_guidance.py runs that path); here the client must at least hand it over or fail clearly."""
+    (tests/integration/test_guidance.py runs that path); here the client must at least hand it over or fail clearly."""
     server = RawServer(http_reply("200 OK", b'{"success": true, "metadata": {"memory_list": [{"content": "\\ud800"}]}}'))
     try:
         provider = ReMeExperienceProvider(server.url, timeout=REQUEST_TIMEOUT)

@@ -9,7 +9,7 @@ before and after, with the same draws. `--fault` breaks one input of the loss, t
 * `shifted`: each row gets its neighbour's advantage (advantages paired with the wrong episodes).
 * `replayed-negated`: only the replayed rows' advantages flipped (the replay path alone is wrong).
 
-`tests/test_learning.py` runs the unbroken case and asserts the gain.
+`tests/integration/test_learning.py` runs the unbroken case and asserts the gain.
 """
 
 from __future__ import annotations

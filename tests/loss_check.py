@@ -4,8 +4,8 @@
 replays (single turn under every TRL option, TRL's tool loop, a `rollout_func`, our multi-turn games, PEFT).
 
 It checks the glue (which rows TRL sees at advantage 0, which options reach `loss.py`, the normaliser), not the
-formulas: those are pinned by hand in `tests/test_loss.py`, and the whole objective, value and gradient, is written
-out without `loss.py` in `tests/test_replay_objective.py`."""
+formulas: those are pinned by hand in `tests/unit/test_loss.py`, and the whole objective, value and gradient, is written
+out without `loss.py` in `tests/integration/test_replayed_loss.py`."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class CheckingTrainer(ExReplayGRPOTrainer):
         if args.top_entropy_quantile < 1:
             selection = GRPOTrainer.get_high_entropy_mask(self, entropies, mask, 1 - args.top_entropy_quantile)
         # The option mapping is the trainer's (that each option reaches `loss.py` as it should is checked by hand in
-        # tests/test_replay_objective.py); this check is of the composition: the rows, the selection, the normaliser.
+        # tests/integration/test_replayed_loss.py); this check is of the composition: the rows, the selection, the normaliser.
         options = OffPolicyOptions.from_config(
             args, self.replay, loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
             epsilon_low=self.epsilon_low, off_policy_mask_threshold=self.off_policy_mask_threshold,

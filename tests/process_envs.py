@@ -1,4 +1,4 @@
-"""Environments for tests/test_env_process.py. They live in a module of their own so that the pool's worker processes
+"""Environments for tests/distributed/test_env_process.py. They live in a module of their own so that the pool's worker processes
 (spawn or forkserver: fresh interpreters) can import them by name; stdlib only, so importing them costs nothing."""
 
 from __future__ import annotations

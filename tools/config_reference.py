@@ -3,7 +3,7 @@
     python tools/config_reference.py            # rewrite docs/config.md
     python tools/config_reference.py --check    # exit 1 if docs/config.md is not what the config says
 
-`tests/test_config.py` runs the check, so the page cannot drift from the code: every field with its default, its
+`tests/unit/test_config.py` runs the check, so the page cannot drift from the code: every field with its default, its
 help text and its name in the design documents (seeds 000-003, ExGRPO / AgentEvolver), so that readers of those
 documents find their way.
 """
@@ -92,7 +92,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "<!-- Written by `python tools/config_reference.py` from `ExReplayGRPOConfig`; tests/test_config.py checks "
+        "<!-- Written by `python tools/config_reference.py` from `ExReplayGRPOConfig`; tests/unit/test_config.py checks "
         "it. Do not edit by hand. -->",
         "",
         "`ExReplayGRPOConfig` is TRL's `GRPOConfig` (every field of it works as in TRL) plus the fields below. "

@@ -49,14 +49,14 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, record ex
         | tee -a "$SUMMARY"
 }
 
-TESTS=(tests/test_trainer.py tests/test_multiturn.py tests/test_peft_replay.py tests/test_pool_replay.py
-    tests/test_replay_loss.py tests/test_replay_objective.py tests/test_trl_equivalence.py tests/test_trl_tools.py
-    tests/test_rollout.py tests/test_learning.py tests/test_loss.py)
+TESTS=(tests/integration/test_trainer.py tests/integration/test_multiturn.py tests/integration/test_peft_replay.py tests/integration/test_pool_replay.py
+    tests/integration/test_replayed_loss.py tests/integration/test_trl_equivalence.py tests/integration/test_trl_tools.py
+    tests/unit/test_rollout.py tests/integration/test_learning.py tests/unit/test_loss.py)
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -rfE --timeout 100 -k "not two_processes")  # < the stage limit
 # The two passes at once (8 + 4 workers on one GPU): they share nothing but the card.
 stage tests 150 env EXREPLAY_TEST_DEVICE=cuda "${PYTEST[@]}" -n 8 "${TESTS[@]}" &
-stage bf16 150 env EXREPLAY_TEST_DEVICE=cuda EXREPLAY_TEST_BF16=1 "${PYTEST[@]}" -n 4 tests/test_trainer.py \
-    tests/test_multiturn.py &
+stage bf16 150 env EXREPLAY_TEST_DEVICE=cuda EXREPLAY_TEST_BF16=1 "${PYTEST[@]}" -n 4 tests/integration/test_trainer.py \
+    tests/integration/test_multiturn.py &
 wait
 
 # The tiny config on a GPU, bf16, evaluated greedily on 20 valid_seen games before and after RL. RECIPE_MODEL sets

@@ -8,7 +8,7 @@
 #
 # KIND is any of: ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume
 # ddp-tools zero3-tools (TRL's tool loop with replay, tests/scripts/tool_replay_multiprocess.py) ddp-guided
-# (experience-guided rollouts; zero3 guides too, as tests/test_multiprocess.py launches them) ddp-exgrpo
+# (experience-guided rollouts; zero3 guides too, as tests/distributed/test_multiprocess.py launches them) ddp-exgrpo
 # zero3-exgrpo (replay_profile="exgrpo": start by capability, retired questions; a whole run, then its resume)
 # (default: these, in turn; a resume first runs the whole run it resumes from, and both count as launches), or
 # exit-race, exit-race-destroy, exit-race-plain: tests/scripts/gloo_exit.py's "natural" exit race (DDP, 3 s a launch)
@@ -160,7 +160,7 @@ while ((launches < N)); do
       ;;
     *)
       extra=()
-      [[ $kind == zero3 ]] && extra=(trl-options guided)  # as tests/test_multiprocess.py launches it
+      [[ $kind == zero3 ]] && extra=(trl-options guided)  # as tests/distributed/test_multiprocess.py launches it
       if launch "$dir" "$config" "$SCRIPT" "$dir/out" "${extra[@]}"; then status=0; else status=$?; fi
       launches=$((launches + 1))
       ;;

@@ -1,6 +1,6 @@
 """The TRL versions whose `GRPOTrainer` this library's overrides were checked against, enforced at import.
 
-`ExReplayGRPOTrainer` overrides private methods of TRL's `GRPOTrainer` (`tests/test_trl_contract.py` pins their
+`ExReplayGRPOTrainer` overrides private methods of TRL's `GRPOTrainer` (`tests/integration/test_trl_contract.py` pins their
 signatures). A TRL outside this range may have changed them silently, so importing the trainer or its config with
 one is an `ImportError` that names the supported range (the same as ``pyproject.toml``'s pin).
 

@@ -1,4 +1,4 @@
-"""Child process of `tests/test_guidance_store.py`'s killed-save tests.
+"""Child process of `tests/unit/test_guidance_store.py`'s killed-save tests.
 
 Saves experience (records and a backlog that change with every save) to FOLDER in a loop until killed. Prints
 ``saving <i> <digest>`` before each save and ``saved <i> <digest> <seconds the save took>`` after it, where the

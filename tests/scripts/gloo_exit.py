@@ -1,4 +1,4 @@
-"""Launched by tests/test_launching.py and tools/stress_launch.sh: the race that aborted about one launch in 100 at exit
+"""Launched by tests/distributed/test_launching.py and tools/stress_launch.sh: the race that aborted about one launch in 100 at exit
 (trl_exreplay/distributed.py), made certain or made frequent, under each way a script can end.
 
 Usage: accelerate launch --config_file recipes/accelerate/ddp_cpu.yaml tests/scripts/gloo_exit.py SCENARIO ENDING

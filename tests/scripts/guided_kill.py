@@ -1,4 +1,4 @@
-"""Launched by tests/test_guidance.py and killed: trains with experience-guided rollouts whose provider's summarise
+"""Launched by tests/integration/test_guidance.py and killed: trains with experience-guided rollouts whose provider's summarise
 never returns in time (the background job stays in flight), saving a checkpoint every step.
 
 Usage: python tests/scripts/guided_kill.py OUT_DIR

@@ -1,4 +1,4 @@
-"""Launched by tests/test_launching.py: each rank runs a stage as a launch of its own (`run_as_own_launch`), this same
+"""Launched by tests/distributed/test_launching.py: each rank runs a stage as a launch of its own (`run_as_own_launch`), this same
 module run with `python -m own_launch child|fail OUT_DIR`, then uses the launch's own process group again.
 
 Usage: accelerate launch --config_file recipes/accelerate/ddp_cpu.yaml tests/scripts/own_launch.py parent OUT_DIR

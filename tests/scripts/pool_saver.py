@@ -1,4 +1,4 @@
-"""Child process of `tests/test_pool_store.py::test_killed_saves_always_leave_the_last_complete_pool`.
+"""Child process of `tests/unit/test_pool_store.py::test_killed_saves_always_leave_the_last_complete_pool`.
 
 Changes a pool and saves it to FOLDER in a loop until killed: new trajectories, evictions of written ones
 (tombstones), skip-set clears, new task rows, background compactions, one or two kept snapshots. Prints

@@ -1,4 +1,4 @@
-"""Launched by tests/test_multiprocess.py with `accelerate launch`: train with replay active, dump what each rank saw.
+"""Launched by tests/distributed/test_multiprocess.py with `accelerate launch`: train with replay active, dump what each rank saw.
 
 Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR [multi-turn] [resume=CKPT]
        [trl-options] [scratch=DIR] [small-shards] [sharing=MODE] [guided]

@@ -1,4 +1,4 @@
-"""Launched by tests/test_trl_tools.py with `accelerate launch`: TRL's `environment_factory` tool loop with replay
+"""Launched by tests/integration/test_trl_tools.py with `accelerate launch`: TRL's `environment_factory` tool loop with replay
 under DDP or ZeRO-3 (2 ranks), then a dump of what each rank saw in OUT_DIR/rank{r}.json.
 
 Usage: accelerate launch --config_file CONFIG tests/scripts/tool_replay_multiprocess.py OUT_DIR

@@ -90,7 +90,7 @@ class ReMeExperienceProvider:
     """An `ExperienceProvider` backed by a ReMe task-memory service at `base_url`, in workspace `workspace_id`.
 
     Speaks `POST /summary_task_memory` and `POST /retrieve_task_memory` (JSON, the shapes in the module docstring).
-    Tested against a loopback server that speaks them (`tests/test_guidance_reme.py`); the wire format was also
+    Tested against a loopback server that speaks them (`tests/unit/test_guidance_reme.py`); the wire format was also
     checked by hand against a real ReMe 0.2.0.6 server whose LLM and embedding API were loopback stand-ins.
 
     * `retrieve(task, k)`: the `content` of at most `k` memories for the task text, best first (empty contents

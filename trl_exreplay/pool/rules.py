@@ -2,7 +2,7 @@
 
 Seed 000 (section 3.1) and seed 001 (section 2.11) define them; `ExperiencePool` applies them to its index. Each
 function takes plain numbers and sequences and returns a decision, so it can be tested by hand
-(`tests/test_pool_rules.py`), as `loss.py` and `planner.py` are.
+(`tests/unit/test_pool_rules.py`), as `loss.py` and `planner.py` are.
 
 * **Skip set and buckets** (`is_solved`, `stores_successes`): a task's difficulty is its number of successes among
   its fresh rollouts of one step. A task every fresh rollout solved enters the skip set (and leaves its bucket and

@@ -1,5 +1,5 @@
 """`RayEnvPool` on a real local Ray instance: the same answers, proxies, timeouts, fault counting and rollouts as
-`EnvProcessPool` (tests/test_env_process.py), with environments in Ray actors. Ray starts once for this module."""
+`EnvProcessPool` (tests/distributed/test_env_process.py), with environments in Ray actors. Ray starts once for this module."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from trl_exreplay.tiny import build_tiny_tokenizer
 ray = pytest.importorskip("ray")
 from trl_exreplay.envs.ray_pool import RayEnvPool  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,9 +1,19 @@
-"""The whole loss of a replaying batch, value and gradient, against the objective written out by hand here, without
-TRL's `_compute_loss` or `trl_exreplay.loss`: fresh tokens get TRL 1.16's formula for the loss type, replayed tokens
-the formula of docs/support.md, and the loss type's normaliser runs over all of them.
+"""The loss of a replaying batch, in a trainer, two ways:
 
-This is the independent check: `tests/loss_check.py` checks the glue by reusing `loss.py`, so a wrong sign, clip
-bound, missing `detach` or normaliser inside `loss.py` would pass there and fails here.
+1. **The glue** (`test_replayed_term_is_loss_py_added_to_trls_loss`): under each TRL option replay supports (the "yes"
+   rows of docs/support.md), each case trains 2 steps from a pool filled beforehand, so both steps replay. At every
+   replaying loss call, on the very batch the trainer was given, the trainer's loss must be TRL's
+   `GRPOTrainer._compute_loss` on the batch with the replayed rows at advantage 0 plus the replayed tokens' term of
+   `trl_exreplay.loss.off_policy_loss`, reduced by TRL's normaliser, both recomputed from a forward of their own
+   (`tests/loss_check.py`); the replayed term must not be zero, and TRL's own metrics (its `clip_ratio/*` among them)
+   are logged on replaying steps.
+2. **The objective by hand** (`test_replaying_loss_and_gradient_are_the_objective_by_hand`), the independent check:
+   value and gradient against the objective written out here without TRL's `_compute_loss` or `trl_exreplay.loss`
+   (fresh tokens get TRL 1.16's formula for the loss type, replayed tokens the formula of docs/support.md, and the loss
+   type's normaliser runs over all of them). The glue check reuses `loss.py`, so a wrong sign, clip bound, missing
+   `detach` or normaliser inside `loss.py` would pass there and fails here.
+
+The formulas alone, on hand-made tensors, are `tests/unit/test_loss.py`.
 """
 
 from __future__ import annotations
@@ -12,12 +22,49 @@ import math
 
 import pytest
 import torch
-from loss_check import train_replaying
+from loss_check import CheckingTrainer, assert_replaying_losses_compose, train_replaying
 
 from trl_exreplay import ExReplayGRPOTrainer
 
+# (name, options): every loss type, and the options that change what a replayed token gets.
+GLUE_CASES = [
+    *((f"loss_type={t}", {"loss_type": t}) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")),
+    ("loss_type=vespo", {"loss_type": "vespo", "vespo_k_pos": 0.5, "vespo_lambda_pos": 0.5}),
+    ("sequence level (GSPO)", {"importance_sampling_level": "sequence", "loss_type": "grpo"}),
+    ("sequence level, cispo", {"importance_sampling_level": "sequence", "loss_type": "cispo"}),
+    ("beta=0.04, bias-corrected KL", {"beta": 0.04, "use_bias_correction_kl": True}),
+    ("delta=1.05", {"delta": 1.05, "replay_clip_high": 0.02}),
+    ("off_policy_mask_threshold", {"off_policy_mask_threshold": 0.01}),
+    ("top_entropy_quantile, entropy_coef", {"top_entropy_quantile": 0.5, "entropy_coef": 0.5}),
+    ("use_adaptive_entropy", {"use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 5.0}),
+    ("exgrpo shaping", {"replay_shaping": "exgrpo"}),
+    ("exgrpo shaping, sapo", {"replay_shaping": "exgrpo", "loss_type": "sapo"}),
+    ("replay_importance_sampling=False", {"replay_importance_sampling": False}),
+    ("num_iterations=2", {"num_iterations": 2}),
+    ("gradient_accumulation_steps=2", {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 8}),
+    ("steps_per_generation=2", {"steps_per_generation": 2, "per_device_train_batch_size": 8}),
+    ("mask_truncated_completions", {"mask_truncated_completions": True}),
+    ("scale_rewards=batch, epsilon_high", {"scale_rewards": "batch", "epsilon_high": 0.28}),
+]
+
+
+@pytest.mark.parametrize("name, options", GLUE_CASES, ids=[name for name, _ in GLUE_CASES])
+def test_replayed_term_is_loss_py_added_to_trls_loss(tmp_path, filled_pool, name, options):
+    trainer = train_replaying(tmp_path, filled_pool, CheckingTrainer, **options)
+    assert len(trainer.checks) >= 2  # both steps replayed
+    assert_replaying_losses_compose(trainer)
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 2 and all(math.isfinite(entry["loss"]) for entry in logged)
+    assert logged[0]["replay/rows_fraction"] > 0  # (with num_iterations=2, step 2 reuses step 1's generation)
+    assert any("replay/off_policy_loss" in entry for entry in logged)
+    for entry in logged:
+        if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            assert "clip_ratio/region_mean" in entry  # TRL's own metrics, replaying steps included
+        assert "entropy" in entry and ("kl" in entry) == (trainer.beta != 0)
+
+
 CLIP_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-CASES = [
+OBJECTIVE_CASES = [
     *({"loss_type": t} for t in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")),
     {"loss_type": "vespo", "vespo_k_pos": 0.5, "vespo_lambda_pos": 0.5},
     {"loss_type": "grpo", "importance_sampling_level": "sequence"},
@@ -156,7 +203,9 @@ class ObjectiveTrainer(ExReplayGRPOTrainer):
         return loss
 
 
-@pytest.mark.parametrize("options", CASES, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in CASES])
+@pytest.mark.parametrize(
+    "options", OBJECTIVE_CASES, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in OBJECTIVE_CASES]
+)
 def test_replaying_loss_and_gradient_are_the_objective_by_hand(tmp_path, filled_pool, options):
     trainer = train_replaying(tmp_path, filled_pool, ObjectiveTrainer, **options)
     assert trainer.checks and sum(c[4] for c in trainer.checks) > 0

@@ -3,7 +3,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Ray (tests/test_env_ray.py, the recipe's Ray backend) keeps every session's logs and sockets under its temp folder;
+# Ray (tests/distributed/test_env_ray.py, the recipe's Ray backend) keeps every session's logs and sockets under its temp folder;
 # the tests' sessions go to a folder of this run, removed at its end. (Short: Ray's socket paths must stay < 108 bytes.)
 if "RAY_TMPDIR" not in os.environ:
     import atexit
@@ -26,6 +26,12 @@ if os.environ.get("EXREPLAY_TEST_DEVICE", "cpu") == "cuda":
 
 
 def pytest_collection_modifyitems(config, items):
+    # The fast lane (`-m "not slow"`, the inner loop; README "Tests") is the unit tier and the few integration tests
+    # marked `fast`: every other test of tests/integration, tests/distributed and benchmarks/tests is slow.
+    for item in items:
+        tier = item.path.relative_to(config.rootpath).parts[:2]
+        if tier != ("tests", "unit") and "fast" not in item.keywords:
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("EXREPLAY_TEST_DEVICE", "cpu") == "cuda" and os.environ.get("EXREPLAY_TEST_BF16", "0") == "1":
         skip = pytest.mark.skip(reason="compares with float32 arithmetic; the bf16 pass trains under bf16 autocast")
         for item in items:

@@ -27,7 +27,7 @@ from trl_exreplay.guidance.store import (
 )
 from trl_exreplay.pool.check import file_checksum
 
-SAVER = os.path.join(os.path.dirname(__file__), "scripts", "experience_saver.py")
+SAVER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "experience_saver.py")
 QUERIES = [
     "put a mug in the sink",  # c0
     "put a mug in the cabinet",  # c1
@@ -456,6 +456,7 @@ def test_forged_tables_are_refused_naming_them(tmp_path):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # kills a saving process at many points
 def test_killed_saves_always_leave_the_last_complete_experience(tmp_path):
     """A writer process saving changing experience again and again into one folder is SIGKILLed at a random instant
     of a random save; the folder must load as the last save that completed, or as the one in flight (a kill after
@@ -484,6 +485,7 @@ def test_killed_saves_always_leave_the_last_complete_experience(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["exp"] and len(os.listdir(folder)) == 2  # manifest, one version
 
 
+@pytest.mark.slow  # kills a saving process at many points
 def test_a_save_killed_before_any_of_its_filesystem_operations_leaves_a_complete_folder(tmp_path):
     """The deterministic complement: a forked writer is killed before its 1st, 2nd, ... filesystem operation of three
     saves in turn (the first into no folder, then over a saved one); each time the folder must load as the last

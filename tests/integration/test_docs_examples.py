@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPOSITORY = Path(__file__).resolve().parents[1]
+REPOSITORY = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 RUNNABLE = re.compile(r"<!-- runnable -->\n```python\n(.*?)```", re.S)
 

@@ -425,7 +425,7 @@ def test_a_warm_start_the_expert_never_wins_is_refused_clearly(data_dir, tmp_pat
 def test_recipe_runs_its_environments_on_ray_with_the_same_figures(data_dir, tmp_path, monkeypatch):
     """`--env_backend ray`: the recipe starts a local Ray instance, its episodes are played by Ray actors, and it logs
     the same figures (turns, refused actions, rewards: all but the times) and evaluates the same as with worker
-    processes. (This 2-step tiny run wins nothing, so its weights do not move; tests/test_multiturn.py trains through
+    processes. (This 2-step tiny run wins nothing, so its weights do not move; tests/integration/test_multiturn.py trains through
     both pools where the policy learns, and compares weights.)"""
     ray = pytest.importorskip("ray")
     from trl_exreplay.envs.ray_pool import RayEnvPool

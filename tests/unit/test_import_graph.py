@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "trl_exreplay"
+PACKAGE = Path(__file__).resolve().parents[2] / "trl_exreplay"
 
 
 def module_names() -> dict[str, Path]:

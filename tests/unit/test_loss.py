@@ -2,7 +2,7 @@
 `aggregate_loss`, TRL's normalisers.
 
 Expected values are worked out by hand (with `math`), never by calling the function under test. That TRL's own loss
-plus this term is what the trainer trains is checked in `tests/test_replay_loss.py`.
+plus this term is what the trainer trains is checked in `tests/integration/test_replayed_loss.py`.
 """
 
 from __future__ import annotations

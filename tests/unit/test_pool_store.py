@@ -34,7 +34,7 @@ from trl_exreplay.pool.store import (
 )
 from trl_exreplay.tiny import build_tiny_tokenizer
 
-SAVER = os.path.join(os.path.dirname(__file__), "scripts", "pool_saver.py")
+SAVER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "pool_saver.py")
 
 
 def f32(x: float) -> float:
@@ -231,6 +231,7 @@ def test_save_total_limit_keeps_older_snapshots_loadable(tmp_path):
         pool.save(str(path), save_total_limit=0)
 
 
+@pytest.mark.slow  # kills a saving process at many points
 def test_killed_saves_always_leave_the_last_complete_pool(tmp_path):
     """A writer process saving a changing pool again and again into one folder is killed (SIGKILL) at a random
     instant of a random save; the folder must always load, intact, as the last save that completed (or as the one
@@ -251,6 +252,7 @@ def test_killed_saves_always_leave_the_last_complete_pool(tmp_path):
     assert killed_mid_save >= trials // 2  # the kills really landed inside saves
 
 
+@pytest.mark.slow  # kills a saving process at many points
 def test_a_save_killed_before_any_of_its_filesystem_operations_leaves_a_complete_pool(tmp_path):
     """The deterministic complement of the random kills: a forked writer is killed before its 1st, 2nd, ...
     filesystem operation of four saves in turn (every boundary between two steps of the protocol); each time the

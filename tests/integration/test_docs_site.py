@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPOSITORY = Path(__file__).resolve().parents[1]
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def test_the_site_builds_strictly(tmp_path):
