@@ -18,7 +18,7 @@ Families (each case names what it sends):
 * ``retrieved``: texts spelling special tokens (whole, nested so that removing one joins another), 20,000 words;
 * ``env``: a `reset` or `step` returning None, bytes, an int, a lone surrogate, an object whose `str()` raises,
   200,000 words, a NaN or infinite reward, raising, or never returning;
-* ``config``: `experience_timeout`, `experience_max_tokens`, `env_step_timeout` set to values out of range.
+* ``config``: `guidance_timeout`, `guidance_max_tokens`, `env_step_timeout` set to values out of range.
 
     OMP_NUM_THREADS=1 python benchmarks/guidance_probe.py            # prints "cases N, crashes C, hangs H, silent S"
     OMP_NUM_THREADS=1 python benchmarks/guidance_probe.py --quick    # one case of each kind (the test runs this)
@@ -250,13 +250,13 @@ def env_step_tuple(observation):
 
 # ------------------------------------------------------------------------------------------------- config
 CONFIG_CASES = {
-    "experience_timeout=1e10": {"experience_timeout": 1e10},
-    "experience_timeout=inf": {"experience_timeout": math.inf},
-    "experience_timeout=nan": {"experience_timeout": math.nan},
-    "experience_timeout=0": {"experience_timeout": 0},
-    "experience_timeout='10'": {"experience_timeout": "10"},
-    "experience_max_tokens=0": {"experience_max_tokens": 0},
-    "experience_max_tokens=1.5": {"experience_max_tokens": 1.5},
+    "guidance_timeout=1e10": {"guidance_timeout": 1e10},
+    "guidance_timeout=inf": {"guidance_timeout": math.inf},
+    "guidance_timeout=nan": {"guidance_timeout": math.nan},
+    "guidance_timeout=0": {"guidance_timeout": 0},
+    "guidance_timeout='10'": {"guidance_timeout": "10"},
+    "guidance_max_tokens=0": {"guidance_max_tokens": 0},
+    "guidance_max_tokens=1.5": {"guidance_max_tokens": 1.5},
     "env_step_timeout=-1": {"env_step_timeout": -1},
 }
 

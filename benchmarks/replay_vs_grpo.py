@@ -77,10 +77,10 @@ from replay_testbeds import TESTBEDS  # noqa: E402
 
 SCHEMA = 1
 GUIDED = {
-    "train_rollout_expmode": "mixed",
-    "rollout_expratio": 0.5,
-    "train_sample_expmode": "alldiscard",
-    "experience_update_freq": 1,
+    "guidance_train": "mixed",
+    "guidance_ratio": 0.5,
+    "guidance_trained_prompt": "plain",
+    "guidance_update_freq": 1,
 }
 # Named presets: the ExReplayGRPOConfig fields a method sets on top of the testbed's training settings.
 PRESETS: dict[str, dict] = {
@@ -109,7 +109,7 @@ PRESETS: dict[str, dict] = {
     "exreplay-guided-env": {**GUIDED, "experience_from_testbed": True},
     "grpo-guided-env": {"enable_experience_replay": False, **GUIDED, "experience_from_testbed": True},
     # Tried on the tuning seeds: guided rows trained on their guided prompt (on-policy), so the policy learns to read it.
-    "exreplay-guided-env-keep": {**GUIDED, "train_sample_expmode": "allkeep", "experience_from_testbed": True},
+    "exreplay-guided-env-keep": {**GUIDED, "guidance_trained_prompt": "guided", "experience_from_testbed": True},
 }
 COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
 

@@ -39,18 +39,18 @@ SEED_NAMES = {
     "replay_importance_sampling": "`exp_is_correct`",
     "replay_clip_high": "`off_cliprange_high`",
     "replay_dual_clip_c": "`clip_ratio_c` (verl's dual clip)",
-    # seed 003 (AgentEvolver's Self-Navigating): the fields keep its names
-    "train_rollout_expmode": "`train_rollout_expmode` (003)",
-    "val_rollout_expmode": "`val_rollout_expmode` (003)",
-    "rollout_expratio": "`rollout_expratio` (003)",
-    "train_sample_expmode": "`train_sample_expmode` (003)",
-    "train_sample_keepratio": "`train_sample_keepratio` (003)",
-    "experience_template": "`experience_template` (003)",
-    "retrieve_top_k": "`retrieve_top_k` (003)",
-    "experience_update_freq": "`updated_freq` (003)",
-    "init_experience_before_training": "`init_experience_before_training` (003)",
-    "experience_base_url": "`base_url` (003)",
-    "experience_workspace_id": "`workspace_id` (003)",
+    # seed 003 (AgentEvolver's Self-Navigating): one prefix here, and plain values for its modes
+    "guidance_train": "`train_rollout_expmode` (003; 'off' is its `woexp`)",
+    "guidance_eval": "`val_rollout_expmode` (003; 'off' is its `woexp`)",
+    "guidance_ratio": "`rollout_expratio` (003)",
+    "guidance_trained_prompt": "`train_sample_expmode` (003; 'guided', 'plain' are its `allkeep`, `alldiscard`)",
+    "guidance_keep_ratio": "`train_sample_keepratio` (003)",
+    "guidance_template": "`experience_template` (003)",
+    "guidance_top_k": "`retrieve_top_k` (003)",
+    "guidance_update_freq": "`updated_freq` (003)",
+    "guidance_init_from_pool": "`init_experience_before_training` (003)",
+    "guidance_base_url": "`base_url` (003)",
+    "guidance_workspace_id": "`workspace_id` (003)",
 }
 
 GROUPS = (
@@ -68,14 +68,14 @@ GROUPS = (
     ("Data columns", ("task_id_column", "system_prompt_column")),
     ("Multi-turn episodes (games given as `text_env_factory`)", ("max_turns", "max_tokens_per_turn",
                                                                  "env_step_timeout", "env_workers")),
-    ("Experience-guided rollouts (seed 003; off by default)", ("train_rollout_expmode", "val_rollout_expmode",
-                                                              "rollout_expratio", "train_sample_expmode",
-                                                              "train_sample_keepratio", "experience_template",
-                                                              "retrieve_top_k", "experience_max_tokens",
-                                                              "experience_update_freq",
-                                                              "init_experience_before_training")),
-    ("Experience providers", ("experience_provider", "experience_base_url", "experience_timeout",
-                              "experience_workspace_id")),
+    ("Experience-guided rollouts (seed 003; off by default)", ("guidance_train", "guidance_eval",
+                                                              "guidance_ratio", "guidance_trained_prompt",
+                                                              "guidance_keep_ratio", "guidance_template",
+                                                              "guidance_top_k", "guidance_max_tokens",
+                                                              "guidance_update_freq",
+                                                              "guidance_init_from_pool")),
+    ("Experience providers", ("guidance_provider", "guidance_base_url", "guidance_timeout",
+                              "guidance_workspace_id")),
 )  # fmt: skip
 
 
@@ -98,9 +98,8 @@ def render() -> str:
         "`ExReplayGRPOConfig` is TRL's `GRPOConfig` (every field of it works as in TRL) plus the fields below. "
         "**The naming rule:** every field of experience replay is `replay_<what>`, except the one switch "
         "`enable_experience_replay`; dataset columns end in `_column`, as TRL's do; the multi-turn episode fields "
-        "describe episodes, not replay, and keep plain names; the experience-guided rollouts' fields keep the names of "
-        "the design document that specifies them (seed 003, AgentEvolver's Self-Navigating), so that its readers "
-        "and its configurations find them, and the providers' fields begin `experience_`.",
+        "describe episodes, not replay, and keep plain names; every field of experience-guided rollouts (their "
+        "providers' included) is `guidance_<what>`.",
         "",
         "The **design documents' name** column maps each field to the name the ExGRPO / AgentEvolver design "
         "documents use (seeds 000-003), where they name it.",

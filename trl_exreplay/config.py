@@ -286,50 +286,50 @@ class ExReplayGRPOConfig(GRPOConfig):
     )
 
     # ---- experience-guided rollouts (AgentEvolver's Self-Navigating, seed 003): off unless a rollout mode guides
-    train_rollout_expmode: str = field(
-        default="woexp",
+    guidance_train: str = field(
+        default="off",
         metadata={
-            "help": "Experience in training rollouts: 'woexp' (none: the feature is off), 'mixed' (round(num_generations "
-            "* rollout_expratio) of each task's rollouts get retrieved experience in their first user message) or "
+            "help": "Experience in training rollouts: 'off' (none: the feature is off), 'mixed' (round(num_generations "
+            "* guidance_ratio) of each task's rollouts get retrieved experience in their first user message) or "
             "'all' (every fresh rollout). Replayed rows are never guided."
         },
     )
-    val_rollout_expmode: str = field(
-        default="woexp",
-        metadata={"help": "Experience in evaluation rollouts: 'woexp', 'mixed' or 'all', as train_rollout_expmode."},
+    guidance_eval: str = field(
+        default="off",
+        metadata={"help": "Experience in evaluation rollouts: 'off', 'mixed' or 'all', as guidance_train."},
     )
-    rollout_expratio: float = field(
+    guidance_ratio: float = field(
         default=0.0,
         metadata={
-            "help": "Fraction of a task's rollouts guided under 'mixed': round(num_generations * rollout_expratio) of "
+            "help": "Fraction of a task's rollouts guided under 'mixed': round(num_generations * guidance_ratio) of "
             "them. In [0, 1]; with a 'mixed' mode it must guide at least one rollout."
         },
     )
-    train_sample_expmode: str = field(
-        default="alldiscard",
+    guidance_trained_prompt: str = field(
+        default="plain",
         metadata={
-            "help": "What a guided rollout trains on: 'allkeep' (its guided prompt, on-policy), 'alldiscard' (the "
+            "help": "What a guided rollout trains on: 'guided' (its guided prompt, on-policy), 'plain' (the "
             "prompt without the experience, token-exact; its tokens are trained off-policy against the log-probs "
-            "recorded under guidance, as replayed tokens are) or 'hybrid' (int(tasks * train_sample_keepratio) of a "
+            "recorded under guidance, as replayed tokens are) or 'hybrid' (int(tasks * guidance_keep_ratio) of a "
             "batch's tasks keep, the others discard)."
         },
     )
-    train_sample_keepratio: float = field(
+    guidance_keep_ratio: float = field(
         default=1.0,
         metadata={"help": "Fraction of a batch's tasks that keep their guidance under 'hybrid'. In [0, 1]."},
     )
-    experience_template: str = field(
+    guidance_template: str = field(
         default="\n\nSome Related Experience to help you to complete the task:<EXP>{}</EXP>\n\n",
         metadata={
             "help": "Text put before the first user message of a guided rollout; its one `{}` receives the retrieved "
             "experience (records joined by newlines). Must contain `{}` exactly once."
         },
     )
-    retrieve_top_k: int = field(
+    guidance_top_k: int = field(
         default=3,
         metadata={"help": "Experience records retrieved per guided rollout at most. >= 1."},
     )
-    experience_max_tokens: int = field(
+    guidance_max_tokens: int = field(
         default=512,
         metadata={
             "help": "Tokens of retrieved experience put in one prompt at most (the records joined, before the template); "
@@ -337,43 +337,43 @@ class ExReplayGRPOConfig(GRPOConfig):
             "a special or added token in it is removed (counted in guide/special_tokens_removed). >= 1."
         },
     )
-    experience_update_freq: int = field(
+    guidance_update_freq: int = field(
         default=0,
         metadata={
             "help": "Every this many optimizer steps, the successful fresh rollouts gathered since the last update are "
             "summarised into experience in a background thread (never blocking a step). 0: never (the store holds "
-            "what init_experience_before_training or a resumed checkpoint gave it). >= 0."
+            "what guidance_init_from_pool or a resumed checkpoint gave it). >= 0."
         },
     )
-    init_experience_before_training: bool = field(
+    guidance_init_from_pool: bool = field(
         default=False,
         metadata={
             "help": "Before the first step, summarise the successful trajectories of the experience pool the trainer "
             "starts with (a given `experience_pool`), so that the first guided rollouts have experience to retrieve."
         },
     )
-    experience_provider: str = field(
+    guidance_provider: str = field(
         default="offline",
         metadata={
             "help": "Where experience is summarised and retrieved: 'offline' (in-process: records made from successful "
             "rollouts' actions, BM25 retrieval over task texts, saved with every checkpoint) or 'reme' (a ReMe "
-            "service at experience_base_url). A provider object passed to the trainer as `experience_provider` wins."
+            "service at guidance_base_url). A provider object passed to the trainer as `experience_provider` wins."
         },
     )
-    experience_base_url: str | None = field(
+    guidance_base_url: str | None = field(
         default=None,
-        metadata={"help": "The ReMe service's URL, e.g. http://127.0.0.1:8001 (experience_provider='reme')."},
+        metadata={"help": "The ReMe service's URL, e.g. http://127.0.0.1:8001 (guidance_provider='reme')."},
     )
-    experience_timeout: float = field(
+    guidance_timeout: float = field(
         default=10.0,
         metadata={
             "help": "Seconds a ReMe request may take in all (connect, send, the whole reply); a retrieval past it "
             "leaves its rollout unguided (counted in guide/retrieve_failures). In (0, 86400]."
         },
     )
-    experience_workspace_id: str = field(
+    guidance_workspace_id: str = field(
         default="default",
-        metadata={"help": "The ReMe workspace that holds this run's experience (experience_provider='reme')."},
+        metadata={"help": "The ReMe workspace that holds this run's experience (guidance_provider='reme')."},
     )
 
     def __post_init__(self):
@@ -562,11 +562,11 @@ def validate_guidance_options(o: dict[str, Any], num_generations: int | None) ->
     """The experience-guided rollouts' fields (seed 003); errors name the field and its allowed values. A field
     missing from `o` (options made by hand, before these fields existed) takes its default."""
     o = {**{f.name: f.default for f in fields(ExReplayGRPOConfig) if f.name in _GUIDANCE_FIELDS}, **o}
-    for name in ("train_rollout_expmode", "val_rollout_expmode"):
+    for name in ("guidance_train", "guidance_eval"):
         _check(o[name] in ROLLOUT_MODES, name, o[name], _names(ROLLOUT_MODES))
-    mode = o["train_sample_expmode"]
-    _check(mode in SAMPLE_MODES, "train_sample_expmode", mode, _names(SAMPLE_MODES))
-    for name in ("rollout_expratio", "train_sample_keepratio"):
+    mode = o["guidance_trained_prompt"]
+    _check(mode in SAMPLE_MODES, "guidance_trained_prompt", mode, _names(SAMPLE_MODES))
+    for name in ("guidance_ratio", "guidance_keep_ratio"):
         value = o[name]
         _check(
             _is_number(value) and 0.0 <= value <= 1.0,
@@ -574,53 +574,53 @@ def validate_guidance_options(o: dict[str, Any], num_generations: int | None) ->
             value,
             "numbers in [0, 1]",
         )
-    mixed = [name for name in ("train_rollout_expmode", "val_rollout_expmode") if o[name] == "mixed"]
-    if mixed and num_generations and round(num_generations * o["rollout_expratio"]) == 0:
+    mixed = [name for name in ("guidance_train", "guidance_eval") if o[name] == "mixed"]
+    if mixed and num_generations and round(num_generations * o["guidance_ratio"]) == 0:
         raise ValueError(
-            f"Invalid value {o['rollout_expratio']!r} for `rollout_expratio`: with {mixed[0]}='mixed', "
-            f"round(num_generations * rollout_expratio) = round({num_generations} * {o['rollout_expratio']}) = 0 "
-            "rollouts would be guided; allowed values guide at least one (rollout_expratio > "
-            f"{0.5 / num_generations:g}, since round() halves to even), or set {mixed[0]}='woexp'."
+            f"Invalid value {o['guidance_ratio']!r} for `guidance_ratio`: with {mixed[0]}='mixed', "
+            f"round(num_generations * guidance_ratio) = round({num_generations} * {o['guidance_ratio']}) = 0 "
+            "rollouts would be guided; allowed values guide at least one (guidance_ratio > "
+            f"{0.5 / num_generations:g}, since round() halves to even), or set {mixed[0]}='off'."
         )
-    template = o["experience_template"]
+    template = o["guidance_template"]
     _check(
         isinstance(template, str) and template.count("{}") == 1,
-        "experience_template",
+        "guidance_template",
         template,
         "strings that contain `{}` exactly once (where the retrieved experience goes)",
     )
-    k = o["retrieve_top_k"]
-    _check(_is_int(k) and k >= 1, "retrieve_top_k", k, "integers >= 1")
-    budget = o["experience_max_tokens"]
-    _check(_is_int(budget) and budget >= 1, "experience_max_tokens", budget, "integers >= 1")
-    freq = o["experience_update_freq"]
-    _check(_is_int(freq) and freq >= 0, "experience_update_freq", freq, "integers >= 0 (0: no updates)")
-    init = o["init_experience_before_training"]
-    _check(isinstance(init, bool), "init_experience_before_training", init, "True or False (a bool, not a string)")
-    provider = o["experience_provider"]
-    _check(provider in EXPERIENCE_PROVIDERS, "experience_provider", provider, _names(EXPERIENCE_PROVIDERS))
-    url = o["experience_base_url"]
+    k = o["guidance_top_k"]
+    _check(_is_int(k) and k >= 1, "guidance_top_k", k, "integers >= 1")
+    budget = o["guidance_max_tokens"]
+    _check(_is_int(budget) and budget >= 1, "guidance_max_tokens", budget, "integers >= 1")
+    freq = o["guidance_update_freq"]
+    _check(_is_int(freq) and freq >= 0, "guidance_update_freq", freq, "integers >= 0 (0: no updates)")
+    init = o["guidance_init_from_pool"]
+    _check(isinstance(init, bool), "guidance_init_from_pool", init, "True or False (a bool, not a string)")
+    provider = o["guidance_provider"]
+    _check(provider in EXPERIENCE_PROVIDERS, "guidance_provider", provider, _names(EXPERIENCE_PROVIDERS))
+    url = o["guidance_base_url"]
     _check(
         url is None or (isinstance(url, str) and url.split("://", 1)[0] in ("http", "https") and "://" in url),
-        "experience_base_url",
+        "guidance_base_url",
         url,
         "None or an http:// or https:// URL",
     )
-    guided = o["train_rollout_expmode"] != "woexp" or o["val_rollout_expmode"] != "woexp"
+    guided = o["guidance_train"] != "off" or o["guidance_eval"] != "off"
     if guided and provider == "reme" and url is None:
         raise ValueError(
-            "Invalid value None for `experience_base_url`: experience_provider='reme' needs the ReMe service's URL "
+            "Invalid value None for `guidance_base_url`: guidance_provider='reme' needs the ReMe service's URL "
             "(allowed values: an http:// or https:// URL, e.g. http://127.0.0.1:8001)."
         )
-    timeout = o["experience_timeout"]
+    timeout = o["guidance_timeout"]
     _check(
         _is_number(timeout) and 0 < timeout <= MAX_TIMEOUT,
-        "experience_timeout",
+        "guidance_timeout",
         timeout,
         f"numbers of seconds in (0, {MAX_TIMEOUT:g}]",
     )
-    workspace = o["experience_workspace_id"]
-    _check(isinstance(workspace, str) and workspace != "", "experience_workspace_id", workspace, "non-empty strings")
+    workspace = o["guidance_workspace_id"]
+    _check(isinstance(workspace, str) and workspace != "", "guidance_workspace_id", workspace, "non-empty strings")
 
 
 def _names(values: tuple[str, ...]) -> str:
@@ -628,11 +628,11 @@ def _names(values: tuple[str, ...]) -> str:
 
 
 _GUIDANCE_FIELDS = frozenset(
-    ["train_rollout_expmode", "val_rollout_expmode", "rollout_expratio", "train_sample_expmode",
-     "train_sample_keepratio", "experience_template", "retrieve_top_k", "experience_max_tokens",
-     "experience_update_freq",
-     "init_experience_before_training", "experience_provider", "experience_base_url", "experience_timeout",
-     "experience_workspace_id"]
+    ["guidance_train", "guidance_eval", "guidance_ratio", "guidance_trained_prompt",
+     "guidance_keep_ratio", "guidance_template", "guidance_top_k", "guidance_max_tokens",
+     "guidance_update_freq",
+     "guidance_init_from_pool", "guidance_provider", "guidance_base_url", "guidance_timeout",
+     "guidance_workspace_id"]
 )  # fmt: skip
 _REPLAY_FIELD_NAMES = frozenset(
     name for name in ExReplayGRPOConfig.__dataclass_fields__ if name not in GRPOConfig.__dataclass_fields__

@@ -11,7 +11,7 @@ behaviour log-probs, those of the generating policy under the guided prompt (one
 the loss trains them off-policy, as replayed tokens. A row of a `keep` task trains on its guided prompt, on-policy.
 A guided row that retrieved nothing is an ordinary row.
 
-Successful fresh rollouts wait in the summariser's backlog (`guidance.summarizer`); every `experience_update_freq`
+Successful fresh rollouts wait in the summariser's backlog (`guidance.summarizer`); every `guidance_update_freq`
 steps they are summarised in a background thread, and the records are added at a later step boundary, on every
 process at the same step. The store and the backlog are saved with every checkpoint (`exreplay_experience/`).
 """
@@ -46,11 +46,11 @@ _RUNNING_TOTALS = ("retrieve_failures", "special_tokens_removed", "experience_tr
 
 def make_provider(options: dict) -> ExperienceProvider:
     """The provider a configuration names (`experience_provider`)."""
-    if options["experience_provider"] == "reme":
+    if options["guidance_provider"] == "reme":
         from .guidance.reme import ReMeExperienceProvider
 
         return ReMeExperienceProvider(
-            options["experience_base_url"], options["experience_workspace_id"], timeout=options["experience_timeout"]
+            options["guidance_base_url"], options["guidance_workspace_id"], timeout=options["guidance_timeout"]
         )
     from .guidance.offline import OfflineExperienceProvider
 
@@ -58,12 +58,12 @@ def make_provider(options: dict) -> ExperienceProvider:
 
 
 def guided_rollouts(options: dict, provider: ExperienceProvider | None, **kwargs) -> GuidedRollouts | None:
-    """The run's `GuidedRollouts`, or None when neither training nor evaluation is guided (`train_rollout_expmode`,
-    `val_rollout_expmode`); `kwargs` go to `GuidedRollouts`."""
-    if options["train_rollout_expmode"] == options["val_rollout_expmode"] == "woexp":
+    """The run's `GuidedRollouts`, or None when neither training nor evaluation is guided (`guidance_train`,
+    `guidance_eval`); `kwargs` go to `GuidedRollouts`."""
+    if options["guidance_train"] == options["guidance_eval"] == "off":
         if provider is not None:
             warnings.warn(
-                "An experience_provider was given but train_rollout_expmode and val_rollout_expmode are 'woexp': "
+                "An experience_provider was given but guidance_train and guidance_eval are 'off': "
                 "no rollout is guided, so it is not used.",
                 stacklevel=3,
             )
@@ -94,8 +94,8 @@ class GuidedRollouts:
         unsupported: dict[str, bool],
     ):
         o = self.options = options
-        self.train = o["train_rollout_expmode"] != "woexp"
-        self.eval = o["val_rollout_expmode"] != "woexp"
+        self.train = o["guidance_train"] != "off"
+        self.eval = o["guidance_eval"] != "off"
         self._accelerator = accelerator
         self._processing_class = processing_class
         self._num_generations = num_generations
@@ -107,19 +107,19 @@ class GuidedRollouts:
         for what, present in unsupported.items():
             if present:
                 raise NotImplementedError(
-                    f"Experience-guided rollouts with {what} are not supported yet; set train_rollout_expmode and "
-                    "val_rollout_expmode to 'woexp'."
+                    f"Experience-guided rollouts with {what} are not supported yet; set guidance_train and "
+                    "guidance_eval to 'off'."
                 )
         self.experience = provider if provider is not None else make_provider(o)
         # The main process alone summarises (once, not once per process: a summary may come from a model, and differ
         # between calls); an in-process store then gets its records broadcast to every process at the same step.
         self._summarizes = accelerator.is_main_process
         self.summarizer = BackgroundSummarizer(self.experience)
-        can_grow = o["experience_update_freq"] > 0 or o["init_experience_before_training"]
+        can_grow = o["guidance_update_freq"] > 0 or o["guidance_init_from_pool"]
         if not can_grow and not self.experience.records() and not getattr(self.experience, "shared", False):
             logger.warning(
-                "trl_exreplay: experience-guided rollouts are on, but experience_update_freq=0 and "
-                "init_experience_before_training=False leave the experience store empty: no rollout will be guided "
+                "trl_exreplay: experience-guided rollouts are on, but guidance_update_freq=0 and "
+                "guidance_init_from_pool=False leave the experience store empty: no rollout will be guided "
                 "unless the provider was given records (or a resumed checkpoint holds some)."
             )
         self._guide_counts: Counter = Counter()
@@ -131,9 +131,9 @@ class GuidedRollouts:
     # ------------------------------------------------------------------------------------------- each step
     def step_begin(self, global_step: int, pool) -> None:
         """At a step boundary: the main process collects a finished summarisation (never waiting for one), and every
-        process adds its records at this same step; every `experience_update_freq` steps the main process hands the
+        process adds its records at this same step; every `guidance_update_freq` steps the main process hands the
         backlog to the background thread. Collective (one broadcast) for an in-process store."""
-        init, freq = self.options["init_experience_before_training"], self.options["experience_update_freq"]
+        init, freq = self.options["guidance_init_from_pool"], self.options["guidance_update_freq"]
         if not init and not freq:  # nothing is ever summarised: no collective to make (the config is every rank's)
             return
         step = global_step
@@ -155,7 +155,7 @@ class GuidedRollouts:
                 self.summarizer.submit()
 
     def _init_experience(self, pool) -> list:
-        """`init_experience_before_training`, on the main process: the starting pool's trajectories summarised now
+        """`guidance_init_from_pool`, on the main process: the starting pool's trajectories summarised now
         (before the first step) by an in-process provider, whose records it returns; a service gets them in the
         background (a long request must not hold the other processes at a collective)."""
         if not self._summarizes:
@@ -219,20 +219,20 @@ class GuidedRollouts:
         if training:
             generations, mode, sample_mode = (
                 self._num_generations,
-                o["train_rollout_expmode"],
-                o["train_sample_expmode"],
+                o["guidance_train"],
+                o["guidance_trained_prompt"],
             )
         else:  # evaluation trains nothing: a guided row keeps its guidance
-            generations, mode, sample_mode = self._num_generations_eval, o["val_rollout_expmode"], "allkeep"
-        if mode == "woexp":
+            generations, mode, sample_mode = self._num_generations_eval, o["guidance_eval"], "guided"
+        if mode == "off":
             return None
         return allocate_guidance(
             generations,
             num_rows // generations,
             mode,
-            o["rollout_expratio"],
+            o["guidance_ratio"],
             sample_mode,
-            o["train_sample_keepratio"],
+            o["guidance_keep_ratio"],
             seed,
             replayed_rows,
         )
@@ -245,7 +245,7 @@ class GuidedRollouts:
             return step.retrieved[query]
         result: tuple[str | None, int] = (None, 0)
         if not step.retrieval_down:
-            k = self.options["retrieve_top_k"]
+            k = self.options["guidance_top_k"]
             try:
                 contents = self.experience.retrieve(query, k)
                 if not isinstance(contents, (list, tuple)):
@@ -254,7 +254,7 @@ class GuidedRollouts:
                 for text in contents:
                     text.encode("utf-8")  # a lone surrogate cannot be tokenized: the provider failed
                 if contents:
-                    template = self.options["experience_template"]
+                    template = self.options["guidance_template"]
                     result = (format_experience(template, [self._bounded(contents)]), len(contents))
             except Exception as error:  # noqa: BLE001 - a failing provider is counted; the rollout goes unguided
                 step.retrieval_down = True
@@ -266,11 +266,11 @@ class GuidedRollouts:
 
     def _bounded(self, contents: list[str]) -> str:
         """Retrieved records joined as the template receives them, made safe: no spelling of a special or added token
-        (it would forge a chat turn or an end of sequence in the trained prompt), at most `experience_max_tokens`."""
+        (it would forge a chat turn or an end of sequence in the trained prompt), at most `guidance_max_tokens`."""
         if self._token_strings is None:  # the tokenizer's added tokens do not change during a run
             self._token_strings = added_token_strings(self._processing_class)
         text, removed = remove_token_strings("\n".join(contents), self._token_strings)
-        text, cut = token_prefix(text, self._processing_class, self.options["experience_max_tokens"])
+        text, cut = token_prefix(text, self._processing_class, self.options["guidance_max_tokens"])
         self._guide_counts["special_tokens_removed"] += removed
         self._guide_counts["experience_truncated"] += int(cut)
         return text
@@ -398,7 +398,7 @@ class GuidedRollouts:
     def offer_summaries(self, summaries: list[dict]) -> None:
         """Every rank's summary inputs of the last step (in row order, `ReplayController.flush`) into the backlog."""
         inputs = [SummaryInput(**summary) for summary in summaries]
-        if inputs and self._summarizes and self.options["experience_update_freq"] > 0:  # 0: nothing will take them
+        if inputs and self._summarizes and self.options["guidance_update_freq"] > 0:  # 0: nothing will take them
             self.summarizer.offer(inputs)
 
     def log(self, step, success: list[bool], fresh_rows: list[int], metrics) -> None:

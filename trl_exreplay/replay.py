@@ -104,7 +104,7 @@ class ReplayController:
         self._pool_settings["seed"] = self._args.seed
         # The pool's token ids must be this tokenizer's wherever they are read: replay, and the experience of guided
         # rollouts when it starts from the pool.
-        reads_pool = self.enabled or self.options["init_experience_before_training"]
+        reads_pool = self.enabled or self.options["guidance_init_from_pool"]
         self._tokenizer_fingerprint = tokenizer_fingerprint(processing_class) if reads_pool else None
         self._vocab_size = _vocab_size(model)
         self.pool = ExperiencePool(**self._pool_settings, work_dir=self._pool_work_dir())

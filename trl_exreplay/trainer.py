@@ -41,7 +41,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     `GRPOTrainer` with experience replay (ExGRPO / AgentEvolver). Same arguments as [`trl.GRPOTrainer`], plus
     `experience_pool` to start from an existing pool, `text_env_factory` for multi-turn games and
     `experience_provider` for experience-guided rollouts (`trl_exreplay.guidance`; off unless the config's
-    `train_rollout_expmode` or `val_rollout_expmode` guides). Replay is configured by [`ExReplayGRPOConfig`]; a plain
+    `guidance_train` or `guidance_eval` guides). Replay is configured by [`ExReplayGRPOConfig`]; a plain
     `GRPOConfig` replays with the default settings, and `enable_experience_replay=False` gives `GRPOTrainer` exactly.
 
     TRL methods it overrides, each calling `super()` (no TRL method body is copied), and why:

@@ -103,7 +103,7 @@ class MultiTurn(Testbed):
     # The tiny model's word-level tokenizer splits on spaces only: the library's default template ("...task:<EXP>{}
     # </EXP>") and summary ("...actions: take red key; open red door") come out mostly as <unk> (18 of 24 tokens), the
     # key words glued to punctuation. The environment's own summary and a template of vocabulary words instead.
-    experience_settings = {"experience_template": "{} . "}
+    experience_settings = {"guidance_template": "{} . "}
 
     def experience_provider(self):
         from trl_exreplay.guidance.offline import OfflineExperienceProvider

@@ -94,7 +94,7 @@ def test_the_guided_preset_records_what_guidance_did(harness, tmp_path, capsys):
     entry = harness.load_results(out)["testbeds"]["single-turn"]
     run = entry["methods"]["exreplay-guided"]["runs"]["3"]
     assert entry["methods"]["exreplay-guided"]["preset"] == harness.GUIDED
-    assert run["settings"]["train_rollout_expmode"] == "mixed"
+    assert run["settings"]["guidance_train"] == "mixed"
     guidance = run["guidance"]
     assert set(guidance) == set(harness.GUIDE_SERIES) and all(len(v) == 3 for v in guidance.values())
     assert guidance["guided_fraction"][0] == 0.0  # nothing to retrieve before the first summaries land
@@ -124,13 +124,13 @@ def test_the_doors_testbed_gives_guidance_its_vocabulary_can_spell(harness):
         ids = tokenizer(format_experience(template, [summary]), add_special_tokens=False)["input_ids"]
         return sum(i == tokenizer.unk_token_id for i in ids), len(ids)
 
-    default_template = ExReplayGRPOConfig.__dataclass_fields__["experience_template"].default
+    default_template = ExReplayGRPOConfig.__dataclass_fields__["guidance_template"].default
     assert unknown(default_template, default_summary(won)) == (18, 24)
     testbed = MultiTurn()
     provider = testbed.experience_provider()
     [record] = provider.summarize([won])
     assert record.content == "take red key and open red door"
-    assert unknown(testbed.experience_settings["experience_template"], record.content) == (0, 8)
+    assert unknown(testbed.experience_settings["guidance_template"], record.content) == (0, 8)
     assert harness.PRESETS["exreplay-guided-env"]["experience_from_testbed"] is True
 
 

@@ -65,7 +65,7 @@ def check_guided_allocations(ranks: list[dict]) -> None:
     evaluation = [a for a in rank0["allocations"] if len(a["guided"]) == 4]  # 2 rows a rank: one group of 4
     assert len(training) == 6 and evaluation and all(all(a["guided"]) for a in evaluation)
     for step, allocation in enumerate(training):
-        assert sum(allocation["keep"]) == int(3 * 0.5)  # keep_count = int(tasks * train_sample_keepratio)
+        assert sum(allocation["keep"]) == int(3 * 0.5)  # keep_count = int(tasks * guidance_keep_ratio)
         per_group = [sum(allocation["guided"][g * 4 : g * 4 + 4]) for g in range(3)]
         # round(4 * 0.5) = 2 per task; once replay starts (step 2) a replayed row is never guided
         assert per_group == [2, 2, 2] if step < 2 else all(count in (1, 2) for count in per_group), per_group

@@ -36,7 +36,7 @@ OVERRIDDEN = {
 
 
 def test_the_overrides_are_exactly_the_pinned_ones():
-    ours = [cls for cls in ExReplayGRPOTrainer.__mro__ if cls.__module__.startswith("trl_exreplay")]  # and mixins
+    ours = [cls for cls in ExReplayGRPOTrainer.__mro__ if cls.__module__.startswith("trl_exreplay")]
     overridden = sorted(
         name
         for cls in ours

@@ -32,9 +32,9 @@ trainer = make_trainer(
     max_steps=50,
     save_strategy="steps",
     save_steps=1,
-    experience_update_freq=1,
-    train_rollout_expmode="mixed",
-    rollout_expratio=0.5,
+    guidance_update_freq=1,
+    guidance_train="mixed",
+    guidance_ratio=0.5,
     trainer_kwargs={"experience_provider": BlockingProvider()},
 )
 trainer.train()

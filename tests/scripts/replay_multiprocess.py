@@ -64,14 +64,14 @@ if "guided" in options:
 
     guidance_module.allocate_guidance = recording_allocate
 GUIDED = dict(
-    train_rollout_expmode="mixed",
-    rollout_expratio=0.5,
-    train_sample_expmode="hybrid",
-    train_sample_keepratio=0.5,
-    experience_update_freq=1,
-    experience_template="please {} ok ",
+    guidance_train="mixed",
+    guidance_ratio=0.5,
+    guidance_trained_prompt="hybrid",
+    guidance_keep_ratio=0.5,
+    guidance_update_freq=1,
+    guidance_template="please {} ok ",
     # evaluation guided too, on a group of 4 that spans both ranks (2 rows each)
-    val_rollout_expmode="all",
+    guidance_eval="all",
     eval_strategy="steps",
     eval_steps=3,
     per_device_eval_batch_size=2,

@@ -50,20 +50,20 @@ REPLAY_FIELDS = {
     "replay_scratch_dir",
     "replay_scratch_sharing",
     "system_prompt_column",
-    "train_rollout_expmode",
-    "val_rollout_expmode",
-    "rollout_expratio",
-    "train_sample_expmode",
-    "train_sample_keepratio",
-    "experience_template",
-    "retrieve_top_k",
-    "experience_max_tokens",
-    "experience_update_freq",
-    "init_experience_before_training",
-    "experience_provider",
-    "experience_base_url",
-    "experience_timeout",
-    "experience_workspace_id",
+    "guidance_train",
+    "guidance_eval",
+    "guidance_ratio",
+    "guidance_trained_prompt",
+    "guidance_keep_ratio",
+    "guidance_template",
+    "guidance_top_k",
+    "guidance_max_tokens",
+    "guidance_update_freq",
+    "guidance_init_from_pool",
+    "guidance_provider",
+    "guidance_base_url",
+    "guidance_timeout",
+    "guidance_workspace_id",
 }
 
 
@@ -115,20 +115,20 @@ DEFAULTS = {
     "replay_scratch_dir": None,
     "replay_scratch_sharing": "machine",
     "system_prompt_column": "system_prompt",
-    "train_rollout_expmode": "woexp",
-    "val_rollout_expmode": "woexp",
-    "rollout_expratio": 0.0,
-    "train_sample_expmode": "alldiscard",
-    "train_sample_keepratio": 1.0,
-    "experience_template": "\n\nSome Related Experience to help you to complete the task:<EXP>{}</EXP>\n\n",
-    "retrieve_top_k": 3,
-    "experience_max_tokens": 512,
-    "experience_update_freq": 0,
-    "init_experience_before_training": False,
-    "experience_provider": "offline",
-    "experience_base_url": None,
-    "experience_timeout": 10.0,
-    "experience_workspace_id": "default",
+    "guidance_train": "off",
+    "guidance_eval": "off",
+    "guidance_ratio": 0.0,
+    "guidance_trained_prompt": "plain",
+    "guidance_keep_ratio": 1.0,
+    "guidance_template": "\n\nSome Related Experience to help you to complete the task:<EXP>{}</EXP>\n\n",
+    "guidance_top_k": 3,
+    "guidance_max_tokens": 512,
+    "guidance_update_freq": 0,
+    "guidance_init_from_pool": False,
+    "guidance_provider": "offline",
+    "guidance_base_url": None,
+    "guidance_timeout": 10.0,
+    "guidance_workspace_id": "default",
 }
 
 
@@ -286,30 +286,30 @@ INVALID = [
     ("max_turns", dict(max_turns=True), "integers >= 1"),
     ("max_tokens_per_turn", dict(max_tokens_per_turn=True), "None or integers >= 1"),
     ("env_workers", dict(env_workers=True), "integers >= 1"),
-    ("train_rollout_expmode", dict(train_rollout_expmode="some"), "'woexp', 'mixed', 'all'"),
-    ("val_rollout_expmode", dict(val_rollout_expmode=None), "'woexp', 'mixed', 'all'"),
-    ("train_sample_expmode", dict(train_sample_expmode="keep"), "'allkeep', 'alldiscard', 'hybrid'"),
-    ("rollout_expratio", dict(rollout_expratio=1.5), "numbers in [0, 1]"),
-    ("train_sample_keepratio", dict(train_sample_keepratio=-0.1), "numbers in [0, 1]"),
+    ("guidance_train", dict(guidance_train="some"), "'off', 'mixed', 'all'"),
+    ("guidance_eval", dict(guidance_eval=None), "'off', 'mixed', 'all'"),
+    ("guidance_trained_prompt", dict(guidance_trained_prompt="keep"), "'guided', 'plain', 'hybrid'"),
+    ("guidance_ratio", dict(guidance_ratio=1.5), "numbers in [0, 1]"),
+    ("guidance_keep_ratio", dict(guidance_keep_ratio=-0.1), "numbers in [0, 1]"),
     # G = 4 in these tests: round(4 * 0.1) = 0 guided rollouts
-    ("rollout_expratio", dict(train_rollout_expmode="mixed", rollout_expratio=0.1), "rollout_expratio > 0.125"),
-    ("experience_template", dict(experience_template="no slot"), "contain `{}` exactly once"),
-    ("experience_template", dict(experience_template="{} and {}"), "contain `{}` exactly once"),
-    ("retrieve_top_k", dict(retrieve_top_k=0), "integers >= 1"),
-    ("experience_max_tokens", dict(experience_max_tokens=0), "integers >= 1"),
-    ("experience_update_freq", dict(experience_update_freq=-1), "integers >= 0 (0: no updates)"),
-    ("init_experience_before_training", dict(init_experience_before_training="yes"), "True or False"),
-    ("experience_provider", dict(experience_provider="remote"), "'offline', 'reme'"),
-    ("experience_base_url", dict(experience_base_url="ftp://x"), "None or an http:// or https:// URL"),
+    ("guidance_ratio", dict(guidance_train="mixed", guidance_ratio=0.1), "guidance_ratio > 0.125"),
+    ("guidance_template", dict(guidance_template="no slot"), "contain `{}` exactly once"),
+    ("guidance_template", dict(guidance_template="{} and {}"), "contain `{}` exactly once"),
+    ("guidance_top_k", dict(guidance_top_k=0), "integers >= 1"),
+    ("guidance_max_tokens", dict(guidance_max_tokens=0), "integers >= 1"),
+    ("guidance_update_freq", dict(guidance_update_freq=-1), "integers >= 0 (0: no updates)"),
+    ("guidance_init_from_pool", dict(guidance_init_from_pool="yes"), "True or False"),
+    ("guidance_provider", dict(guidance_provider="remote"), "'offline', 'reme'"),
+    ("guidance_base_url", dict(guidance_base_url="ftp://x"), "None or an http:// or https:// URL"),
     (
-        "experience_base_url",
-        dict(train_rollout_expmode="all", experience_provider="reme", experience_base_url=None),
+        "guidance_base_url",
+        dict(guidance_train="all", guidance_provider="reme", guidance_base_url=None),
         "URL",
     ),
-    ("experience_timeout", dict(experience_timeout=0), "numbers of seconds in (0, 86400]"),
-    ("experience_timeout", dict(experience_timeout=1e10), "numbers of seconds in (0, 86400]"),
-    ("experience_timeout", dict(experience_timeout=float("inf")), "numbers of seconds in (0, 86400]"),
-    ("experience_workspace_id", dict(experience_workspace_id=""), "non-empty strings"),
+    ("guidance_timeout", dict(guidance_timeout=0), "numbers of seconds in (0, 86400]"),
+    ("guidance_timeout", dict(guidance_timeout=1e10), "numbers of seconds in (0, 86400]"),
+    ("guidance_timeout", dict(guidance_timeout=float("inf")), "numbers of seconds in (0, 86400]"),
+    ("guidance_workspace_id", dict(guidance_workspace_id=""), "non-empty strings"),
 ]
 
 
@@ -366,19 +366,16 @@ def test_validate_reports_num_generations_bound(tmp_path):
     validate_replay_options({**options, "replay_trajectories_per_group": 7, "replay_max_trajectories_per_task": 7}, 8)
 
 
-def test_the_naming_rule_every_replay_field_starts_with_replay():
-    """The rule docs/config.md states: replay fields are `replay_<what>`, but the switch and the data columns; the
-    guided rollouts' fields keep seed 003's names, the providers' begin `experience_`."""
+def test_the_naming_rule_one_prefix_per_part():
+    """The rule docs/config.md states: replay fields are `replay_<what>` (but the switch), guided rollouts' fields
+    `guidance_<what>`, the games' fields name the episode, and the data columns end in `_column`."""
     added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)}
     episode = {"max_turns", "max_tokens_per_turn", "env_step_timeout", "env_workers"}
     columns = {name for name in added if name.endswith("_column")}
     assert columns == {"task_id_column", "system_prompt_column"}
-    guided = {"train_rollout_expmode", "val_rollout_expmode", "rollout_expratio", "train_sample_expmode",
-              "train_sample_keepratio", "experience_template", "retrieve_top_k", "init_experience_before_training"}  # fmt: skip
-    providers = {name for name in added if name.startswith("experience_")}  # and the seed's updated_freq renamed
-    assert {name for name in added - episode - columns - guided - providers if not name.startswith("replay_")} == {
-        "enable_experience_replay"
-    }
+    prefixed = {name for name in added if name.startswith(("replay_", "guidance_"))}
+    assert added - prefixed - episode - columns == {"enable_experience_replay"}
+    assert len({name for name in prefixed if name.startswith("guidance_")}) == 14
 
 
 def test_the_design_documents_names_are_not_fields(tmp_path):

@@ -4,9 +4,9 @@ allocation for the same global batch and a resumed run draws the same ones again
 
 * Task level (`train_sample_modes`): `keep_count = int(num_tasks * keep_ratio)` of a batch's tasks keep the
   experience in their training samples, the rest discard it; the list `['keep'] * keep_count + ['discard'] * ...`
-  is shuffled. `keep_ratio` is 1 (`allkeep`), 0 (`alldiscard`) or `train_sample_keepratio` (`hybrid`).
-* Rollout level (`rollout_add_exp`): `woexp` guides none of a task's G rollouts, `all` every one, `mixed` the
-  `round(G * rollout_expratio)` rollouts `i < round(G * ratio)`, in a random order.
+  is shuffled. `keep_ratio` is 1 (`guided`), 0 (`plain`) or `guidance_keep_ratio` (`hybrid`).
+* Rollout level (`rollout_add_exp`): `off` guides none of a task's G rollouts, `all` every one, `mixed` the
+  `round(G * guidance_ratio)` rollouts `i < round(G * ratio)`, in a random order.
 
 `allocate_guidance` applies both to a generation batch of groups (G consecutive rows per task); a replayed row is
 never guided (replay has priority: its tokens are a stored episode).
@@ -31,13 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ROLLOUT_MODES = ("woexp", "mixed", "all")
-SAMPLE_MODES = ("allkeep", "alldiscard", "hybrid")
+ROLLOUT_MODES = ("off", "mixed", "all")
+SAMPLE_MODES = ("guided", "plain", "hybrid")
 
 
 def keep_ratio_of(sample_mode: str, keep_ratio: float) -> float:
-    """The fraction of tasks that keep their guidance in training, for a `train_sample_expmode`."""
-    return {"allkeep": 1.0, "alldiscard": 0.0}.get(sample_mode, keep_ratio)
+    """The fraction of tasks that keep their guidance in training, for a `guidance_trained_prompt`."""
+    return {"guided": 1.0, "plain": 0.0}.get(sample_mode, keep_ratio)
 
 
 def train_sample_modes(num_tasks: int, sample_mode: str, keep_ratio: float, rng: np.random.Generator) -> list[str]:

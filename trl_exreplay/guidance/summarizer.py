@@ -1,4 +1,4 @@
-"""Summarisation off the training step: successful rollouts wait in a backlog; every `experience_update_freq` steps
+"""Summarisation off the training step: successful rollouts wait in a backlog; every `guidance_update_freq` steps
 the backlog goes to the provider's `summarize` in a background thread (one job at a time); the records it returns
 are collected at a later step boundary, when the job is done (`collect` never waits).
 
