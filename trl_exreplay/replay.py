@@ -66,7 +66,7 @@ class ReplayController:
         train_dataset,
         experience_pool: ExperiencePool | None,
         policy_forward: Callable,
-        counts: FaultCounts,
+        faults: FaultCounts,
         multi_turn: bool = False,
         max_completion_length: int | None = None,
     ):
@@ -76,7 +76,7 @@ class ReplayController:
         self._args = args
         self._accelerator = accelerator
         self._policy_forward = policy_forward  # a no-grad forward of the current policy (`selection`)
-        self._counts = counts
+        self._faults = faults
         self._multi_turn = multi_turn
         self._max_completion_length = max_completion_length
         self.schedule = ReplaySchedule()  # ExGRPO's start step, saved with checkpoints
@@ -305,7 +305,7 @@ class ReplayController:
             generated, generated_logps = generate(
                 to_generate, None, num_generations=1 if use_vllm else num_generations
             )
-        self._counts.totals["padding_rows"] += num_padding
+        self._faults.totals["padding_rows"] += num_padding
         completion_ids = [None] * len(prompt_ids)
         logprobs = None if generated_logps is None else [None] * len(prompt_ids)
         for j, i in enumerate(fresh):
@@ -317,7 +317,7 @@ class ReplayController:
             if logprobs is not None:  # not sampled now: no sampler log-probs (TRL reads None as NaN, and skips it)
                 logprobs[i] = [None] * len(completion_ids[i])
             if list(prompt_ids[i]) != trajectory.prompt_ids:
-                self._counts.count("prompt_mismatch", "a replayed trajectory's prompt tokenizes differently now")
+                self._faults.count("prompt_mismatch", "a replayed trajectory's prompt tokenizes differently now")
                 # The completion is trained after the prompt it was sampled with (TRL keeps this list of prompts), or
                 # its recorded log-probs would be those of another context.
                 prompt_ids[i] = list(trajectory.prompt_ids)
@@ -338,7 +338,7 @@ class ReplayController:
         """A stored completion cut to `max_completion_length` (counted)."""
         limit = self._max_completion_length
         if limit is not None and len(completion_ids) > limit:
-            self._counts.count("truncated_replays", "a replayed completion is longer than max_completion_length")
+            self._faults.count("truncated_replays", "a replayed completion is longer than max_completion_length")
             return completion_ids[:limit]
         return completion_ids
 
@@ -346,10 +346,10 @@ class ReplayController:
         """The replayed rows keep their recorded rewards (in place; mismatches counted)."""
         counts = step.put_recorded_rewards(rewards_per_func, compare=compare)
         if counts["reward_mismatch"]:
-            self._counts.totals["reward_mismatch"] += counts["reward_mismatch"]
+            self._faults.totals["reward_mismatch"] += counts["reward_mismatch"]
         if counts["reward_arity_mismatch"]:
             message = "recorded rewards do not match the reward functions"
-            self._counts.count("reward_arity_mismatch", message, counts["reward_arity_mismatch"])
+            self._faults.count("reward_arity_mismatch", message, counts["reward_arity_mismatch"])
 
     # ------------------------------------------------------------------------------------------- outcomes
     def queue_outcomes(self, output: dict, step: GenerationStep, *, reward_weights, global_step: int, metrics):
@@ -385,7 +385,7 @@ class ReplayController:
             entropies=step.entropies,
             offset=offset,
             policy_version=global_step,
-            count=self._counts.count,
+            count=self._faults.count,
         )
         if self.exhausted:  # every question retired: the run's last batch, of retired tasks, leaves them retired
             outcomes = {}
@@ -405,7 +405,7 @@ class ReplayController:
         pending, self.pending = self.pending, None
         ready, uncaptured = pending.captured() if pending is not None else ([], 0)
         if uncaptured:
-            self._counts.count(
+            self._faults.count(
                 "uncaptured_rows", "a successful row was never seen by the loss; not stored", uncaptured
             )
         merged = dict(gather_object(ready)) if self._accelerator.num_processes > 1 else dict(ready)
@@ -419,7 +419,7 @@ class ReplayController:
         """The step's `replay/*` figures."""
         metrics["replay/started"].append(float(self.started(global_step, max_steps)))
         ages = [global_step - t.policy_version for ts in step.selected.values() for t in ts]
-        log_generation(metrics, step.plan, len(step.row_tasks), ages, self.pool.stats(), self._counts.totals)
+        log_generation(metrics, step.plan, len(step.row_tasks), ages, self.pool.stats(), self._faults.totals)
 
 
 def _vocab_size(model) -> int | None:

@@ -170,7 +170,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             train_dataset=self.train_dataset,
             experience_pool=experience_pool,
             policy_forward=self._policy_forward,
-            counts=self._faults,
+            faults=self._faults,
             multi_turn=text_env_factory is not None,
             max_completion_length=self.max_completion_length,
         )

@@ -21,6 +21,7 @@ from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 from trl_exreplay.trainer import POOL_DIR, POOL_WORK_DIR
 
 
+@pytest.mark.fast  # in the fast lane: the drop-in promise, a replaying step, a resume
 def test_disabled_replay_is_grpo_trainer(tmp_path):
     """enable_experience_replay=False: same losses and same weights as GRPOTrainer from the same seed."""
     common = dict(max_steps=3, learning_rate=1e-2)
@@ -37,6 +38,7 @@ def test_disabled_replay_is_grpo_trainer(tmp_path):
     assert ours.pool.num_trajectories == 0
 
 
+@pytest.mark.fast  # in the fast lane: the drop-in promise, a replaying step, a resume
 def test_replay_group_layout_and_generated_rows(tmp_path):
     trainer = make_trainer(tmp_path, trainer_cls=RecordingTrainer, max_steps=8, replay_trajectories_per_group=2)
     trainer.train()
@@ -140,6 +142,7 @@ def test_recorded_logps_are_the_generating_policy(tmp_path, schedule):
     assert len(checked_versions) >= 2  # trajectories from several policy versions, each matched its own
 
 
+@pytest.mark.fast  # in the fast lane: the drop-in promise, a replaying step, a resume
 def test_resume_gives_the_same_next_losses(tmp_path):
     common = dict(max_steps=4, save_strategy="steps", save_steps=2, replay_start_ratio=0.25)
     full = make_trainer(tmp_path / "full", **common)

@@ -35,6 +35,7 @@ OVERRIDDEN = {
 }  # fmt: skip
 
 
+@pytest.mark.fast  # in the fast lane: no training
 def test_the_overrides_are_exactly_the_pinned_ones():
     ours = [cls for cls in ExReplayGRPOTrainer.__mro__ if cls.__module__.startswith("trl_exreplay")]
     overridden = sorted(
@@ -47,6 +48,7 @@ def test_the_overrides_are_exactly_the_pinned_ones():
 
 
 @pytest.mark.parametrize("name", sorted(OVERRIDDEN))
+@pytest.mark.fast  # in the fast lane: no training
 def test_each_overridden_trl_method_has_the_pinned_signature(name):
     parameters = list(inspect.signature(getattr(GRPOTrainer, name)).parameters)
     assert parameters == OVERRIDDEN[name], f"GRPOTrainer.{name} changed: {parameters}"
@@ -97,6 +99,7 @@ def test_every_trl_attribute_the_trainer_reads_exists(tmp_path):
     assert {"loss_type", "num_generations", "_metrics", "accelerator", "model_wrapped", "_dist"} <= from_trl
 
 
+@pytest.mark.fast  # in the fast lane: no training
 def test_the_constructor_takes_trls_parameters_as_trl_does():
     """`ExReplayGRPOTrainer.__init__` names every `GRPOTrainer.__init__` parameter, in TRL's order, kind and default;
     ours follow, keyword-only."""
