@@ -556,6 +556,7 @@ def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
             f"| {100 * r['generation_saved']:.1f}% | {r['step_s']:.2f} |"
         )
     lines += detail_lines(entry)
+    lines += run_lines(entry)
     guidance = guidance_lines(entry)
     if guidance:
         lines += ["", *guidance]
@@ -581,6 +582,37 @@ def detail_lines(entry: dict) -> list[str]:
         )
         lines.append(f"- `{name}` ({len(runs)} seeds): {cells}")
     return ["", "Held-out success by part (mean over seeds, first point -> last):", *lines] if lines else []
+
+
+def run_lines(entry: dict) -> list[str]:
+    """Per method, which seeds did what: those that collapsed; with replay, the first step that replayed a row (and the
+    seeds on which none did) and the tasks in the skip set at the end; the seeds whose runs recorded zero-spread groups
+    (the table's column is over those)."""
+
+    def seeds(values) -> str:
+        return ", ".join(sorted(values, key=int)) or "none"
+
+    lines = []
+    for name, method in entry["methods"].items():
+        runs = method["runs"]
+        cells = [f"collapsed: {seeds(s for s, r in runs.items() if collapsed(r['points']))}"]
+        series = {s: r["replay"] for s, r in runs.items() if r["replay"].get("rows_fraction")}
+        if series:  # the steps are the optimizer steps logged, 1 the first
+            first = {
+                s: next((i + 1 for i, v in enumerate(r["rows_fraction"]) if v > 0), None) for s, r in series.items()
+            }
+            started = [step for step in first.values() if step is not None]
+            if started:
+                cells.append(f"first replayed at step {min(started)}-{max(started)}")
+            cells.append(f"never replayed: {seeds(s for s, step in first.items() if step is None)}")
+            ends = [r["skip_set"][-1] for r in series.values() if r.get("skip_set")]
+            if ends:
+                cells.append(f"skip set at the end {min(ends):.0f}-{max(ends):.0f} tasks")
+        recorded = [s for s, r in runs.items() if r.get("zero_std_groups")]
+        if recorded and len(recorded) < len(runs):
+            cells.append(f"zero-spread groups recorded on seeds {seeds(recorded)}")
+        lines.append(f"- `{name}` ({len(runs)} seeds): " + "; ".join(cells))
+    return ["", "Runs by seed:", *lines] if lines else []
 
 
 def _mean_part(runs: list[list[dict]], index: int, part: str) -> float:

@@ -117,8 +117,8 @@ def reduce_as_trl(
     micro-batch: `aggregate_loss` with TRL's normaliser, divided for gradient accumulation as TRL divides (`training`:
     by `accumulation`, TRL's `current_gradient_accumulation_steps`; evaluation divides by nothing). The token-sum types
     divide by the generation batch's token count (`num_items_in_batch`, summed over ranks) per process, per
-    micro-batch; the others divide their own reduction by `accumulation`. `tests/unit/test_loss.py` pins it to TRL's
-    loss for every loss type."""
+    micro-batch; the others divide their own reduction by `accumulation`. Pinned to TRL's loss for every loss type by
+    `tests/integration/test_trl_contract.py`."""
     accumulation = accumulation if training else 1
     if loss_type in TOKEN_SUM_LOSS_TYPES:
         normalizer = num_items_in_batch.clamp(min=1.0) / num_processes

@@ -158,3 +158,24 @@ def test_the_report_gives_held_out_success_by_part(harness):
                                         "2": run({"x": 0.4, "y": 0.0}, {"x": 0.8, "y": 0.0})}}}}  # fmt: skip
     lines = harness.detail_lines(entry)
     assert lines[-1] == "- `a` (2 seeds): x 0.30 -> 0.60, y 0.00 -> 0.50"
+
+
+def test_the_report_says_which_seeds_collapsed_replayed_and_retired(harness):
+    def run(successes, rows_fraction=(), skip_set=(), zero=None):
+        points = [{"heldout_success": v} for v in successes]
+        replay = {"rows_fraction": list(rows_fraction), "skip_set": list(skip_set)}
+        return {"points": points, "replay": replay, **({"zero_std_groups": zero} if zero else {})}
+
+    entry = {"methods": {
+        "grpo": {"runs": {"1": run((0.0, 0.4, 0.1)), "2": run((0.0, 0.2, 0.2))}},
+        "exgrpo": {"runs": {"1": run((0.0, 0.3, 0.3), (0, 0, 0.5, 0.5), (0, 2, 5), zero=[1.0]),
+                            "2": run((0.0, 0.0, 0.0), (0, 0, 0, 0), (0, 0, 1)),
+                            "10": run((0.0, 0.6, 0.2), (0, 0.25, 0, 0), (1, 3, 4), zero=[0.5])}},
+    }}  # fmt: skip
+    assert harness.run_lines(entry) == [
+        "",
+        "Runs by seed:",
+        "- `grpo` (2 seeds): collapsed: 1",
+        "- `exgrpo` (3 seeds): collapsed: 10; first replayed at step 2-3; never replayed: 2; skip set at the end 1-5 "
+        "tasks; zero-spread groups recorded on seeds 1, 10",
+    ]

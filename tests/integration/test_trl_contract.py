@@ -182,7 +182,8 @@ class OldLogpsTrainer(ExReplayGRPOTrainer):
 
 
 @pytest.mark.parametrize(
-    ("steps_per_generation", "accumulation", "iterations"), [(1, 1, 1), (2, 2, 1), (1, 2, 1), (2, 4, 1), (1, 1, 2)]
+    ("steps_per_generation", "accumulation", "iterations"),
+    [(1, 1, 1), (2, 2, 1), (1, 2, 1), (2, 4, 1), (2, 1, 1), (1, 1, 2)],  # the last two: TRL computes old log-probs
 )
 def test_the_old_logprobs_condition_is_trls(tmp_path, steps_per_generation, accumulation, iterations):
     """`_trl_computes_old_logps` (which sets whether the generating policy's entropies come from TRL's old-log-probs
@@ -195,6 +196,7 @@ def test_the_old_logprobs_condition_is_trls(tmp_path, steps_per_generation, accu
     )  # fmt: skip
     trainer.train()
     assert trainer.seen and all(computed == expected for computed, expected in trainer.seen), trainer.seen
+    assert trainer.seen[0][0] == (accumulation % (steps_per_generation * iterations) != 0)  # the case is the one meant
 
 
 def test_the_supported_range_is_the_declared_pin_and_is_enforced():
