@@ -18,6 +18,7 @@ process at the same step. The store and the backlog are saved with every checkpo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -33,6 +34,7 @@ from .guidance import ExperienceProvider, SummaryInput
 from .guidance.allocation import allocate_guidance
 from .guidance.summarizer import BackgroundSummarizer
 from .guidance.template import format_experience, insert_experience, task_text
+from .selection import policy_forward
 from .untrusted_text import added_token_strings, remove_token_strings, token_prefix
 
 logger = logging.getLogger(__name__)
@@ -57,9 +59,12 @@ def make_provider(options: dict) -> ExperienceProvider:
     return OfflineExperienceProvider()
 
 
-def guided_rollouts(options: dict, provider: ExperienceProvider | None, **kwargs) -> GuidedRollouts | None:
-    """The run's `GuidedRollouts`, or None when neither training nor evaluation is guided (`guidance_train`,
-    `guidance_eval`); `kwargs` go to `GuidedRollouts`."""
+def guided_rollouts(
+    trainer, provider: ExperienceProvider | None, faults, unsupported: dict[str, bool]
+) -> GuidedRollouts | None:
+    """The `GuidedRollouts` of `trainer` (a `GRPOTrainer` whose `__init__` ran; `trainer.replay`: the config's fields),
+    or None when neither training nor evaluation is guided (`guidance_train`, `guidance_eval`)."""
+    options = trainer.replay
     if options["guidance_train"] == options["guidance_eval"] == "off":
         if provider is not None:
             warnings.warn(
@@ -68,7 +73,19 @@ def guided_rollouts(options: dict, provider: ExperienceProvider | None, **kwargs
                 stacklevel=3,
             )
         return None
-    return GuidedRollouts(options, provider, **kwargs)
+    return GuidedRollouts(
+        options,
+        provider,
+        accelerator=trainer.accelerator,
+        processing_class=trainer.processing_class,
+        num_generations=trainer.num_generations,
+        num_generations_eval=trainer.num_generations_eval,
+        seed=trainer.args.seed,
+        multi_turn=trainer.text_env_factory is not None,
+        policy_forward=functools.partial(policy_forward, trainer),
+        faults=faults,
+        unsupported=unsupported,
+    )
 
 
 class GuidedRollouts:

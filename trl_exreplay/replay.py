@@ -12,6 +12,7 @@ point of the step (they gather or reduce).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -27,7 +28,7 @@ from .planner import ReplayPlan, plan_replay, replay_groups_due
 from .pool import ExperiencePool, task_key, tokenizer_fingerprint
 from .pool.rules import is_solved
 from .schedule import ReplaySchedule, redirect_retired_groups, starts_replay
-from .selection import select_trajectories
+from .selection import policy_forward, select_trajectories
 from .step import GenerationStep
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,40 @@ class ReplayController:
         self.exhausted = False  # every training question is retired
         self.pending: PendingOutcomes | None = None  # the last step's outcomes, not yet in the pool
         self._setup_pool(processing_class, model, experience_pool)
+
+    @classmethod
+    def for_trainer(cls, trainer, experience_pool: ExperiencePool | None, faults: FaultCounts) -> ReplayController:
+        """The replay side of `trainer` (a `GRPOTrainer` whose `__init__` ran; `trainer.replay`: the config's replay
+        fields). Refuses what replay cannot train and warns where it can do little (docs/support.md says why)."""
+        options, args = trainer.replay, trainer.args
+        if options["enable_experience_replay"]:
+            if trainer._is_vlm:
+                raise ValueError(
+                    "Experience replay with vision-language models is not supported yet; set "
+                    "`enable_experience_replay=False`."
+                )
+            groups = args.generation_batch_size // trainer.num_generations
+            if 0 < options["replay_ratio"] * groups < 1:
+                logger.warning(
+                    "trl_exreplay: a generation batch holds %d task group(s), so replay_ratio=%g replays a group in "
+                    "only about one generation batch of %.3g (replay/tasks is 0 in the others). To replay in every "
+                    "batch, give it more groups (steps_per_generation, per_device_train_batch_size, processes).",
+                    groups, options["replay_ratio"], 1 / (options["replay_ratio"] * groups),
+                )  # fmt: skip
+        return cls(
+            options,
+            args=args,
+            accelerator=trainer.accelerator,
+            num_generations=trainer.num_generations,
+            processing_class=trainer.processing_class,
+            model=trainer.model,
+            train_dataset=trainer.train_dataset,
+            experience_pool=experience_pool,
+            policy_forward=functools.partial(policy_forward, trainer),
+            faults=faults,
+            multi_turn=trainer.text_env_factory is not None,
+            max_completion_length=trainer.max_completion_length,
+        )
 
     # ------------------------------------------------------------------------------------------------- pool
     def _setup_pool(self, processing_class, model, experience_pool: ExperiencePool | None) -> None:

@@ -1,6 +1,6 @@
 """Which stored trajectories a replayed group gets: the pool's choice on its index (by saved entropy, or at random),
 or, with `replay_select_by_current_entropy`, the lowest entropy under the current policy, scored by one no-grad forward
-sharded over ranks (`policy_forward`, the trainer's `_policy_forward`).
+sharded over ranks (`policy_forward`).
 """
 
 from __future__ import annotations

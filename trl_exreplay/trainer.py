@@ -28,7 +28,6 @@ from .multiturn import MultiTurnRollouts, check_multi_turn_vllm
 from .pool import ExperiencePool
 from .replay import POOL_DIR, POOL_WORK_DIR, ReplayController
 from .schedule import EpochSeededSampler
-from .selection import policy_forward
 from .step import GenerationStep, LossForward, attach_replay_tensors
 
 logger = logging.getLogger(__name__)
@@ -153,44 +152,20 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         self.replay = replay_options(self.args)
         validate_replay_options(self.replay, self.num_generations)
         self._replay_enabled = bool(self.replay["enable_experience_replay"])
-        if self._replay_enabled:
-            self._check_supported()
+        if self._replay_enabled and self.rollout_func is not None:
+            self.rollout_func = replaying_rollout(self.rollout_func, self)  # asked for the fresh rows only
         self.text_env_factory = text_env_factory
         if text_env_factory is not None:
             self._multi_turn = MultiTurnRollouts.for_trainer(text_env_factory, self, self.replay)
             self.rollout_func = self._multi_turn_rollout
         self._faults = FaultCounts()  # faults and mismatches, logged once per kind
-        self._replay = ReplayController(
-            self.replay,
-            args=self.args,
-            accelerator=self.accelerator,
-            num_generations=self.num_generations,
-            processing_class=self.processing_class,
-            model=self.model,
-            train_dataset=self.train_dataset,
-            experience_pool=experience_pool,
-            policy_forward=self._policy_forward,
-            faults=self._faults,
-            multi_turn=text_env_factory is not None,
-            max_completion_length=self.max_completion_length,
-        )
-        self._guidance = guided_rollouts(
-            self.replay,
-            experience_provider,
-            accelerator=self.accelerator,
-            processing_class=self.processing_class,
-            num_generations=self.num_generations,
-            num_generations_eval=self.num_generations_eval,
-            seed=self.args.seed,
-            multi_turn=text_env_factory is not None,
-            policy_forward=self._policy_forward,
-            faults=self._faults,
-            unsupported={
-                "tools or environment_factory (TRL's tool loop)": bool(tools) or environment_factory is not None,
-                "a custom rollout_func": rollout_func is not None,
-                "vision-language models": self._is_vlm,
-            },
-        )
+        self._replay = ReplayController.for_trainer(self, experience_pool, self._faults)
+        unsupported = {
+            "tools or environment_factory (TRL's tool loop)": bool(tools) or environment_factory is not None,
+            "a custom rollout_func": rollout_func is not None,
+            "vision-language models": self._is_vlm,
+        }
+        self._guidance = guided_rollouts(self, experience_provider, self._faults, unsupported)
         self._guide_train = self._guidance is not None and self._guidance.train
         self._guide_eval = self._guidance is not None and self._guidance.eval
         if self._replay_enabled or text_env_factory is not None or self._guidance is not None:
@@ -200,25 +175,6 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     def pool(self) -> ExperiencePool:
         """The experience pool: what this run stored (and, once replay starts, replays)."""
         return self._replay.pool
-
-    def _check_supported(self) -> None:
-        """Refuse, before any step, what replay cannot train (docs/support.md gives each reason); say what it does
-        little with."""
-        if self._is_vlm:
-            raise ValueError(
-                "Experience replay with vision-language models is not supported yet; set `enable_experience_replay="
-                "False`."
-            )
-        if self.rollout_func is not None:
-            self.rollout_func = replaying_rollout(self.rollout_func, self)
-        groups = self.args.generation_batch_size // self.num_generations
-        if 0 < self.replay["replay_ratio"] * groups < 1:
-            logger.warning(
-                "trl_exreplay: a generation batch holds %d task group(s), so replay_ratio=%g replays a group in only "
-                "about one generation batch of %.3g (replay/tasks is 0 in the others). To replay in every batch, give "
-                "it more groups (steps_per_generation, per_device_train_batch_size, processes).",
-                groups, self.replay["replay_ratio"], 1 / (self.replay["replay_ratio"] * groups),
-            )  # fmt: skip
 
     # -------------------------------------------------------------------------------------------- generation
     def _get_train_sampler(self, dataset=None):
@@ -325,9 +281,6 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     def _replay_started(self) -> bool:
         return self._replay.started(self.state.global_step, self.state.max_steps)
-
-    def _policy_forward(self, prompts, completions, model_masks, compute_entropy: bool = False):
-        return policy_forward(self, prompts, completions, model_masks, compute_entropy)
 
     def _vllm_equal_shares(self) -> bool:
         """Whether vLLM slices its output by equal per-rank shares (server mode, tensor parallelism)."""

@@ -15,6 +15,7 @@ from trl_exreplay.guidance import ExperienceRecord
 from trl_exreplay.guidance.allocation import allocate_guidance, rollout_add_exp, train_sample_modes
 from trl_exreplay.guidance.template import format_experience, insert_experience, strip_experience
 from trl_exreplay.rollout import ChatTurns
+from trl_exreplay.selection import policy_forward
 
 TEMPLATE = "please {} ok "  # words of the tiny vocabulary, so every token is a real one
 EXPERIENCE = "say the word red"
@@ -159,7 +160,7 @@ def test_guided_rows_train_on_the_prompt_their_task_keeps_with_exp_mask_on_repla
             n = int(completion_mask[i].sum())
             completion = output["completion_ids"][i, :n].tolist()
             with_guidance, without = (
-                trainer._policy_forward([ids], [completion], [[1] * n])[0][0, :n]
+                policy_forward(trainer, [ids], [completion], [[1] * n])[0][0, :n]
                 for ids in (step.guided_prompt_ids[i], step.plain_prompt_ids[i])
             )
             recorded = output["recorded_per_token_logps"][i, :n]
