@@ -15,7 +15,14 @@ the step at which replay starts (before it the two runs do the same work) to the
 * loss and backward: `training_step` without `_prepare_inputs`;
 * other: the rest of the step (optimizer, scheduler, TRL's bookkeeping, old/ref log-probs, rollout assembly).
 
-The target the issue sets: replay step time / GRPO step time <= (1 - fraction of generation saved) + 0.03.
+The target: replay step time / GRPO step time <= (1 - fraction of generation saved) + 0.03.
+
+Two versions of the library, compared in one run (a change must not slow the step): with `--against DIR` (a checkout
+of the other version, e.g. `git worktree add /tmp/before <commit>`), each round runs this script once in each checkout
+as a process of its own (`PYTHONPATH` set to that checkout), in alternating order, and prints each round's step times
+and ratios, then the paired difference of the two versions with its 95% t interval:
+
+    OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --against /tmp/before --rounds 8
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import copy
 import importlib
 import os
 import platform
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from replay_testbeds import TESTBEDS  # noqa: E402
+from replay_vs_grpo import paired_interval  # noqa: E402
 
 PARTS = ("generation", "environment", "reward", "pool add", "pool sample", "entropy forward", "loss and backward")
 TIMED_METHODS = {
@@ -185,16 +195,94 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
     }
 
 
+# The step line both versions print: "  step   <grpo ms>   <exreplay ms>".
+STEP_LINE = re.compile(r"^\s+step\s+([0-9.]+)\s+([0-9.]+)\s*$", re.MULTILINE)
+
+
+# What each round runs in a checkout: its own copy of this script, after saying where its library was imported from.
+RUN_IN_CHECKOUT = """import runpy, sys, trl_exreplay
+print("library from", trl_exreplay.__file__, flush=True)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")"""
+LIBRARY_LINE = re.compile(r"^library from (.+)$", re.MULTILINE)
+
+
+def run_checkout(checkout: Path, testbed: str, extra: list[str]) -> dict:
+    """One run of `checkout`'s own copy of this script on `checkout`'s library (`PYTHONPATH`): its grpo and exreplay
+    ms per step, and the library's path."""
+    script = str(checkout / "benchmarks" / "step_overhead.py")
+    command = [sys.executable, "-c", RUN_IN_CHECKOUT, script, "--testbed", testbed, *extra]
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, check=False)
+    found, library = STEP_LINE.search(done.stdout), LIBRARY_LINE.search(done.stdout)
+    if done.returncode or found is None or library is None:
+        raise RuntimeError(f"{script} failed in {checkout}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    grpo, exreplay = float(found[1]), float(found[2])
+    return {"grpo_ms": grpo, "exreplay_ms": exreplay, "ratio": exreplay / grpo, "library": library[1]}
+
+
+def describe_checkout(checkout: Path) -> str:
+    """The checkout's commit, and whether its tracked files differ from it."""
+    git = ["git", "-C", str(checkout)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return f"{commit}{' (modified)' if dirty.stdout.strip() else ''}"
+
+
+def compare(options) -> dict:
+    """`--against`: this checkout and another, `--rounds` runs each in alternating order, paired by round."""
+    checkouts = {"this": Path(__file__).resolve().parents[1], "against": Path(options.against).resolve()}
+    for name, checkout in checkouts.items():
+        print(f"{name}: {checkout} at {describe_checkout(checkout)}")
+    extra = [*(["--max-steps", str(options.max_steps)] if options.max_steps else []), "--seed", str(options.seed)]
+    results = {}
+    for testbed in options.testbed or ["single-turn"]:
+        runs = {name: [] for name in checkouts}
+        print(f"\n{testbed}: ms per step (grpo, exreplay) and their ratio, per round")
+        for round_ in range(options.rounds):
+            order = list(checkouts) if round_ % 2 == 0 else list(reversed(checkouts))  # drift falls on both alike
+            for name in order:
+                runs[name].append(run_checkout(checkouts[name], testbed, extra))
+            line = "  ".join(
+                f"{name} {r['grpo_ms']:.1f} {r['exreplay_ms']:.1f} {r['ratio']:.3f}"
+                for name, r in ((n, runs[n][-1]) for n in checkouts)
+            )
+            print(f"  round {round_ + 1}: {line}", flush=True)
+        for name in checkouts:
+            print(f"  {name}: library from {sorted({r['library'] for r in runs[name]})}")
+        results[testbed] = runs
+        for key in ("grpo_ms", "exreplay_ms", "ratio"):
+            this, against = ([r[key] for r in runs[n]] for n in checkouts)
+            interval = paired_interval([a - b for a, b in zip(this, against)])
+            summary = f"  {key:<12} this {_mean_std(this)}  against {_mean_std(against)}"
+            if interval is not None:
+                summary += (
+                    f"  this - against {interval['mean']:+.3f} [{interval['low']:+.3f}, {interval['high']:+.3f}]"
+                )
+            print(summary)
+    return results
+
+
+def _mean_std(values: list[float]) -> str:
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5
+    return f"{mean:.3f} ± {std:.3f}"
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--testbed", action="append", choices=sorted(TESTBEDS), help="Repeat; default: single-turn.")
     parser.add_argument("--max-steps", type=int, help="Steps per run (default: the testbed's).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the initial model.")
+    parser.add_argument("--against", help="A checkout of another version to compare this one with (see above).")
+    parser.add_argument("--rounds", type=int, default=6, help="With --against: runs of each version per testbed.")
     options = parser.parse_args(argv)
     print(
         f"machine: {platform.platform()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
     )
     print(f"versions: trl {version('trl')}, transformers {version('transformers')}, torch {version('torch')}")
+    if options.against:
+        return compare(options)
     results = {}
     for name in options.testbed or ["single-turn"]:
         testbed = TESTBEDS[name]()
