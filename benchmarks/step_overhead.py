@@ -18,9 +18,11 @@ the step at which replay starts (before it the two runs do the same work) to the
 The target: replay step time / GRPO step time <= (1 - fraction of generation saved) + 0.03.
 
 Two versions of the library, compared in one run (a change must not slow the step): with `--against DIR` (a checkout
-of the other version, e.g. `git worktree add /tmp/before <commit>`), each round runs this script once in each checkout
-as a process of its own (`PYTHONPATH` set to that checkout), in alternating order, and prints each round's step times
-and ratios, then the paired difference of the two versions with its 95% t interval:
+of the other version, e.g. `git worktree add /tmp/before <commit>`), each round runs this script (the same testbeds
+and clocks) once on this checkout's library and once on DIR's, each in a process of its own, in alternating order. It
+prints each round's median step times (the median over a run's timed steps: a step slowed by another process on the
+machine moves the mean, not the median) and their ratio, then each figure's mean over rounds and the paired
+difference of the two versions with its 95% t interval (means over steps too):
 
     OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --against /tmp/before --rounds 8
 """
@@ -35,6 +37,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,8 +94,12 @@ def timed_functions(clock: dict):
     """While open, the functions of `TIMED_FUNCTIONS` add their wall time to `clock["seconds"]`."""
     originals = {}
     for (module_name, name), label in TIMED_FUNCTIONS.items():
-        module = importlib.import_module(module_name)
-        originals[module, name] = function = getattr(module, name)
+        try:  # another version of the library (`--against`) may lack it: that part is then not timed
+            module = importlib.import_module(module_name)
+            originals[module, name] = function = getattr(module, name)
+        except (ImportError, AttributeError):
+            print(f"not timed (absent from this version of the library): {module_name}.{name}")
+            continue
 
         def wrapper(*args, _function=function, _label=label, **kwargs):
             began = time.perf_counter()
@@ -133,7 +140,7 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
 
     from trl_exreplay import ExReplayGRPOConfig
 
-    clock = {"on": False, "seconds": defaultdict(float), "steps": 0, "step_seconds": 0.0}
+    clock = {"on": False, "seconds": defaultdict(float), "steps": 0, "step_seconds": 0.0, "durations": []}
     settings = {**testbed.training, **testbed.trainer_kwargs(), "max_steps": max_steps}
     output_dir = tempfile.mkdtemp(prefix="step_overhead-")
     args = ExReplayGRPOConfig(
@@ -150,7 +157,8 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             if clock["on"]:
                 clock["steps"] += 1
-                clock["step_seconds"] += time.perf_counter() - clock["began"]
+                clock["durations"].append(time.perf_counter() - clock["began"])
+                clock["step_seconds"] += clock["durations"][-1]
             clock["on"] = False
 
     model, tokenizer = copy.deepcopy(initial[0]), initial[1]
@@ -189,36 +197,40 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
     parts["other"] = clock["step_seconds"] - sum(parts.values())
     return {
         "step_s": clock["step_seconds"] / n,
+        "step_median_s": statistics.median(clock["durations"]),
         "parts": {name: value / n for name, value in parts.items()},
         "steps": n,
         "generated_fraction": sum(timed_generated) / (rows * len(timed_generated)),
     }
 
 
-# The step line both versions print: "  step   <grpo ms>   <exreplay ms>".
+# The table's step lines: "  step   <grpo ms>   <exreplay ms>" (mean) and "  step, median   ...".
 STEP_LINE = re.compile(r"^\s+step\s+([0-9.]+)\s+([0-9.]+)\s*$", re.MULTILINE)
+MEDIAN_LINE = re.compile(r"^\s+step, median\s+([0-9.]+)\s+([0-9.]+)\s*$", re.MULTILINE)
+LIBRARY_LINE = re.compile(r"^library from (.+)$", re.MULTILINE)
 
-
-# What each round runs in a checkout: its own copy of this script, after saying where its library was imported from.
-RUN_IN_CHECKOUT = """import runpy, sys, trl_exreplay
+# What each round runs: this script, in a process that first says where its library was imported from.
+RUN_SCRIPT = """import runpy, sys, trl_exreplay
 print("library from", trl_exreplay.__file__, flush=True)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")"""
-LIBRARY_LINE = re.compile(r"^library from (.+)$", re.MULTILINE)
 
 
-def run_checkout(checkout: Path, testbed: str, extra: list[str]) -> dict:
-    """One run of `checkout`'s own copy of this script on `checkout`'s library (`PYTHONPATH`): its grpo and exreplay
-    ms per step, and the library's path."""
-    script = str(checkout / "benchmarks" / "step_overhead.py")
-    command = [sys.executable, "-c", RUN_IN_CHECKOUT, script, "--testbed", testbed, *extra]
+def run_on_library(checkout: Path, testbed: str, extra: list[str]) -> dict:
+    """One run of this script (its testbeds and clocks) on the library of `checkout`, imported first (the process
+    starts in `checkout`, with `PYTHONPATH` set to it): ms per step, mean and median, of grpo and exreplay, their
+    ratios, and the library's path."""
+    command = [sys.executable, "-c", RUN_SCRIPT, str(Path(__file__).resolve()), "--testbed", testbed, *extra]
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, check=False)
-    found, library = STEP_LINE.search(done.stdout), LIBRARY_LINE.search(done.stdout)
-    if done.returncode or found is None or library is None:
-        raise RuntimeError(f"{script} failed in {checkout}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    grpo, exreplay = float(found[1]), float(found[2])
-    return {"grpo_ms": grpo, "exreplay_ms": exreplay, "ratio": exreplay / grpo, "library": library[1]}
+    mean, median, library = (pattern.search(done.stdout) for pattern in (STEP_LINE, MEDIAN_LINE, LIBRARY_LINE))
+    if done.returncode or mean is None or median is None or library is None:
+        raise RuntimeError(f"the run on {checkout}'s library failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    grpo, exreplay, grpo_median, exreplay_median = (float(v) for v in (*mean.groups(), *median.groups()))
+    return {
+        "grpo_ms": grpo, "exreplay_ms": exreplay, "ratio": exreplay / grpo, "grpo_median_ms": grpo_median,
+        "exreplay_median_ms": exreplay_median, "median_ratio": exreplay_median / grpo_median, "library": library[1],
+    }  # fmt: skip
 
 
 def describe_checkout(checkout: Path) -> str:
@@ -238,23 +250,23 @@ def compare(options) -> dict:
     results = {}
     for testbed in options.testbed or ["single-turn"]:
         runs = {name: [] for name in checkouts}
-        print(f"\n{testbed}: ms per step (grpo, exreplay) and their ratio, per round")
+        print(f"\n{testbed}: median ms per step (grpo, exreplay) and their ratio, per round")
         for round_ in range(options.rounds):
             order = list(checkouts) if round_ % 2 == 0 else list(reversed(checkouts))  # drift falls on both alike
             for name in order:
-                runs[name].append(run_checkout(checkouts[name], testbed, extra))
+                runs[name].append(run_on_library(checkouts[name], testbed, extra))
             line = "  ".join(
-                f"{name} {r['grpo_ms']:.1f} {r['exreplay_ms']:.1f} {r['ratio']:.3f}"
+                f"{name} {r['grpo_median_ms']:.1f} {r['exreplay_median_ms']:.1f} {r['median_ratio']:.3f}"
                 for name, r in ((n, runs[n][-1]) for n in checkouts)
             )
             print(f"  round {round_ + 1}: {line}", flush=True)
         for name in checkouts:
             print(f"  {name}: library from {sorted({r['library'] for r in runs[name]})}")
         results[testbed] = runs
-        for key in ("grpo_ms", "exreplay_ms", "ratio"):
+        for key in ("grpo_median_ms", "exreplay_median_ms", "median_ratio", "grpo_ms", "exreplay_ms", "ratio"):
             this, against = ([r[key] for r in runs[n]] for n in checkouts)
             interval = paired_interval([a - b for a, b in zip(this, against)])
-            summary = f"  {key:<12} this {_mean_std(this)}  against {_mean_std(against)}"
+            summary = f"  {key:<18} this {_mean_std(this)}  against {_mean_std(against)}"
             if interval is not None:
                 summary += (
                     f"  this - against {interval['mean']:+.3f} [{interval['low']:+.3f}, {interval['high']:+.3f}]"
@@ -298,6 +310,7 @@ def main(argv=None) -> dict:
         for part in (*PARTS, "other"):
             print(f"  {part:<20}{1000 * off['parts'][part]:>10.1f}{1000 * on['parts'][part]:>10.1f}")
         print(f"  {'step':<20}{1000 * off['step_s']:>10.1f}{1000 * on['step_s']:>10.1f}")
+        print(f"  {'step, median':<20}{1000 * off['step_median_s']:>10.1f}{1000 * on['step_median_s']:>10.1f}")
         print(f"  step time ratio {ratio:.3f}; generation saved {100 * saved:.1f}%; "
               f"target ratio <= {1 - saved + 0.03:.3f}: {'met' if ratio <= 1 - saved + 0.03 else 'not met'}")  # fmt: skip
     return results
