@@ -4,8 +4,8 @@
     python tools/config_reference.py --check    # exit 1 if docs/config.md is not what the config says
 
 `tests/unit/test_config.py` runs the check, so the page cannot drift from the code: every field with its default, its
-help text and its name in the design documents (seeds 000-003, ExGRPO / AgentEvolver), so that readers of those
-documents find their way.
+help text and its counterpart in ExGRPO's or AgentEvolver's published code, so that readers of that code find their
+way.
 """
 
 from __future__ import annotations
@@ -24,33 +24,33 @@ from trl_exreplay.config import PROFILE_FIELDS, REPLAY_PROFILES, ExReplayGRPOCon
 
 OUTPUT = REPOSITORY / "docs" / "config.md"
 
-# The name the design documents give each field (seed 000: ExGRPO's ExperienceManager; seed 001: the
-# AgentEvolver-style pipeline; seed 002: off-policy tokens), where they name it.
-SEED_NAMES = {
-    "enable_experience_replay": "`enable_replay` (000), `enable_exp_replay` (001)",
-    "replay_ratio": "`exp_ratio`",
-    "replay_start_ratio": "`replay_start_ratio`",
-    "replay_trajectories_per_group": "`offpolicy_trajectories_per_task`",
-    "replay_max_trajectories_per_task": "`max_trajectories_per_task`",
-    "replay_store_lbound": "`experience_lbound`",
-    "replay_store_rbound": "`experience_rbound`",
-    "replay_select_mode": "`exp_select_mode`",
-    "replay_select_by_current_entropy": "`use_current_policy_entropy`",
-    "replay_importance_sampling": "`exp_is_correct`",
-    "replay_clip_high": "`off_cliprange_high`",
-    "replay_dual_clip_c": "`clip_ratio_c` (verl's dual clip)",
-    # seed 003 (AgentEvolver's Self-Navigating): one prefix here, and plain values for its modes
-    "guidance_train": "`train_rollout_expmode` (003; 'off' is its `woexp`)",
-    "guidance_eval": "`val_rollout_expmode` (003; 'off' is its `woexp`)",
-    "guidance_ratio": "`rollout_expratio` (003)",
-    "guidance_trained_prompt": "`train_sample_expmode` (003; 'guided', 'plain' are its `allkeep`, `alldiscard`)",
-    "guidance_keep_ratio": "`train_sample_keepratio` (003)",
-    "guidance_template": "`experience_template` (003)",
-    "guidance_top_k": "`retrieve_top_k` (003)",
-    "guidance_update_freq": "`updated_freq` (003)",
-    "guidance_init_from_pool": "`init_experience_before_training` (003)",
-    "guidance_base_url": "`base_url` (003)",
-    "guidance_workspace_id": "`workspace_id` (003)",
+# Each field's counterpart in the published code, where it has one: ExGRPO (github.com/ElliottYan/LUFFY, folder
+# ExGRPO: `verl/mix_src/config/mix_ppo_trainer.yaml`) and AgentEvolver (github.com/modelscope/AgentEvolver:
+# `config/agentevolver.yaml`), as each configuration file spells the key.
+CODE_NAMES = {
+    "enable_experience_replay": "ExGRPO `trainer.experience`",
+    "replay_ratio": "ExGRPO `trainer.experience_ratio`",
+    "replay_start_ratio": "ExGRPO `trainer.experience_start_sratio`",
+    "replay_bucket_weighting": "ExGRPO `trainer.exp_bucket_manager`",
+    "replay_store_lbound": "ExGRPO `trainer.experience_lbound`",
+    "replay_store_rbound": "ExGRPO `trainer.experience_rbound` (its bound is inclusive: ours less 1)",
+    "replay_select_mode": "ExGRPO `trainer.exp_select_mode`",
+    "replay_select_by_current_entropy": "ExGRPO ranks by `trainer.exp_metric` (`ent`, `ppl` or `random`)",
+    "replay_importance_sampling": "ExGRPO `trainer.exp_is_correct`",
+    "replay_clip_high": "AgentEvolver `actor_rollout_ref.actor.off_cliprange_high`",
+    "replay_dual_clip_c": "AgentEvolver `actor_rollout_ref.actor.clip_ratio_c` (verl's dual clip)",
+    "guidance_train": "AgentEvolver `exp_manager.train_rollout_mode` ('off' is its `woexp`)",
+    "guidance_eval": "AgentEvolver `exp_manager.val_rollout_mode` ('off' is its `woexp`)",
+    "guidance_ratio": "AgentEvolver `exp_manager.rollout_ratio`",
+    "guidance_trained_prompt": "AgentEvolver `exp_manager.train_sample_mode` ('guided', 'plain' are its `allkeep`, "
+    "`alldiscard`)",
+    "guidance_keep_ratio": "AgentEvolver `exp_manager.train_sample_keepratio`",
+    "guidance_template": "AgentEvolver `exp_manager.experience_template`",
+    "guidance_top_k": "AgentEvolver `exp_manager.reme.retrieve_top_k`",
+    "guidance_update_freq": "AgentEvolver `exp_manager.reme.updated_freq`",
+    "guidance_init_from_pool": "AgentEvolver `exp_manager.init_exp_before_training`",
+    "guidance_base_url": "AgentEvolver `exp_manager.reme.base_url`",
+    "guidance_workspace_id": "AgentEvolver `exp_manager.reme.workspace_id`",
 }
 
 GROUPS = (
@@ -68,7 +68,7 @@ GROUPS = (
     ("Data columns", ("task_id_column", "system_prompt_column")),
     ("Multi-turn episodes (games given as `text_env_factory`)", ("max_turns", "max_tokens_per_turn",
                                                                  "env_step_timeout", "env_workers")),
-    ("Experience-guided rollouts (seed 003; off by default)", ("guidance_train", "guidance_eval",
+    ("Experience-guided rollouts (AgentEvolver's Self-Navigating; off by default)", ("guidance_train", "guidance_eval",
                                                               "guidance_ratio", "guidance_trained_prompt",
                                                               "guidance_keep_ratio", "guidance_template",
                                                               "guidance_top_k", "guidance_max_tokens",
@@ -101,16 +101,18 @@ def render() -> str:
         "describe episodes, not replay, and keep plain names; every field of experience-guided rollouts (their "
         "providers' included) is `guidance_<what>`.",
         "",
-        "The **design documents' name** column maps each field to the name the ExGRPO / AgentEvolver design "
-        "documents use (seeds 000-003), where they name it.",
+        "The **in the published code** column gives each field's counterpart in ExGRPO's code "
+        "([github.com/ElliottYan/LUFFY](https://github.com/ElliottYan/LUFFY), folder `ExGRPO`; arXiv 2510.02245) or "
+        "AgentEvolver's ([github.com/modelscope/AgentEvolver](https://github.com/modelscope/AgentEvolver); arXiv "
+        "2511.10395), as their configuration files spell it, where there is one.",
     ]
     for title, names in GROUPS:
-        lines += ["", f"## {title}", "", "| field | default | design documents' name | what it does |",
+        lines += ["", f"## {title}", "", "| field | default | in the published code | what it does |",
                   "|---|---|---|---|"]  # fmt: skip
         for name in names:
             f = own[name]
             default = f.default if f.default is not MISSING else f.default_factory()
-            lines.append(f"| `{name}` | `{default!r}` | {SEED_NAMES.get(name, '')} | {_cell(f.metadata['help'])} |")
+            lines.append(f"| `{name}` | `{default!r}` | {CODE_NAMES.get(name, '')} | {_cell(f.metadata['help'])} |")
     return "\n".join(lines + profiles()) + "\n"
 
 
@@ -126,18 +128,18 @@ EXGRPO_SOURCES = {
 
 
 def profiles() -> list[str]:
-    """The profiles' table: each field the profile sets, under the design documents' defaults and under the profile."""
+    """The profiles' table: each field the profile sets, under the library's defaults and under the profile."""
     lines = [
         "",
         "## Profiles",
         "",
         "`replay_profile` gives the fields below that are left unset (None) a published recipe's values; a field "
-        "set by hand, in code, YAML or a flag, keeps its value. Without a profile they take the design documents' "
-        "values (AgentEvolver's pipeline); `replay_profile=\"exgrpo\"` is ExGRPO's code as published (arXiv "
+        "set by hand, in code, YAML or a flag, keeps its value. Without a profile they take the library's defaults "
+        "(the AgentEvolver-style pipeline it was designed from); `replay_profile=\"exgrpo\"` is ExGRPO's code as published (arXiv "
         "2510.02245), whose start threshold 0.35 is `replay_start_solved_fraction`'s default. Which one to use: "
         "[results](results.md) compares them.",
         "",
-        "| field | design documents (default) | `exgrpo` | in ExGRPO's code |",
+        "| field | default | `exgrpo` | in ExGRPO's code |",
         "|---|---|---|---|",
     ]
     for name, value in REPLAY_PROFILES["exgrpo"].items():
