@@ -72,7 +72,7 @@ class ExReplayGRPOConfig(GRPOConfig):
     replay_profile: str | None = field(
         default=None,
         metadata={
-            "help": "The recipe that gives the fields left unset (None) their values: None, the design documents' "
+            "help": "The recipe that gives the fields left unset (None) their values: None, the library's defaults "
             "(the value after 'None:' in each field's help), or 'exgrpo', ExGRPO's published code "
             "(replay_start='solved', replay_retire_solved, replay_count_replayed_successes, replay_unclipped_fresh, "
             "replay_bucket_weighting='normal', replay_shaping='exgrpo'; see Profiles below). A field you set wins."
@@ -82,7 +82,7 @@ class ExReplayGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "When replay starts: 'steps' (at replay_start_ratio of max_steps; the pool fills from the first "
-            "step, as the design documents say) or 'solved' (ExGRPO: replay and the pool's collection start at the "
+            "step) or 'solved' (ExGRPO: replay and the pool's collection start at the "
             "first generation batch whose fresh rollouts succeed more often than replay_start_solved_fraction, "
             "and stay on). None: the profile's; 'steps' without one."
         },

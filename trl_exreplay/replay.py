@@ -5,9 +5,9 @@ between ranks, saved and resumed with checkpoints), ExGRPO's start rule and reti
 last generation step until the pool records them. Per step it draws the plan (`planner.plan_replay`) and the replayed
 trajectories (`selection`), splices them into generation, and queues the fresh rollouts' outcomes.
 
-What it needs from the trainer is given to it: settings and a few functions at construction, the step's figures in each
-call. It keeps no reference to the trainer. The methods marked collective must be called by every rank at the same
-point of the step (they gather or reduce).
+What it needs from the trainer is given to it: settings and a few functions at construction (`for_trainer` reads them
+off the trainer once), the step's figures in each call; no method reads a trainer attribute. The methods marked
+collective must be called by every rank at the same point of the step (they gather or reduce).
 """
 
 from __future__ import annotations

@@ -404,4 +404,4 @@ def test_the_config_reference_is_what_the_config_says():
     reference = load_script("tools/config_reference.py", "config_reference")
     assert reference.main(["--check"]) == 0, "run python tools/config_reference.py"
     text = (reference.OUTPUT).read_text()
-    assert "| `replay_ratio` | `0.5` | `exp_ratio` |" in text  # a design documents' name, mapped
+    assert "| `replay_ratio` | `0.5` | ExGRPO `trainer.experience_ratio` |" in text  # the published code's key, mapped
