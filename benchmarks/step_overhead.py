@@ -19,12 +19,13 @@ The target: replay step time / GRPO step time <= (1 - fraction of generation sav
 
 Two versions of the library, compared in one run (a change must not slow the step): with `--against DIR` (a checkout
 of the other version, e.g. `git worktree add /tmp/before <commit>`), each round runs this script (the same testbeds
-and clocks) once on this checkout's library and once on DIR's, each in a process of its own, in alternating order. It
-prints each round's median step times (the median over a run's timed steps: a step slowed by another process on the
-machine moves the mean, not the median) and their ratio, then each figure's mean over rounds and the paired
+and clocks) once on this checkout's library and once on DIR's, each in a process of its own, in alternating order
+(with `--concurrent`, at the same time: on a machine whose speed drifts from minute to minute, the pair then shares
+it). It prints each round's median step times (the median over a run's timed steps: a step slowed by another process
+on the machine moves the mean, not the median) and their ratio, then each figure's mean over rounds and the paired
 difference of the two versions with its 95% t interval (means over steps too):
 
-    OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --against /tmp/before --rounds 8
+    OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --against /tmp/before --rounds 10 [--concurrent]
 """
 
 from __future__ import annotations
@@ -216,16 +217,20 @@ sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")"""
 
 
-def run_on_library(checkout: Path, testbed: str, extra: list[str]) -> dict:
-    """One run of this script (its testbeds and clocks) on the library of `checkout`, imported first (the process
-    starts in `checkout`, with `PYTHONPATH` set to it): ms per step, mean and median, of grpo and exreplay, their
-    ratios, and the library's path."""
+def start_on_library(checkout: Path, testbed: str, extra: list[str]) -> subprocess.Popen:
+    """Start one run of this script (its testbeds and clocks) on the library of `checkout`, imported first (the
+    process starts in `checkout`, with `PYTHONPATH` set to it)."""
     command = [sys.executable, "-c", RUN_SCRIPT, str(Path(__file__).resolve()), "--testbed", testbed, *extra]
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, check=False)
-    mean, median, library = (pattern.search(done.stdout) for pattern in (STEP_LINE, MEDIAN_LINE, LIBRARY_LINE))
-    if done.returncode or mean is None or median is None or library is None:
-        raise RuntimeError(f"the run on {checkout}'s library failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_run(run: subprocess.Popen, checkout: Path) -> dict:
+    """A started run's ms per step, mean and median, of grpo and exreplay, their ratios, and the library's path."""
+    stdout, stderr = run.communicate()
+    mean, median, library = (pattern.search(stdout) for pattern in (STEP_LINE, MEDIAN_LINE, LIBRARY_LINE))
+    if run.returncode or mean is None or median is None or library is None:
+        raise RuntimeError(f"the run on {checkout}'s library failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
     grpo, exreplay, grpo_median, exreplay_median = (float(v) for v in (*mean.groups(), *median.groups()))
     return {
         "grpo_ms": grpo, "exreplay_ms": exreplay, "ratio": exreplay / grpo, "grpo_median_ms": grpo_median,
@@ -253,8 +258,13 @@ def compare(options) -> dict:
         print(f"\n{testbed}: median ms per step (grpo, exreplay) and their ratio, per round")
         for round_ in range(options.rounds):
             order = list(checkouts) if round_ % 2 == 0 else list(reversed(checkouts))  # drift falls on both alike
-            for name in order:
-                runs[name].append(run_on_library(checkouts[name], testbed, extra))
+            if options.concurrent:  # both at once, one a core: what slows the machine slows both
+                started = {name: start_on_library(checkouts[name], testbed, extra) for name in order}
+                for name in order:
+                    runs[name].append(finish_run(started[name], checkouts[name]))
+            else:
+                for name in order:
+                    runs[name].append(finish_run(start_on_library(checkouts[name], testbed, extra), checkouts[name]))
             line = "  ".join(
                 f"{name} {r['grpo_median_ms']:.1f} {r['exreplay_median_ms']:.1f} {r['median_ratio']:.3f}"
                 for name, r in ((n, runs[n][-1]) for n in checkouts)
@@ -288,6 +298,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0, help="Seed of the initial model.")
     parser.add_argument("--against", help="A checkout of another version to compare this one with (see above).")
     parser.add_argument("--rounds", type=int, default=6, help="With --against: runs of each version per testbed.")
+    parser.add_argument(
+        "--concurrent", action="store_true",
+        help="With --against: run the two versions of a round at the same time (a machine with two free cores; with "
+        "OMP_NUM_THREADS=1 each run takes one), so that a change in the machine's speed falls on both.",
+    )  # fmt: skip
     options = parser.parse_args(argv)
     print(
         f"machine: {platform.platform()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
