@@ -90,6 +90,10 @@ def render() -> str:
     if missing or len(listed) != len(set(listed)) or set(listed) - set(own):
         raise SystemExit(f"tools/config_reference.py: GROUPS must list each field once; not listed: {missing}")
     lines = [
+        "---",
+        "hide: [toc]  # the site's page without its table of contents: room for the four columns",
+        "---",
+        "",
         "# Configuration reference",
         "",
         "<!-- Written by `python tools/config_reference.py` from `ExReplayGRPOConfig`; tests/unit/test_config.py checks "
@@ -148,8 +152,8 @@ def profiles() -> list[str]:
         "",
         "Shared by both: a replay ratio of 0.5 of the batch's questions, k = 1 replayed trajectory in a group of G, "
         "the lowest-entropy trajectory under the current policy, recorded log-probs as the behaviour policy. "
-        "**Pool bounds:** ExGRPO admits a question when `lbound < s <= rbound` (0 and 7 of G = 8); the design "
-        "documents, and this library, when `replay_store_lbound < s < replay_store_rbound`, so ExGRPO's `rbound` is "
+        "**Pool bounds:** ExGRPO admits a question when `lbound < s <= rbound` (0 and 7 of G = 8); this library "
+        "when `replay_store_lbound < s < replay_store_rbound`, so ExGRPO's `rbound` is "
         "our `replay_store_rbound - 1` and its defaults are ours (`replay_store_rbound=None` is G: s from 1 to G-1).",
         "",
         "Where the profile still differs from ExGRPO's code: a question solved by some but not all rollouts moves to "
