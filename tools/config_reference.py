@@ -139,7 +139,7 @@ def profiles() -> list[str]:
         "",
         "`replay_profile` gives the fields below that are left unset (None) a published recipe's values; a field "
         "set by hand, in code, YAML or a flag, keeps its value. Without a profile they take the library's defaults "
-        "(the AgentEvolver-style pipeline it was designed from); `replay_profile=\"exgrpo\"` is ExGRPO's code as published (arXiv "
+        '(the AgentEvolver-style pipeline it was designed from); `replay_profile="exgrpo"` is ExGRPO\'s code as published (arXiv '
         "2510.02245), whose start threshold 0.35 is `replay_start_solved_fraction`'s default. Which one to use: "
         "[results](results.md) compares them.",
         "",
