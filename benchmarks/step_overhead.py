@@ -286,9 +286,8 @@ def compare(options) -> dict:
 
 
 def _mean_std(values: list[float]) -> str:
-    mean = sum(values) / len(values)
-    std = (sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5
-    return f"{mean:.3f} ± {std:.3f}"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.3f} ± {std:.3f}"
 
 
 def main(argv=None) -> dict:
