@@ -164,6 +164,23 @@ def test_evictions_leave_tombstones_that_compaction_removes(tmp_path):
     assert ExperiencePool.load(str(saved)).content_hash() == build(False).content_hash()
 
 
+def test_a_row_evicted_while_compactions_rewrite_it_twice_is_counted_once(tmp_path):
+    """A tombstone waits for the next flush while compactions may move its row more than once (a rewrite of the shard
+    that the previous rewrite made): it must follow every move, or the new shard keeps counting the row as live and
+    the save writes a state that its own check refuses (num_trajectories below the shards' live rows)."""
+    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, work_dir=str(tmp_path / "work"))
+    rng = np.random.default_rng(1)
+    for task in range(400):
+        record(pool, f"t{task}", 5, rng.random(5).tolist(), num_fresh=8)
+    pool.save(str(tmp_path / "pool"))
+    for version in range(1, 9):  # random evictions: tombstones everywhere, compactions of the compactions' shards
+        for task in rng.integers(0, 400, 512).tolist():
+            pool.add(traj(f"t{task}", float(rng.random()), version))
+        pool.flush(wait=True)
+        pool.save(str(tmp_path / "pool"))  # its own check of the state it committed raised here
+    assert ExperiencePool.load(str(tmp_path / "pool")).content_hash() == pool.content_hash()
+
+
 def test_explicit_compaction_and_skip_set_clears(tmp_path):
     pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=8, shard_rows=8)
     for task in "abc":

@@ -1070,7 +1070,8 @@ class ShardLog:
         with self._lock:
             for tombstone in tombstones:
                 loc = self._staged_dead.pop(tombstone, None) if isinstance(tombstone, tuple) else tombstone
-                loc = self._forward.pop(loc, loc)
+                while loc in self._forward:  # rewritten by compactions while its tombstone waited: its last place
+                    loc = self._forward.pop(loc)
                 shard = None if loc is None else self.shards.get(loc >> _ROW_BITS)
                 if shard is not None:
                     shard.live -= 1
