@@ -26,6 +26,12 @@ token, 5 per task, N / 5 tasks), each step in a fresh process so that memory is 
 Prints a table and writes JSON (figures, machine, versions). Data lives in a temporary folder, removed at the end.
 
     OMP_NUM_THREADS=1 python benchmarks/pool_scale.py --sizes 10000,100000,1000000 --json pool_scale.json
+
+Two versions of ours in one run (a change to the pool must keep its figures): ``--against DIR`` runs each version's
+own script on its own library, one after the other, and prints the figures a training step or a checkpoint pays with
+their ratio (this / DIR):
+
+    OMP_NUM_THREADS=1 python benchmarks/pool_scale.py --sizes 1000000 --against /tmp/before --json against.json
 """
 
 from __future__ import annotations
@@ -745,10 +751,12 @@ WORKERS = {
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
-def run_worker(role: str, size: int, folder: str, args) -> dict:
+def run_worker(role: str, size: int, folder: str, args, checkout: str | None = None) -> dict:
+    """Run `role` in a fresh process; with `checkout`, that checkout's own script on its own library (`--against`)."""
+    script = os.path.abspath(__file__) if checkout is None else os.path.join(checkout, "benchmarks", "pool_scale.py")
     command = [
         sys.executable,
-        os.path.abspath(__file__),
+        script,
         "--worker",
         role,
         "--size",
@@ -760,7 +768,8 @@ def run_worker(role: str, size: int, folder: str, args) -> dict:
         "--completion-tokens",
         str(args.completion_tokens),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    root = checkout or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": root}
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
@@ -937,6 +946,54 @@ def main_ranks(args, size: int, worlds: list[int]) -> None:
     print(f"\nmachine: {report['machine']['cpu']}, {report['machine']['cores']} cores; figures in {args.json}")
 
 
+# The figures a training step or a checkpoint pays, as (label, phase, key, unit).
+AGAINST_FIGURES = (
+    ("add 512", "build", "add_ms", "ms"),
+    ("flush 512 (writer thread)", "build", "flush_ms", "ms"),
+    ("read 64", "build", "sample_ms", "ms"),
+    ("incremental save", "build", "save_ms", "ms"),
+    ("save into a new checkpoint", "build", "checkpoint_save_ms", "ms"),
+    ("RSS growth, build", "build", "rss_growth_mb", "MB"),
+    ("load", "load", "load_s", "s"),
+    ("load without checksums", "load", "load_without_checksums_s", "s"),
+    ("read 64 after load", "load", "sample_after_load_ms", "ms"),
+    ("RSS growth after load", "load", "rss_growth_mb", "MB"),
+)
+
+
+def main_against(args, sizes: list[int]) -> None:
+    """`--against DIR`: ours in this checkout and in DIR, each run by its own script on its own library, one after
+    the other for each size and round (the order alternating between rounds), so that both meet the same machine."""
+    checkouts = {"this": None, "against": os.path.abspath(args.against)}
+    runs = {name: {size: [] for size in sizes} for name in checkouts}
+    root = tempfile.mkdtemp(prefix="pool-scale-", dir=args.tmp)
+    load_before = os.getloadavg()
+    try:
+        for size in sizes:
+            for round_ in range(args.rounds):
+                order = list(checkouts) if round_ % 2 == 0 else list(reversed(checkouts))
+                for name in order:
+                    folder = os.path.join(root, f"{name}-{size}")
+                    os.makedirs(folder)
+                    print(f"{name} (round {round_ + 1})", flush=True)
+                    build = run_worker("ours_build", size, folder, args, checkouts[name])
+                    load = run_worker("ours_load", size, folder, args, checkouts[name])
+                    shutil.rmtree(folder)
+                    runs[name][size].append({"build": build, "load": load})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report = {"machine": machine(), "against": checkouts["against"], "load_average": load_before, "runs": runs}
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print("\n| trajectories | figure | this | against | this / against |\n|---:|---|---:|---:|---:|")
+    for size in sizes:
+        for label, phase, key, unit in AGAINST_FIGURES:
+            this, against = (statistics.median(r[phase][key] for r in runs[n][size]) for n in checkouts)
+            ratio = f"{this / against:.2f}x" if against else "-"
+            print(f"| {size:,} | {label} | {this:.3g} {unit} | {against:.3g} {unit} | {ratio} |")
+    print(f"\n(medians over {args.rounds} round(s); load average before: {load_before}, after: {os.getloadavg()})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated numbers of trajectories")
@@ -956,6 +1013,13 @@ def main() -> None:
         help="comma-separated numbers of ranks (e.g. 1,2,4,8): measure the pool kept on every rank, as in training, "
         "at the first of --sizes, instead of the single-process comparison",
     )
+    parser.add_argument(
+        "--against",
+        default=None,
+        help="a checkout of another version: measure ours there and here, in one run (the figures a step or a "
+        "checkpoint pays, with their ratio)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="with --against: runs of each version per size")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -967,6 +1031,9 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.ranks:
         main_ranks(args, sizes[0], [int(n) for n in args.ranks.split(",")])
+        return
+    if args.against:
+        main_against(args, sizes)
         return
     results, load_before = {}, os.getloadavg()
     root = tempfile.mkdtemp(prefix="pool-scale-", dir=args.tmp)
