@@ -1,6 +1,6 @@
 """Fuzz the loading of a saved experience pool: no damage may crash the process or be read as other data.
 
-Saves a small pool (several trajectory and task row shards, a kept older snapshot, a tokenizer fingerprint), then
+Saves a small pool twice (several trajectory and task row shards, a tokenizer fingerprint), then
 applies random mutations to copies of its folder, each loaded (with the tokenizer and the model's vocabulary size),
 read and hashed in a forked child process (`os.fork`: no interpreter start per mutation), and classifies each:
 
@@ -9,7 +9,7 @@ read and hashed in a forked child process (`os.fork`: no interpreter start per m
   other data read as if it were the pool: never acceptable;
 * ``clear_errors``: it refused with a `PoolFormatError`, or a `ValueError` / `FileNotFoundError` naming the pool;
 * ``counted_rejections``: it loaded with rows refused and counted (``rejected_rows > 0``);
-* ``unchanged``: it loaded the very same pool (the mutation touched nothing it reads, e.g. an older snapshot);
+* ``unchanged``: it loaded the very same pool (the mutation touched nothing it reads);
 * ``unclear_errors``: any other exception (a raw `KeyError`, an Arrow error without a file name...);
 * ``hangs``: the child ran past ``--timeout``.
 
@@ -60,7 +60,7 @@ VOCAB = 64
 
 # ------------------------------------------------------------------------------------------------------- the pool
 def build_pool(folder: str, tokenizer) -> None:
-    """A pool of 3 trajectory shards, 2 task row shards and a kept older snapshot, saved in `folder`."""
+    """A pool of 3 trajectory shards and 2 task row shards, saved twice (incrementally) in `folder`."""
     from trl_exreplay.pool import tokenizer_fingerprint
 
     rng = np.random.default_rng(0)
@@ -89,10 +89,10 @@ def build_pool(folder: str, tokenizer) -> None:
     with pool:
         for i, (task, successes) in enumerate([("a", 2), ("b", 1), ("c", 3), ("d", 4), ("e", 0), ("f", 2)]):
             pool.record_outcome(outcome(task, successes, i))
-        pool.save(folder, save_total_limit=2)
+        pool.save(folder)
         for i, (task, successes) in enumerate([("a", 1), ("g", 2), ("h", 3), ("b", 2)]):
             pool.record_outcome(outcome(task, successes, 10 + i))
-        pool.save(folder, save_total_limit=2)
+        pool.save(folder)
 
 
 def fingerprint_of(pool: ExperiencePool) -> str:

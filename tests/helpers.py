@@ -104,21 +104,6 @@ def reseal_pool(path: str) -> None:
         json.dump(state, f)
 
 
-def as_format_2(path: str) -> None:
-    """Make the pool saved at `path` look saved by the previous version: format_version 2, no checksums."""
-    import json
-    import os
-
-    state_path = os.path.join(path, "state.json")
-    with open(state_path) as f:
-        state = json.load(f)
-    state.update(format_version=2)
-    state.pop("files")
-    state.pop("checksum")
-    with open(state_path, "w") as f:
-        json.dump(state, f)
-
-
 class RecordingTrainer(ExReplayGRPOTrainer):
     """Keeps every generation batch as the trainer builds it (before TRL shuffles it)."""
 

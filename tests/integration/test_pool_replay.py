@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 
 import numpy as np
 import pytest
-from helpers import as_format_2, traj
+from helpers import traj
 
 from trl_exreplay import planner
 from trl_exreplay.planner import plan_replay
 from trl_exreplay.pool import ExperiencePool, TaskOutcome
-from trl_exreplay.pool.store import Shard, read_arrow, read_state, write_arrow
+from trl_exreplay.pool.store import Shard, read_arrow
 
 
 def record(pool, task_id, successes, entropies=(), version=0, num_fresh=4, task_row="default", n=3):
@@ -87,18 +86,6 @@ def test_live_and_loaded_pools_keep_the_same_bucket_arrays_and_draws(tmp_path, r
     for seed in range(20):
         for weighting in ("uniform", "normal"):
             assert drawn_tasks(loaded, seed, 6, weighting) == drawn_tasks(pool, seed, 6, weighting)
-    # a pool saved before the arrays were saved (format 2, no `bucket_pos` column) loads them in bucket order
-    state = read_state(str(tmp_path / "pool"))
-    as_format_2(str(tmp_path / "pool"))
-    path = os.path.join(str(tmp_path / "pool"), state["tasks_file"])
-    table = read_arrow(path)
-    table = table.drop_columns(["bucket_pos"])
-    os.remove(path)  # the mapping keeps the old content readable
-    write_arrow(path, table)
-    older = ExperiencePool.load(str(tmp_path / "pool"))
-    holding = {d: [t for t in ts if pool.trajectories(t)] for d, ts in pool.buckets().items()}
-    assert bucket_members(older) == {d: ts for d, ts in holding.items() if ts}
-    assert older.content_hash() == pool.content_hash()
 
 
 # --------------------------------------------------------------------------------------------------------------------

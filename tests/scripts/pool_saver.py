@@ -56,7 +56,6 @@ def sweep(folder: str, work_dir: str, seed: int) -> None:
         committed = pool.content_hash() if save > 1 else None
         change(pool, rng, save)
         pool.flush(wait=True)  # the writer thread idle: nothing held across the fork
-        limit = int(rng.integers(1, 3))
         new = pool.content_hash()
         for number in range(10_000) if save > 1 else ():
             child = os.fork()
@@ -64,7 +63,7 @@ def sweep(folder: str, work_dir: str, seed: int) -> None:
                 from kill_points import die_before_operation  # beside this script, run as one
 
                 die_before_operation(number)
-                pool.save(folder, save_total_limit=limit)
+                pool.save(folder)
                 os._exit(0)
             _, status = os.waitpid(child, 0)
             if os.WIFEXITED(status):
@@ -76,7 +75,7 @@ def sweep(folder: str, work_dir: str, seed: int) -> None:
                 report["bad"].append([save, number, loaded.rejected_rows])
             report["loaded_old" if digest == committed else "loaded_new"] += 1
             loaded.close()
-        pool.save(folder, save_total_limit=limit)
+        pool.save(folder)
     print(json.dumps(report), flush=True)
 
 
@@ -90,7 +89,7 @@ def main(folder: str, work_dir: str, seed: int) -> None:
         digest = pool.content_hash()
         print("saving", save, digest, flush=True)
         start = time.perf_counter()
-        pool.save(folder, save_total_limit=int(rng.integers(1, 3)))
+        pool.save(folder)
         print("saved", save, digest, time.perf_counter() - start, flush=True)
 
 

@@ -181,10 +181,9 @@ def _check_name(name, file: str, folder: str, what: str) -> str:
 
 
 def parse_state(text: bytes | str, file: str, version: int, folders: Sequence[str], tasks_folder: str) -> dict:
-    """``state.json`` (or a kept history snapshot) parsed and validated; refuses anything else with `PoolFormatError`.
+    """``state.json`` parsed and validated; refuses anything else with `PoolFormatError`.
 
-    `version` is the format this code writes (checksums required); format 2 (no checksums) is accepted with
-    ``state["verified"] = False``. `folders` are the shard folders, `tasks_folder` the tasks tables' folder.
+    `version` is the format this code writes; `folders` are the shard folders, `tasks_folder` the tasks tables' folder.
     """
     try:
         state = json.loads(text)
@@ -194,20 +193,17 @@ def parse_state(text: bytes | str, file: str, version: int, folders: Sequence[st
     found = state.get("format_version")
     _need(_is_int(found), file, f"`format_version` must be an integer, got {found!r}.")
     _need(
-        found in (2, version),
+        found == version,
         file,
-        f"format_version {found} is not one this version of trl_exreplay reads ({version}, and the older 2); "
+        f"format_version {found} is not the one this version of trl_exreplay reads ({version}); "
         + (
             "upgrade trl_exreplay." if found > version else "it is a development format from before the first release."
         ),
     )
-    verified = found == version
-    if verified:
-        recorded = state.get("checksum")
-        _need(isinstance(recorded, str), file, "`checksum` is missing (every save records one).")
-        _need(recorded == state_checksum(state), file, "checksum mismatch: the file was damaged or edited.")
+    recorded = state.get("checksum")
+    _need(isinstance(recorded, str), file, "`checksum` is missing (every save records one).")
+    _need(recorded == state_checksum(state), file, "checksum mismatch: the file was damaged or edited.")
     _int(state, "snapshot", file, 1)
-    _int(state, "save_total_limit", file, 1)
     check_settings(state.get("settings"), file)
     fingerprint = state.get("tokenizer_fingerprint")
     _need(
@@ -243,23 +239,21 @@ def parse_state(text: bytes | str, file: str, version: int, folders: Sequence[st
         file,
         f"`num_trajectories` ({state['num_trajectories']}) is not the live rows of its shards ({live}).",
     )
-    if verified:
-        files = state.get("files")
-        expected = [state["tasks_file"]] + [f"{k}/{e['name']}" for k in folders for e in shards[k]]
+    files = state.get("files")
+    expected = [state["tasks_file"]] + [f"{k}/{e['name']}" for k in folders for e in shards[k]]
+    _need(
+        isinstance(files, dict) and sorted(files) == sorted(expected),
+        file,
+        "`files` must give the size and checksum of exactly the files the state names.",
+    )
+    for name, entry in files.items():
+        _need(isinstance(entry, dict), file, f"`files[{name!r}]` must be an object.")
+        _int(entry, "size", file, 0, f"files[{name!r}].")
         _need(
-            isinstance(files, dict) and sorted(files) == sorted(expected),
+            isinstance(entry.get(CHECKSUM), str) and _HEX.fullmatch(entry[CHECKSUM]) is not None,
             file,
-            "`files` must give the size and checksum of exactly the files the state names.",
+            f"`files[{name!r}].{CHECKSUM}` must be 16 hex digits, got {entry.get(CHECKSUM)!r}.",
         )
-        for name, entry in files.items():
-            _need(isinstance(entry, dict), file, f"`files[{name!r}]` must be an object.")
-            _int(entry, "size", file, 0, f"files[{name!r}].")
-            _need(
-                isinstance(entry.get(CHECKSUM), str) and _HEX.fullmatch(entry[CHECKSUM]) is not None,
-                file,
-                f"`files[{name!r}].{CHECKSUM}` must be 16 hex digits, got {entry.get(CHECKSUM)!r}.",
-            )
-    state["verified"] = verified
     return state
 
 
@@ -304,9 +298,7 @@ class PoolFolder:
         except OSError as e:
             raise PoolFormatError(path, f"cannot be read ({e.strerror}).") from None
         _need(os.path.isfile(path), path, "is not a regular file.")
-        entry = state.get("files", {}).get(name) if state.get("verified") else None
-        if entry is None:
-            return path
+        entry = state["files"][name]
         _need(info.st_size == entry["size"], path, f"has {info.st_size} bytes; the pool recorded {entry['size']}.")
         if checksum:
             found = file_checksum(path)
@@ -429,10 +421,7 @@ def check_tasks_table(tasks: pa.Table, state: dict, file: str, trajectories: str
     trajectory ids unique, orders within the state's counters, slot lists that agree, no task above the capacity, and
     shard numbers that exist (`trajectories`, `task_rows`: the state's shard folders). Damage here is an error, not a
     rejected row: the table is the pool's index itself."""
-    schema = TASKS_SCHEMA
-    if not state["verified"] and "bucket_pos" not in tasks.schema.names:  # format 2, before bucket positions
-        schema = pa.schema([f for f in TASKS_SCHEMA if f.name != "bucket_pos"])
-    check_arrow(tasks, schema, file)
+    check_arrow(tasks, TASKS_SCHEMA, file)
 
     def need(condition: bool, problem: str) -> None:
         _need(condition, file, problem)

@@ -15,7 +15,6 @@ import tempfile
 from .check import PoolFolder
 from .experience_pool import ExperiencePool
 from .store import (
-    FORMAT_VERSION,
     STATE_FILE,
     TASK_ROWS_DIR,
     TRAJECTORIES_DIR,
@@ -54,12 +53,6 @@ def _pool_state(pool_dir: str) -> dict:
             f"{pool_dir} is not a saved experience pool (no {STATE_FILE}; write one with ExperiencePool.save)."
         )
     state = read_state(pool_dir)
-    if state["format_version"] != FORMAT_VERSION:
-        raise ValueError(
-            f"{pool_dir} holds an experience pool of the older format_version {state['format_version']}, without "
-            f"checksums; load it with ExperiencePool.load and save it to another folder (format_version "
-            f"{FORMAT_VERSION}) to push it."
-        )
     folder = PoolFolder(pool_dir)
     for name in state_files(state)[1:]:
         folder.verify(state, name)
@@ -67,7 +60,7 @@ def _pool_state(pool_dir: str) -> dict:
 
 
 def _state_bytes(state: dict) -> bytes:
-    return json.dumps({k: v for k, v in state.items() if k != "verified"}).encode()
+    return json.dumps(state).encode()
 
 
 def _pool_card(repo_id: str, state: dict) -> str:
@@ -167,7 +160,7 @@ def push_pool(
     if any(e["live"] < e["rows"] for es in state["shards"].values() for e in es):
         with ExperiencePool.load(pool_dir) as loaded:
             loaded.compact()
-            loaded.save(pool_dir, save_total_limit=state.get("save_total_limit", 1))
+            loaded.save(pool_dir)
         state = _pool_state(pool_dir)
     # state.json as the bytes just validated (not re-read: it cannot change between the check and the upload)
     operations = [CommitOperationAdd(path_in_repo=STATE_FILE, path_or_fileobj=_state_bytes(state))]
@@ -200,7 +193,7 @@ def pool_from_hub(
     work_dir: str | None = None,
 ) -> ExperiencePool:
     """Download a pool pushed by `push_pool` and load it (`ExperiencePool.load`), always verifying every file's
-    checksum; a pool of an older format (no checksums) is refused.
+    checksum.
 
     Given a `tokenizer`, a pool recorded with another one (or with none, unless `allow_missing_fingerprint`) is
     refused with a `ValueError`.
@@ -208,13 +201,6 @@ def pool_from_hub(
     from huggingface_hub import HfApi
 
     folder = HfApi(token=token).snapshot_download(repo_id, repo_type="dataset", revision=revision, cache_dir=cache_dir)
-    version = read_state(folder)["format_version"]
-    if version != FORMAT_VERSION:
-        raise ValueError(
-            f"The experience pool {repo_id} on the Hub is of the older format_version {version}, whose files have "
-            "no checksums, so its integrity cannot be checked. If you trust it, load the downloaded folder with "
-            "ExperiencePool.load and push it again."
-        )
     return ExperiencePool.load(
         folder,
         tokenizer=tokenizer,

@@ -34,7 +34,6 @@ from .check import (
 from .records import tokenizer_fingerprint
 from .store import (
     FORMAT_VERSION,
-    HISTORY_DIR,
     STATE_FILE,
     TASK_ROW_SCHEMA,
     TASK_ROWS_DIR,
@@ -76,17 +75,15 @@ _INDEX_COLUMNS = ("traj_id", "entropy", "policy_version", "store_seq")  # what t
 _SLOT_COLUMNS = ("traj_shard", "traj_row", "traj_id")  # where a snapshot's tasks table says each trajectory is
 
 
-def save_pool(pool, path: str, save_total_limit: int = 1) -> None:
-    """Save the pool to folder `path`: incrementally, atomically, keeping `save_total_limit` snapshots there.
+def save_pool(pool, path: str) -> None:
+    """Save the pool to folder `path`: incrementally and atomically.
 
     Only what the folder lacks is written: shards new since the last save to it (hard links to the live pool's
     files when on the same file system, so no trajectory is ever written twice) and the small per-task state.
     The commit is the atomic replacement of ``state.json``; a process killed at any instant of a save leaves
-    the previous snapshot complete and loadable. Snapshots beyond `save_total_limit` and the files only they
-    used are deleted after the commit.
+    the previous snapshot complete and loadable. The files only the previous snapshot used are deleted after the
+    commit (a checkpoint keeps one snapshot; TRL's `save_total_limit` rotates whole checkpoints).
     """
-    if not isinstance(save_total_limit, int) or save_total_limit < 1:
-        raise ValueError(f"save_total_limit must be an integer >= 1, got {save_total_limit!r}.")
     pool.flush(wait=True)
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
@@ -106,15 +103,9 @@ def save_pool(pool, path: str, save_total_limit: int = 1) -> None:
             files.update({f"{kind}/{e['name']}": _file_entry(*e["digest"]) for e in es})
         for folder in (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR):
             fsync_path(os.path.join(path, folder))
-        if save_total_limit > 1 and previous is not None:
-            os.makedirs(os.path.join(path, HISTORY_DIR), exist_ok=True)
-            kept = {k: v for k, v in previous.items() if k != "verified"}  # as it was written
-            write_json_atomic(os.path.join(path, HISTORY_DIR, f"{previous['snapshot']:08d}.json"), kept)
-            fsync_path(os.path.join(path, HISTORY_DIR))
         state = {
             "format_version": FORMAT_VERSION,
             "snapshot": snapshot,
-            "save_total_limit": save_total_limit,
             "settings": pool._settings(),
             "tokenizer_fingerprint": pool.tokenizer_fingerprint,
             "counters": {
@@ -137,14 +128,14 @@ def save_pool(pool, path: str, save_total_limit: int = 1) -> None:
     except BaseException:
         try:  # remove what this save added; the committed snapshot is untouched
             if previous is not None:
-                prune(path, previous.get("save_total_limit", 1))
+                prune(path)
             elif not os.path.exists(os.path.join(path, STATE_FILE)):
                 for folder in (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR):
                     shutil.rmtree(os.path.join(path, folder), ignore_errors=True)
         except Exception:  # noqa: BLE001 - the save's own error is the one to report
             logger.exception("trl_exreplay: cleaning up after a failed pool save")
         raise
-    prune(path, save_total_limit)
+    prune(path)
     trim_heap()  # the tasks table and the flushed buffers were large transients
 
 
@@ -198,7 +189,6 @@ def load_pool(
     cls,
     path: str,
     *,
-    snapshot: int | None = None,
     tokenizer=None,
     vocab_size: int | None = None,
     verify: bool = True,
@@ -206,7 +196,7 @@ def load_pool(
     work_dir: str | None = None,
     shard_rows: int = 1024,
 ) -> ExperiencePool:
-    """Load the pool saved at `path` (its committed snapshot, or an older kept `snapshot`).
+    """Load the pool saved at `path`.
 
     The folder is untrusted input (`trl_exreplay.pool.check`): ``state.json`` is validated, every file must be
     named inside the folder and resolve inside it, have its recorded size and (with `verify`, the default) its
@@ -224,13 +214,7 @@ def load_pool(
     path = os.path.abspath(path)
     if not os.path.lexists(os.path.join(path, STATE_FILE)):
         raise FileNotFoundError(f"No experience pool at {path} (missing {STATE_FILE}).")
-    state = read_state(path, snapshot)
-    if not state["verified"]:
-        logger.warning(
-            "trl_exreplay: the experience pool at %s was saved in format_version 2, without checksums: damage "
-            "to its files cannot be detected. Save it again (to another folder) to add them.",
-            path,
-        )
+    state = read_state(path)
     pool = _load_snapshot(cls, path, state, work_dir, shard_rows, vocab_size, verify)
     if pool.rejected_rows:
         logger.warning(
@@ -301,7 +285,7 @@ def _fill_from_snapshot(pool, folder: PoolFolder, state: dict, tasks, vocab_size
             check_arrow(shard.table(), schema, file)
             if shard.rows != entry["rows"]:
                 raise PoolFormatError(file, f"has {shard.rows} rows; the pool recorded {entry['rows']}.")
-            if verify and state["verified"]:  # checked just now: a later save need not hash it again
+            if verify:  # checked just now: a later save need not hash it again
                 recorded = state["files"][f"{kind}/{entry['name']}"]
                 shard.digest = (recorded["size"], recorded[CHECKSUM])
             yield i, shard
@@ -390,7 +374,7 @@ def _place_slots(pool, entry_task: np.ndarray, entry_key: np.ndarray, n: int) ->
 
 def _committed_state(path: str) -> dict | None:
     """The committed state of the pool folder `path`, None for an empty folder. A folder holding anything else (a
-    pool of an older format, which `load` reads but a save does not extend, or a damaged state) is refused."""
+    damaged state, a pool of another format) is refused."""
     if not os.path.lexists(os.path.join(path, STATE_FILE)):
         return None
     try:
@@ -400,12 +384,6 @@ def _committed_state(path: str) -> dict | None:
             f"Not saving into {path}: its {STATE_FILE} is not that of a usable experience pool ({e}). Save to another "
             "folder, or delete this one first."
         ) from None
-    version = state.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ValueError(
-            f"Not saving into {path}: it holds an experience pool of the older format_version {version} (this "
-            f"version writes {FORMAT_VERSION}). Load it with ExperiencePool.load and save it to another folder."
-        )
     return state
 
 

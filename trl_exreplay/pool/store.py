@@ -13,7 +13,7 @@ known from the shard's layout, so reading maps no page of the pool into the proc
   Deleting a key leaves a tombstone in its shard; compaction rewrites shards that are mostly tombstones and drops
   shards with no live row.
 * The folder of a saved pool, and its atomic commit: ``state.json`` is replaced last, with `os.replace`; every file it
-  names was complete and fsynced before. Files no kept snapshot names are pruned after the commit. A process killed at
+  names was complete and fsynced before. Files the committed state does not name are pruned after the commit. A process killed at
   any instant leaves the previous ``state.json`` and all its files::
 
       state.json                     the committed snapshot: settings, counters, shard lists, its tasks table,
@@ -21,7 +21,6 @@ known from the shard's layout, so reading maps no page of the pool into the proc
       tasks/<snapshot>-<id>.arrow    per-task state of a snapshot (difficulty, skip set, where its rows are)
       trajectories/traj-*.arrow      trajectory shards, one row per trajectory (`datasets` features)
       task_rows/rows-*.arrow         task row shards (task id, the dataset row as JSON)
-      history/<snapshot>.json        older snapshots kept by ``save_total_limit > 1``
 
 Example:
 
@@ -64,13 +63,12 @@ from .check import PoolFolder, PoolFormatError, bytes_checksum, file_checksum, p
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 3: every file's size and xxh3-64 checksum recorded in state.json (2: none)
+FORMAT_VERSION = 3  # 3: every file's size and xxh3-64 checksum recorded in state.json
 STATE_FILE = "state.json"
 TRAJECTORIES_DIR = "trajectories"
 TASK_ROWS_DIR = "task_rows"
 TASKS_DIR = "tasks"
-HISTORY_DIR = "history"
-MANAGED_DIRS = (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR, HISTORY_DIR)
+MANAGED_DIRS = (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR)
 
 _BURST_GAP, _MAX_DEFER = 0.003, 0.5
 _NUMPY_TYPES = {pa.int8(): np.int8, pa.int32(): np.int32, pa.int64(): np.int64, pa.float32(): np.float32}
@@ -1358,8 +1356,9 @@ def _grow(array: np.ndarray, size: int, fill) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------ saved folders
-def parse_state_file(file: str) -> dict:
-    """A state file (``state.json`` or a kept snapshot), parsed and validated (`check.parse_state`)."""
+def read_state(path: str) -> dict:
+    """The committed state of the pool saved at `path` (``state.json``), parsed and validated (`check.parse_state`)."""
+    file = PoolFolder(path).file(STATE_FILE)
     try:
         with open(file, "rb") as f:
             text = f.read(_MAX_STATE_BYTES + 1)
@@ -1370,46 +1369,6 @@ def parse_state_file(file: str) -> dict:
     return parse_state(text, file, FORMAT_VERSION, (TRAJECTORIES_DIR, TASK_ROWS_DIR), TASKS_DIR)
 
 
-def read_state(path: str, snapshot: int | None = None) -> dict:
-    """The committed state of the pool saved at `path` (or an older kept `snapshot`), validated."""
-    state_path = PoolFolder(path).file(STATE_FILE)
-    state = parse_state_file(state_path)
-    _check_latest(path, state, state_path)
-    if snapshot is not None and state.get("snapshot") != snapshot:
-        if not isinstance(snapshot, int) or isinstance(snapshot, bool) or snapshot < 1:
-            raise ValueError(f"snapshot must be an integer >= 1, got {snapshot!r}.")
-        history = PoolFolder(path).file(f"{HISTORY_DIR}/{snapshot:08d}.json")
-        if not os.path.isfile(history):
-            raise FileNotFoundError(f"No snapshot {snapshot} in the experience pool at {path}.")
-        state = parse_state_file(history)
-        if state.get("snapshot") != snapshot:
-            raise PoolFormatError(history, f"holds snapshot {state.get('snapshot')!r}, not {snapshot}.")
-    return state
-
-
-def _check_latest(path: str, state: dict, state_path: str) -> None:
-    """``state.json`` must be the newest snapshot of its folder: an older state put in its place (a swap with a kept
-    snapshot, a restored backup of the file alone) would load an older pool as if it were the current one. A kept
-    snapshot numbered as the current one is the copy an interrupted save made of it, and must hold it."""
-    history = os.path.join(path, HISTORY_DIR)
-    if not os.path.isdir(history):
-        return
-    current = state["snapshot"]
-    for name in os.listdir(history):
-        stem = name[: -len(".json")] if name.endswith(".json") else ""
-        if not (stem.isdigit() and int(stem) >= current):
-            continue
-        problem = f"is snapshot {current}, but the folder keeps {HISTORY_DIR}/{name}: {STATE_FILE} was replaced"
-        if int(stem) > current:
-            raise PoolFormatError(state_path, f"{problem} by an older one.")
-        try:
-            kept = parse_state_file(os.path.join(history, name))
-        except (OSError, ValueError):
-            continue  # a damaged copy of the current state: pruned by the next save
-        if kept.get("snapshot") != current:
-            raise PoolFormatError(state_path, f"{problem} (that file holds snapshot {kept.get('snapshot')!r}).")
-
-
 def state_files(state: dict) -> list[str]:
     """The files (relative to the pool folder) a committed state names, state.json first."""
     files = [STATE_FILE, state["tasks_file"]]
@@ -1418,37 +1377,17 @@ def state_files(state: dict) -> list[str]:
     return files
 
 
-def kept_states(path: str) -> list[dict]:
-    """The committed state and the older snapshots kept in history, newest first."""
-    states = [read_state(path)]
-    history = os.path.join(path, HISTORY_DIR)
-    if os.path.isdir(history):
-        for name in sorted(os.listdir(history), reverse=True):
-            if name.endswith(".json") and not name.startswith("."):
-                try:
-                    states.append(parse_state_file(os.path.join(history, name)))
-                except (OSError, ValueError):  # a damaged old snapshot is not kept: its files may be pruned
-                    continue
-    return states
-
-
-def prune(path: str, save_total_limit: int) -> None:
-    """After a commit: keep the newest `save_total_limit` snapshots; delete every other file of the managed folders.
-
-    Only files no kept snapshot names are removed, so a crash here leaves garbage, never a broken pool.
-    """
-    states = kept_states(path)
-    current = states[0]["snapshot"]
-    kept = [s for s in states if s.get("snapshot", 0) <= current][: max(1, save_total_limit)]
-    keep = {os.path.normpath(f) for state in kept for f in state_files(state)}
-    keep |= {os.path.normpath(f"{HISTORY_DIR}/{s['snapshot']:08d}.json") for s in kept[1:]}
+def prune(path: str) -> None:
+    """After a commit: delete every file of the managed folders that the committed state does not name, and the
+    temporary files of interrupted saves. Only files no committed state names are removed, so a crash here leaves
+    garbage, never a broken pool."""
+    keep = {os.path.normpath(f) for f in state_files(read_state(path))}
     for folder in MANAGED_DIRS:
         full = os.path.join(path, folder)
         if not os.path.isdir(full):
             continue
         for name in os.listdir(full):
-            rel = os.path.normpath(f"{folder}/{name}")
-            if rel in keep:
+            if os.path.normpath(f"{folder}/{name}") in keep:
                 continue
             target = os.path.join(full, name)
             if os.path.isdir(target):
@@ -1458,7 +1397,7 @@ def prune(path: str, save_total_limit: int) -> None:
                     os.remove(target)
                 except FileNotFoundError:
                     pass
-    for name in os.listdir(path):  # temporary files of interrupted saves
+    for name in os.listdir(path):
         if name.startswith(f".{STATE_FILE}.tmp-"):
             os.remove(os.path.join(path, name))
 
