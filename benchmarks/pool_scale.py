@@ -783,6 +783,7 @@ def machine() -> dict:
     import datasets
     import pyarrow
 
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's library
     import trl_exreplay
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
