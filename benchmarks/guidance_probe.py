@@ -325,17 +325,22 @@ def main(argv: list[str] | None = None) -> Counter:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few cases of each family (what the test runs)")
     options = parser.parse_args(argv)
-    logging.getLogger("trl_exreplay").setLevel(logging.ERROR)  # each fault's one warning: the probe counts them
     from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY
 
     tokenizer = build_tiny_tokenizer([*KEY_DOOR_VOCABULARY, "red", "green", "say", "always"])
     counts: Counter = Counter()
-    with tempfile.TemporaryDirectory() as output_dir:
-        for name, function, deadline in cases(options.quick, tokenizer, output_dir):
-            outcome, detail = run_case(function, deadline)
-            counts[outcome] += 1
-            if outcome != "ok":
-                print(f"{outcome}: {name}: {detail}")
+    package_logger = logging.getLogger("trl_exreplay")
+    level = package_logger.level
+    package_logger.setLevel(logging.ERROR)  # each fault's one warning: the probe counts them
+    try:
+        with tempfile.TemporaryDirectory() as output_dir:
+            for name, function, deadline in cases(options.quick, tokenizer, output_dir):
+                outcome, detail = run_case(function, deadline)
+                counts[outcome] += 1
+                if outcome != "ok":
+                    print(f"{outcome}: {name}: {detail}")
+    finally:
+        package_logger.setLevel(level)  # a caller (a test session) keeps the package's warnings
     total = sum(counts.values())
     print(f"cases {total}, crashes {counts['crash']}, hangs {counts['hang']}, silent {counts['silent']}")
     return counts

@@ -4,6 +4,7 @@ what a killed run leaves behind (issue 24). Each test fails on the code before t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from helpers import load_script, make_trainer, reseal_pool
 from trl_exreplay.examples import VOCABULARY, said_target
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, tokenizer_fingerprint
 from trl_exreplay.pool.check import PoolFormatError
-from trl_exreplay.pool.store import remove_dead_scratch
+from trl_exreplay.pool.folder import remove_dead_scratch
 from trl_exreplay.tiny import build_tiny_tokenizer
 
 
@@ -50,6 +51,7 @@ def edit_state(path, edit, reseal=True):
 def test_fuzzed_pools_never_crash_and_are_never_read_as_other_data():
     fuzz = load_script("benchmarks/pool_fuzz.py", "pool_fuzz")
     result = fuzz.main(["--mutations", "100", "--seed", "7"])
+    assert logging.getLogger("trl_exreplay").level == logging.NOTSET  # quiet while it ran; the session's tests warn
     assert result["mutations"] == 100
     assert result["signals"] == 0 and result["silent_differences"] == 0, result["bad_cases"]
     assert result["unclear_errors"] == 0 and result["hangs"] == 0, result["bad_cases"]
@@ -61,6 +63,8 @@ def test_the_guidance_probe_finds_no_crash_hang_or_silent_result(capsys):
     environment answers and out-of-range settings (the full probe: 55 cases)."""
     probe = load_script("benchmarks/guidance_probe.py", "guidance_probe")
     counts = probe.main(["--quick"])
+    # quiet while it ran, not after: it silenced the package's warnings for every later test of the session
+    assert logging.getLogger("trl_exreplay").level == logging.NOTSET
     assert counts["ok"] == 24 and set(counts) == {"ok"}, capsys.readouterr().out
     assert capsys.readouterr().out.endswith("cases 24, crashes 0, hangs 0, silent 0\n")
 
@@ -84,7 +88,7 @@ def test_damage_is_one_error_naming_the_file(tmp_path):
 def test_a_shard_with_columns_of_another_type_is_refused(tmp_path):
     import pyarrow as pa
 
-    from trl_exreplay.pool.store import read_arrow
+    from trl_exreplay.pool.shards import read_arrow
 
     saved_pool(tmp_path / "pool")
     shard = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]
