@@ -43,7 +43,7 @@ import pyarrow as pa  # noqa: E402
 
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory  # noqa: E402
 from trl_exreplay.pool.check import PoolFormatError, file_checksum, state_checksum  # noqa: E402
-from trl_exreplay.pool.store import TRAJECTORY_SCHEMA, read_arrow  # noqa: E402
+from trl_exreplay.pool.shards import TRAJECTORY_SCHEMA, read_arrow  # noqa: E402
 from trl_exreplay.tiny import build_tiny_tokenizer  # noqa: E402
 
 OUTCOMES = (

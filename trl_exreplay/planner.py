@@ -12,11 +12,13 @@ generated fresh.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
+
+from .pool.index import TaskBuckets
 
 NORMAL_BUCKET_STD = 1.0  # "normal" weighting: std, in successes, of ExGRPO's Gaussian around G / 2 successes
 
@@ -119,38 +121,6 @@ def bucket_weights(difficulties: Sequence[int], num_generations: int, weighting:
         return np.ones_like(difficulties)
     _, inverse, counts = np.unique(difficulties, return_inverse=True, return_counts=True)
     return per_bucket / counts[inverse]
-
-
-@dataclass(frozen=True)
-class TaskBuckets:
-    """Tasks by difficulty bucket, to draw replay tasks from without listing the replayable ones first.
-
-    Tasks are integer ids (an `ExperiencePool`'s task indices; `from_pairs`: positions in a list).
-
-    Attributes:
-        members: difficulty -> ids of the bucket's tasks (replayable now or not), in a fixed order.
-        replayable: ``ids -> bool mask``: which of `ids` can be replayed now (cheap for a few ids).
-        listing: ``() -> (ids, difficulties)`` of every replayable task, in a fixed order: an O(tasks) pass, used
-            only when the buckets are small, or to finish a draw that rejection sampling cannot.
-        names: ``ids -> task ids``.
-    """
-
-    members: Mapping[int, np.ndarray]
-    replayable: Callable[[np.ndarray], np.ndarray]
-    listing: Callable[[], tuple[np.ndarray, np.ndarray]]
-    names: Callable[[Sequence[int]], list[str]]
-
-    @classmethod
-    def from_pairs(cls, pairs: Sequence[tuple[str, int]]) -> TaskBuckets:
-        """Buckets of a list of (task id, difficulty), every one of them replayable."""
-        difficulties = np.asarray([d for _, d in pairs], dtype=np.int64)
-        ids = np.arange(len(pairs), dtype=np.int64)
-        return cls(
-            members={int(d): ids[difficulties == d] for d in np.unique(difficulties).tolist()},
-            replayable=lambda chosen: np.ones(len(chosen), bool),
-            listing=lambda: (ids, difficulties),
-            names=lambda chosen: [pairs[i][0] for i in chosen],
-        )
 
 
 EXACT_DRAW_TASKS = 1024  # buckets holding at most this many tasks (or 16 per task to draw) are drawn from exactly

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 
 import numpy as np
@@ -19,7 +20,7 @@ from helpers import traj
 from trl_exreplay import planner
 from trl_exreplay.planner import plan_replay
 from trl_exreplay.pool import ExperiencePool, TaskOutcome
-from trl_exreplay.pool.store import Shard, read_arrow
+from trl_exreplay.pool.shards import Shard, read_arrow
 
 
 def record(pool, task_id, successes, entropies=(), version=0, num_fresh=4, task_row="default", n=3):
@@ -220,7 +221,7 @@ def test_rows_read_with_pread_are_the_arrow_values():
     for i in range(64):
         record(pool, "a", 3, [rnd.random()], n=rnd.randrange(1, 3000), version=i)
     pool.flush(wait=True)
-    key = int(pool._slots[pool._task_index["a"], 0])
+    key = int(pool.index.slots[pool.index.task_index["a"], 0])
     shard, _ = pool._trajectories.locate(key)
     assert isinstance(shard, Shard) and not shard.is_open
     table = read_arrow(shard.paths[0])
@@ -230,7 +231,9 @@ def test_rows_read_with_pread_are_the_arrow_values():
     assert shard.read(names, rows) == want
 
 
-def test_written_and_loaded_shards_are_read_without_opening_their_files(tmp_path, monkeypatch):
+def test_a_read_opens_each_shard_it_reads_once_and_closes_it(tmp_path, monkeypatch):
+    """Rows are read with `pread` from a descriptor opened for the read: one open per shard read, not per row, and
+    none left open after (a pool holds no descriptor between steps, however many shards it has)."""
     pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4)
     for i in range(40):
         record(pool, f"t{i}", 2, [0.1, 0.2])
@@ -241,6 +244,9 @@ def test_written_and_loaded_shards_are_read_without_opening_their_files(tmp_path
     original = Shard.open_file
     monkeypatch.setattr(Shard, "open_file", lambda shard: opened.append(shard.name) or original(shard))
     for p in (pool, loaded):
+        opened.clear()
+        descriptors = len(os.listdir("/proc/self/fd"))
         chosen = p.choose(p.stored_tasks(), 1)
         assert len(chosen) == 40 and all(ts[0].completion_ids == [10, 11, 12] for ts in chosen.values())
-    assert opened == []
+        assert len(opened) == len(set(opened)) == 20  # 40 rows in 20 shards of 4: each shard opened once
+        assert len(os.listdir("/proc/self/fd")) == descriptors

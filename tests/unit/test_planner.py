@@ -15,12 +15,12 @@ from trl_exreplay import planner
 from trl_exreplay.planner import (
     NORMAL_BUCKET_STD,
     ReplayPlan,
-    TaskBuckets,
     bucket_weights,
     draw_replay_tasks,
     plan_replay,
     replay_groups_due,
 )
+from trl_exreplay.pool.index import TaskBuckets
 
 
 def plan(group_keys, replayable, ratio, G=4, k=1, weighting="uniform", seed=0):

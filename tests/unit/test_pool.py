@@ -15,7 +15,8 @@ import pytest
 from helpers import reseal_pool
 
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, task_key
-from trl_exreplay.pool.store import TRAJECTORY_SCHEMA, read_arrow, read_state, state_files
+from trl_exreplay.pool.folder import read_state, state_files
+from trl_exreplay.pool.shards import TRAJECTORY_SCHEMA, read_arrow
 
 
 def f32(x: float) -> float:

@@ -23,15 +23,8 @@ from helpers import kill_a_save_at_random, traj
 
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, tokenizer_fingerprint
 from trl_exreplay.pool.check import PoolFormatError
-from trl_exreplay.pool.store import (
-    STATE_FILE,
-    TASK_ROW_FEATURES,
-    TASK_ROW_SCHEMA,
-    TRAJECTORY_FEATURES,
-    TRAJECTORY_SCHEMA,
-    read_state,
-    state_files,
-)
+from trl_exreplay.pool.folder import STATE_FILE, read_state, state_files
+from trl_exreplay.pool.shards import TASK_ROW_FEATURES, TASK_ROW_SCHEMA, TRAJECTORY_FEATURES, TRAJECTORY_SCHEMA
 from trl_exreplay.tiny import build_tiny_tokenizer
 
 SAVER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "pool_saver.py")

@@ -67,7 +67,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..pool.check import CHECKSUM, PoolFormatError, _is_int, _within, check_arrow, file_checksum
-from ..pool.store import fsync_path
+from ..pool.folder import fsync_path, pid_alive
 from .provider import ExperienceRecord, SummaryInput
 
 __all__ = [
@@ -315,23 +315,13 @@ def _write_table(root: str, version: str, table: str, columns: dict[str, list]) 
     return {"rows": dataset.num_rows, "data_files": data_files}, files
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def _remove_dead_temps(folder: str) -> None:
     """Remove the ``<folder>.tmp-<pid>`` siblings that saves killed before their commit left (their process is gone,
     or it was one with this process's id)."""
     parent, prefix = os.path.dirname(folder), os.path.basename(folder) + ".tmp-"
     for name in os.listdir(parent):
         pid = name[len(prefix) :]
-        if name.startswith(prefix) and _PID.fullmatch(pid) and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+        if name.startswith(prefix) and _PID.fullmatch(pid) and (int(pid) == os.getpid() or not pid_alive(int(pid))):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 

@@ -27,21 +27,14 @@ from dataclasses import asdict
 
 import numpy as np
 
-from ..planner import TaskBuckets
 from .check import SETTINGS, PoolFormatError, bad_trajectory_rows, check_settings, trajectory_problem
-from .persistence import load_pool, save_pool
-from .records import TaskOutcome, Trajectory, copy_trajectory
+from .folder import TASK_ROWS_DIR, TRAJECTORIES_DIR, Scratch
+from .index import PoolIndex, TaskBuckets
+from .persistence import load_index, read_committed, save_folder
+from .records import TaskOutcome, Trajectory, copy_trajectory, tokenizer_fingerprint
 from .rules import best_index, eviction, is_solved, selection_order, stores_successes
-from .store import (
-    TASK_ROW_SCHEMA,
-    TASK_ROWS_DIR,
-    TRAJECTORIES_DIR,
-    TRAJECTORY_SCHEMA,
-    Scratch,
-    ShardLog,
-    Writer,
-    _grow,
-)
+from .shards import TASK_ROW_SCHEMA, TRAJECTORY_SCHEMA, ShardLog
+from .writer import Writer
 
 logger = logging.getLogger("trl_exreplay.pool")
 
@@ -117,35 +110,7 @@ class ExperiencePool:
         self.tokenizer_fingerprint: str | None = None  # of the tokenizer whose ids the trajectories hold
         self.rejected_reasons: Counter = Counter()  # rows refused (at load, or when added), by reason
         self.vocab_size: int | None = None  # token ids must be below it (None: unchecked), see `set_vocab_size`
-        self._next_traj_id = 0
-        self._num_outcomes = 0
-        self._stored_count = 0  # trajectories ever stored: store_seq of the next one
-        self._stamp = 0  # order of bucket entries, skip set entries and stores (dict insertion order, as numbers)
-        # Per task, by dense index. difficulty -1: in no bucket; an order -1: not in that ordered set.
-        self._task_index: dict[str, int] = {}
-        self._task_ids: list[str] = []
-        self._difficulty = np.empty(0, np.int32)
-        self._difficulty_order = np.empty(0, np.int64)
-        self._skip_order = np.empty(0, np.int64)
-        self._store_order = np.empty(0, np.int64)
-        self._row_key = np.empty(0, np.int64)  # key of the task's row in the task row log, -1: none
-        # The buckets' tasks that hold trajectories (the others cannot be replayed), as arrays of task indices kept as
-        # tasks move (O(1) each: a leaving task's place takes its array's last one), so that replay draws cost
-        # O(batch) (`replay_buckets`). Saved, so that a loaded pool draws as the live one.
-        self._bucket_at = np.empty(0, np.int32)  # the difficulty of the task's array, -1: in none
-        self._bucket_pos = np.empty(0, np.int32)  # the task's place in it
-        self._members: dict[int, np.ndarray] = {}  # difficulty -> task indices (the first `_bucket_len[d]`)
-        self._bucket_len: dict[int, int] = {}
-        self._count = np.empty(0, np.int32)
-        self._slots = np.full((0, max(1, max_trajectories_per_task)), -1, np.int32)  # trajectory keys, store order
-        self._num_stored_tasks = 0
-        self._num_live = 0
-        # Per trajectory, by the key the trajectory log gave it.
-        self._key_task = np.empty(0, np.int32)
-        self._key_entropy = np.empty(0, np.float32)
-        self._key_version = np.empty(0, np.int64)
-        self._key_traj_id = np.empty(0, np.int64)
-        self._key_seq = np.empty(0, np.int64)
+        self.index = PoolIndex(max_trajectories_per_task)
         self._writer = Writer()
         self._scratch = Scratch(work_dir)
         self._trajectories = ShardLog(
@@ -157,7 +122,6 @@ class ExperiencePool:
             self._scratch,
             shard_rows,
             read_columns=_STORED_COLUMNS,
-            keep_open=True,
         )
         self._task_rows = ShardLog(
             TASK_ROWS_DIR,
@@ -169,9 +133,7 @@ class ExperiencePool:
             shard_rows,
             read_columns=("task_row",),
         )
-        self._finalizer = weakref.finalize(
-            self, _close_storage, self._writer, self._scratch, (self._trajectories, self._task_rows)
-        )
+        self._finalizer = weakref.finalize(self, _close_storage, self._writer, self._scratch)
 
     @property
     def rejected_rows(self) -> int:
@@ -181,25 +143,26 @@ class ExperiencePool:
     # ----------------------------------------------------------------------------------------------- updates
     def record_outcome(self, outcome: TaskOutcome) -> None:
         """Update buckets, skip set and store with one task's outcome of one step."""
-        self._num_outcomes += 1
-        t = self._task(outcome.task_id)
+        index = self.index
+        index.num_outcomes += 1
+        t = index.task(outcome.task_id)
         if outcome.task_row is not None:
             self._set_task_row(t, outcome.task_row)
         if is_solved(outcome.successes, outcome.num_fresh):
-            if self._skip_order[t] < 0:  # a set: a task already in it keeps its place
-                self._skip_order[t] = self._next_stamp()
-            self._set_difficulty(t, -1)
-            self._difficulty_order[t] = -1
-            self._clear_store(t)
+            if index.skip_order[t] < 0:  # a set: a task already in it keeps its place
+                index.skip_order[t] = index.next_stamp()
+            index.set_difficulty(t, -1)
+            index.difficulty_order[t] = -1
+            self._drop(index.clear(t))
             return
-        self._skip_order[t] = -1
-        self._set_difficulty(t, outcome.successes)
-        self._difficulty_order[t] = self._next_stamp()  # bucket order follows the latest update
+        index.skip_order[t] = -1
+        index.set_difficulty(t, outcome.successes)
+        index.difficulty_order[t] = index.next_stamp()  # bucket order follows the latest update
         if not stores_successes(outcome.successes, self.experience_lbound, self.experience_rbound):
             return
         successful = list(outcome.successful)
         if self.pool_store_mode == "best" and successful:
-            rng = np.random.default_rng([self.seed, self._num_outcomes])
+            rng = np.random.default_rng([self.seed, index.num_outcomes])
             successful = [successful[best_index([t.entropy for t in successful], self.exp_select_mode, rng)]]
         for trajectory in successful:
             self.add(trajectory)
@@ -215,18 +178,19 @@ class ExperiencePool:
         if problem is not None:
             self._reject(problem, 1, f"a trajectory of task {trajectory.task_id!r}")
             return False
-        trajectory.traj_id = self._next_traj_id
-        self._next_traj_id += 1
-        t = self._task(trajectory.task_id)
-        n = int(self._count[t])
+        index = self.index
+        trajectory.traj_id = index.next_traj_id
+        index.next_traj_id += 1
+        t = index.task(trajectory.task_id)
+        n = int(index.count[t])
         if n < self.max_trajectories_per_task:
-            self._append_slot(t, trajectory)
+            index.append_slot(t, self._store_copy(t, trajectory))
             return True
-        keys = self._slots[t, :n].tolist()
+        keys = index.slots[t, :n].tolist()
         action, i = eviction(
-            self._key_entropy[keys].tolist(),
-            self._key_traj_id[keys].tolist(),
-            self._key_version[keys].tolist(),
+            index.key_entropy[keys].tolist(),
+            index.key_traj_id[keys].tolist(),
+            index.key_version[keys].tolist(),
             trajectory.entropy,
             trajectory.policy_version,
             self.exp_select_mode,
@@ -235,10 +199,23 @@ class ExperiencePool:
         if action == "refuse":
             return False
         if action == "replace":
-            self._replace_slot(t, i, trajectory)
+            self._drop([index.replace_slot(t, i, self._store_copy(t, trajectory))])
         else:
-            self._shift_append(t, i, trajectory)
+            self._drop([index.shift_append(t, i, self._store_copy(t, trajectory))])
         return True
+
+    def _store_copy(self, t: int, trajectory: Trajectory) -> int:
+        """Append a copy of `trajectory` to the trajectory log and index it; returns its key."""
+        seq = self.index.stored_count
+        self.index.stored_count += 1
+        size = len(trajectory.prompt_ids) + len(trajectory.completion_ids)  # tokens: bounds the Python objects held
+        key = self._trajectories.append((copy_trajectory(trajectory), seq), size)
+        self.index.set_key(key, t, trajectory.entropy, trajectory.policy_version, trajectory.traj_id, seq)
+        return key
+
+    def _drop(self, keys: list[int]) -> None:
+        for key in keys:
+            self._trajectories.delete(key)
 
     def _reject(self, reason: str, count: int, what: str) -> None:
         if reason not in self.rejected_reasons:
@@ -258,9 +235,8 @@ class ExperiencePool:
             raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}.")
         self.vocab_size = vocab_size
         self.flush(wait=True)
-        n = len(self._task_ids)
-        tasks, places = np.nonzero(self._slots[:n] >= 0)
-        keys = self._slots[tasks, places].astype(np.int64)
+        index = self.index
+        _, _, _, keys = index.to_state()
         locations = self._trajectories.locations(keys)
         bad_keys = []
         for sid in np.unique(locations >> 32).tolist():
@@ -272,8 +248,8 @@ class ExperiencePool:
                 self._reject(reason, count, f"{count} stored trajectory(ies)")
             bad_keys += keys[mine[bad]].tolist()
         for key in bad_keys:
-            t = int(self._key_task[key])
-            self._remove_slot(t, self._slots[t, : self._count[t]].tolist().index(key))
+            t = int(index.key_task[key])
+            self._drop([index.remove_slot(t, index.keys(t).index(key))])
         return len(bad_keys)
 
     def configure(self, **settings) -> list[str]:
@@ -300,242 +276,60 @@ class ExperiencePool:
                 "as other tokens. Use the tokenizer the pool was recorded with, or start from an empty pool."
             )
 
-    def _next_stamp(self) -> int:
-        self._stamp += 1
-        return self._stamp
-
-    def _task(self, task_id: str) -> int:
-        index = self._task_index.get(task_id)
-        if index is None:
-            index = len(self._task_ids)
-            self._ensure_tasks(index + 1)
-            self._task_ids.append(task_id)
-            self._task_index[task_id] = index
-        return index
-
-    def _ensure_tasks(self, size: int) -> None:
-        if size <= len(self._difficulty):
-            return
-        grown = max(256, 2 * len(self._difficulty), size)
-        for name, fill in (
-            ("_difficulty", -1),
-            ("_difficulty_order", -1),
-            ("_skip_order", -1),
-            ("_store_order", -1),
-            ("_row_key", -1),
-            ("_count", 0),
-            ("_bucket_at", -1),
-            ("_bucket_pos", -1),
-        ):
-            setattr(self, name, _grow(getattr(self, name), grown, fill))
-        slots = np.full((grown, self._slots.shape[1]), -1, np.int32)
-        slots[: len(self._slots)] = self._slots
-        self._slots = slots
-
-    def _ensure_keys(self, size: int) -> None:
-        if size <= len(self._key_task):
-            return
-        grown = max(1024, 2 * len(self._key_task), size)
-        for name in ("_key_task", "_key_entropy", "_key_version", "_key_traj_id", "_key_seq"):
-            setattr(self, name, _grow(getattr(self, name), grown, None))  # written when a key is used
-
-    def _set_difficulty(self, t: int, difficulty: int) -> None:
-        """Move task `t` to the bucket of `difficulty` (-1: to none)."""
-        self._difficulty[t] = difficulty
-        self._place_in_bucket(t)
-
-    def _place_in_bucket(self, t: int) -> None:
-        """Put task `t` in the array of its bucket if it holds trajectories, else in none (after either changed)."""
-        want = int(self._difficulty[t]) if self._count[t] > 0 else -1
-        have = int(self._bucket_at[t])
-        if want == have:
-            return
-        if have >= 0:
-            place, last = int(self._bucket_pos[t]), self._bucket_len[have] - 1
-            members = self._members[have]
-            moved = int(members[last])
-            members[place] = moved
-            self._bucket_pos[moved] = place
-            self._bucket_len[have] = last
-        self._bucket_at[t] = want
-        self._bucket_pos[t] = -1
-        if want >= 0:
-            n = self._bucket_len.get(want, 0)
-            members = self._members.get(want)
-            if members is None or n == len(members):
-                members = self._members[want] = _grow(
-                    members if members is not None else np.empty(0, np.int32), max(16, 2 * n), None
-                )
-            members[n] = t
-            self._bucket_pos[t] = n
-            self._bucket_len[want] = n + 1
-
-    def _rebuild_buckets(self, places: np.ndarray | None = None) -> None:
-        """The bucket arrays from the difficulties and counts: tasks at their saved `places` when these are
-        consistent, else in bucket order."""
-        n = len(self._task_ids)
-        tasks = np.nonzero((self._difficulty[:n] >= 0) & (self._count[:n] > 0))[0]
-        tasks = tasks[np.argsort(self._difficulty_order[tasks], kind="stable")]
-        difficulties = self._difficulty[tasks]
-        self._members, self._bucket_len = {}, {}
-        self._bucket_at[:n] = -1
-        self._bucket_pos[:n] = -1
-        for difficulty in np.unique(difficulties).tolist():
-            members = tasks[difficulties == difficulty].astype(np.int32)
-            if places is not None:
-                at = places[members]
-                if np.array_equal(np.sort(at), np.arange(len(members))):
-                    members = members[np.argsort(at)]
-            self._members[difficulty] = members
-            self._bucket_len[difficulty] = len(members)
-            self._bucket_at[members] = difficulty
-            self._bucket_pos[members] = np.arange(len(members), dtype=np.int32)
-
     def _set_task_row(self, t: int, row: str) -> None:
-        key = int(self._row_key[t])
+        key = int(self.index.row_key[t])
         if key >= 0:
             if self._task_row_text(key) == row:
                 return  # the trainer sends the same row every step: no new row in the log
             self._task_rows.delete(key)
-        self._row_key[t] = self._task_rows.append((self._task_ids[t], row))
+        self.index.row_key[t] = self._task_rows.append((self.index.task_ids[t], row))
 
     def _task_row_text(self, key: int) -> str:
         item, row = self._task_rows.locate(key)
         return item[1] if row is None else item.read(("task_row",), [row])[0]["task_row"]
 
-    def _store_trajectory(self, t: int, trajectory: Trajectory, seq: int | None = None) -> int:
-        """Append a copy of `trajectory` to the log; returns its key."""
-        if seq is None:
-            seq = self._stored_count
-            self._stored_count += 1
-        size = len(trajectory.prompt_ids) + len(trajectory.completion_ids)  # tokens: bounds the Python objects held
-        key = self._trajectories.append((copy_trajectory(trajectory), seq), size)
-        self._ensure_keys(key + 1)
-        self._key_task[key] = t
-        self._key_entropy[key] = trajectory.entropy
-        self._key_version[key] = trajectory.policy_version
-        self._key_traj_id[key] = trajectory.traj_id
-        self._key_seq[key] = seq
-        self._num_live += 1
-        return key
-
-    def _drop_key(self, key: int) -> None:
-        self._trajectories.delete(key)
-        self._num_live -= 1
-
-    def _append_slot(self, t: int, trajectory: Trajectory, seq: int | None = None) -> None:
-        n = int(self._count[t])
-        if n == self._slots.shape[1]:  # capacity raised by `configure`
-            self._slots = np.concatenate([self._slots, np.full((len(self._slots), n), -1, np.int32)], axis=1)
-        self._slots[t, n] = self._store_trajectory(t, trajectory, seq)
-        self._count[t] = n + 1
-        if n == 0:
-            self._num_stored_tasks += 1
-            self._store_order[t] = self._next_stamp()
-            self._place_in_bucket(t)
-
-    def _replace_slot(self, t: int, i: int, trajectory: Trajectory) -> None:
-        old = int(self._slots[t, i])
-        self._slots[t, i] = self._store_trajectory(t, trajectory)
-        self._drop_key(old)
-
-    def _shift_append(self, t: int, i: int, trajectory: Trajectory) -> None:
-        """Remove the trajectory at position `i` and append `trajectory` (list.pop(i) then append)."""
-        n = int(self._count[t])
-        row = self._slots[t]
-        old = int(row[i])
-        row[i : n - 1] = row[i + 1 : n].copy()
-        row[n - 1] = self._store_trajectory(t, trajectory)
-        self._drop_key(old)
-
-    def _remove_slot(self, t: int, i: int) -> None:
-        """Remove the trajectory at position `i` of task `t` (list.pop(i))."""
-        n = int(self._count[t])
-        row = self._slots[t]
-        old = int(row[i])
-        row[i : n - 1] = row[i + 1 : n].copy()
-        row[n - 1] = -1
-        self._count[t] = n - 1
-        self._drop_key(old)
-        if n == 1:
-            self._num_stored_tasks -= 1
-            self._place_in_bucket(t)
-
-    def _clear_store(self, t: int) -> None:
-        n = int(self._count[t])
-        for key in self._slots[t, :n].tolist():
-            self._drop_key(key)
-        self._slots[t, :n] = -1
-        self._count[t] = 0
-        if n:
-            self._num_stored_tasks -= 1
-            self._place_in_bucket(t)
-        self._store_order[t] = -1
-
     # ---------------------------------------------------------------------------------------------- queries
     def bucket_of(self, task_id: str) -> int | None:
-        t = self._task_index.get(task_id)
-        if t is None or self._difficulty[t] < 0:
+        t = self.index.task_index.get(task_id)
+        if t is None or self.index.difficulty[t] < 0:
             return None
-        return int(self._difficulty[t])
-
-    def _ordered(self, order: np.ndarray) -> np.ndarray:
-        """Task indices whose `order` stamp is set, in stamp order."""
-        n = len(self._task_ids)
-        tasks = np.nonzero(order[:n] >= 0)[0]
-        return tasks[np.argsort(order[tasks], kind="stable")]
+        return int(self.index.difficulty[t])
 
     def buckets(self) -> dict[int, list[str]]:
         """Difficulty -> tasks (each task in exactly one bucket), tasks in the order of their latest update."""
         out: dict[int, list[str]] = {}
-        tasks = self._ordered(self._difficulty_order)
-        for t, difficulty in zip(tasks.tolist(), self._difficulty[tasks].tolist()):
-            out.setdefault(difficulty, []).append(self._task_ids[t])
+        tasks = self.index.ordered(self.index.difficulty_order)
+        for t, difficulty in zip(tasks.tolist(), self.index.difficulty[tasks].tolist()):
+            out.setdefault(difficulty, []).append(self.index.task_ids[t])
         return dict(sorted(out.items()))
 
     @property
     def skip_set(self) -> list[str]:
-        return [self._task_ids[t] for t in self._ordered(self._skip_order).tolist()]
+        return _gather(self.index.task_ids, self.index.ordered(self.index.skip_order).tolist())
 
     @property
     def num_tasks(self) -> int:
         """Tasks with at least one stored trajectory."""
-        return self._num_stored_tasks
+        return self.index.num_stored_tasks
 
     @property
     def num_trajectories(self) -> int:
-        return self._num_live
+        return self.index.num_live
 
     def stored_tasks(self) -> list[str]:
         """Tasks with at least one stored trajectory, in the order their store was created."""
-        return [self._task_ids[t] for t in self._ordered(self._store_order).tolist() if self._count[t] > 0]
-
-    @property
-    def _store(self) -> list[str]:
-        # Callers written against the former dict attribute iterate its keys: the stored tasks.
-        return self.stored_tasks()
+        index = self.index
+        return [index.task_ids[t] for t in index.ordered(index.store_order).tolist() if index.count[t] > 0]
 
     def trajectories(self, task_id: str) -> list[Trajectory]:
         """Copies of a task's stored trajectories, in store order (read from the shards)."""
-        t = self._task_index.get(task_id)
-        return [] if t is None else self._read_all(self._keys(t))
+        return self.candidates(task_id)
 
     def task_row(self, task_id: str) -> dict | None:
-        t = self._task_index.get(task_id)
-        if t is None or self._row_key[t] < 0:
+        t = self.index.task_index.get(task_id)
+        if t is None or self.index.row_key[t] < 0:
             return None
-        return json.loads(self._task_row_text(int(self._row_key[t])))
-
-    def _keys(self, t: int, current_step=None, max_policy_age=None, window=None) -> list[int]:
-        keys = self._slots[t, : self._count[t]]
-        if window is None and (max_policy_age is None or current_step is None):
-            return keys.tolist()
-        keep = np.ones(len(keys), bool)
-        if max_policy_age is not None and current_step is not None:
-            keep &= current_step - self._key_version[keys] <= max_policy_age
-        if window is not None:
-            keep &= self._key_seq[keys] >= self._stored_count - window
-        return keys[keep].tolist()
+        return json.loads(self._task_row_text(int(self.index.row_key[t])))
 
     def candidates(
         self,
@@ -545,32 +339,8 @@ class ExperiencePool:
         window: int | None = None,
     ) -> list[Trajectory]:
         """Stored trajectories of a task young enough to replay (and among the `window` most recently stored)."""
-        t = self._task_index.get(task_id)
-        return [] if t is None else self._read_all(self._keys(t, current_step, max_policy_age, window))
-
-    def _replayable(
-        self, tasks: np.ndarray, min_trajectories: int, current_step, max_policy_age, window
-    ) -> np.ndarray:
-        """Mask of `tasks` (indices) that are bucketed, outside the skip set, have a row and enough candidates."""
-        ok = (
-            (self._difficulty[tasks] >= 0)
-            & (self._skip_order[tasks] < 0)
-            & (self._row_key[tasks] >= 0)
-            & (self._count[tasks] >= min_trajectories)
-        )
-        aged = max_policy_age is not None and current_step is not None
-        if (aged or window is not None) and ok.any():
-            # Count the candidates of the tasks still in: O(tasks x capacity) on the index, no trajectory read.
-            checked = tasks[ok]
-            slots = self._slots[checked]
-            valid = slots >= 0
-            keys = np.where(valid, slots, 0)
-            if aged:
-                valid &= current_step - self._key_version[keys] <= max_policy_age
-            if window is not None:
-                valid &= self._key_seq[keys] >= self._stored_count - window
-            ok[np.nonzero(ok)[0]] = valid.sum(axis=1) >= min_trajectories
-        return ok
+        t = self.index.task_index.get(task_id)
+        return [] if t is None else self._read_all(self.index.keys(t, current_step, max_policy_age, window))
 
     def replayable_tasks(
         self,
@@ -581,13 +351,8 @@ class ExperiencePool:
     ) -> list[tuple[str, int]]:
         """(task, difficulty) of bucketed tasks outside the skip set with enough replayable trajectories, in bucket
         order (vectorized over the index; reads no trajectory). O(tasks): the trainer draws from `replay_buckets`."""
-        tasks, difficulties = self._replayable_listing(min_trajectories, current_step, max_policy_age, window)
-        return list(zip(_gather(self._task_ids, tasks.tolist()), difficulties.tolist()))
-
-    def _replayable_listing(self, min_trajectories, current_step, max_policy_age, window):
-        tasks = self._ordered(self._difficulty_order)
-        tasks = tasks[self._replayable(tasks, min_trajectories, current_step, max_policy_age, window)]
-        return tasks, self._difficulty[tasks]
+        tasks, difficulties = self.index.replayable_listing(min_trajectories, current_step, max_policy_age, window)
+        return list(zip(_gather(self.index.task_ids, tasks.tolist()), difficulties.tolist()))
 
     def replay_buckets(
         self,
@@ -600,14 +365,8 @@ class ExperiencePool:
         O(batch): the tasks `replayable_tasks` lists (with these arguments) are those the draw can return, with the
         same weights, without listing them. Valid until the pool changes.
         """
-        return TaskBuckets(
-            members={d: self._members[d][:n] for d, n in sorted(self._bucket_len.items()) if n},
-            replayable=lambda tasks: self._replayable(
-                np.asarray(tasks, np.int64), min_trajectories, current_step, max_policy_age, window
-            ),
-            listing=lambda: self._replayable_listing(min_trajectories, current_step, max_policy_age, window),
-            names=lambda tasks: _gather(self._task_ids, [int(t) for t in tasks]),
-        )
+        names = lambda tasks: _gather(self.index.task_ids, [int(t) for t in tasks])  # noqa: E731
+        return self.index.buckets(min_trajectories, current_step, max_policy_age, window, names)
 
     def select(
         self,
@@ -642,11 +401,12 @@ class ExperiencePool:
         `task_ids` in turn (the same trajectories and the same use of `rng`), choosing on the index by saved entropy
         and reading only the chosen trajectories, all in one pass over their shards."""
         chosen: dict[str, list[int]] = {}
+        index = self.index
         for task_id in task_ids:
-            t = self._task_index.get(task_id)
-            keys = [] if t is None else self._keys(t, current_step, max_policy_age, window)
+            t = index.task_index.get(task_id)
+            keys = [] if t is None else index.keys(t, current_step, max_policy_age, window)
             # On the index: the entropies and ids the read trajectories would carry.
-            order = self._selection_order(self._key_entropy[keys].tolist(), self._key_traj_id[keys].tolist(), num, rng)
+            order = self._selection_order(index.key_entropy[keys].tolist(), index.key_traj_id[keys].tolist(), num, rng)
             chosen[task_id] = [keys[i] for i in order]
         trajectories = iter(self._read_all([key for keys in chosen.values() for key in keys]))
         return {task_id: [next(trajectories) for _ in keys] for task_id, keys in chosen.items()}
@@ -655,10 +415,10 @@ class ExperiencePool:
         out = {
             "pool_tasks": float(self.num_tasks),
             "pool_trajectories": float(self.num_trajectories),
-            "skip_set": float(int((self._skip_order[: len(self._task_ids)] >= 0).sum())),
+            "skip_set": float(int((self.index.skip_order[: len(self.index.task_ids)] >= 0).sum())),
             "pool_rejected_rows": float(self.rejected_rows),
         }
-        difficulties = self._difficulty[: len(self._task_ids)]
+        difficulties = self.index.difficulty[: len(self.index.task_ids)]
         for difficulty, count in enumerate(np.bincount(difficulties[difficulties >= 0]).tolist()):
             if count:
                 out[f"bucket_{difficulty}"] = float(count)
@@ -690,29 +450,22 @@ class ExperiencePool:
     def _read_all(self, keys: list[int]) -> list[Trajectory]:
         """The trajectories of `keys`: pending ones copied, written ones read from their shards (one pass per shard,
         with `pread`: reading maps no page of the pool's files into the process)."""
-        if not keys:
-            return []
-        places = self._trajectories.locate_many(keys)
-        tasks = self._key_task[keys].tolist()
-        entropies = self._key_entropy[keys].tolist()  # float32 -> the same Python floats the pool stored
-        versions = self._key_version[keys].tolist()
-        ids = self._key_traj_id[keys].tolist()
-        out: list = [None] * len(keys)
-        by_shard: dict[int, tuple] = {}
-        for i, (place, row) in enumerate(places):
-            if row is None:
-                out[i] = copy_trajectory(place[0])
-            else:
-                by_shard.setdefault(id(place), (place, []))[1].append((i, row))
-        for shard, wanted in by_shard.values():
-            for (i, _), fields in zip(wanted, shard.read(_STORED_COLUMNS, [row for _, row in wanted])):
-                fields.update(
-                    task_id=self._task_ids[tasks[i]], entropy=entropies[i], policy_version=versions[i], traj_id=ids[i]
-                )
-                trajectory = object.__new__(Trajectory)
-                trajectory.__dict__ = fields  # already in the stored types: no per-token normalisation
-                out[i] = trajectory
-        self._trajectories.release()  # shards read through their mapping (no file left) are unmapped again
+        index = self.index
+        tasks = index.key_task[keys].tolist()
+        entropies = index.key_entropy[keys].tolist()  # float32 -> the same Python floats the pool stored
+        versions = index.key_version[keys].tolist()
+        ids = index.key_traj_id[keys].tolist()
+        out = []
+        for i, found in enumerate(self._trajectories.read(keys, _STORED_COLUMNS) if keys else []):
+            if not isinstance(found, dict):  # pending: the (trajectory, store_seq) the pool buffered
+                out.append(copy_trajectory(found[0]))
+                continue
+            found.update(
+                task_id=index.task_ids[tasks[i]], entropy=entropies[i], policy_version=versions[i], traj_id=ids[i]
+            )
+            trajectory = object.__new__(Trajectory)
+            trajectory.__dict__ = found  # already in the stored types: no per-token normalisation
+            out.append(trajectory)
         return out
 
     # ------------------------------------------------------------------------------------------------ storage
@@ -739,29 +492,102 @@ class ExperiencePool:
         self.close()
 
     # ------------------------------------------------------------------------------------------ persistence
-    # The bodies live in persistence.py (saving and loading is that module's job); these are the pool's API.
-    save = save_pool
-    load = classmethod(load_pool)
+    def save(self, path: str) -> None:
+        """Save the pool to folder `path`: incrementally and atomically.
+
+        Only what the folder lacks is written: shards new since the last save to it (hard links to the live pool's
+        files when on the same file system, so no trajectory is ever written twice) and the small per-task state.
+        The commit is the atomic replacement of ``state.json``; a process killed at any instant of a save leaves
+        the previous snapshot complete and loadable. The files only the previous snapshot used are deleted after
+        the commit (a checkpoint keeps one snapshot; TRL's `save_total_limit` rotates whole checkpoints).
+        """
+        self.flush(wait=True)
+        header = {"settings": self._settings(), "tokenizer_fingerprint": self.tokenizer_fingerprint}
+        save_folder(path, self._logs(), self.index, header)
+
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        *,
+        tokenizer=None,
+        vocab_size: int | None = None,
+        verify: bool = True,
+        allow_missing_fingerprint: bool = False,
+        work_dir: str | None = None,
+        shard_rows: int = 1024,
+    ) -> ExperiencePool:
+        """Load the pool saved at `path`.
+
+        The folder is untrusted input (`trl_exreplay.pool.check`): ``state.json`` is validated, every file must be
+        named inside the folder and resolve inside it, have its recorded size and (with `verify`, the default) its
+        recorded xxh3-64 checksum, and a valid Arrow layout, before anything is mapped. Any damage raises one
+        `PoolFormatError` (a `ValueError`) naming the file. Shards are then memory-mapped, not read: RAM receives
+        the index only. A row a model cannot train on (null field, lists of unequal length, wrong trajectory id,
+        non-finite log-prob or reward, a mask value other than 0/1, a token id < 0 or >= `vocab_size`) is left
+        out, counted in `rejected_rows` (by reason in `rejected_reasons`) and logged.
+
+        Given a `tokenizer`, a pool recorded with another one is refused (`ValueError`), and so is a pool recorded
+        with none, unless `allow_missing_fingerprint`. ``verify=False`` skips the checksums (sizes, names, layouts
+        and row values are still checked): for a local pool on a trusted disk (`benchmarks/pool_scale.py` measures
+        both). `pool.hub.pool_from_hub` always verifies.
+        """
+        state, folder, tasks = read_committed(path, verify)
+        pool = cls(**state["settings"], work_dir=work_dir, shard_rows=shard_rows)
+        try:
+            pool.index, reasons = load_index(
+                folder, state, tasks, pool._logs(), pool.max_trajectories_per_task, vocab_size, verify
+            )
+        except BaseException:
+            pool.close()
+            raise
+        pool.tokenizer_fingerprint = state["tokenizer_fingerprint"]
+        pool.vocab_size = vocab_size
+        pool.rejected_reasons.update(reasons)
+        if pool.rejected_rows:
+            logger.warning(
+                "trl_exreplay: %d row(s) of the experience pool at %s were left out (%s); counted in "
+                "ExperiencePool.rejected_rows.",
+                pool.rejected_rows,
+                folder.path,
+                ", ".join(f"{n} {reason}" for reason, n in sorted(pool.rejected_reasons.items())),
+            )
+        if tokenizer is not None:
+            if pool.tokenizer_fingerprint is None and not allow_missing_fingerprint:
+                pool.close()
+                raise ValueError(
+                    f"The experience pool at {folder.path} records no tokenizer fingerprint, so nothing says its token "
+                    "ids belong to the given tokenizer. Pass allow_missing_fingerprint=True to use it with this "
+                    "tokenizer anyway (it is then bound to it), or start from an empty pool."
+                )
+            pool.bind_tokenizer(tokenizer_fingerprint(tokenizer), source=folder.path)
+        return pool
+
+    def _logs(self) -> dict[str, ShardLog]:
+        return {TRAJECTORIES_DIR: self._trajectories, TASK_ROWS_DIR: self._task_rows}
 
     def _hash_state(self) -> dict:
-        tasks = range(len(self._task_ids))
+        tasks = range(len(self.index.task_ids))
         return {
             "settings": self._settings(),
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
-            "next_traj_id": self._next_traj_id,
-            "num_outcomes": self._num_outcomes,
-            "stored_count": self._stored_count,
+            "next_traj_id": self.index.next_traj_id,
+            "num_outcomes": self.index.num_outcomes,
+            "stored_count": self.index.stored_count,
             "difficulty": [
-                [self._task_ids[t], int(self._difficulty[t])] for t in self._ordered(self._difficulty_order).tolist()
+                [self.index.task_ids[t], int(self.index.difficulty[t])]
+                for t in self.index.ordered(self.index.difficulty_order).tolist()
             ],
             "skip_set": self.skip_set,
             "task_rows": sorted(
-                [self._task_ids[t], self._task_row_text(int(self._row_key[t]))] for t in tasks if self._row_key[t] >= 0
+                [self.index.task_ids[t], self._task_row_text(int(self.index.row_key[t]))]
+                for t in tasks
+                if self.index.row_key[t] >= 0
             ),
             "store": sorted(
-                [self._task_ids[t], [int(self._key_seq[k]) for k in self._keys(t)]]
+                [self.index.task_ids[t], [int(self.index.key_seq[k]) for k in self.index.keys(t)]]
                 for t in tasks
-                if self._count[t] > 0
+                if self.index.count[t] > 0
             ),
         }
 
@@ -794,11 +620,9 @@ def _gather(items: list, indices: list[int]) -> list:
     return list(operator.itemgetter(*indices)(items))
 
 
-def _close_storage(writer: Writer, scratch: Scratch, logs: tuple[ShardLog, ...]) -> None:
+def _close_storage(writer: Writer, scratch: Scratch) -> None:
     if threading.current_thread().name != "exreplay-pool-writer":
         writer.close()
-    for log in logs:
-        log.close_files()
     scratch.remove()
 
 

@@ -14,14 +14,8 @@ import tempfile
 
 from .check import PoolFolder
 from .experience_pool import ExperiencePool
-from .store import (
-    STATE_FILE,
-    TASK_ROWS_DIR,
-    TRAJECTORIES_DIR,
-    TRAJECTORY_FEATURES,
-    read_state,
-    state_files,
-)
+from .folder import STATE_FILE, TASK_ROWS_DIR, TRAJECTORIES_DIR, read_state, state_files
+from .shards import TRAJECTORY_FEATURES
 
 __all__ = ["create_commit", "fenced", "pool_from_hub", "push_pool"]
 

@@ -1,4 +1,4 @@
-"""Storage of `ExperiencePool`: rows in immutable, memory-mapped Arrow shards, written off the training thread.
+"""Where a pool's rows live: immutable, memory-mapped Arrow shards written off the training thread.
 
 Why: a pool of a million trajectories of a thousand tokens with their log-probs is ~10 GB. Only an index of it may
 live in RAM; the rows go to Arrow IPC stream files (the format `datasets` writes and memory-maps) of ~1k rows each.
@@ -6,27 +6,18 @@ A shard is never modified once it has its name, so a saved pool shares shards wi
 checkpoints through hard links, and a save only writes what is new. Rows are read back with `os.pread` at offsets
 known from the shard's layout, so reading maps no page of the pool into the process either.
 
-* `Writer`: one background thread per pool; it converts buffered rows, writes shards and compacts them, so the
-  training thread never waits on disk (it blocks only when 16 jobs of at most 64 rows are queued: a bounded buffer).
-* `ShardLog`: rows addressed by small integer keys. A key's row is pending (the caller's objects, a few dozen at
-  most), in the open shard (compact Arrow columns in RAM, converted off-thread) or at (shard, row) of a shard file.
-  Deleting a key leaves a tombstone in its shard; compaction rewrites shards that are mostly tombstones and drops
-  shards with no live row.
-* The folder of a saved pool, and its atomic commit: ``state.json`` is replaced last, with `os.replace`; every file it
-  names was complete and fsynced before. Files the committed state does not name are pruned after the commit. A process killed at
-  any instant leaves the previous ``state.json`` and all its files::
-
-      state.json                     the committed snapshot: settings, counters, shard lists, its tasks table,
-                                     every file's size and xxh3-64 checksum, and its own checksum
-      tasks/<snapshot>-<id>.arrow    per-task state of a snapshot (difficulty, skip set, where its rows are)
-      trajectories/traj-*.arrow      trajectory shards, one row per trajectory (`datasets` features)
-      task_rows/rows-*.arrow         task row shards (task id, the dataset row as JSON)
+`ShardLog`: rows addressed by small integer keys. A key's row is pending (the caller's objects, a few dozen at most),
+in the open shard (compact Arrow columns in RAM, converted off-thread by the pool's `Writer`) or at (shard, row) of a
+shard file. Deleting a key leaves a tombstone in its shard; compaction rewrites shards that are mostly tombstones and
+drops shards with no live row.
 
 Example:
 
 ```python
 import pyarrow as pa
-from trl_exreplay.pool.store import ShardLog, Writer, Scratch
+from trl_exreplay.pool.folder import Scratch
+from trl_exreplay.pool.shards import ShardLog
+from trl_exreplay.pool.writer import Writer
 
 schema = pa.schema([("text", pa.string())])
 log = ShardLog("notes", "note", schema, lambda items: pa.record_batch([pa.array(items)], schema=schema),
@@ -41,38 +32,25 @@ assert shard.column("text", row) == "a" and log.stats()["shards"] == 2
 from __future__ import annotations
 
 import array
-import errno
 import functools
 import json
-import logging
 import os
-import queue
-import shutil
 import sys
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .check import PoolFolder, PoolFormatError, bytes_checksum, file_checksum, parse_state
-
-logger = logging.getLogger(__name__)
-
-FORMAT_VERSION = 3  # 3: every file's size and xxh3-64 checksum recorded in state.json
-STATE_FILE = "state.json"
-TRAJECTORIES_DIR = "trajectories"
-TASK_ROWS_DIR = "task_rows"
-TASKS_DIR = "tasks"
-MANAGED_DIRS = (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR)
+from .check import bytes_checksum, file_checksum
+from .folder import Scratch, link_or_copy, write_atomic
+from .index import grow
+from .writer import Writer
 
 _BURST_GAP, _MAX_DEFER = 0.003, 0.5
 _NUMPY_TYPES = {pa.int8(): np.int8, pa.int32(): np.int32, pa.int64(): np.int64, pa.float32(): np.float32}
-_MAX_STATE_BYTES = 64 << 20
 PENDING = -1  # location of a row still in RAM
 FREE = -2  # location of an unused key
 _ROW_BITS = 32
@@ -127,42 +105,6 @@ def arrow_schema(features: dict) -> pa.Schema:
 
 TRAJECTORY_SCHEMA = arrow_schema(TRAJECTORY_FEATURES)
 TASK_ROW_SCHEMA = arrow_schema(TASK_ROW_FEATURES)
-
-
-# ------------------------------------------------------------------------------------------------------ file helpers
-def fsync_path(path: str) -> None:
-    """fsync a file or a folder (a folder's fsync makes the names created in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def tmp_name(folder: str, name: str) -> str:
-    # Hidden and unique: never taken for a pool file, removed by the next save of the folder.
-    return os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-
-
-def write_atomic(path: str, write: Callable[[str], None]) -> None:
-    """`write(tmp)` then fsync and rename to `path`: `path` appears complete or not at all."""
-    tmp = tmp_name(os.path.dirname(path), os.path.basename(path))
-    try:
-        write(tmp)
-        fsync_path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def write_json_atomic(path: str, data: dict) -> None:
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-
-    write_atomic(path, write)
 
 
 def write_arrow(path: str, table: pa.Table | pa.RecordBatch) -> None:
@@ -248,327 +190,7 @@ def release_pages(span: tuple[int, int] | None) -> None:
         _MADVISE(address, size, _MADV_DONTNEED)  # the exact span of a MAP_SHARED read-only mapping: always safe
 
 
-def link_or_copy(sources: Sequence[str], dest: str, fallback: Callable[[str], None] | None = None) -> bool:
-    """Give `dest` the content of the first existing of `sources`: a hard link (no data written), else a copy.
-
-    `fallback(tmp)` writes the content when no source exists any more. Returns whether a hard link was made.
-    """
-    for source in sources:
-        if not os.path.exists(source):
-            continue
-        try:
-            os.link(os.path.realpath(source), dest)
-            return True
-        except FileExistsError:
-            return True
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EACCES):
-                raise
-            write_atomic(dest, lambda tmp, source=source: shutil.copyfile(source, tmp))
-            return False
-    if fallback is None:
-        raise FileNotFoundError(f"No copy left of {os.path.basename(dest)} (looked in {list(sources)}).")
-    write_atomic(dest, fallback)
-    return False
-
-
-# ---------------------------------------------------------------------------------------------------------- writer
-class Writer:
-    """One background thread that runs a pool's storage jobs in order (shard writes, compactions).
-
-    `submit` blocks only when `max_queued` jobs are already waiting, which bounds the rows held in RAM. A job's
-    exception is re-raised by the next `submit` or `wait` on the caller's thread, never lost.
-    """
-
-    def __init__(self, max_queued: int = 16):
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._pid = os.getpid()
-
-    def submit(self, job: Callable[[], None], check: bool = True) -> None:
-        """Queue `job`; with `check`, first raise the error of an earlier job (else it waits for the next check)."""
-        if check:
-            self.raise_error()
-        if self._pid != os.getpid():  # a forked child: the parent's thread and queue are not its own
-            self._queue, self._thread, self._pid = queue.Queue(maxsize=self._queue.maxsize), None, os.getpid()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="exreplay-pool-writer", daemon=True)
-            self._thread.start()
-        self._queue.put(job)
-
-    def wait(self) -> None:
-        """Block until every submitted job ran; raise the first error of one."""
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.join()
-        self.raise_error()
-
-    def raise_error(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError(f"An experience pool storage job failed: {error!r}") from error
-
-    def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive() and self._pid == os.getpid():
-            self._queue.put(None)
-            self._thread.join()
-        self._thread = None
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                job()
-            except BaseException as e:  # surfaced on the caller's thread by the next checked submit / wait
-                logger.error(
-                    "trl_exreplay: experience pool storage job failed (%r); its rows stay buffered and the "
-                    "error is raised by the next save or flush.",
-                    e,
-                )
-                self._error = self._error or e
-            finally:
-                self._queue.task_done()
-
-
-class Scratch:
-    """The folder where a live pool writes its new shards: created on first use, deleted with the pool.
-
-    Put it on the disk that holds the checkpoints (same file system: saves hard-link instead of copying), never on a
-    tmpfs (the shards would then sit in RAM).
-    """
-
-    PREFIX = "exreplay-pool-"
-    LOCK = ".owner.lock"
-
-    def __init__(self, parent: str | None = None):
-        self.parent = parent
-        self.path: str | None = None
-        self._made_parent = False
-        self._lock = threading.Lock()
-        self._owner_fd: int | None = None
-        self.source: str | None = None  # the scratch folder of the process that writes for this one (`share_from`)
-        self.share_wait = 0.0
-        self.shared = {"linked": 0, "written": 0}  # shard files linked from `source`, and written here instead
-
-    def root(self) -> str:
-        """The folder itself (made now if not yet)."""
-        with self._lock:
-            if self.path is None:
-                parent = self.parent or tempfile.gettempdir()
-                if not os.path.isdir(parent):
-                    os.makedirs(parent, exist_ok=True)
-                    self._made_parent = True
-                remove_dead_scratch(parent)
-                path = tempfile.mkdtemp(prefix=f"{self.PREFIX}{os.getpid()}-", dir=parent)
-                self._owner_fd = _hold_lock(os.path.join(path, self.LOCK))
-                self.path = path
-            return self.path
-
-    def folder(self, kind: str) -> str:
-        folder = os.path.join(self.root(), kind)
-        os.makedirs(folder, exist_ok=True)
-        return folder
-
-    def share_from(self, source: str | None, wait: float = 5.0) -> None:
-        """Take shard files from the scratch folder `source` of another process holding the same pool (another rank,
-        which writes them), instead of writing them again: see `link_shared`. None: write every file here."""
-        self.source = None if source is None or os.path.abspath(source) == os.path.abspath(self.root()) else source
-        self.share_wait = wait
-
-    def link_shared(self, kind: str, name: str, size: int, checksum: str, dest: str) -> bool:
-        """Hard-link the file `name` of `source` as `dest` if it holds exactly the bytes this process would write
-        (`size`, `checksum`): then both processes read one file, one copy on disk and in the page cache. Waits up to
-        `share_wait` seconds for the writer to publish it (it renames complete files into place). False, and the
-        caller writes its own copy, when there is no source, when its folder is not visible from here (another
-        machine's disk: sharing then stops), when the file does not come or differs, or on another filesystem."""
-        if self.source is None:
-            return False
-        folder = os.path.join(self.source, kind)
-        suffix = name[name.rindex("-") :]  # "-<checksum>.arrow": the writer may have numbered the shard otherwise
-        deadline = time.monotonic() + self.share_wait
-        while True:
-            source, passed = _shared_file(folder, name, suffix)
-            if source is not None:
-                break
-            if passed:  # the writer is past this shard (and removed it: its rows died or were rewritten)
-                return False
-            if not os.path.isdir(self.source):
-                logger.warning("trl_exreplay: the pool's shards at %s are not visible here; this process writes its "
-                               "own copies.", self.source)  # fmt: skip
-                self.source = None
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        try:
-            if os.path.getsize(source) != size or file_checksum(source) != checksum:
-                return False
-            os.link(source, dest)
-        except OSError:  # removed meanwhile (compacted away), another filesystem, no hard links: write it here
-            return False
-        return True
-
-    def remove(self) -> None:
-        with self._lock:
-            if self.path is not None:
-                shutil.rmtree(self.path, ignore_errors=True)
-                self.path = None
-                if self._owner_fd is not None:
-                    os.close(self._owner_fd)
-                    self._owner_fd = None
-                if self._made_parent:
-                    try:
-                        os.rmdir(self.parent)  # only if empty: other pools (ranks) may share it
-                    except OSError:
-                        pass
-
-
-def _shared_file(folder: str, name: str, suffix: str) -> tuple[str | None, bool]:
-    """The writer's file `name` in `folder`, or else one of its files with the same checksum `suffix` (the same bytes
-    in another place of the order); and whether the writer has made a file after this one in the order (so it will not
-    make this one any more)."""
-    path = os.path.join(folder, name)
-    if os.path.exists(path):
-        return path, False
-    prefix, number = name.split("-")[:2]
-    passed = False
-    try:
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                if entry.name.startswith("."):  # a temporary file
-                    continue
-                if entry.name.endswith(suffix):
-                    return entry.path, False
-                parts = entry.name.split("-")
-                later = len(parts) == 3 and parts[0] == prefix and parts[1].isdigit() and int(parts[1]) > int(number)
-                passed = passed or later
-    except OSError:
-        pass
-    return None, passed
-
-
-def _hold_lock(path: str) -> int | None:
-    """Create `path` and hold an exclusive lock on it for as long as this process (or a child it forks) lives: the
-    kernel releases it when they are gone, even after kill -9. None where file locks are not supported."""
-    try:
-        import fcntl
-    except ImportError:
-        return None
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, another user's
-        return True
-    return True
-
-
-def remove_dead_scratch(parent: str) -> list[str]:
-    """Remove the scratch folders under `parent` left by processes that no longer run (a kill -9 leaves its shards
-    there); returns their paths. A folder is dead when its owner lock can be taken (no process holds it any more); a
-    folder without a lock file (made before it had one, or an instant ago by a live process) only when its pid runs
-    no process. A live run's folder is never touched."""
-    try:
-        import fcntl
-    except ImportError:
-        return []
-    removed = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return []
-    for name in names:
-        if not name.startswith(Scratch.PREFIX):
-            continue
-        pid_text = name[len(Scratch.PREFIX) :].split("-", 1)[0]
-        path = os.path.join(parent, name)
-        if not pid_text.isdigit() or int(pid_text) == os.getpid() or os.path.islink(path) or not os.path.isdir(path):
-            continue
-        lock = os.path.join(path, Scratch.LOCK)
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            if _pid_alive(int(pid_text)):
-                continue
-            fd = None
-        except OSError:
-            continue
-        try:
-            if fd is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # held: its process runs
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        finally:
-            if fd is not None:
-                os.close(fd)
-    if removed:
-        logger.info("trl_exreplay: removed %d scratch folder(s) of pool processes that no longer run.", len(removed))
-    return removed
-
-
 # ----------------------------------------------------------------------------------------------------------- shards
-class _OpenFiles:
-    """Descriptors of the shard files read last (an LRU of `size`): a replay read of 64 rows from a large pool touches 64
-    files, and opening, checking and closing each every time would cost as much as reading it. `lock` is held for
-    the whole of a read, so a descriptor is never closed (by eviction, or by the writer thread dropping its shard)
-    while in use."""
-
-    def __init__(self, size: int | None = None):
-        if size is None:  # a quarter of the descriptors this process may open, 1024 at most
-            try:
-                import resource
-
-                size = min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
-            except (ImportError, ValueError, OSError):
-                size = 256
-        self.size = max(16, size)
-        self._fds: dict[int, tuple[Shard, int]] = {}  # id(shard) -> (shard, fd), least recently used first
-        self.lock = threading.Lock()
-
-    def get(self, shard: Shard) -> int | None:
-        """(Lock held.) A descriptor of `shard`'s file, or None when no path to it is left."""
-        entry = self._fds.pop(id(shard), None)
-        if entry is None:
-            fd = shard.open_file()
-            if fd is None:
-                return None
-            entry = (shard, fd)  # the shard is kept alive with it: its id is not reused meanwhile
-        self._fds[id(shard)] = entry
-        while len(self._fds) > self.size:
-            os.close(self._fds.pop(next(iter(self._fds)))[1])
-        return entry[1]
-
-    def prime(self, shard: Shard) -> None:
-        """Open `shard`'s file now, while there is room (never evicting another): the writer thread does it for the
-        shards it writes and a load for the shards it reads, so that reads do not pay for first opens."""
-        with self.lock:
-            if len(self._fds) < self.size and id(shard) not in self._fds:
-                fd = shard.open_file()
-                if fd is not None:
-                    self._fds[id(shard)] = (shard, fd)
-
-    def forget(self, shard: Shard) -> None:
-        with self.lock:
-            entry = self._fds.pop(id(shard), None)
-            if entry is not None:
-                os.close(entry[1])
-
-
 class Shard:
     """One shard: immutable once it has a file (memory-mapped), or the open shard whose rows are still in RAM.
 
@@ -702,10 +324,12 @@ class Shard:
         whose files are all gone (still mapped), is read from its Arrow columns.
         """
         layout = self.layout(names)
-        with _OPEN_FILES.lock:
-            fd = _OPEN_FILES.get(self) if layout is not None else None
-            if fd is not None:
+        fd = self.open_file() if layout is not None else None
+        if fd is not None:
+            try:
                 return _pread_rows(fd, layout, rows)
+            finally:
+                os.close(fd)
         read = self.reader(names)
         return [read(row) for row in rows]
 
@@ -849,7 +473,6 @@ def _pread_rows(fd: int, layout: list, rows: Sequence[int]) -> list[dict]:
     return out
 
 
-_OPEN_FILES = _OpenFiles()
 _TOUCHED: set[Shard] = set()  # shards read through their mapping since the last `ShardLog.release`
 
 
@@ -872,8 +495,6 @@ class ShardLog:
         stage_rows, stage_size: when pending rows are handed to the writer (`append`'s `size` adds up to the latter).
         compact_dead_fraction: a shard is rewritten once this fraction of its rows are tombstones.
         read_columns: the columns rows are read back with: their layout is prepared when a shard is written.
-        keep_open: open each shard's file as soon as it is written or loaded (while the process-wide cache of open
-            files has room), so that reads do not pay for first opens: for the log read on the hot path.
     """
 
     def __init__(
@@ -890,11 +511,9 @@ class ShardLog:
         stage_size: int = 1 << 16,
         compact_dead_fraction: float = 0.5,
         read_columns: tuple[str, ...] = (),
-        keep_open: bool = False,
     ):
         self.kind = kind
         self.read_columns = read_columns
-        self.keep_open = keep_open
         self.prefix = prefix
         self.schema = schema
         self._build = build
@@ -937,8 +556,8 @@ class ShardLog:
             return int(self._free[self._num_free])
         if self._size == len(self._loc):
             grown = max(1024, 2 * len(self._loc))
-            self._loc = _grow(self._loc, grown, None)  # entries past _size are set when first used
-            self._gen = _grow(self._gen, grown, None)
+            self._loc = grow(self._loc, grown, None)  # entries past _size are set when first used
+            self._gen = grow(self._gen, grown, None)
         self._gen[self._size] = 0
         self._size += 1
         return self._size - 1
@@ -950,8 +569,8 @@ class ShardLog:
         fresh = count - reused
         if self._size + fresh > len(self._loc):
             grown = max(1024, 2 * len(self._loc), self._size + fresh)
-            self._loc = _grow(self._loc, grown, None)
-            self._gen = _grow(self._gen, grown, None)
+            self._loc = grow(self._loc, grown, None)
+            self._gen = grow(self._gen, grown, None)
         self._gen[self._size : self._size + fresh] = 0
         keys.append(np.arange(self._size, self._size + fresh, dtype=np.int64))
         self._size += fresh
@@ -961,7 +580,7 @@ class ShardLog:
         self._gen[key] += 1
         self._loc[key] = FREE
         if self._num_free == len(self._free):
-            self._free = _grow(self._free, max(1024, 2 * len(self._free)), None)
+            self._free = grow(self._free, max(1024, 2 * len(self._free)), None)
         self._free[self._num_free] = key
         self._num_free += 1
 
@@ -1004,19 +623,26 @@ class ShardLog:
                 raise KeyError(f"{self.kind}: key {key} is not in use.")
             return self.shards[loc >> _ROW_BITS], loc & _ROW_MASK
 
-    def locate_many(self, keys: Sequence[int]) -> list[tuple]:
-        """`locate` for several keys, under one lock."""
+    def read(self, keys: Sequence[int], names: tuple[str, ...]) -> list:
+        """For each of `keys`: its pending item, or the columns `names` of its row as a dict. Under the log's lock,
+        so that no shard file goes away (a compaction) while it is read; then the pages read through a mapping are
+        released."""
+        out: list = [None] * len(keys)
         with self._lock:
-            out = []
-            for key in keys:
+            by_shard: dict[int, list[tuple[int, int]]] = {}
+            for i, key in enumerate(keys):
                 loc = int(self._loc[key])
                 if loc == PENDING:
-                    out.append((self._pending[key], None))
+                    out[i] = self._pending[key]
                 elif loc < 0:
                     raise KeyError(f"{self.kind}: key {key} is not in use.")
                 else:
-                    out.append((self.shards[loc >> _ROW_BITS], loc & _ROW_MASK))
-            return out
+                    by_shard.setdefault(loc >> _ROW_BITS, []).append((i, loc & _ROW_MASK))
+            for sid, wanted in by_shard.items():
+                for (i, _), row in zip(wanted, self.shards[sid].read(names, [row for _, row in wanted])):
+                    out[i] = row
+        self.release()
+        return out
 
     def locations(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
@@ -1167,8 +793,6 @@ class ShardLog:
             self._open = None
             self.shards[shard.sid] = sealed
             self._note_size(sealed)
-            if self.keep_open:
-                _OPEN_FILES.prime(sealed)
             if sealed.live < sealed.rows:  # rows deleted while it was open: weigh it for compaction
                 self._dirty.add(sealed.sid)
 
@@ -1189,7 +813,6 @@ class ShardLog:
             if shard is None or shard.live or shard is self._open:
                 continue
             del self.shards[sid]
-            _OPEN_FILES.forget(shard)
             if shard.owned is not None and os.path.exists(shard.owned):
                 os.remove(shard.owned)
 
@@ -1265,8 +888,6 @@ class ShardLog:
                 shard.live = len(old)
                 self.shards[sid] = shard
                 self._note_size(shard)
-                if self.keep_open:
-                    _OPEN_FILES.prime(shard)
                 for source, count in zip(*np.unique(sources, return_counts=True)):
                     self.shards[int(source)].live -= int(count)
         with self._lock:
@@ -1306,8 +927,6 @@ class ShardLog:
                 shard.unmap()
             else:
                 os.remove(dest)
-        if self.keep_open:
-            _OPEN_FILES.prime(shard)
 
     def adopt(self, shard: Shard, rows: np.ndarray) -> np.ndarray:
         """Register a loaded shard whose `rows` are live; returns their new keys (in the order of `rows`)."""
@@ -1327,13 +946,6 @@ class ShardLog:
                 self._dirty.add(shard.sid)
         return keys
 
-    def close_files(self) -> None:
-        """Close the cached descriptors of this log's shard files."""
-        with self._lock:
-            shards = list(self.shards.values())
-        for shard in shards:
-            _OPEN_FILES.forget(shard)
-
     def stats(self) -> dict[str, int]:
         with self._lock:
             written = [s for s in self.shards.values() if not s.is_open]
@@ -1345,61 +957,6 @@ class ShardLog:
                 "open_rows": open_rows,
                 "pending_rows": len(self._pending),
             }
-
-
-def _grow(array: np.ndarray, size: int, fill) -> np.ndarray:
-    grown = np.empty(size, dtype=array.dtype)  # untouched capacity costs address space, not memory
-    grown[: len(array)] = array
-    if fill is not None:
-        grown[len(array) :] = fill
-    return grown
-
-
-# ------------------------------------------------------------------------------------------------ saved folders
-def read_state(path: str) -> dict:
-    """The committed state of the pool saved at `path` (``state.json``), parsed and validated (`check.parse_state`)."""
-    file = PoolFolder(path).file(STATE_FILE)
-    try:
-        with open(file, "rb") as f:
-            text = f.read(_MAX_STATE_BYTES + 1)
-    except OSError as e:
-        raise PoolFormatError(file, f"cannot be read ({e.strerror}).") from None
-    if len(text) > _MAX_STATE_BYTES:
-        raise PoolFormatError(file, f"is larger than {_MAX_STATE_BYTES} bytes; a pool's state is far smaller.")
-    return parse_state(text, file, FORMAT_VERSION, (TRAJECTORIES_DIR, TASK_ROWS_DIR), TASKS_DIR)
-
-
-def state_files(state: dict) -> list[str]:
-    """The files (relative to the pool folder) a committed state names, state.json first."""
-    files = [STATE_FILE, state["tasks_file"]]
-    for kind in (TRAJECTORIES_DIR, TASK_ROWS_DIR):
-        files += [f"{kind}/{entry['name']}" for entry in state["shards"][kind]]
-    return files
-
-
-def prune(path: str) -> None:
-    """After a commit: delete every file of the managed folders that the committed state does not name, and the
-    temporary files of interrupted saves. Only files no committed state names are removed, so a crash here leaves
-    garbage, never a broken pool."""
-    keep = {os.path.normpath(f) for f in state_files(read_state(path))}
-    for folder in MANAGED_DIRS:
-        full = os.path.join(path, folder)
-        if not os.path.isdir(full):
-            continue
-        for name in os.listdir(full):
-            if os.path.normpath(f"{folder}/{name}") in keep:
-                continue
-            target = os.path.join(full, name)
-            if os.path.isdir(target):
-                shutil.rmtree(target, ignore_errors=True)
-            else:
-                try:
-                    os.remove(target)
-                except FileNotFoundError:
-                    pass
-    for name in os.listdir(path):
-        if name.startswith(f".{STATE_FILE}.tmp-"):
-            os.remove(os.path.join(path, name))
 
 
 def column_or_none(table: pa.Table | pa.RecordBatch, name: str):

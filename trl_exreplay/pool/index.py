@@ -1,0 +1,343 @@
+"""`PoolIndex`: what an `ExperiencePool` keeps in RAM, as NumPy arrays, and its state for a save (`to_state` /
+`from_state`); `TaskBuckets`: the view of its buckets that replay draws from.
+
+Per task (dense index ``t``): its bucket (difficulty, -1: none), order stamps (bucket, skip set, store; -1: not in
+that set), the key of its dataset row in the task row log, and the keys of its stored trajectories in store order
+(`slots`, `count`). Per trajectory key (given by the trajectory log): its task, entropy, policy version, id and store
+rank. Tasks that hold trajectories also sit in one array per bucket (`members`), kept as tasks move (O(1) each: a
+leaving task's place takes its array's last one), so that a replay draw costs O(batch), not O(tasks).
+
+The index knows nothing of files: the pool writes trajectories to its logs and records their keys here; a save writes
+`to_state()` (and where each key's row is), a load rebuilds the index with `from_state`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["COUNTERS", "PoolIndex", "TaskBuckets", "grow"]
+
+COUNTERS = ("next_traj_id", "num_outcomes", "stored_count", "stamp")
+# Per-task arrays with their fill for a new task.
+_TASK_ARRAYS = (
+    ("difficulty", np.int32, -1),
+    ("difficulty_order", np.int64, -1),
+    ("skip_order", np.int64, -1),
+    ("store_order", np.int64, -1),
+    ("row_key", np.int64, -1),
+    ("count", np.int32, 0),
+    ("bucket_at", np.int32, -1),
+    ("bucket_pos", np.int32, -1),
+)
+_KEY_ARRAYS = (("key_task", np.int32), ("key_entropy", np.float32), ("key_version", np.int64),
+               ("key_traj_id", np.int64), ("key_seq", np.int64))  # fmt: skip
+# What a save records per task (besides its trajectories' keys), in the tasks table's column order.
+STATE_COLUMNS = ("difficulty", "difficulty_order", "bucket_pos", "skip_order", "store_order")
+
+
+def grow(array: np.ndarray, size: int, fill) -> np.ndarray:
+    """`array` in a larger buffer of `size` (None `fill`: the new entries are set when first used)."""
+    grown = np.empty(size, dtype=array.dtype)  # untouched capacity costs address space, not memory
+    grown[: len(array)] = array
+    if fill is not None:
+        grown[len(array) :] = fill
+    return grown
+
+
+@dataclass(frozen=True)
+class TaskBuckets:
+    """Tasks by difficulty bucket, to draw replay tasks from without listing the replayable ones first.
+
+    Tasks are integer ids (a `PoolIndex`'s task indices; `from_pairs`: positions in a list).
+
+    Attributes:
+        members: difficulty -> ids of the bucket's tasks (replayable now or not), in a fixed order.
+        replayable: ``ids -> bool mask``: which of `ids` can be replayed now (cheap for a few ids).
+        listing: ``() -> (ids, difficulties)`` of every replayable task, in a fixed order: an O(tasks) pass, used
+            only when the buckets are small, or to finish a draw that rejection sampling cannot.
+        names: ``ids -> task ids``.
+    """
+
+    members: Mapping[int, np.ndarray]
+    replayable: Callable[[np.ndarray], np.ndarray]
+    listing: Callable[[], tuple[np.ndarray, np.ndarray]]
+    names: Callable[[Sequence[int]], list[str]]
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[str, int]]) -> TaskBuckets:
+        """Buckets of a list of (task id, difficulty), every one of them replayable."""
+        difficulties = np.asarray([d for _, d in pairs], dtype=np.int64)
+        ids = np.arange(len(pairs), dtype=np.int64)
+        return cls(
+            members={int(d): ids[difficulties == d] for d in np.unique(difficulties).tolist()},
+            replayable=lambda chosen: np.ones(len(chosen), bool),
+            listing=lambda: (ids, difficulties),
+            names=lambda chosen: [pairs[i][0] for i in chosen],
+        )
+
+
+@dataclass
+class PoolIndex:
+    """The pool's index (see the module docstring); `capacity` is the trajectories a task may hold."""
+
+    capacity: int
+    next_traj_id: int = 0
+    num_outcomes: int = 0
+    stored_count: int = 0  # trajectories ever stored: store_seq of the next one
+    stamp: int = 0  # order of bucket entries, skip set entries and stores (dict insertion order, as numbers)
+    task_ids: list[str] = field(default_factory=list)
+    task_index: dict[str, int] = field(default_factory=dict)
+    num_stored_tasks: int = 0
+    num_live: int = 0
+    members: dict[int, np.ndarray] = field(default_factory=dict)  # difficulty -> task indices (first `bucket_len`)
+    bucket_len: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, dtype, _ in _TASK_ARRAYS:
+            setattr(self, name, np.empty(0, dtype))
+        for name, dtype in _KEY_ARRAYS:
+            setattr(self, name, np.empty(0, dtype))
+        self.slots = np.full((0, max(1, self.capacity)), -1, np.int32)  # trajectory keys, store order
+
+    # ------------------------------------------------------------------------------------------------- growth
+    def next_stamp(self) -> int:
+        self.stamp += 1
+        return self.stamp
+
+    def task(self, task_id: str) -> int:
+        """The index of `task_id`, added now if new."""
+        index = self.task_index.get(task_id)
+        if index is None:
+            index = len(self.task_ids)
+            self.ensure_tasks(index + 1)
+            self.task_ids.append(task_id)
+            self.task_index[task_id] = index
+        return index
+
+    def ensure_tasks(self, size: int) -> None:
+        if size <= len(self.difficulty):
+            return
+        grown = max(256, 2 * len(self.difficulty), size)
+        for name, _, fill in _TASK_ARRAYS:
+            setattr(self, name, grow(getattr(self, name), grown, fill))
+        slots = np.full((grown, self.slots.shape[1]), -1, np.int32)
+        slots[: len(self.slots)] = self.slots
+        self.slots = slots
+
+    def ensure_keys(self, size: int) -> None:
+        if size > len(self.key_task):
+            grown = max(1024, 2 * len(self.key_task), size)
+            for name, _ in _KEY_ARRAYS:
+                setattr(self, name, grow(getattr(self, name), grown, None))  # written when a key is used
+
+    def set_key(self, key: int, task: int, entropy: float, version: int, traj_id: int, seq: int) -> None:
+        self.ensure_keys(key + 1)
+        self.key_task[key], self.key_entropy[key], self.key_version[key] = task, entropy, version
+        self.key_traj_id[key], self.key_seq[key] = traj_id, seq
+
+    # ------------------------------------------------------------------------------------------------ buckets
+    def set_difficulty(self, t: int, difficulty: int) -> None:
+        """Move task `t` to the bucket of `difficulty` (-1: to none)."""
+        self.difficulty[t] = difficulty
+        self.place_in_bucket(t)
+
+    def place_in_bucket(self, t: int) -> None:
+        """Put task `t` in the array of its bucket if it holds trajectories, else in none (after either changed)."""
+        want = int(self.difficulty[t]) if self.count[t] > 0 else -1
+        have = int(self.bucket_at[t])
+        if want == have:
+            return
+        if have >= 0:
+            place, last = int(self.bucket_pos[t]), self.bucket_len[have] - 1
+            members = self.members[have]
+            moved = int(members[last])
+            members[place] = moved
+            self.bucket_pos[moved] = place
+            self.bucket_len[have] = last
+        self.bucket_at[t] = want
+        self.bucket_pos[t] = -1
+        if want >= 0:
+            n = self.bucket_len.get(want, 0)
+            members = self.members.get(want)
+            if members is None or n == len(members):
+                members = self.members[want] = grow(
+                    members if members is not None else np.empty(0, np.int32), max(16, 2 * n), None
+                )
+            members[n] = t
+            self.bucket_pos[t] = n
+            self.bucket_len[want] = n + 1
+
+    def rebuild_buckets(self, places: np.ndarray | None = None) -> None:
+        """The bucket arrays from the difficulties and counts: tasks at their saved `places` when these are
+        consistent, else in bucket order."""
+        n = len(self.task_ids)
+        tasks = np.nonzero((self.difficulty[:n] >= 0) & (self.count[:n] > 0))[0]
+        tasks = tasks[np.argsort(self.difficulty_order[tasks], kind="stable")]
+        difficulties = self.difficulty[tasks]
+        self.members, self.bucket_len = {}, {}
+        self.bucket_at[:n] = -1
+        self.bucket_pos[:n] = -1
+        for difficulty in np.unique(difficulties).tolist():
+            members = tasks[difficulties == difficulty].astype(np.int32)
+            if places is not None:
+                at = places[members]
+                if np.array_equal(np.sort(at), np.arange(len(members))):
+                    members = members[np.argsort(at)]
+            self.members[difficulty] = members
+            self.bucket_len[difficulty] = len(members)
+            self.bucket_at[members] = difficulty
+            self.bucket_pos[members] = np.arange(len(members), dtype=np.int32)
+
+    # -------------------------------------------------------------------------------------------------- slots
+    def append_slot(self, t: int, key: int) -> None:
+        n = int(self.count[t])
+        if n == self.slots.shape[1]:  # capacity raised by `ExperiencePool.configure`
+            self.slots = np.concatenate([self.slots, np.full((len(self.slots), n), -1, np.int32)], axis=1)
+        self.slots[t, n] = key
+        self.count[t] = n + 1
+        self.num_live += 1
+        if n == 0:
+            self.num_stored_tasks += 1
+            self.store_order[t] = self.next_stamp()
+            self.place_in_bucket(t)
+
+    def replace_slot(self, t: int, i: int, key: int) -> int:
+        """Put `key` at position `i` of task `t`; returns the key it replaced."""
+        old = int(self.slots[t, i])
+        self.slots[t, i] = key
+        return old
+
+    def shift_append(self, t: int, i: int, key: int) -> int:
+        """Remove position `i` of task `t` and append `key` (list.pop(i), then append); returns the removed key."""
+        n = int(self.count[t])
+        row = self.slots[t]
+        old = int(row[i])
+        row[i : n - 1] = row[i + 1 : n].copy()
+        row[n - 1] = key
+        return old
+
+    def remove_slot(self, t: int, i: int) -> int:
+        """Remove position `i` of task `t` (list.pop(i)); returns its key."""
+        n = int(self.count[t])
+        row = self.slots[t]
+        old = int(row[i])
+        row[i : n - 1] = row[i + 1 : n].copy()
+        row[n - 1] = -1
+        self.count[t] = n - 1
+        self.num_live -= 1
+        if n == 1:
+            self.num_stored_tasks -= 1
+            self.place_in_bucket(t)
+        return old
+
+    def clear(self, t: int) -> list[int]:
+        """Empty task `t`'s store; returns its keys."""
+        n = int(self.count[t])
+        keys = self.slots[t, :n].tolist()
+        self.slots[t, :n] = -1
+        self.count[t] = 0
+        self.num_live -= n
+        if n:
+            self.num_stored_tasks -= 1
+            self.place_in_bucket(t)
+        self.store_order[t] = -1
+        return keys
+
+    # ------------------------------------------------------------------------------------------------ queries
+    def ordered(self, order: np.ndarray) -> np.ndarray:
+        """Task indices whose `order` stamp is set, in stamp order."""
+        n = len(self.task_ids)
+        tasks = np.nonzero(order[:n] >= 0)[0]
+        return tasks[np.argsort(order[tasks], kind="stable")]
+
+    def keys(self, t: int, current_step=None, max_policy_age=None, window=None) -> list[int]:
+        """Task `t`'s trajectory keys in store order: those young enough and among the `window` last stored."""
+        keys = self.slots[t, : self.count[t]]
+        if window is None and (max_policy_age is None or current_step is None):
+            return keys.tolist()
+        keep = np.ones(len(keys), bool)
+        if max_policy_age is not None and current_step is not None:
+            keep &= current_step - self.key_version[keys] <= max_policy_age
+        if window is not None:
+            keep &= self.key_seq[keys] >= self.stored_count - window
+        return keys[keep].tolist()
+
+    def replayable(self, tasks: np.ndarray, min_trajectories: int, current_step, max_policy_age, window) -> np.ndarray:
+        """Mask of `tasks` (indices) that are bucketed, outside the skip set, have a row and enough candidates."""
+        ok = (
+            (self.difficulty[tasks] >= 0)
+            & (self.skip_order[tasks] < 0)
+            & (self.row_key[tasks] >= 0)
+            & (self.count[tasks] >= min_trajectories)
+        )
+        aged = max_policy_age is not None and current_step is not None
+        if (aged or window is not None) and ok.any():
+            # Count the candidates of the tasks still in: O(tasks x capacity) on the index, no trajectory read.
+            checked = tasks[ok]
+            slots = self.slots[checked]
+            valid = slots >= 0
+            keys = np.where(valid, slots, 0)
+            if aged:
+                valid &= current_step - self.key_version[keys] <= max_policy_age
+            if window is not None:
+                valid &= self.key_seq[keys] >= self.stored_count - window
+            ok[np.nonzero(ok)[0]] = valid.sum(axis=1) >= min_trajectories
+        return ok
+
+    def replayable_listing(self, min_trajectories, current_step, max_policy_age, window):
+        """(task indices, difficulties) of the replayable tasks, in bucket order."""
+        tasks = self.ordered(self.difficulty_order)
+        tasks = tasks[self.replayable(tasks, min_trajectories, current_step, max_policy_age, window)]
+        return tasks, self.difficulty[tasks]
+
+    def buckets(self, min_trajectories, current_step, max_policy_age, window, names) -> TaskBuckets:
+        """The buckets' tasks that hold trajectories, as `TaskBuckets` (`names`: task indices -> task ids)."""
+        args = (min_trajectories, current_step, max_policy_age, window)
+        return TaskBuckets(
+            members={d: self.members[d][:n] for d, n in sorted(self.bucket_len.items()) if n},
+            replayable=lambda tasks: self.replayable(np.asarray(tasks, np.int64), *args),
+            listing=lambda: self.replayable_listing(*args),
+            names=names,
+        )
+
+    # -------------------------------------------------------------------------------------------------- state
+    def to_state(self) -> tuple[dict[str, int], dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """What a save records: the counters, the per-task columns (`STATE_COLUMNS`, plus ``task_id`` and ``row_key``),
+        and each task's trajectory keys in store order as (offsets, keys)."""
+        n = len(self.task_ids)
+        counters = {name: int(getattr(self, name)) for name in COUNTERS}
+        columns = {"task_id": self.task_ids, "row_key": self.row_key[:n]}
+        columns.update({name: getattr(self, name)[:n] for name in STATE_COLUMNS})
+        offsets = np.zeros(n + 1, np.int32)
+        np.cumsum(self.count[:n], out=offsets[1:])
+        slots = self.slots[:n]
+        return counters, columns, offsets, slots[slots >= 0].astype(np.int64)
+
+    @classmethod
+    def from_state(
+        cls, capacity: int, counters: dict, columns: dict, entry_task: np.ndarray, entry_key: np.ndarray
+    ) -> PoolIndex:
+        """The index a save recorded (`to_state`'s counters and columns, ``row_key`` already the loaded rows' keys),
+        with the trajectory keys `entry_key` of tasks `entry_task`, listed task by task in store order (the keys'
+        own arrays are set by the caller, `set_key` or directly)."""
+        index = cls(capacity, **{name: int(counters[name]) for name in COUNTERS})
+        index.task_ids = list(columns["task_id"])
+        index.task_index = {task_id: i for i, task_id in enumerate(index.task_ids)}
+        n = len(index.task_ids)
+        index.ensure_tasks(n)
+        for name in ("row_key", *STATE_COLUMNS):
+            getattr(index, name)[:n] = columns[name]
+        counts = np.bincount(entry_task, minlength=n).astype(np.int32) if n else np.zeros(0, np.int32)
+        width = max(1, capacity, int(counts.max(initial=0)))
+        index.slots = np.full((len(index.difficulty), width), -1, np.int32)
+        starts = np.cumsum(counts) - counts
+        index.slots[entry_task, np.arange(len(entry_key)) - starts[entry_task]] = entry_key
+        index.count[:n] = counts
+        index.store_order[:n][counts == 0] = -1
+        index.num_live = len(entry_key)
+        index.num_stored_tasks = int((counts > 0).sum())
+        index.rebuild_buckets(columns["bucket_pos"])
+        return index
