@@ -1,14 +1,14 @@
-"""`ExperiencePool`: the index of the replay pool, and the queries the trainer makes of it.
+"""`ExperiencePool`: the replay pool, and the queries the trainer makes of it.
 
 The pool applies the ExGRPO rules (`rules.py`) to one step's task outcomes: buckets by difficulty, the skip set, what
 is stored and what is evicted; and answers the trainer's replay queries: which tasks can be replayed
 (`replay_buckets`, drawn from by `planner.plan_replay` in O(batch)), and which of a task's trajectories
 (`choose`, by the current or the saved entropy).
 
-RAM holds an index only: per trajectory its task, entropy, policy version, id and store rank (~40 bytes); per task its
-bucket, order stamps and the keys of its trajectories. The trajectories and the tasks' dataset rows live in
-memory-mapped Arrow shards written by a background thread (`store.py`); an evicted trajectory leaves a tombstone that
-compaction removes. `save` / `load` (`persistence.py`) are incremental, atomic and checked (no pickle anywhere), and
+RAM holds an index only (`index.PoolIndex`): per trajectory its task, entropy, policy version, id and store rank (~40
+bytes); per task its bucket, order stamps and the keys of its trajectories. The trajectories and the tasks' dataset
+rows live in memory-mapped Arrow shards written by a background thread (`shards.py`); an evicted trajectory leaves a
+tombstone that compaction removes. `save` / `load` (`persistence.py`) are incremental, atomic and checked (no pickle anywhere), and
 `hub.py` shares a pool as a `datasets` dataset repository. A pool refuses a tokenizer other than the one it was
 recorded with.
 """

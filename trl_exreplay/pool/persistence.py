@@ -2,7 +2,7 @@
 
 A save writes only what the folder lacks (shards new since the last save, hard-linked from the live pool when on the
 same file system) and the per-task table of the snapshot, then commits by replacing ``state.json`` (layout and
-atomicity: `store.py`). A load treats the folder as untrusted input (`check.py`): the state, every file's name,
+atomicity: `folder.py`). A load treats the folder as untrusted input (`check.py`): the state, every file's name,
 size, checksum and Arrow layout are checked before anything is mapped; rows a model cannot train on are counted and
 left out. RAM receives the index only (`index.PoolIndex.from_state`): the shards stay memory-mapped files.
 
@@ -131,11 +131,10 @@ def _tasks_table(index: PoolIndex, logs: dict[str, ShardLog], entries: dict[str,
     counters, columns, offsets, keys = index.to_state()
 
     def where(kind, keys):
-        log = logs[kind]
-        number = np.full(log._next_sid + 1, -1, np.int32)
-        for i, entry in enumerate(entries[kind]):
-            number[entry["sid"]] = i
-        locations = log.locations(keys)
+        locations = logs[kind].locations(keys)
+        sids = [entry["sid"] for entry in entries[kind]]
+        number = np.full(max([*sids, int((locations >> 32).max(initial=-1))]) + 1, -1, np.int32)
+        number[sids] = np.arange(len(sids), dtype=np.int32)  # a shard's place in the state's list of its folder
         return number[locations >> 32], (locations & 0xFFFFFFFF).astype(np.int32)
 
     traj_shard, traj_row = where(TRAJECTORIES_DIR, keys)
