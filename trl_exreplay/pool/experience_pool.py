@@ -8,9 +8,9 @@ is stored and what is evicted; and answers the trainer's replay queries: which t
 RAM holds an index only (`index.PoolIndex`): per trajectory its task, entropy, policy version, id and store rank (~40
 bytes); per task its bucket, order stamps and the keys of its trajectories. The trajectories and the tasks' dataset
 rows live in memory-mapped Arrow shards written by a background thread (`shards.py`); an evicted trajectory leaves a
-tombstone that compaction removes. `save` / `load` (`persistence.py`) are incremental, atomic and checked (no pickle anywhere), and
-`hub.py` shares a pool as a `datasets` dataset repository. A pool refuses a tokenizer other than the one it was
-recorded with.
+tombstone that compaction removes. `save` / `load` (`persistence.py`) are incremental, atomic and checked (no pickle
+anywhere), and `hub.py` shares a pool as a `datasets` dataset repository. A pool refuses a tokenizer other than the
+one it was recorded with.
 """
 
 from __future__ import annotations
