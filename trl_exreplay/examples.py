@@ -28,3 +28,25 @@ def said_target(completions, target, **kwargs) -> list[float]:
     """Reward: 1.0 when the completion contains the task's target word."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [float(word in text.split()) for text, word in zip(texts, target)]
+
+
+# The README quick start's offline twin (examples/quick_start_offline.py) keeps TRL's `accuracy_reward`, which
+# verifies `\boxed{...}` answers: each answer is one word of the tiny vocabulary, so a random tiny model answers
+# some sums right (about one rollout in ten), enough for the pool to fill and replay to start within the run.
+SUMS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 3), (3, 1), (2, 2), (1, 1)]
+SUMS_VOCABULARY = ["what", "is", "+", "?", "1", "2", "3", *(f"\\boxed{{{n}}}" for n in (2, 3, 4))]
+
+
+def sums_dataset():
+    """`datasets.Dataset` of small sums in the format of TRL's math datasets: prompt (conversational), solution."""
+    from datasets import Dataset
+
+    rows = [{"prompt": [{"role": "user", "content": f"what is {a} + {b} ?"}], "solution": str(a + b)} for a, b in SUMS]
+    return Dataset.from_list(rows)
+
+
+def save_sums_model(path: str = "tiny-sums-model") -> str:
+    """Save a tiny random model and its tokenizer for `sums_dataset` to `path`; returns `path`, to pass as `model=`."""
+    from .tiny import save_tiny_model
+
+    return save_tiny_model(path, SUMS_VOCABULARY)
