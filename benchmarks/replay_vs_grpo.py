@@ -22,7 +22,8 @@ to `grpo`'s (the drop-in claim, measured; `--no-trl-check` skips it).
       "schema": 1,
       "testbeds": {
         "<testbed>": {
-          "summary": str, "training": {config fields shared by every method}, "eval_every": int,
+          "summary": str, "training": {config fields shared by every method}, "model": {tiny model fields},
+          "eval_every": int,
           "rows_per_step": int,                       # completions (episodes) per optimizer step
           "methods": {
             "<method>": {
@@ -125,6 +126,12 @@ GUIDE_SERIES = ("guided_fraction", "discarded_fraction", "records_per_rollout", 
                 "store_records", "summarizer_backlog", "summarizer_failures", "retrieve_failures")  # fmt: skip
 
 
+def _gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 def run_record() -> dict:
     """Where and how a run was made: the command, commit, versions and machine."""
     try:
@@ -145,6 +152,7 @@ def run_record() -> dict:
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
+            "gpu": _gpu_name(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "python": platform.python_version(),
         },
@@ -385,6 +393,7 @@ def testbed_entry(results: dict, testbed) -> dict:
         summary=testbed.summary,
         measure=testbed.measure,
         training={**testbed.training, **testbed.trainer_kwargs()},
+        model=testbed.model_kwargs,
         eval_every=testbed.eval_every,
         rows_per_step=rows_per_step(testbed.training),
     )
@@ -716,6 +725,9 @@ def parse_args(argv=None):
     parser.add_argument("--max-steps", type=int, help="Override the testbed's optimizer steps (smoke runs).")
     parser.add_argument("--set", action="append", metavar="FIELD=JSON",
                         help="Override a training field of the testbed for every method (tuning), e.g. learning_rate=1e-4.")  # fmt: skip
+    parser.add_argument("--model", action="append", metavar="FIELD=JSON",
+                        help="Override a field of the testbed's tiny model (`trl_exreplay.tiny.build_tiny_model`), e.g. "
+                             "hidden_size=256; with `--set use_cpu=false` the runs train on the GPU.")  # fmt: skip
     parser.add_argument("--no-trl-check", dest="trl_check", action="store_false",
                         help="Skip the run of TRL's GRPOTrainer on the first seed.")  # fmt: skip
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bars.")
@@ -745,6 +757,9 @@ def main(argv=None) -> dict:
     for field_value in options.set or []:
         name, _, value = field_value.partition("=")
         testbed.training = {**testbed.training, name: json.loads(value)}
+    for field_value in options.model or []:
+        name, _, value = field_value.partition("=")
+        testbed.model_kwargs = {**testbed.model_kwargs, name: json.loads(value)}
     if options.max_steps is not None:
         testbed.training = {**testbed.training, "max_steps": options.max_steps}
         testbed.eval_every = min(testbed.eval_every, options.max_steps)

@@ -4,7 +4,7 @@
 #     bash tools/gpu_wheels.sh     # here, once: the wheels the device image lacks, into .whl/ (ignored)
 #     device run: carry [".whl"], timeout_s 480, command "bash tools/gpu_check.sh"
 #
-# The stages' limits (150 for the two test passes at once, 160, 80 and 40 s) and the install (~20 s) fit in 480 s; a
+# The stages' limits (170 for the two test passes at once, 160, 80 and 40 s) and the install (~20 s) fit in 480 s; a
 # machine start takes ~30-90 s more, so a 15-minute session has room for one rerun of a short selection.
 #
 # Stages (GPU_CHECK_STAGES picks some; each has its own time limit, so one that hangs does not cost the others):
@@ -15,12 +15,16 @@
 #               GRPO with replay for RECIPE_STEPS steps, ALFWorld in an EnvProcessPool of 16 worker processes
 #   zero2       the same recipe under DeepSpeed ZeRO-2 on one GPU, a few steps, from the cached games and warm start
 #   throughput  benchmarks/alfworld_env_throughput.py with 16 workers
-# Logs land in $OUT (at most 8 files come back); the last lines printed are a table of each stage's exit status.
+#   replay      tools/gpu_evidence.sh: replay against GRPO with a model larger than the CPU allows (one process per
+#               run, 490 s), started with the test passes (its tuning runs beside them, its report after):
+#               GPU_CHECK_STAGES="tests bf16 replay" TEST_WORKERS=6 BF16_WORKERS=2, timeout_s 580
+# Logs land in $OUT (at most 8 files come back; replay adds evidence.log and evidence.tgz); the last lines printed are a
+# table of each stage's exit status.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-STAGES=${GPU_CHECK_STAGES:-"tests bf16 recipe zero2 throughput"}
+STAGES=${GPU_CHECK_STAGES:-"tests bf16 recipe zero2 throughput"}  # replay: name it (it takes ~7 minutes)
 RECIPE_STEPS=${RECIPE_STEPS:-12}  # 24 steps of a model that wins took ~5 s each on the H200: past the limit
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -53,10 +57,12 @@ TESTS=(tests/integration/test_trainer.py tests/integration/test_multiturn.py tes
     tests/integration/test_replayed_loss.py tests/integration/test_trl_equivalence.py tests/integration/test_trl_tools.py
     tests/unit/test_rollout.py tests/integration/test_learning.py tests/unit/test_loss.py)
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -rfE --timeout 100 -k "not two_processes")  # < the stage limit
-# The two passes at once (8 + 4 workers on one GPU): they share nothing but the card.
-stage tests 150 env EXREPLAY_TEST_DEVICE=cuda "${PYTEST[@]}" -n 8 "${TESTS[@]}" &
-stage bf16 150 env EXREPLAY_TEST_DEVICE=cuda EXREPLAY_TEST_BF16=1 "${PYTEST[@]}" -n 4 tests/integration/test_trainer.py \
-    tests/integration/test_multiturn.py &
+# The two passes at once (TEST_WORKERS + BF16_WORKERS on one GPU): they share nothing but the card. With the replay stage
+# beside them (6 tuning processes), 6 + 2 keeps the processes under the 16 cores.
+stage tests 170 env EXREPLAY_TEST_DEVICE=cuda "${PYTEST[@]}" -n "${TEST_WORKERS:-8}" "${TESTS[@]}" &
+stage bf16 170 env EXREPLAY_TEST_DEVICE=cuda EXREPLAY_TEST_BF16=1 "${PYTEST[@]}" -n "${BF16_WORKERS:-4}" \
+    tests/integration/test_trainer.py tests/integration/test_multiturn.py &
+stage replay 490 bash tools/gpu_evidence.sh &
 wait
 
 # The tiny config on a GPU, bf16, evaluated greedily on 20 valid_seen games before and after RL. RECIPE_MODEL sets

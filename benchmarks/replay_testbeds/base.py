@@ -29,6 +29,8 @@ class Testbed:
 
         tokenizer = build_tiny_tokenizer(self.vocabulary)
         model = build_tiny_model(tokenizer, seed=seed, **self.model_kwargs)
+        if self.training.get("use_cpu") is False:  # `--set use_cpu=false`: the warm start on the GPU too
+            model.to("cuda")
         self.warm_start(model, tokenizer, seed)
         return model, tokenizer
 
@@ -117,7 +119,8 @@ def supervised_warm_start(model, tokenizer, pairs, steps: int, seed: int, lr: fl
         input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
         labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
         attention_mask = (torch.arange(width)[None, :] < torch.tensor([len(ids) for ids, _ in batch])[:, None]).long()
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        loss = model(**{name: tensor.to(model.device) for name, tensor in inputs.items()}).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
