@@ -55,9 +55,12 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     table = capsys.readouterr().out
     assert "| grpo | " in table and "| exreplay | " in table and "identical to `grpo`: **True**" in table
 
-    # A second call on another seed merges into the same file; --report rebuilds tables and plots from it alone.
-    harness.main([*argv[:3], "grpo", "--seeds", "4", *argv[6:], "--no-trl-check"])
+    # A second call on another seed merges into the same file (here with a narrower model, recorded as the entry's);
+    # --report rebuilds tables and plots from it alone.
+    assert entry["model"] == {"hidden_size": 64, "num_layers": 2, "num_heads": 4}
+    harness.main([*argv[:3], "grpo", "--seeds", "4", *argv[6:], "--no-trl-check", "--model", "hidden_size=32"])
     results = harness.load_results(out)
+    assert results["testbeds"]["single-turn"]["model"] == {"hidden_size": 32, "num_layers": 2, "num_heads": 4}
     assert sorted(results["testbeds"]["single-turn"]["methods"]["grpo"]["runs"]) == ["3", "4"]
     assert sorted(results["testbeds"]["single-turn"]["methods"]["exreplay"]["runs"]) == ["3"]
     (out / "single-turn.png").unlink()
