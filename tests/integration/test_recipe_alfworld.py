@@ -375,6 +375,8 @@ def test_default_config_only_without_a_config_or_a_model():
     assert script_args.scenes == [309, 310, 311] and training_args.use_cpu and training_args.max_steps == 3
     assert script_args.target_objects == ["Book"] and script_args.task_types == ["pick_and_place_simple"]
     assert not script_args.verify_train_games  # the expert plays every train game anyway
+    # RL plays a few train games, and the summary measures them: where the tiny model's learning shows
+    assert script_args.rl_train_games < script_args.num_train_games and script_args.eval_train_episodes > 0
     model = ["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct", "--bf16", "false"]  # bf16: no GPU here
     script_args, training_args, model_args = recipe.parse_args(model)
     assert script_args.scenes is None and not training_args.use_cpu and training_args.max_steps == -1
