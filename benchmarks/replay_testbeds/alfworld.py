@@ -2,7 +2,7 @@
 
 * `alfworld`: its games (200 generated pick-and-place train games), its warm start (SFT on the searching expert's
   episodes) and its RL settings as they were when this testbed was measured: RL on all 200 games at 5e-5 (the
-  recipe's default now plays 8 of them at 1e-4: `rl_train_games`, which this testbed does not read). Held-out
+  recipe's default now plays 4 of them at 1e-4: `rl_train_games`, which this testbed does not read). Held-out
   success is greedy play of the 40 `valid_seen` and 40 `valid_unseen` games, pooled (each split is also recorded). `docs/alfworld_tiny_default.md` measured that RL does not raise held-out
   success of this model: expect a testbed where the baseline does not learn.
 * `alfworld-few-games`: the regime where the trainer is known to learn (`benchmarks/alfworld_rl_controls.py --control
