@@ -228,7 +228,8 @@ def print_summary(summary: dict) -> None:
         line = (f"pool at the end: {tasks:.0f} tasks, {pool.get('pool_trajectories', 0):.0f} trajectories; skip set "
                 f"{skipped:.0f} (tasks whose fresh rollouts all won at their last play: they leave the pool and are "
                 "not replayed")  # fmt: skip
-        # The only way out of the pool is the skip set: an empty pool that held tasks lost each of them that way.
+        # During training the only way out of the pool is the skip set (`ExperiencePool.record_outcome`; bad rows
+        # are removed at setup, before the logged steps): an empty pool that held tasks lost each of them that way.
         emptied = not tasks and replay and max(replay.get("pool_tasks", [0])) > 0
         print(wrap(line + ("; every task this pool held left it that way)" if emptied else ")")))
     for note in summary.get("notes", []):
