@@ -8,7 +8,9 @@ Every option is a field of `AlfWorldArguments` (`trl_exreplay/envs/alfworld/argu
 of `trl.ModelConfig`; a YAML config sets them and the command line overrides it. Games come from `data_dir` (official
 ALFWorld `json_2.1.1` data or games generated offline when missing); with no `model_name_or_path` the model is a tiny
 causal LM with a word-level tokenizer over the ALFWorld vocabulary, built locally. The warm start (SFT on the searching expert's episodes) is
-cached under `data_dir/warmstart/` and reused by later runs with the same settings. `--resume_from_checkpoint true`
+cached under `data_dir/warmstart/` and reused by later runs with the same settings. RL plays every train game, or
+`rl_train_games` of them; `eval_train_episodes` also measures those games before and after RL (not held-out), beside
+the held-out `eval_splits`. `--resume_from_checkpoint true`
 continues a stopped run from the newest checkpoint in `output_dir`, its experience pool included.
 """
 
@@ -26,6 +28,13 @@ import time
 from trl_exreplay.envs.alfworld.arguments import AlfWorldArguments, check_reward_settings
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "alfworld_tiny_cpu.yaml")
+# The tiny model's summary says what it cannot show: its held-out figures do not rise with RL (measured in
+# docs/alfworld_tiny_default.md), and a newcomer must not read that as the trainer not working.
+TINY_HELD_OUT = (
+    "Held-out success needs a model that generalises: this tiny model, trained from scratch in minutes, learns the "
+    "games it plays, not new ones. For held-out games, train a pretrained model: --config "
+    "recipes/configs/alfworld_qwen2.5-1.5b.yaml, on a GPU."
+)
 
 
 def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
@@ -56,7 +65,15 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     system_prompt = system_prompt_of(script_args.prompt_style)
     tasks = {split: load_tasks(script_args, split, system_prompt) for split in splits}
     train_tasks = tasks[script_args.train_split]
-    log(f"games: {', '.join(f'{split} {len(t)}' for split, t in tasks.items())} under {script_args.data_dir}")
+    # RL may play only a few of the train games: the warm start learns from all of them, and a model trained from
+    # scratch then raises its success on games it plays often, not on new ones (docs/alfworld_tiny_default.md).
+    rl_tasks = train_tasks
+    if script_args.rl_train_games is not None and script_args.rl_train_games < len(train_tasks):
+        rl_tasks = train_tasks.shuffle(seed=training_args.seed).select(range(script_args.rl_train_games))
+    games = [f"{split} {len(t)}" for split, t in tasks.items()]
+    if len(rl_tasks) < len(train_tasks):
+        games[0] += f" (RL plays {len(rl_tasks)} of them)"
+    log(f"games: {', '.join(games)} under {script_args.data_dir}")
 
     env_kwargs = env_options(script_args, training_args)
     env_processes = env_workers(script_args, env_kwargs, state.num_processes)  # worker processes or Ray actors
@@ -82,56 +99,62 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         )
 
     # ---- evaluation before RL ---------------------------------------------------------------------------------
-    eval_rows = {
-        split: tasks[split].select(range(min(len(tasks[split]), script_args.max_eval_games or len(tasks[split]))))
-        for split in script_args.eval_splits
-    }
+    def first_games(games):
+        return games.select(range(min(len(games), script_args.max_eval_games or len(games))))
 
     sampled = script_args.eval_sampled_episodes
     temperature = training_args.temperature if script_args.eval_temperature is None else script_args.eval_temperature
     sampling = {"do_sample": True, "temperature": temperature, "top_k": training_args.top_k,
                 "top_p": training_args.top_p, "min_p": training_args.min_p}  # fmt: skip
-    modes = [("greedy", 1, {})] + ([(f"sampled T={temperature:g} x{sampled}", sampled, sampling)] if sampled else [])
+    # What is evaluated: (its name in the summary, its games, episodes per game, sampling options or {} for greedy).
+    evaluations = []
+    if script_args.eval_train_episodes:  # the games RL plays, sampled as RL plays them: what RL did to them
+        rows, k = first_games(rl_tasks), script_args.eval_train_episodes
+        name = f"{script_args.train_split}: {len(rows)} RL games (sampled T={temperature:g} x{k})"
+        evaluations.append((name, rows, k, sampling))
+    for split in script_args.eval_splits:  # held-out games: greedy, and sampled when asked
+        rows = first_games(tasks[split])
+        evaluations.append((split, rows, 1, {}))
+        if sampled:
+            evaluations.append((f"{split} (sampled T={temperature:g} x{sampled})", rows, sampled, sampling))
 
     def evaluate(model_path: str, when: str) -> dict:
-        """Success rate per split (greedy) and per split and sampling mode (the mean over its episodes)."""
+        """Success rate of each evaluation: greedy, or the mean over its sampled episodes."""
         import torch
 
         model = load_policy(model_path, model_args, AutoModelForCausalLM).to(state.device)
         out = {}
-        for split, rows in eval_rows.items():
-            for mode, episodes_per_game, generate_kwargs in modes:
-                name = split if mode == "greedy" else f"{split} ({mode})"
-                if generate_kwargs:
-                    torch.manual_seed(training_args.seed + state.process_index)  # the same draws before and after RL
-                with state.split_between_processes(list(rows) * episodes_per_game) as mine:
-                    result = evaluate_policy(
-                        model,
-                        tokenizer,
-                        mine,
-                        env_processes,
-                        max_turns=training_args.max_turns,
-                        max_completion_length=training_args.max_completion_length,
-                        max_tokens_per_turn=training_args.max_tokens_per_turn,
-                        step_timeout=training_args.env_step_timeout,
-                        workers=training_args.env_workers,
-                        chat_template_kwargs=training_args.chat_template_kwargs,
-                        success_threshold=training_args.replay_success_threshold,
-                        progress=state.is_main_process,
-                        desc=f"eval {when} RL: {name}",
-                        **generate_kwargs,
-                    )
-                won = gather_object([[result.successes, len(result.episodes)]])
-                successes, episodes = sum(w for w, _ in won), sum(n for _, n in won)
-                out[name] = successes / episodes if episodes else 0.0
-                counts[when, name] = [successes, episodes]
-                unit = "games" if mode == "greedy" else "episodes"
-                log(f"{when} RL, {name}: {successes}/{episodes} {unit} won ({100 * out[name]:.1f}%)")
+        for name, rows, episodes_per_game, generate_kwargs in evaluations:
+            if generate_kwargs:
+                torch.manual_seed(training_args.seed + state.process_index)  # the same draws before and after RL
+            with state.split_between_processes(list(rows) * episodes_per_game) as mine:
+                result = evaluate_policy(
+                    model,
+                    tokenizer,
+                    mine,
+                    env_processes,
+                    max_turns=training_args.max_turns,
+                    max_completion_length=training_args.max_completion_length,
+                    max_tokens_per_turn=training_args.max_tokens_per_turn,
+                    step_timeout=training_args.env_step_timeout,
+                    workers=training_args.env_workers,
+                    chat_template_kwargs=training_args.chat_template_kwargs,
+                    success_threshold=training_args.replay_success_threshold,
+                    progress=state.is_main_process,
+                    desc=f"eval {when} RL: {name}",
+                    **generate_kwargs,
+                )
+            won = gather_object([[result.successes, len(result.episodes)]])
+            successes, episodes = sum(w for w, _ in won), sum(n for _, n in won)
+            out[name] = successes / episodes if episodes else 0.0
+            counts[when, name] = [successes, episodes]
+            unit = "episodes" if generate_kwargs else "games"
+            log(f"{when} RL, {name}: {successes}/{episodes} {unit} won ({100 * out[name]:.1f}%)")
         del model
         return out
 
-    counts: dict[tuple[str, str], list[int]] = {}  # (when, split) -> [successes, episodes]
-    before = evaluate(policy, "before") if eval_rows else {}
+    counts: dict[tuple[str, str], list[int]] = {}  # (when, evaluation's name) -> [successes, episodes]
+    before = evaluate(policy, "before") if evaluations else {}
 
     # ---- ExReplay GRPO ----------------------------------------------------------------------------------------
     training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), **model_init_kwargs(model_args)}
@@ -140,20 +163,20 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         model=policy,
         args=training_args,
         processing_class=tokenizer,
-        train_dataset=train_tasks,
+        train_dataset=rl_tasks,
         text_env_factory=env_processes,  # reward: the environment's (1 on a win, less invalid_action_penalty)
         peft_config=get_peft_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # with its pool
     trainer.save_model(training_args.output_dir)  # model (or adapter), tokenizer and pool
-    pool_stats = trainer.pool.stats()
+    pool_stats, rl_steps = trainer.pool.stats(), trainer.state.global_step
     replay_over_run = replay_participation(trainer.state.log_history)
     del trainer  # its model and optimizer, before evaluation loads the trained model
     gc.collect()
     state.wait_for_everyone()
 
     # ---- evaluation after RL, summary, push -------------------------------------------------------------------
-    after = evaluate(training_args.output_dir, "after") if eval_rows else {}
+    after = evaluate(training_args.output_dir, "after") if evaluations else {}
     env_processes.close()
     results = {name: {"before": before[name], "after": after[name]} for name in before}
     intervals = {
@@ -163,6 +186,15 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     }
     summary = {
         "base_model": base_model or "tiny (built locally)",
+        "games": {
+            "train": len(train_tasks),
+            "warm_start": script_args.warm_start,
+            "rl": len(rl_tasks),
+            "rl_steps": rl_steps,
+            "rl_task_ids": sorted(rl_tasks["task_id"]) if len(rl_tasks) < len(train_tasks) else None,
+            "train_evaluation": evaluations[0][0] if script_args.eval_train_episodes else None,  # its results row
+            "held_out": list(script_args.eval_splits),
+        },
         "results": results,
         "intervals": intervals,  # 95% binomial (Wilson) intervals of the success rates, and the episodes behind them
         "replay": replay_over_run,
@@ -171,18 +203,22 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         "pool": pool_stats,
         "minutes": (time.time() - started) / 60,
         "output_dir": training_args.output_dir,
+        "notes": [] if base_model else [TINY_HELD_OUT],
     }
     if state.is_main_process:
-        print_summary(summary, len(train_tasks))
+        print_summary(summary)
         with open(os.path.join(training_args.output_dir, "alfworld_results.json"), "w") as f:
             json.dump(summary, f, indent=2)
         if push_to_hub:
-            push(script_args, training_args, model_args, base_model, tasks, results)
+            splits = {split: len(t) for split, t in tasks.items()}
+            if len(rl_tasks) < len(train_tasks):  # the card says which of the train games RL played
+                splits[f"{script_args.train_split}, played by RL"] = len(rl_tasks)
+            push(script_args, training_args, model_args, base_model, splits, results)
     state.wait_for_everyone()
     return summary
 
 
-def push(script_args, training_args, model_args, base_model, tasks, results) -> None:
+def push(script_args, training_args, model_args, base_model, splits, results) -> None:
     import torch
     import transformers
     import trl
@@ -210,7 +246,7 @@ def push(script_args, training_args, model_args, base_model, tasks, results) -> 
         repo_id=repo_id,
         base_model=base_model,
         environment=f"ALFWorld (text engine, alfworld {alfworld_version()}), games from {script_args.data_dir}",
-        splits={split: len(t) for split, t in tasks.items()},
+        splits=splits,
         replay_config=replay_options(training_args),
         results=results,
         versions={

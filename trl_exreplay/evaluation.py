@@ -13,7 +13,9 @@ print(result.success_rate, result.per_group)  # overall, and {task_type: [succes
 
 from __future__ import annotations
 
+import functools
 import math
+import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,28 +185,54 @@ def replay_participation(log_history: list[dict], points: int = 4) -> dict:
     }
 
 
-def print_summary(summary: dict, num_train_games: int) -> None:
-    """The results table of a run's summary (success before and after RL with 95% intervals, replay's share, the
-    pool over the run), as `recipes/alfworld.py` prints it."""
-    print("\n" + "=" * 76)
-    print(f"ALFWorld, {num_train_games} train games, model: {summary['base_model']}")
-    width = max([16, *(len(split) + 2 for split in summary["results"])])
-    print(f"{'split':<{width}}{'before RL [95% CI]':>22}{'after RL [95% CI]':>22}{'change':>10}{'n':>6}")
-    for split, r in summary["results"].items():
-        ci = summary["intervals"][split]
+def print_summary(summary: dict) -> None:
+    """The results table of a run's summary, as `recipes/alfworld.py` prints it: what was trained on what, success
+    before and after RL with 95% intervals (the games RL plays first, then the held-out splits), what each row
+    measures, replay's share, the pool over the run and at its end, the summary's notes."""
+    games, results = summary["games"], summary["results"]
+    width = max([16, *(len(name) + 2 for name in results)])
+    rule = "=" * max(76, width + 60)
+    # Paths and option names stay whole (`alfworld_qwen2.5-1.5b.yaml` has hyphens): a reader copies them.
+    wrap = functools.partial(textwrap.fill, width=len(rule), subsequent_indent="  ", break_on_hyphens=False)
+    print("\n" + rule)
+    train, rl = games["train"], games["rl"]
+    played = f"{rl} of the {train} train games" if rl < train else f"the {train} train games"
+    warm = f"warm start on {train} train games, then " if games["warm_start"] else ""
+    print(wrap(f"ALFWorld, model: {summary['base_model']}: {warm}RL ({games['rl_steps']} steps) on {played}"))
+    print(f"{'success rate':<{width}}{'before RL [95% CI]':>22}{'after RL [95% CI]':>22}{'change':>10}{'n':>6}")
+    for name, r in results.items():
+        ci = summary["intervals"][name]
         cells = [f"{100 * r[w]:.1f}% [{100 * ci[w][0]:.0f}-{100 * ci[w][1]:.0f}]" for w in ("before", "after")]
         change = 100 * (r["after"] - r["before"])
-        print(f"{split:<{width}}{cells[0]:>22}{cells[1]:>22}{change:>+8.1f}pt{ci['episodes']:>6}")
+        print(f"{name:<{width}}{cells[0]:>22}{cells[1]:>22}{change:>+8.1f}pt{ci['episodes']:>6}")
+    # What each row measures: a reader must not take the RL games' rise for held-out success, nor the reverse.
+    own, held_out = games["train_evaluation"], games["held_out"]
+    if own in results:
+        print(wrap(f"{own.split(':')[0]}: the games RL trains on, sampled as RL plays them (the same draws before "
+                   "and after RL); not held-out."))  # fmt: skip
+    if held_out:
+        print(wrap(f"{', '.join(held_out)}: held-out games RL never plays, greedy (one episode a game)."))
+    if results:
+        print(wrap("n: the episodes behind a rate; [95% CI]: its Wilson interval (a change within the intervals "
+                   "may be chance)."))  # fmt: skip
     replay = summary.get("replay")
     if replay:
         print(f"replayed rows: {100 * replay['rows_fraction_mean']:.1f}% of each step's rows from replay's start "
               f"(max {100 * replay['rows_fraction_max']:.1f}%)")  # fmt: skip
         sizes = ", ".join(f"step {s}: {t:.0f}/{n:.0f}" for s, t, n in
                           zip(replay["steps"], replay["pool_tasks"], replay["pool_trajectories"]))  # fmt: skip
-        print(f"pool over the run (tasks/trajectories): {sizes}")
+        print(wrap(f"pool over the run (tasks/trajectories): {sizes}"))
     pool = summary["pool"]
     if pool:
-        print(f"pool: {pool.get('pool_tasks', 0):.0f} tasks, {pool.get('pool_trajectories', 0):.0f} trajectories, "
-              f"skip set {pool.get('skip_set', 0):.0f}")  # fmt: skip
+        tasks, skipped = pool.get("pool_tasks", 0), pool.get("skip_set", 0)
+        line = (f"pool at the end: {tasks:.0f} tasks, {pool.get('pool_trajectories', 0):.0f} trajectories; skip set "
+                f"{skipped:.0f} (tasks whose fresh rollouts all won at their last play: they leave the pool and are "
+                "not replayed")  # fmt: skip
+        # During training the only way out of the pool is the skip set (`ExperiencePool.record_outcome`; bad rows
+        # are removed at setup, before the logged steps): an empty pool that held tasks lost each of them that way.
+        emptied = not tasks and replay and max(replay.get("pool_tasks", [0])) > 0
+        print(wrap(line + ("; every task this pool held left it that way)" if emptied else ")")))
+    for note in summary.get("notes", []):
+        print(wrap(note))
     print(f"total time: {summary['minutes']:.1f} min; saved to {summary['output_dir']}")
-    print("=" * 76)
+    print(rule)

@@ -101,19 +101,44 @@ def test_recipe_end_to_end_with_tensorboard_and_hub_push(data_dir, tmp_path, mon
     summary = run_recipe(
         data_dir, out, "--report_to", "tensorboard", "--push_to_hub", "true", "--hub_model_id", "me/alfworld-tiny",
         "--push_pool_to_hub", "true", "--eval_sampled_episodes", "3", "--eval_temperature", "0.7",
+        "--rl_train_games", "2", "--eval_train_episodes", "3",
     )  # fmt: skip
     printed = capsys.readouterr().out
+    text = " ".join(printed.split())  # the summary's long lines are wrapped
 
-    # evaluation before and after, on both splits, greedy and sampled, in the summary table and the saved results
+    # evaluation before and after: first the train games RL plays (sampled), then both held-out splits, greedy and
+    # sampled, in the summary table and the saved results
+    own = "train: 2 RL games (sampled T=0.7 x3)"
     sampled = [f"{split} (sampled T=0.7 x3)" for split in ("valid_seen", "valid_unseen")]
-    assert set(summary["results"]) == {"valid_seen", "valid_unseen", *sampled}
+    assert list(summary["results"]) == [own, "valid_seen", sampled[0], "valid_unseen", sampled[1]]
     for rates in summary["results"].values():
         assert set(rates) == {"before", "after"} and all(0.0 <= r <= 1.0 for r in rates.values())
     assert "before RL" in printed and "after RL" in printed and "valid_unseen" in printed
-    for when in ("before", "after"):  # 2 games a split: 2 greedy episodes, 6 sampled ones
+    for when in ("before", "after"):  # 2 games a split: 2 greedy episodes, 6 sampled ones; 2 RL games: 6 sampled
         assert re.search(rf"{when} RL, valid_seen: \d/2 games won", printed)
         assert re.search(rf"{when} RL, valid_unseen \(sampled T=0.7 x3\): \d/6 episodes won", printed)
+        assert re.search(rf"{when} RL, train: 2 RL games \(sampled T=0.7 x3\): \d/6 episodes won", printed)
     assert json.loads((out / "alfworld_results.json").read_text())["results"] == summary["results"]
+
+    # RL played 2 of the 4 train games, and only them: the pool heard of no other task (every task RL plays lands
+    # in a bucket or the skip set; 2 steps of 2 groups over all 4 games would have played each of them)
+    games = summary["games"]
+    assert games == {
+        "train": 4, "warm_start": True, "rl": 2, "rl_steps": 2, "rl_task_ids": games["rl_task_ids"],
+        "train_evaluation": own, "held_out": ["valid_seen", "valid_unseen"],
+    }  # fmt: skip
+    from trl_exreplay.envs.alfworld import alfworld_tasks
+    from trl_exreplay.pool import ExperiencePool
+
+    all_games = set(alfworld_tasks(str(data_dir / "json_2.1.1" / "train"))["task_id"])
+    assert len(set(games["rl_task_ids"])) == 2 and set(games["rl_task_ids"]) < all_games
+    pool = ExperiencePool.load(str(out / "exreplay_pool"))
+    played = set(pool.skip_set) | {task for tasks in pool.buckets().values() for task in tasks}
+    assert played == set(games["rl_task_ids"])
+    # the table says what was trained on what, and what each row measures
+    assert "warm start on 4 train games, then RL (2 steps) on 2 of the 4 train games" in text
+    assert "train: the games RL trains on, sampled as RL plays them" in text
+    assert "valid_seen, valid_unseen: held-out games RL never plays, greedy" in text
     # each rate with its 95% binomial interval and the episodes behind it; replay's share and the pool over the run
     from trl_exreplay.evaluation import binomial_interval
 
@@ -129,14 +154,19 @@ def test_recipe_end_to_end_with_tensorboard_and_hub_push(data_dir, tmp_path, mon
     assert replay["steps"] == [1, 2] and len(replay["pool_tasks"]) == 2 == len(replay["pool_trajectories"])
     assert replay["pool_tasks"][-1] == summary["pool"]["pool_tasks"]
     assert 0.0 <= replay["rows_fraction_mean"] <= replay["rows_fraction_max"] <= 1.0
-    assert "replayed rows:" in printed and "pool over the run (tasks/trajectories): step 1:" in printed
+    assert "replayed rows:" in printed and "pool over the run (tasks/trajectories): step 1:" in text
+    end = summary["pool"]
+    assert (f"pool at the end: {end['pool_tasks']:.0f} tasks, {end['pool_trajectories']:.0f} trajectories; skip set "
+            f"{end['skip_set']:.0f} (tasks whose fresh rollouts all won at their last play") in text  # fmt: skip
+    # the tiny model's one sentence on held-out success, naming a config that exists
+    assert "Held-out success needs a model that generalises" in text
+    config = re.search(r"--config (\S+\.yaml)", text).group(1)
+    assert (REPOSITORY / config).is_file() and "qwen2.5-1.5b" in config
 
     # saved: model, tokenizer, pool
     for name in ("config.json", "model.safetensors", "tokenizer.json", "exreplay_pool/state.json"):
         assert (out / name).exists(), name
-    from trl_exreplay.pool import ExperiencePool
-
-    assert summary["pool"] == ExperiencePool.load(str(out / "exreplay_pool")).stats()  # the trained pool, saved
+    assert summary["pool"] == pool.stats()  # the trained pool, saved
 
     # tensorboard: the replay and environment metrics of every step
     logged = scalars(out)
@@ -260,6 +290,7 @@ def test_the_gpu_config_runs_a_hub_style_model_and_resumes_from_its_checkpoint(d
     printed = capsys.readouterr().out
     if importlib.util.find_spec("vllm") is None:
         assert "vllm is not installed: episodes are generated with transformers" in printed
+    assert summary["notes"] == [] and "Held-out success needs" not in printed  # the tiny model's note only
     assert summary["base_model"] == str(model) and set(summary["results"]) == {"valid_seen", "valid_unseen"}
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     for checkpoint in ("checkpoint-2", "checkpoint-3"):
@@ -295,7 +326,14 @@ def test_a_bad_resume_from_checkpoint_is_refused_before_any_work(tmp_path, value
 
 
 @pytest.mark.parametrize(
-    "option, value", [("--eval_sampled_episodes", "-1"), ("--eval_temperature", "0"), ("--eval_temperature", "-0.5")]
+    "option, value",
+    [
+        ("--eval_sampled_episodes", "-1"),
+        ("--eval_temperature", "0"),
+        ("--eval_temperature", "-0.5"),
+        ("--eval_train_episodes", "-1"),
+        ("--rl_train_games", "0"),
+    ],
 )
 def test_a_bad_sampled_evaluation_setting_is_refused(option, value):
     with pytest.raises(ValueError, match=f"{option[2:]}.*allowed values"):
@@ -337,6 +375,8 @@ def test_default_config_only_without_a_config_or_a_model():
     assert script_args.scenes == [309, 310, 311] and training_args.use_cpu and training_args.max_steps == 3
     assert script_args.target_objects == ["Book"] and script_args.task_types == ["pick_and_place_simple"]
     assert not script_args.verify_train_games  # the expert plays every train game anyway
+    # RL plays a few train games, and the summary measures them: where the tiny model's learning shows
+    assert script_args.rl_train_games < script_args.num_train_games and script_args.eval_train_episodes > 0
     model = ["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct", "--bf16", "false"]  # bf16: no GPU here
     script_args, training_args, model_args = recipe.parse_args(model)
     assert script_args.scenes is None and not training_args.use_cpu and training_args.max_steps == -1

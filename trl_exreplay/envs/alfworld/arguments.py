@@ -64,6 +64,12 @@ class AlfWorldArguments:
                           "are always verified; the warm start's expert plays every train game anyway)."},
     )  # fmt: skip
     train_split: str = field(default="train", metadata={"help": "Split whose games are the training tasks."})
+    rl_train_games: int | None = field(
+        default=None,
+        metadata={"help": "RL plays only this many of the train games, drawn by `seed` (the warm start still learns "
+                          "from all of them): a small model trained from scratch learns the games it plays often, "
+                          "not new ones. None: every train game."},
+    )  # fmt: skip
     eval_splits: list[str] = field(
         default_factory=lambda: ["valid_seen", "valid_unseen"],
         metadata={"help": "Splits evaluated before and after RL (greedy, one episode per game)."},
@@ -79,6 +85,12 @@ class AlfWorldArguments:
     eval_temperature: float | None = field(
         default=None, metadata={"help": "Sampling temperature of the sampled evaluation; None: `temperature`."}
     )
+    eval_train_episodes: int = field(
+        default=0,
+        metadata={"help": "Also evaluate the train games RL plays (at most max_eval_games of them), before and after "
+                          "RL: this many sampled episodes per game at eval_temperature, as RL plays them. Not "
+                          "held-out: it shows what RL did to its own games. 0: off."},
+    )  # fmt: skip
     show_admissible: bool = field(
         default=False, metadata={"help": "Append the admissible actions to every observation."}
     )
@@ -145,6 +157,12 @@ class AlfWorldArguments:
         if self.eval_sampled_episodes < 0:
             raise ValueError(f"Invalid value {self.eval_sampled_episodes} for `eval_sampled_episodes`: allowed "
                              "values are 0 (greedy only) or a positive number of episodes per game.")  # fmt: skip
+        if self.eval_train_episodes < 0:
+            raise ValueError(f"Invalid value {self.eval_train_episodes} for `eval_train_episodes`: allowed values "
+                             "are 0 (off) or a positive number of episodes per game.")  # fmt: skip
+        if self.rl_train_games is not None and self.rl_train_games < 1:
+            raise ValueError(f"Invalid value {self.rl_train_games} for `rl_train_games`: allowed values are None "
+                             "(every train game) or a positive number of games.")  # fmt: skip
         if self.eval_temperature is not None and not self.eval_temperature > 0:
             raise ValueError(f"Invalid value {self.eval_temperature} for `eval_temperature`: allowed values are "
                              "positive numbers, or None for the training `temperature`.")  # fmt: skip
