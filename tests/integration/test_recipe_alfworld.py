@@ -423,7 +423,9 @@ def test_recipe_lora_with_trackio_and_a_merged_upload(data_dir, tmp_path, monkey
 
 
 def launch(config: str, data_dir: Path, output_dir: Path) -> subprocess.CompletedProcess:
-    return accelerate_launch(config, RECIPE, *SMALL, "--data_dir", data_dir, "--output_dir", output_dir)
+    return accelerate_launch(
+        config, RECIPE, *SMALL, "--eval_train_episodes", "1", "--data_dir", data_dir, "--output_dir", output_dir
+    )
 
 
 @pytest.mark.slow
@@ -432,7 +434,11 @@ def test_recipe_under_each_cpu_accelerate_config(data_dir, tmp_path, config):
     out = tmp_path / config
     result = launch(f"recipes/accelerate/{config}.yaml", data_dir, out)
     summary = json.loads((out / "alfworld_results.json").read_text())
-    assert set(summary["results"]) == {"valid_seen", "valid_unseen"}
+    # the games RL plays (one sampled episode each, split between the ranks and gathered), then the held-out splits
+    own = summary["games"]["train_evaluation"]
+    assert list(summary["results"]) == [own, "valid_seen", "valid_unseen"]
+    assert own == f"train: {summary['games']['rl']} RL games (sampled T=0.5 x1)"
+    assert summary["intervals"][own]["episodes"] == summary["games"]["rl"]
     assert (out / "model.safetensors").exists() and (out / "exreplay_pool" / "state.json").exists()
     assert result.stdout.count("after RL, valid_seen") == 1  # printed by the main process only
 
