@@ -67,9 +67,12 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     train_tasks = tasks[script_args.train_split]
     # RL may play only a few of the train games: the warm start learns from all of them, and a model trained from
     # scratch then raises its success on games it plays often, not on new ones (docs/alfworld_tiny_default.md).
-    rl_tasks = train_tasks
-    if script_args.rl_train_games is not None and script_args.rl_train_games < len(train_tasks):
-        rl_tasks = train_tasks.shuffle(seed=training_args.seed).select(range(script_args.rl_train_games))
+    wanted = script_args.rl_train_games
+    rl_tasks = rl_games(train_tasks, wanted, training_args)
+    if wanted is not None and len(rl_tasks) > wanted:
+        log(f"rl_train_games {wanted} raised to {len(rl_tasks)}: a generation batch of {state.num_processes} "
+            f"process(es) draws {len(rl_tasks)} distinct games (per_device_train_batch_size x processes x "
+            "steps_per_generation / num_generations); with fewer it would draw none.")  # fmt: skip
     games = [f"{split} {len(t)}" for split, t in tasks.items()]
     if len(rl_tasks) < len(train_tasks):
         games[0] += f" (RL plays {len(rl_tasks)} of them)"
@@ -216,6 +219,18 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
             push(script_args, training_args, model_args, base_model, splits, results)
     state.wait_for_everyone()
     return summary
+
+
+def rl_games(train_tasks, wanted: int | None, training_args):
+    """The train games RL plays: all of them (`wanted` None), or `wanted` drawn by seed, but never fewer than the
+    distinct games one generation batch draws (TRL's sampler yields no batch from fewer, so RL would not run)."""
+    if wanted is None:
+        return train_tasks
+    needed = training_args.generation_batch_size // training_args.num_generations
+    count = min(max(wanted, needed), len(train_tasks))
+    if count == len(train_tasks):
+        return train_tasks
+    return train_tasks.shuffle(seed=training_args.seed).select(range(count))
 
 
 def push(script_args, training_args, model_args, base_model, splits, results) -> None:

@@ -369,6 +369,31 @@ def test_an_invalid_action_penalty_needs_a_success_threshold_every_win_reaches(t
         recipe.main(script_args, training_args, model_args)
 
 
+def test_rl_plays_at_least_the_games_one_generation_batch_draws():
+    """The default's 4 RL games fill a generation batch of one process (16 rows / 4 generations); two processes draw
+    8 distinct games a batch, and TRL's sampler yields no batch from 4, so RL would not run: it plays 8 there."""
+    from datasets import Dataset
+    from trl.trainer.grpo_trainer import RepeatSampler
+
+    recipe = load_recipe()
+    _, training_args, _ = recipe.parse_args([])
+    games = Dataset.from_dict({"task_id": [f"game-{i:03d}" for i in range(200)]})
+    G = training_args.num_generations
+
+    def batches(rows, generation_batch_size):
+        return len(RepeatSampler(rows, mini_repeat_count=G, batch_size=generation_batch_size // G, seed=0))
+
+    one = recipe.rl_games(games, 4, training_args)  # one process: the default, unchanged
+    assert one["task_id"] == games.shuffle(seed=training_args.seed).select(range(4))["task_id"]
+    assert batches(one, training_args.generation_batch_size) > 0
+    training_args.generation_batch_size *= 2  # two processes
+    assert batches(one, training_args.generation_batch_size) == 0  # the 4 games alone: no batch at all
+    two = recipe.rl_games(games, 4, training_args)
+    assert len(two) == 8 and two["task_id"][:4] == one["task_id"]  # the same draw, longer
+    assert batches(two, training_args.generation_batch_size) > 0
+    assert recipe.rl_games(games, None, training_args) is games and recipe.rl_games(games, 500, training_args) is games
+
+
 def test_default_config_only_without_a_config_or_a_model():
     recipe = load_recipe()
     script_args, training_args, _ = recipe.parse_args(["--max_steps", "3"])
