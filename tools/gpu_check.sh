@@ -16,7 +16,7 @@
 #   zero2       the same recipe under DeepSpeed ZeRO-2 on one GPU, a few steps, from the cached games and warm start
 #   throughput  benchmarks/alfworld_env_throughput.py with 16 workers
 #   replay      tools/gpu_evidence.sh: replay against GRPO with a model larger than the CPU allows (one process per
-#               run, 620 s), started with the test passes (its tuning runs beside them, its report after):
+#               run, 570 s), started with the test passes (its tuning runs beside them, its report after):
 #               GPU_CHECK_STAGES="tests bf16 replay" TEST_WORKERS=6 BF16_WORKERS=2, timeout_s 600
 # Logs land in $OUT (at most 8 files come back; replay adds evidence.log and evidence.tgz); the last lines printed are a
 # table of each stage's exit status.
@@ -62,7 +62,7 @@ PYTEST=(python3 -m pytest -q -p no:cacheprovider -rfE --timeout 100 -k "not two_
 stage tests 170 env EXREPLAY_TEST_DEVICE=cuda "${PYTEST[@]}" -n "${TEST_WORKERS:-8}" "${TESTS[@]}" &
 stage bf16 170 env EXREPLAY_TEST_DEVICE=cuda EXREPLAY_TEST_BF16=1 "${PYTEST[@]}" -n "${BF16_WORKERS:-4}" \
     tests/integration/test_trainer.py tests/integration/test_multiturn.py &
-stage replay 620 bash tools/gpu_evidence.sh &
+stage replay 570 bash tools/gpu_evidence.sh &
 wait
 
 # The tiny config on a GPU, bf16, evaluated greedily on 20 valid_seen games before and after RL. RECIPE_MODEL sets
