@@ -16,7 +16,8 @@ environment episodes), not steps.
 trains `GRPOTrainer` on the same run and records whether every logged loss and every point of its curve is identical
 to `grpo`'s (the drop-in claim, measured; `--no-trl-check` skips it).
 
-`DIR/results.json` (merged across calls: a run is keyed by testbed, method and seed, and a later call replaces it):
+`DIR/results.json` (merged across calls: a run is keyed by testbed, method and seed, and a later call replaces it; a
+call whose testbed settings differ from those of the runs already there is refused):
 
     {
       "schema": 1,
@@ -400,6 +401,22 @@ def testbed_entry(results: dict, testbed) -> dict:
     return entry
 
 
+def check_same_settings(out: Path, testbed) -> None:
+    """Refuse, before any training, a call whose testbed settings (training fields, model) differ from those of the
+    runs already in `out/results.json`: one entry records one set of settings for all its runs."""
+    entry = load_results(out)["testbeds"].get(testbed.name)
+    if entry is None or not any(m.get("runs") for m in entry["methods"].values()):
+        return
+    ours = json.loads(json.dumps({"training": {**testbed.training, **testbed.trainer_kwargs()},
+                                  "model": testbed.model_kwargs}))  # fmt: skip
+    for key, value in ours.items():
+        if key in entry and entry[key] != value:
+            raise ValueError(
+                f"{out / 'results.json'} holds {testbed.name} runs with {key} {entry[key]}, and this call's is {value}: "
+                "give it another --out (one results file, one set of settings per testbed)."
+            )
+
+
 def record_run(out: Path, testbed, method: str, seed: int, run: dict) -> dict:
     def change(results):
         method_entry = testbed_entry(results, testbed)["methods"].setdefault(method, {"runs": {}})
@@ -763,6 +780,7 @@ def main(argv=None) -> dict:
     if options.max_steps is not None:
         testbed.training = {**testbed.training, "max_steps": options.max_steps}
         testbed.eval_every = min(testbed.eval_every, options.max_steps)
+    check_same_settings(options.out, testbed)
     results = None
     try:
         for seed in options.seeds:

@@ -55,12 +55,17 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     table = capsys.readouterr().out
     assert "| grpo | " in table and "| exreplay | " in table and "identical to `grpo`: **True**" in table
 
-    # A second call on another seed merges into the same file (here with a narrower model, recorded as the entry's);
-    # --report rebuilds tables and plots from it alone.
+    # A call with another model or other training fields is refused before it trains: one entry, one set of settings.
     assert entry["model"] == {"hidden_size": 64, "num_layers": 2, "num_heads": 4}
-    harness.main([*argv[:3], "grpo", "--seeds", "4", *argv[6:], "--no-trl-check", "--model", "hidden_size=32"])
+    for other in (["--model", "hidden_size=32"], ["--set", "learning_rate=0.1"]):
+        with pytest.raises(
+            ValueError, match="results.json holds single-turn runs with (model|training) .* another --out"
+        ):
+            harness.main([*argv[:3], "grpo", "--seeds", "4", *argv[6:], "--no-trl-check", *other])
+    assert len(generated) == 12  # nothing trained
+    # A second call on another seed merges into the same file; --report rebuilds tables and plots from it alone.
+    harness.main([*argv[:3], "grpo", "--seeds", "4", *argv[6:], "--no-trl-check"])
     results = harness.load_results(out)
-    assert results["testbeds"]["single-turn"]["model"] == {"hidden_size": 32, "num_layers": 2, "num_heads": 4}
     assert sorted(results["testbeds"]["single-turn"]["methods"]["grpo"]["runs"]) == ["3", "4"]
     assert sorted(results["testbeds"]["single-turn"]["methods"]["exreplay"]["runs"]) == ["3"]
     (out / "single-turn.png").unlink()
