@@ -188,8 +188,9 @@ def test_recipe_end_to_end_with_tensorboard_and_hub_push(data_dir, tmp_path, mon
     for text in ("trl", "grpo", "exreplay", "alfworld", alfworld_version(), "2510.02245", "2511.10395",
                  "2010.03768", "2402.03300", "replay_ratio", "valid_seen", "valid_unseen"):  # fmt: skip
         assert text in card, text
-    for split, rates in summary["results"].items():  # the results table's row of each split
-        assert f"| {split} | {100 * rates['before']:.1f}% | {100 * rates['after']:.1f}% |" in card
+    for split, rates in summary["results"].items():  # the results table's row of each split, RL's games marked
+        label = f"{split}, not held-out" if split == own else split
+        assert f"| {label} | {100 * rates['before']:.1f}% | {100 * rates['after']:.1f}% |" in card
     assert pool_commit["repo_type"] == "dataset"
     expected = {str(p.relative_to(out / "exreplay_pool")) for p in (out / "exreplay_pool").rglob("*") if p.is_file()}
     assert set(pool_commit["files"]) == expected | {"README.md"}
