@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Replay against GRPO with a from-scratch model larger than the CPU allows, on one GPU: the `evidence` stage of
+# Replay against GRPO with a from-scratch model larger than the CPU allows, on one GPU: the `replay` stage of
 # tools/gpu_check.sh (../shared/GPU.md, check 2). One process per (method, seed), all at once on the one card.
 # Its limits (TUNE_LIMIT + REPORT_LIMIT, 550 s) fit the replay stage's 570 s and, with the install, the device's
 # 600 s a call.
