@@ -923,8 +923,7 @@ class ShardLog:
             if (info.st_dev, info.st_ino) == shard._inode:
                 shard.owned = dest
                 shard.paths.insert(0, dest)
-                shard.layout(self.read_columns)
-                shard.unmap()
+                shard.unmap()  # reads go through the layout the load prepared (`persistence.load_index`)
             else:
                 os.remove(dest)
 
