@@ -610,18 +610,6 @@ def mapped_pss_mb(folder: str) -> float:
     return total / 1024
 
 
-def distinct_files(folder: str | None) -> list[list[int]]:
-    """(device, inode, size) of each file under `folder`: files shared by hard links count once across ranks."""
-    if folder is None or not os.path.isdir(folder):
-        return []
-    out = []
-    for root, _, names in os.walk(folder):
-        for name in names:
-            info = os.stat(os.path.join(root, name))
-            out.append([info.st_dev, info.st_ino, info.st_size])
-    return out
-
-
 def files_under(folder: str | None) -> tuple[int, int]:
     """Files and bytes under `folder`."""
     if folder is None or not os.path.isdir(folder):
@@ -631,14 +619,12 @@ def files_under(folder: str | None) -> tuple[int, int]:
 
 
 def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: int) -> dict:
-    """One rank of `--ranks`: the pool as the trainer keeps it on every rank (the same outcomes recorded in the same
-    order, its shards under the run's shared work folder), one step's add and replay read, and a checkpoint save by
-    rank 0 only (`should_save`); bytes written, files, mapped memory and times of this rank. `POOL_SCALE_SHARING`:
-    "none" (every rank writes its shard files: before issue 27), "machine" (rank 0 writes them, the others link
-    them, as `ExReplayGRPOTrainer` sets it up with `replay_scratch_sharing="machine"`) or "broadcast" (the plain
-    design, emulated: only rank 0 stores trajectories; the others keep the index alone, their pool's trajectory log
-    replaced by a stub that hands out keys and stores nothing, and receive the rows rank 0 reads for a step with
-    `broadcast_object_list`)."""
+    """One rank of `--ranks`: the pool as the trainer keeps it (the same outcomes recorded in the same order on every
+    rank, under the run's work folder), one step's add and replay read, and a checkpoint save by rank 0 only
+    (`should_save`); bytes written, files, mapped memory and times of this rank. `POOL_SCALE_SHARING`: "broadcast"
+    (as `ExReplayGRPOTrainer`: rank 0 alone holds the rows, the other ranks its index, made with
+    `ExperiencePool.from_index_snapshot`, and they receive the rows rank 0 reads for a step with
+    `broadcast_object_list`) or "none" (every rank holds and writes the whole pool: one copy per rank)."""
     import torch.distributed as dist
 
     from trl_exreplay.pool import ExperiencePool, Trajectory
@@ -650,19 +636,13 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
     rng = np.random.default_rng(1)  # the same draws on every rank: the pools are rank-identical, as in training
     work = os.path.join(folder, "work")
     pool = ExperiencePool(max_trajectories_per_task=PER_TASK, experience_rbound=8, work_dir=work)
-    mode = os.environ.get("POOL_SCALE_SHARING", "none")
-    sharing = mode == "machine"
-    if mode == "broadcast" and rank != 0:  # the index alone: keys handed out, no row stored or written
-        import itertools
-
-        keys = itertools.count()
-        log = pool._trajectories
-        log.append, log.delete = lambda item, size=1: next(keys), lambda key: None
-        log.flush, log.stats = lambda seal=False, wait=False: None, lambda: {}
-    if sharing:
-        folders = [None] * dist.get_world_size()
-        dist.all_gather_object(folders, pool.scratch_folder())
-        pool.share_storage(None if rank == 0 else folders[0])
+    broadcast = os.environ.get("POOL_SCALE_SHARING", "none") == "broadcast"
+    if broadcast:  # as the trainer takes a pool: rank 0's index sent to the others
+        snapshot = [pool.index_snapshot() if rank == 0 else None]
+        dist.broadcast_object_list(snapshot, src=0)
+        if rank != 0:
+            pool.close()
+            pool = ExperiencePool.from_index_snapshot(snapshot[0])
     dist.barrier()
     io_start = io_bytes()
     start = time.perf_counter()
@@ -679,7 +659,7 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
     pool.flush(wait=True)
     add_ms = (time.perf_counter() - start) * 1e3
     dist.barrier()
-    if mode == "broadcast":  # rank 0 reads the step's rows and sends them; the others receive them
+    if broadcast:  # rank 0 reads the step's rows and sends them; the others receive them
 
         def read(step):
             rows = [replay_read(pool, step) if rank == 0 else None]
@@ -695,11 +675,9 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
         start = time.perf_counter()
         pool.save(os.path.join(folder, "checkpoint", "exreplay_pool"))
         save_ms = (time.perf_counter() - start) * 1e3
-    elif sharing:  # as the trainer: the ranks that do not save seal their open shard too, to keep their files alike
-        pool.flush(wait=True)
     dist.barrier()
     io_end = io_bytes()
-    scratch = pool.scratch_folder()  # this rank's live shards
+    scratch = pool.scratch_folder()  # this rank's live shards (None: it holds none)
     files, disk = files_under(scratch)
     out = {
         "rank": rank,
@@ -710,14 +688,9 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
         "wchar_mb": (io_end["wchar"] - io_start["wchar"]) / 1e6,
         "write_bytes_mb": (io_end["write_bytes"] - io_start["write_bytes"]) / 1e6,
         "scratch_files": files,
-        "scratch_distinct": distinct_files(scratch),
         "scratch_mb": disk / 1e6,
         "mapped_pss_mb": mapped_pss_mb(folder),
-        "pool_hash": pool.content_hash() if mode != "broadcast" else pool.index.to_state()[0],
-        "shard_files_written": pool.storage_stats().get("shard_files_written", 0)
-        if mode != "broadcast" or rank == 0
-        else 0,
-        "shard_files_linked": pool.storage_stats().get("shard_files_linked", 0),
+        "pool_hash": pool.index_hash(),
     }
     dist.barrier()
     pool.close()
@@ -744,39 +717,30 @@ def run_ranks(world: int, size: int, folder: str, args, sharing: str) -> list[di
             raise RuntimeError(f"rank {rank} of {world} failed:\n{stderr[-4000:]}")
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     print(f"  ranks {world}, sharing {sharing}: {time.perf_counter() - start:7.1f} s", flush=True)
-    hashes = [json.dumps(r["pool_hash"], sort_keys=True) for r in results]
-    assert len(set(hashes)) == 1, "the ranks' pools differ"
+    assert len({r["pool_hash"] for r in results}) == 1, "the ranks' pool indexes differ"
     return results
 
 
-def on_disk(ranks: list[dict]) -> float:
-    """MB of the ranks' live shard files, each file once (a hard link shares the disk and the page cache)."""
-    return sum({(d, i): size for r in ranks for d, i, size in r["scratch_distinct"]}.values()) / 1e6
-
-
 def ranks_table(by_world: dict, size: int) -> str:
-    """Per number of ranks, before (every rank writes its files) and after (one writer, the others link): sums over
-    the ranks (bytes, files, mapped memory), the slowest rank's times, and the ratio of the bytes to 1 rank's."""
+    """Per number of ranks, every rank holding the pool ("none") and rank 0 alone ("broadcast", the trainer's): sums
+    over the ranks (bytes, files, mapped memory), the slowest rank's times, and the ratio of the bytes to 1 rank's."""
     lines = [
         f"{size:,} trajectories, every rank's pool under one work folder (the trainer's `_exreplay_pool_work`), "
         "checkpoint saved by rank 0. MB written: handed to write calls (`wchar`, sockets included: `broadcast` sends its rows "
-        "that way), all ranks. MB on disk: the ranks' live shard files, a file linked by several ranks once (it is one "
-        "copy on disk and in the page cache). Files: shard files "
-        "written / linked, all ranks. PSS: the ranks' mappings of pool files, summed (rows are read with `pread`, "
-        "so nothing stays mapped). Times: the slowest rank.",
+        "that way), all ranks. MB on disk: the ranks' live shard files (one copy in the page cache each). Files: shard "
+        "files, all ranks. PSS: the ranks' mappings of pool files, summed (rows are read with `pread`, so nothing stays "
+        "mapped). Times: the slowest rank.",
         "",
-        "| ranks | sharing | MB written | vs 1 rank | MB on disk (distinct files) | files written / linked | PSS MB "
-        "| add 512 | read 64 | save (rank 0) |",
+        "| ranks | sharing | MB written | vs 1 rank | MB on disk | files | PSS MB | add 512 | read 64 | save (rank 0) |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for world, modes in sorted(by_world.items()):
         for sharing, ranks in modes.items():
             one = sum(r["wchar_mb"] for r in by_world[min(by_world)][sharing])
             written = sum(r["wchar_mb"] for r in ranks)
-            files = f"{sum(r['shard_files_written'] for r in ranks)} / {sum(r['shard_files_linked'] for r in ranks)}"
             lines.append(
-                f"| {world} | {sharing} | {written:,.0f} | {written / one:.2f}x | {on_disk(ranks):,.0f} | {files} | "
-                f"{sum(r['mapped_pss_mb'] for r in ranks):.1f} | "
+                f"| {world} | {sharing} | {written:,.0f} | {written / one:.2f}x | {sum(r['scratch_mb'] for r in ranks):,.0f} | "
+                f"{sum(r['scratch_files'] for r in ranks)} | {sum(r['mapped_pss_mb'] for r in ranks):.1f} | "
                 f"{fmt_ms(max(r['add_ms'] for r in ranks))} | {fmt_ms(max(r['sample_ms'] for r in ranks))} | "
                 f"{fmt_ms(ranks[0]['save_ms'])} |"
             )
@@ -965,7 +929,7 @@ def main_ranks(args, size: int, worlds: list[int]) -> None:
     try:
         for world in worlds:
             by_world[world] = {}
-            for sharing in ("none", "machine", "broadcast"):
+            for sharing in ("none", "broadcast"):
                 folder = os.path.join(root, f"ranks-{world}-{sharing}")
                 os.makedirs(folder)
                 by_world[world][sharing] = run_ranks(world, size, folder, args, sharing)

@@ -61,7 +61,7 @@ GROUPS = (
     ("The pool: what is stored and kept", ("replay_success_threshold", "replay_store_lbound", "replay_store_rbound",
                                            "replay_max_trajectories_per_task", "replay_store_mode",
                                            "replay_max_policy_age", "replay_window", "replay_resume_without_pool",
-                                           "replay_scratch_dir", "replay_scratch_sharing")),
+                                           "replay_scratch_dir")),
     ("Selection: which stored trajectory", ("replay_select_mode", "replay_select_by_current_entropy")),
     ("The loss", ("replay_importance_sampling", "replay_clip_high", "replay_dual_clip_c", "replay_shaping",
                   "replay_shaping_beta", "replay_unclipped_fresh")),

@@ -262,22 +262,11 @@ class ExReplayGRPOConfig(GRPOConfig):
     replay_scratch_dir: str | None = field(
         default=None,
         metadata={
-            "help": "Folder where the live pool writes its shards (each process in a subfolder of its own, removed at "
-            "the end; one a killed run left is removed by the next run that uses the folder). None: "
+            "help": "Folder where the live pool writes its shards (rank 0 alone holds them, in a subfolder of its own "
+            "removed at the end; one a killed run left is removed by the next run that uses the folder). None: "
             "`output_dir/_exreplay_pool_work`. Point it at a local disk of each machine when `output_dir` is on a "
             "network filesystem; checkpoint saves hard-link the shards when both folders are on one filesystem and "
             "copy them otherwise."
-        },
-    )
-    replay_scratch_sharing: str = field(
-        default="machine",
-        metadata={
-            "help": "Which processes write the live pool's shard files, identical on every rank: 'machine' (one per "
-            "machine, its local main process; the others hard-link its files: one copy per machine on disk and in "
-            "the page cache), 'all' (rank 0 alone, when `replay_scratch_dir` is one filesystem that every machine "
-            "sees) or 'none' (every rank writes its own copy). A file that cannot be shared (not visible from this "
-            "machine, another filesystem) is written by the rank that needs it: a wrong setting costs writes, never "
-            "data."
         },
     )
     system_prompt_column: str = field(
@@ -416,7 +405,6 @@ def profile_values(profile: str | None, values: dict[str, Any]) -> dict[str, Any
             for name, design in PROFILE_FIELDS.items()}  # fmt: skip
 
 
-SCRATCH_SHARING = ("machine", "all", "none")
 REPLAY_STARTS = ("steps", "solved")
 EXPERIENCE_PROVIDERS = ("offline", "reme")
 
@@ -466,8 +454,6 @@ def validate_replay_options(options: dict[str, Any], num_generations: int | None
     scratch = o.get("replay_scratch_dir")
     _check(scratch is None or (isinstance(scratch, str) and scratch.strip() != ""), "replay_scratch_dir", scratch,
            "None or a folder's path")  # fmt: skip
-    sharing = o.get("replay_scratch_sharing", "machine")
-    _check(sharing in SCRATCH_SHARING, "replay_scratch_sharing", sharing, ", ".join(map(repr, SCRATCH_SHARING)))
     for name in ("replay_ratio", "replay_start_ratio"):
         value = o[name]
         _check(

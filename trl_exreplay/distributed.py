@@ -32,6 +32,10 @@ import gc
 import os
 import sys
 import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
 
@@ -87,6 +91,28 @@ def _finish_and_exit(status: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- the trainer's collectives
 # Every rank must make each of these calls, as often as the others: they are how ranks that hold different rows agree.
+
+
+def from_main_process(accelerator, read: Callable[[], T]) -> T:
+    """`read()` on the main process (rank 0), its result sent to every rank. An error there is raised on every rank
+    (on the others as a `RuntimeError` naming it), so that no rank waits for a result that will not come. Collective."""
+    if accelerator.num_processes == 1:
+        return read()
+    from accelerate.utils import broadcast_object_list
+
+    result, failure = None, None
+    if accelerator.is_main_process:
+        try:
+            result = read()
+        except Exception as error:  # noqa: BLE001 - raised again below, after the other ranks are told
+            failure = error
+    message = None if failure is None else f"{type(failure).__name__}: {failure}"
+    result, message = broadcast_object_list([result, message], from_process=0)
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise RuntimeError(f"trl_exreplay: the main process failed ({message}).")
+    return result
 
 
 def any_rank_active(accelerator, active: bool) -> bool:

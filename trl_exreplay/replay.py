@@ -12,6 +12,7 @@ collective must be called by every rank at the same point of the step (they gath
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -21,7 +22,7 @@ from collections.abc import Callable
 import torch
 from accelerate.utils import gather_object
 
-from .distributed import gather_row_flags
+from .distributed import from_main_process, gather_row_flags
 from .metrics import FaultCounts, log_generation
 from .outcomes import PendingOutcomes, task_outcomes, trajectory_records
 from .planner import ReplayPlan, plan_replay, replay_groups_due
@@ -142,20 +143,40 @@ class ReplayController:
         reads_pool = self.enabled or self.options["guidance_init_from_pool"]
         self._tokenizer_fingerprint = tokenizer_fingerprint(processing_class) if reads_pool else None
         self._vocab_size = _vocab_size(model)
-        self.pool = ExperiencePool(**self._pool_settings, work_dir=self._pool_work_dir())
-        if self._vocab_size is not None:
-            self.pool.set_vocab_size(self._vocab_size)
-        if self._tokenizer_fingerprint is not None:
-            self.pool.bind_tokenizer(self._tokenizer_fingerprint)
-        if experience_pool is not None:
-            self._adopt_pool(experience_pool, "the given experience_pool")
-        else:
-            self._share_pool_storage()
+
+        def make() -> ExperiencePool:
+            if experience_pool is not None:
+                return self._adopt_pool(experience_pool, "the given experience_pool")
+            pool = ExperiencePool(**self._pool_settings, work_dir=self._pool_work_dir())
+            if self._vocab_size is not None:
+                pool.set_vocab_size(self._vocab_size)
+            if self._tokenizer_fingerprint is not None:
+                pool.bind_tokenizer(self._tokenizer_fingerprint)
+            return pool
+
+        self._take_pool(make)
+
+    def _take_pool(self, make: Callable[[], ExperiencePool]) -> None:
+        """Rank 0 takes the pool `make()` returns and alone holds its rows, which it reads for every rank
+        (`_on_main`); the other ranks hold its index (`ExperiencePool.from_index_snapshot`), so that their plans and
+        pools' decisions stay the same as rank 0's. One copy of the pool's files per run. Collective."""
+
+        def take() -> dict | None:
+            self.pool = make()
+            return self.pool.index_snapshot() if self._accelerator.num_processes > 1 else None
+
+        snapshot = self._on_main(take)
+        if not self._accelerator.is_main_process:
+            self.pool = ExperiencePool.from_index_snapshot(snapshot)
+
+    def _on_main(self, read: Callable):
+        """`read()` on rank 0, its result sent to every rank. Collective."""
+        return from_main_process(self._accelerator, read)
 
     def _pool_work_dir(self) -> str:
         return self.options["replay_scratch_dir"] or os.path.join(self._args.output_dir, POOL_WORK_DIR)
 
-    def _adopt_pool(self, pool: ExperiencePool, source: str) -> None:
+    def _adopt_pool(self, pool: ExperiencePool, source: str) -> ExperiencePool:
         """Use `pool` under this run's configuration (the config wins over the settings the pool was saved with).
 
         A pool recorded with another tokenizer is refused: its token ids would mean other tokens here; so is one holding
@@ -176,39 +197,27 @@ class ReplayController:
             # The pool's own settings keep the design documents' names; the run sets them under the config's names.
             fields = [_POOL_SETTING_FIELDS.get(name, name) for name in changed]
             logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, fields)
-        self.pool = pool
-        self._share_pool_storage()
-
-    def _share_pool_storage(self) -> None:
-        """One writer of the pool's shard files per machine (or in all, or none: `replay_scratch_sharing`); the other
-        ranks link its files. Collective: every rank calls it when it takes a pool."""
-        sharing = self.options["replay_scratch_sharing"]
-        self._pool_shared = self.enabled and self._accelerator.num_processes > 1 and sharing != "none"
-        if not self._pool_shared:
-            return
-        state = self._accelerator.state
-        folders = gather_object([self.pool.scratch_folder()])  # by rank
-        # torchrun numbers a machine's ranks consecutively: its local main is this rank less its local index
-        writer = 0 if sharing == "all" else state.process_index - state.local_process_index
-        self.pool.share_storage(None if writer == state.process_index else folders[writer])
+        return pool
 
     def save(self, output_dir: str, should_save: bool) -> None:
         """Save the pool (and ExGRPO's start step) in `output_dir`. Call on every rank, the saving one with
         `should_save`."""
         if should_save:
-            self.pool.save(os.path.join(output_dir, POOL_DIR))
+            if self.pool.holds_rows:  # rank 0: with `save_on_each_node`, another machine's checkpoint has no pool
+                self.pool.save(os.path.join(output_dir, POOL_DIR))
             if self.schedule != ReplaySchedule():
                 self.schedule.save(output_dir)
-        elif self._pool_shared:
-            # A save seals the open shard; the ranks that do not save seal theirs too, so that their shard files
-            # stay the saving rank's, byte for byte, and can be linked rather than written (`share_storage`).
-            self.pool.flush(wait=True)
 
     def resume(self, checkpoint: str) -> None:
         """Take the pool saved in `checkpoint` (or, where there is none, say loudly that the run resumes empty) and
-        ExGRPO's start step."""
+        ExGRPO's start step. Collective: rank 0 loads the pool (`_take_pool`)."""
         self.schedule = ReplaySchedule.load(checkpoint)  # the step replay started at, if it did
-        if not os.path.lexists(os.path.join(checkpoint, POOL_DIR)):
+        path = os.path.join(checkpoint, POOL_DIR)
+
+        def load() -> ExperiencePool:
+            if os.path.lexists(path):
+                pool = ExperiencePool.load(path, vocab_size=self._vocab_size, work_dir=self._pool_work_dir())
+                return self._adopt_pool(pool, checkpoint)
             if not self.options["replay_resume_without_pool"]:
                 message = (
                     f"trl_exreplay: the checkpoint {checkpoint} holds no experience pool ({POOL_DIR}/): training "
@@ -216,12 +225,10 @@ class ReplayController:
                     "stop and restore it; to start empty on purpose, set replay_resume_without_pool=True."
                 )
                 logger.warning(message)
-                warnings.warn(message, stacklevel=3)
-            return
-        pool = ExperiencePool.load(
-            os.path.join(checkpoint, POOL_DIR), vocab_size=self._vocab_size, work_dir=self._pool_work_dir()
-        )
-        self._adopt_pool(pool, checkpoint)
+                warnings.warn(message, stacklevel=4)
+            return self.pool
+
+        self._take_pool(load)
         self.pending = None
 
     # ------------------------------------------------------------------------------------------- the plan
@@ -269,11 +276,20 @@ class ReplayController:
                 seed=draw_seed,
             )
         selected = select_trajectories(
-            self.pool, plan, self.options, global_step, draw_seed, self._accelerator, self._policy_forward
+            self.pool,
+            plan,
+            self.options,
+            global_step,
+            draw_seed,
+            self._accelerator,
+            self._policy_forward,
+            self._on_main,
         )
         swapped, replayed_local = plan.rank_rows(offset, local_rows, group_keys, selected)
         # The dataset rows as they are (stored with trajectories): a replayed group's task row from the pool.
-        task_rows = [self.pool.task_row(swapped[i]) if i in swapped else row for i, row in enumerate(inputs)]
+        replayed = sorted(set(plan.replay_groups.values()))
+        stored = self._on_main(lambda: {t: self.pool.task_row(t) for t in replayed}) if replayed else {}
+        task_rows = [copy.deepcopy(stored[swapped[i]]) if i in swapped else row for i, row in enumerate(inputs)]
         return GenerationStep(
             rows=task_rows,
             plan=plan,

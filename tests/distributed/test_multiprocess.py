@@ -19,9 +19,12 @@ def launch(config: str, out_dir: Path, *script_args: str) -> list[dict]:
 
 
 def check_rank_identical(ranks: list[dict]) -> None:
+    """The same plans, losses and pool index on both ranks; rank 0 alone holds the pool's rows."""
     rank0, rank1 = ranks
     assert rank0["world_size"] == rank1["world_size"] == 2
-    assert rank0["pool_hash"] == rank1["pool_hash"]
+    assert rank0["pool_hash"] == rank1["pool_hash"]  # the index: what is stored, evicted and replayable
+    assert rank0["pool_content_hash"] is not None and rank1["pool_content_hash"] is None
+    assert rank1["pool_scratch"] is None and rank1["pool_storage"] == {}
     assert rank0["pool_trajectories"] > 0
     assert rank0["plans"] == rank1["plans"]
     assert rank0["losses"] == rank1["losses"]
@@ -45,15 +48,12 @@ def test_ddp_two_processes_rank_identical_pools(tmp_path):
     check_rank_identical_replay(launch("recipes/accelerate/ddp_cpu.yaml", tmp_path))
 
 
-def test_the_ranks_of_a_machine_share_one_copy_of_the_pools_files(tmp_path):
-    """Shards of 2 rows, so that files are made while training: rank 0 (the machine's writer) writes them, rank 1
-    links rank 0's files (the same bytes: the same pool) and writes almost none; replay is unchanged."""
+def test_rank_0_alone_holds_the_pools_files(tmp_path):
+    """Shards of 2 rows, so that files are made while training: rank 0 writes them into its scratch folder (removed at
+    the end); rank 1 holds the index alone and no file; replay is unchanged."""
     ranks = launch("recipes/accelerate/ddp_cpu.yaml", tmp_path, "small-shards")
-    check_rank_identical_replay(ranks)
-    writer, follower = ranks[0]["shard_files"], ranks[1]["shard_files"]
-    assert writer["shard_files_linked"] == 0 and writer["shard_files_written"] > 10
-    assert follower["shard_files_linked"] >= 0.8 * writer["shard_files_written"]
-    assert follower["shard_files_written"] + follower["shard_files_linked"] == writer["shard_files_written"]
+    check_rank_identical_replay(ranks)  # rank 1: no scratch folder, no shard
+    assert ranks[0]["pool_storage"]["trajectory_shards"] > 0 and not Path(ranks[0]["pool_scratch"]).exists()
 
 
 def check_guided_allocations(ranks: list[dict]) -> None:
@@ -99,6 +99,7 @@ def test_ddp_a_long_run_share_of_replay_is_rank_identical_and_resumes_exactly(tm
         assert resumed[rank]["plans"] == whole[rank]["plans"][1:]
         assert resumed[rank]["losses"] == whole[rank]["losses"]
         assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
+        assert resumed[rank]["pool_content_hash"] == whole[rank]["pool_content_hash"]  # rank 0's rows
 
 
 @pytest.mark.slow
@@ -123,6 +124,7 @@ def test_the_exgrpo_profile_is_rank_identical_and_resumes_exactly(tmp_path, conf
         assert resumed[rank]["plans"] == after
         assert resumed[rank]["losses"] == whole[rank]["losses"]
         assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
+        assert resumed[rank]["pool_content_hash"] == whole[rank]["pool_content_hash"]  # rank 0's rows
         assert resumed[rank]["schedule"] == whole[rank]["schedule"]
         assert resumed[rank]["skip_set"] == whole[rank]["skip_set"]
         assert resumed[rank]["redirected_groups"][-6:] == whole[rank]["redirected_groups"][-6:]
@@ -152,6 +154,7 @@ def test_deepspeed_resume_continues_the_run_exactly(tmp_path, config):
         assert resumed[rank]["plan_steps"] == [3, 4, 5] and resumed[rank]["plans"] == after  # steps 4-6
         assert resumed[rank]["losses"] == whole[rank]["losses"]  # 1-3 from the checkpoint's log, 4-6 trained again
         assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
+        assert resumed[rank]["pool_content_hash"] == whole[rank]["pool_content_hash"]  # rank 0's rows
     assert whole[0]["replay_tasks"][3:] == [3.0] * 3  # the resumed steps replay
 
     no_rng = tmp_path / "no_rng" / "checkpoint-3"
@@ -167,7 +170,7 @@ def test_multi_turn_lockstep_with_a_rank_that_plays_no_episode(tmp_path, config)
     plays two multi-turn episodes. Under ZeRO-3 (parameters really partitioned) a collective mismatch would hang: the
     launch is bounded and fails instead."""
     rank0, rank1 = launch(f"recipes/accelerate/{config}.yaml", tmp_path, "multi-turn")
-    assert rank0["pool_hash"] == rank1["pool_hash"]
+    assert rank0["pool_hash"] == rank1["pool_hash"] and rank1["pool_content_hash"] is None
     assert rank0["plans"] == rank1["plans"] and rank0["losses"] == rank1["losses"]
     replay_steps = [i for i, tasks in enumerate(rank0["replay_tasks"]) if tasks > 0]
     assert len(replay_steps) >= 2
@@ -182,7 +185,7 @@ def test_multi_turn_lockstep_with_a_rank_that_plays_no_episode(tmp_path, config)
 @pytest.mark.slow
 def test_two_machines_on_loopback_train_checkpoint_and_resume_rank_identically(tmp_path):
     """Two machines simulated here (`--num_machines 2`, one rank each, meeting on a loopback port) that share the
-    output folder (a network filesystem) and write their live pools to a local folder each (`replay_scratch_dir`): the
+    output folder (a network filesystem), with a local scratch folder each (`replay_scratch_dir`): the
     same replay as on one machine, identical pools, plans and losses on both; the checkpoints hold the pool, and
     resuming both from step 3 continues the run exactly."""
     config = "recipes/accelerate/multinode_ddp_cpu.yaml"
@@ -196,13 +199,11 @@ def test_two_machines_on_loopback_train_checkpoint_and_resume_rank_identically(t
 
     whole = run("whole")
     check_rank_identical_replay(whole)
-    # Each machine wrote one copy of the pool's files (each rank is its machine's writer: nothing linked across
-    # machines), to its own disk, and removed it at the end (the folder too, which the pool had made).
-    files = [rank["shard_files"] for rank in whole]
-    assert files[0] == files[1] and files[0]["shard_files_written"] > 10 and files[0]["shard_files_linked"] == 0
-    for rank in range(2):
-        assert Path(whole[rank]["pool_scratch"]).parent == scratch[rank]
-        assert not scratch[rank].exists()
+    # Rank 0 (machine 0) wrote the pool's files, to its own disk, and removed them at the end (the folder too, which
+    # the pool had made); machine 1 holds the index alone and made no folder.
+    assert whole[0]["pool_storage"]["trajectory_shards"] > 0 and Path(whole[0]["pool_scratch"]).parent == scratch[0]
+    assert whole[1]["pool_scratch"] is None
+    assert not scratch[0].exists() and not scratch[1].exists()
     checkpoint = tmp_path / "whole" / "run" / "checkpoint-3"
     assert (checkpoint / "exreplay_pool" / "state.json").exists()
     resumed = run("resumed", f"resume={checkpoint}")
@@ -211,18 +212,4 @@ def test_two_machines_on_loopback_train_checkpoint_and_resume_rank_identically(t
         assert resumed[rank]["plan_steps"] == [3, 4, 5] and resumed[rank]["plans"] == after
         assert resumed[rank]["losses"] == whole[rank]["losses"]
         assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
-
-
-@pytest.mark.slow
-def test_two_machines_on_one_shared_scratch_filesystem_write_one_copy_in_all(tmp_path):
-    """`replay_scratch_sharing="all"` with one scratch folder that both machines see (a network filesystem): rank 0
-    writes the pool's files for both machines and machine 1 links them; replay is unchanged."""
-    out, scratch = tmp_path / "run", tmp_path / "shared-scratch"
-    machines = [[out, f"scratch={scratch}", "small-shards", "sharing=all"] for _ in range(2)]
-    accelerate_launch_machines("recipes/accelerate/multinode_ddp_cpu.yaml", SCRIPT, machines)
-    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
-    check_rank_identical_replay(ranks)
-    writer, follower = ranks[0]["shard_files"], ranks[1]["shard_files"]
-    assert writer["shard_files_linked"] == 0 and writer["shard_files_written"] > 10
-    assert follower["shard_files_linked"] >= 0.8 * writer["shard_files_written"]
-    assert follower["shard_files_written"] + follower["shard_files_linked"] == writer["shard_files_written"]
+        assert resumed[rank]["pool_content_hash"] == whole[rank]["pool_content_hash"]  # rank 0's rows

@@ -271,7 +271,7 @@ def test_selection_by_current_or_saved_entropy(tmp_path, use_current):
         trainer.pool.add(trajectory)
     plan = ReplayPlan(num_generations=4, num_replayed=1, replay_groups={0: "task-0"})
     chosen = select_trajectories(trainer.pool, plan, trainer.replay, 0, [0, 0], trainer.accelerator,
-                                 functools.partial(policy_forward, trainer))["task-0"][0]  # fmt: skip
+                                 functools.partial(policy_forward, trainer), lambda read: read())["task-0"][0]  # fmt: skip
     expected = int(np.argmin(current)) if use_current else int(np.argmin(saved))
     assert chosen.completion_ids == trainer.pool.trajectories("task-0")[expected].completion_ids
     assert int(np.argmin(current)) != int(np.argmin(saved))

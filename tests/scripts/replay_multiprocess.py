@@ -1,15 +1,14 @@
 """Launched by tests/distributed/test_multiprocess.py with `accelerate launch`: train with replay active, dump what each rank saw.
 
 Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR [multi-turn] [resume=CKPT]
-       [trl-options] [scratch=DIR] [small-shards] [sharing=MODE] [guided]
-Each rank writes OUT_DIR/rank{r}.json with its pool hash, the replay plans it made, losses and generated rows (and,
+       [trl-options] [scratch=DIR] [small-shards] [guided]
+Each rank writes OUT_DIR/rank{r}.json with its pool's index hash (and rank 0, which holds the rows, its content hash), the replay plans it made, losses and generated rows (and,
 multi-turn, the episodes it played per step). With `resume=CKPT` the run resumes from that checkpoint (pool, model,
 optimizer, RNG) of an earlier run with the same settings. `trl-options` trains with TRL options whose replayed term
 makes collective calls of its own (TRL's entropy selection gathers every rank's entropies) or is not the default
 clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`. `scratch=DIR`: the
 live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared. `small-shards`: the
-trainer gets a pool whose shards hold 2 rows, so that files are written during training (and shared between ranks).
-`sharing=MODE`: `replay_scratch_sharing` (machine, all, none). `ratio=R`: `replay_ratio` (default 1). `exgrpo`: `replay_profile="exgrpo"` for 12 steps on a dataset of 6
+trainer gets a pool whose shards hold 2 rows, so that files are written during training. `ratio=R`: `replay_ratio` (default 1). `exgrpo`: `replay_profile="exgrpo"` for 12 steps on a dataset of 6
 rows (an epoch of 2 steps, so questions retire during the run). `guided`: experience-guided rollouts too (mixed, half
 the tasks keep, the offline provider updated every step; evaluation guided every 3 steps, one group spanning both
 ranks); each rank records every allocation it draws.
@@ -135,7 +134,6 @@ config = ExReplayGRPOConfig(
     replay_start_ratio=0.3,
     ds3_gather_for_generation=os.environ.get("EXREPLAY_TEST_DS3_GATHER", "1") == "1",
     replay_scratch_dir=next((option.split("=", 1)[1] for option in options if option.startswith("scratch=")), None),
-    replay_scratch_sharing=next((o.split("=", 1)[1] for o in options if o.startswith("sharing=")), "machine"),
     **(multi_turn_settings if multi_turn else single_turn_settings),
     **(TRL_OPTIONS if "trl-options" in options else {}),
     **(GUIDED if "guided" in options else {}),
@@ -165,10 +163,11 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         {
             "rank": rank,
             "world_size": trainer.accelerator.num_processes,
-            "pool_hash": trainer.pool.content_hash(),
+            "pool_hash": trainer.pool.index_hash(),
+            "pool_content_hash": trainer.pool.content_hash() if trainer.pool.holds_rows else None,
             "pool_trajectories": trainer.pool.num_trajectories,
-            "pool_scratch": trainer.pool.scratch_folder(),  # where this rank's live pool writes its shards
-            "shard_files": {k: v for k, v in trainer.pool.storage_stats().items() if k.startswith("shard_files")},
+            "pool_scratch": trainer.pool.scratch_folder(),  # where this rank's live pool writes its shards (or None)
+            "pool_storage": trainer.pool.storage_stats(),
             "plans": plans,
             "plan_steps": plan_steps,
             "plan_due": plan_due,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import subprocess
@@ -405,7 +406,7 @@ def test_a_pool_reads_the_files_it_mapped_even_if_a_saved_copy_is_replaced(tmp_p
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# One copy of the shards for the ranks of a machine (`share_storage`): the writer's files, linked
+# The index without the rows (the trainer's ranks other than 0): the same decisions, no file
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -413,95 +414,40 @@ def fill_alike(pools, tasks="abcdefghij", version=0):
     """The same outcomes, in the same order, into every pool (as every rank records them)."""
     for task in tasks:
         for pool in pools:
-            record(pool, task, 1, [0.5 - 0.01 * ord(task)], version=version)
+            record(pool, task, 1, [0.5 - 0.01 * ord(task) - 0.001 * version], version=version)
 
 
-def shard_files(pool) -> dict[str, int]:
-    folder = pool.scratch_folder()
-    return {p.name: p.stat().st_ino for p in Path(folder).rglob("*.arrow")}
+def test_an_index_only_pool_decides_as_the_pool_it_copies_and_holds_no_row(tmp_path):
+    holder = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    fill_alike([holder], "abc")
+    holder.add(traj("z", 0.3))
+    holder._drop(holder.index.clear(holder.index.task("z")))  # a freed key: the copy must reuse it as the holder does
+    snapshot = pickle.loads(pickle.dumps(holder.index_snapshot()))  # as `broadcast_object_list` sends it
+    index_only = ExperiencePool.from_index_snapshot(snapshot)
+    assert not index_only.holds_rows and holder.holds_rows
+    assert index_only.index_hash() == holder.index_hash()
+    for version in range(1, 4):  # evictions (tombstones, compactions on the holder) and new tasks
+        fill_alike([holder, index_only], "abcdefghij"[: 3 + 2 * version], version)
+        assert index_only.skip_set == holder.skip_set and index_only.buckets() == holder.buckets()
+    assert index_only.index_hash() == holder.index_hash() and holder.num_trajectories == 16
+    tasks = holder.stored_tasks()
+    assert [index_only.index.keys(index_only.index.task(t)) for t in tasks] == [
+        holder.index.keys(holder.index.task(t)) for t in tasks
+    ]
+    buckets = [pool.replay_buckets(2, 4, None, None) for pool in (index_only, holder)]
+    assert [{d: m.tolist() for d, m in b.members.items()} for b in buckets] == [{1: [0, 1, 2, 4, 5, 6, 7, 8, 9]}] * 2
+    assert [b.listing()[0].tolist() for b in buckets] == [[0, 1, 2, 4, 5, 6, 7]] * 2  # with 2 trajectories and a row
+    assert index_only.stats() == holder.stats()
+    assert [p.name for p in tmp_path.iterdir()] == [Path(holder.scratch_folder()).name]  # no folder of its own
+    for read in (lambda: index_only.choose(["a"], 1), lambda: index_only.task_row("a"), index_only.content_hash):
+        with pytest.raises(RuntimeError, match="holds its index only"):
+            read()
+    assert index_only.choose([], 1) == {}  # nothing to read
+    holder.close()
 
 
-def test_a_follower_links_the_writers_shard_files_and_reads_the_same_rows(tmp_path):
-    writer = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
-    follower = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
-    follower.share_storage(writer.scratch_folder())
-    for version in range(3):  # seals shards and, as tasks evict older trajectories, compacts them
-        fill_alike([writer, follower], version=version)
-        for pool in (writer, follower):
-            pool.flush(wait=True)
-    written, linked = writer.storage_stats(), follower.storage_stats()
-    assert written["shard_files_linked"] == 0 and written["shard_files_written"] > 0
-    assert linked["shard_files_written"] == 0 and linked["shard_files_linked"] == written["shard_files_written"]
-    # one copy on disk: every file of the follower is a file of the writer (the same inode)
-    assert set(shard_files(follower).values()) <= set(shard_files(writer).values())
-    assert follower.content_hash() == writer.content_hash()
-    assert [follower.trajectories(t) for t in "abcdefghij"] == [writer.trajectories(t) for t in "abcdefghij"]
-    writer_folder = writer.scratch_folder()
-    writer.close()  # its names go; the follower's links keep the bytes
-    assert not os.path.exists(writer_folder)
-    assert [t.entropy for t in follower.trajectories("j")] == [f32(0.5 - 0.01 * ord("j"))] * 2
-    follower.close()
-
-
-def test_what_cannot_be_linked_is_written_by_the_follower(tmp_path):
-    """Sharing never changes what is read: a writer's file with other bytes, a writer that writes nothing within the
-    wait, or a source folder that is not visible: the follower writes its own file (and stops looking for a folder
-    it cannot see)."""
-    writer = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
-    follower = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
-    follower.share_storage(writer.scratch_folder(), wait=0.05)
-    fill_alike([writer], "abcd")
-    fill_alike([follower], "wxyz")  # other rows: other bytes
-    for pool in (writer, follower):
-        pool.flush(wait=True)
-    stats = follower.storage_stats()
-    assert stats["shard_files_linked"] == 0 and stats["shard_files_written"] == stats["shard_files_written"] > 0
-    assert not set(shard_files(follower).values()) & set(shard_files(writer).values())
-    assert [t.task_id for t in follower.trajectories("w")] == ["w"]
-
-    lost = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
-    lost.share_storage(str(tmp_path / "another-machine"))
-    fill_alike([lost], "abcd")
-    lost.flush(wait=True)
-    assert lost.storage_stats()["shard_files_written"] > 0 and lost._scratch.source is None
-    assert lost.content_hash() == writer.content_hash()
-    for pool in (writer, follower, lost):
-        pool.close()
-
-
-@pytest.mark.parametrize("slow", ["writer", "follower"])
-def test_ranks_write_the_same_files_whatever_their_writer_threads_timing(tmp_path, slow):
-    """Evictions (tombstones) while one pool's writer thread lags behind: shard ends, tombstone counts and compactions
-    are decided in the writer thread's job order, so both pools still make the same files and the follower links
-    every one of them."""
-    pools = [ExperiencePool(max_trajectories_per_task=1, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
-             for _ in range(2)]  # fmt: skip
-    writer, follower = pools
-    follower.share_storage(writer.scratch_folder())
-    lagging = writer if slow == "writer" else follower
-    for log in (lagging._trajectories, lagging._task_rows):
-        build = log._build
-        log._build = lambda items, build=build: (time.sleep(0.01), build(items))[1]
-    for version in range(6):  # each version evicts the previous one's trajectory of every task
-        for task in "abcdefgh":
-            for pool in pools:
-                record(pool, task, 1, [0.9 - 0.1 * version - 0.001 * (ord(task) % 7)], version=version)
-    for pool in pools:
-        pool.flush(wait=True)
-    written, linked = writer.storage_stats(), follower.storage_stats()
-    assert written["shard_files_written"] > 8  # sealed and rewritten shards
-    # the same files, in the same order: each one linked, or written where the writer had removed it already (its
-    # rows died; the follower came later) or made none after it within the wait
-    assert linked["shard_files_written"] + linked["shard_files_linked"] == written["shard_files_written"]
-    assert sorted(shard_files(follower)) == sorted(shard_files(writer))  # the live shards: the same files
-    if slow == "writer":  # the follower comes first and waits for each file (a lagging one finds many removed)
-        assert linked["shard_files_linked"] > linked["shard_files_written"]
-    assert {k: v for k, v in linked.items() if not k.startswith("shard_files")} == {
-        k: v for k, v in written.items() if not k.startswith("shard_files")
-    }
-    assert follower.content_hash() == writer.content_hash()
-    for pool in pools:
-        pool.close()
+def shard_files(pool) -> list[str]:
+    return [p.name for p in Path(pool.scratch_folder()).rglob("*.arrow")]
 
 
 def test_a_loaded_pool_numbers_its_new_files_after_the_loaded_ones(tmp_path):

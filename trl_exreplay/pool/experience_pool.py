@@ -15,6 +15,7 @@ one it was recorded with.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -33,7 +34,7 @@ from .index import PoolIndex, TaskBuckets
 from .persistence import load_index, read_committed, save_folder
 from .records import TaskOutcome, Trajectory, copy_trajectory, tokenizer_fingerprint
 from .rules import best_index, eviction, is_solved, selection_order, stores_successes
-from .shards import TASK_ROW_SCHEMA, TRAJECTORY_SCHEMA, ShardLog
+from .shards import TASK_ROW_SCHEMA, TRAJECTORY_SCHEMA, IndexOnlyLog, ShardLog
 from .writer import Writer
 
 logger = logging.getLogger("trl_exreplay.pool")
@@ -279,8 +280,8 @@ class ExperiencePool:
     def _set_task_row(self, t: int, row: str) -> None:
         key = int(self.index.row_key[t])
         if key >= 0:
-            if self._task_row_text(key) == row:
-                return  # the trainer sends the same row every step: no new row in the log
+            if not self.holds_rows or self._task_row_text(key) == row:
+                return  # the trainer sends the same row every step: no new row (an index only needs to know there is one)
             self._task_rows.delete(key)
         self.index.row_key[t] = self._task_rows.append((self.index.task_ids[t], row))
 
@@ -425,27 +426,49 @@ class ExperiencePool:
         return out
 
     def storage_stats(self) -> dict[str, int]:
-        """Shards, rows, tombstones and buffered rows of the trajectory and task row logs; and the shard files this
-        process linked from the one that writes for it (`share_storage`) or wrote itself."""
+        """Shards, rows, tombstones and buffered rows of the trajectory and task row logs."""
         out = {f"trajectory_{k}": v for k, v in self._trajectories.stats().items()}
         out.update({f"task_row_{k}": v for k, v in self._task_rows.stats().items()})
-        out.update({f"shard_files_{k}": v for k, v in self._scratch.shared.items()})
         return out
 
-    def scratch_folder(self) -> str:
-        """The folder where this live pool writes its shard files (made now if not yet)."""
-        return self._scratch.root()
+    def scratch_folder(self) -> str | None:
+        """The folder where this live pool writes its shard files (made now if not yet); None if it holds no rows."""
+        return self._scratch.root() if self.holds_rows else None
 
-    def share_storage(self, source: str | None, wait: float = 5.0) -> None:
-        """Read the shard files that another process holding the same pool wrote into its `scratch_folder()` `source`
-        instead of writing them again (None: write every file here, the default).
+    # -------------------------------------------------------------------------------------------- index only
+    @property
+    def holds_rows(self) -> bool:
+        """False for a pool made by `from_index_snapshot`: it decides what is stored, evicted and replayed as the pool
+        it copies does, but reads no trajectory or task row (the trainer's ranks other than 0 hold such a pool)."""
+        return not isinstance(self._trajectories, IndexOnlyLog)
 
-        Ranks of a run hold identical pools, so their shard files are byte for byte the same; with this, one process
-        per machine writes them and the others hard-link its files (one copy on disk and in the page cache). Each file
-        is checked before it is linked (its size and checksum must be what this process would write); a file that does
-        not come within `wait` seconds, differs, or is on another filesystem is written here instead, so sharing never
-        changes what is read, only how often it is written (`storage_stats()["shard_files_written"]`)."""
-        self._scratch.share_from(source, wait)
+    def index_snapshot(self) -> dict:
+        """What `from_index_snapshot` needs: settings, tokenizer, vocabulary, the index and the logs' keys (about 40
+        bytes per trajectory; for another process of the same run, never for a file)."""
+        self.flush(wait=True)
+        return {
+            "settings": self._settings(),
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
+            "vocab_size": self.vocab_size,
+            "rejected_reasons": dict(self.rejected_reasons),
+            "index": copy.deepcopy(self.index),
+            "keys": {kind: log.key_state() for kind, log in self._logs().items()},
+        }
+
+    @classmethod
+    def from_index_snapshot(cls, snapshot: dict) -> ExperiencePool:
+        """A pool holding the index of another one (`index_snapshot`) and no row: the same outcomes recorded in both
+        keep their indexes equal (`index_hash`), while only the other pool writes and reads rows."""
+        pool = cls(**snapshot["settings"])
+        pool.close()  # no writer thread, no scratch folder
+        pool.tokenizer_fingerprint = snapshot["tokenizer_fingerprint"]
+        pool.vocab_size = snapshot["vocab_size"]
+        pool.rejected_reasons.update(snapshot["rejected_reasons"])
+        pool.index = snapshot["index"]
+        keys = snapshot["keys"]
+        pool._trajectories = IndexOnlyLog(TRAJECTORIES_DIR, *keys[TRAJECTORIES_DIR])
+        pool._task_rows = IndexOnlyLog(TASK_ROWS_DIR, *keys[TASK_ROWS_DIR])
+        return pool
 
     def _read_all(self, keys: list[int]) -> list[Trajectory]:
         """The trajectories of `keys`: pending ones copied, written ones read from their shards (one pass per shard,
@@ -566,36 +589,32 @@ class ExperiencePool:
     def _logs(self) -> dict[str, ShardLog]:
         return {TRAJECTORIES_DIR: self._trajectories, TASK_ROWS_DIR: self._task_rows}
 
-    def _hash_state(self) -> dict:
-        tasks = range(len(self.index.task_ids))
-        return {
+    def index_hash(self) -> str:
+        """SHA-256 of what the index decides with: settings, counters, buckets, skip set, and each stored trajectory's
+        store rank, id, policy version and entropy. Equal on the ranks of a run, whichever of them holds the rows."""
+        index, tasks = self.index, range(len(self.index.task_ids))
+        keys = {t: index.keys(t) for t in tasks if index.count[t] > 0}
+        columns = (index.key_seq, index.key_traj_id, index.key_version, index.key_entropy)
+        state = {
             "settings": self._settings(),
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
-            "next_traj_id": self.index.next_traj_id,
-            "num_outcomes": self.index.num_outcomes,
-            "stored_count": self.index.stored_count,
+            "counters": [index.next_traj_id, index.num_outcomes, index.stored_count],
             "difficulty": [
-                [self.index.task_ids[t], int(self.index.difficulty[t])]
-                for t in self.index.ordered(self.index.difficulty_order).tolist()
+                [index.task_ids[t], int(index.difficulty[t])] for t in index.ordered(index.difficulty_order).tolist()
             ],
             "skip_set": self.skip_set,
-            "task_rows": sorted(
-                [self.index.task_ids[t], self._task_row_text(int(self.index.row_key[t]))]
-                for t in tasks
-                if self.index.row_key[t] >= 0
-            ),
-            "store": sorted(
-                [self.index.task_ids[t], [int(self.index.key_seq[k]) for k in self.index.keys(t)]]
-                for t in tasks
-                if self.index.count[t] > 0
-            ),
+            "with_row": sorted(_gather(index.task_ids, np.nonzero(index.row_key[: len(tasks)] >= 0)[0].tolist())),
+            "store": sorted([index.task_ids[t], [column[k].tolist() for column in columns]] for t, k in keys.items()),
         }
+        return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
 
     def content_hash(self) -> str:
-        """SHA-256 of the pool's whole content (state and every trajectory): equal pools, equal hashes. Reads the
-        whole pool: meant for tests and checks, not for a training loop."""
-        digest = hashlib.sha256()
-        digest.update(json.dumps(self._hash_state(), sort_keys=True).encode())
+        """SHA-256 of the pool's whole content (its `index_hash`, task rows and every trajectory): equal pools, equal
+        hashes. Reads the whole pool: meant for tests and checks, not for a training loop."""
+        digest = hashlib.sha256(self.index_hash().encode())
+        for task_id in sorted(self.index.task_index):
+            if self.index.row_key[self.index.task_index[task_id]] >= 0:
+                digest.update(json.dumps([task_id, self.task_row(task_id)], sort_keys=True).encode())
         for task_id in sorted(self.stored_tasks()):
             for trajectory in self.trajectories(task_id):
                 digest.update(json.dumps(asdict(trajectory), sort_keys=True).encode())

@@ -14,8 +14,7 @@
 
 * `Scratch`: the folder where a live pool writes its shards, held by a file lock for as long as its process lives;
   the folders of killed processes are removed by the next pool that starts under the same parent
-  (`remove_dead_scratch`). Ranks holding the same pool can link one writer's files instead of writing their own
-  (`Scratch.share_from`).
+  (`remove_dead_scratch`).
 """
 
 from __future__ import annotations
@@ -27,11 +26,10 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from .check import PoolFolder, PoolFormatError, file_checksum, parse_state
+from .check import PoolFolder, PoolFormatError, parse_state
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +118,6 @@ class Scratch:
         self._made_parent = False
         self._lock = threading.Lock()
         self._owner_fd: int | None = None
-        self.source: str | None = None  # the scratch folder of the process that writes for this one (`share_from`)
-        self.share_wait = 0.0
-        self.shared = {"linked": 0, "written": 0}  # shard files linked from `source`, and written here instead
 
     def root(self) -> str:
         """The folder itself (made now if not yet)."""
@@ -143,45 +138,6 @@ class Scratch:
         os.makedirs(folder, exist_ok=True)
         return folder
 
-    def share_from(self, source: str | None, wait: float = 5.0) -> None:
-        """Take shard files from the scratch folder `source` of another process holding the same pool (another rank,
-        which writes them), instead of writing them again: see `link_shared`. None: write every file here."""
-        self.source = None if source is None or os.path.abspath(source) == os.path.abspath(self.root()) else source
-        self.share_wait = wait
-
-    def link_shared(self, kind: str, name: str, size: int, checksum: str, dest: str) -> bool:
-        """Hard-link the file `name` of `source` as `dest` if it holds exactly the bytes this process would write
-        (`size`, `checksum`): then both processes read one file, one copy on disk and in the page cache. Waits up to
-        `share_wait` seconds for the writer to publish it (it renames complete files into place). False, and the
-        caller writes its own copy, when there is no source, when its folder is not visible from here (another
-        machine's disk: sharing then stops), when the file does not come or differs, or on another filesystem."""
-        if self.source is None:
-            return False
-        folder = os.path.join(self.source, kind)
-        suffix = name[name.rindex("-") :]  # "-<checksum>.arrow": the writer may have numbered the shard otherwise
-        deadline = time.monotonic() + self.share_wait
-        while True:
-            source, passed = _shared_file(folder, name, suffix)
-            if source is not None:
-                break
-            if passed:  # the writer is past this shard (and removed it: its rows died or were rewritten)
-                return False
-            if not os.path.isdir(self.source):
-                logger.warning("trl_exreplay: the pool's shards at %s are not visible here; this process writes its "
-                               "own copies.", self.source)  # fmt: skip
-                self.source = None
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        try:
-            if os.path.getsize(source) != size or file_checksum(source) != checksum:
-                return False
-            os.link(source, dest)
-        except OSError:  # removed meanwhile (compacted away), another filesystem, no hard links: write it here
-            return False
-        return True
-
     def remove(self) -> None:
         with self._lock:
             if self.path is not None:
@@ -195,30 +151,6 @@ class Scratch:
                         os.rmdir(self.parent)  # only if empty: other pools (ranks) may share it
                     except OSError:
                         pass
-
-
-def _shared_file(folder: str, name: str, suffix: str) -> tuple[str | None, bool]:
-    """The writer's file `name` in `folder`, or else one of its files with the same checksum `suffix` (the same bytes
-    in another place of the order); and whether the writer has made a file after this one in the order (so it will not
-    make this one any more)."""
-    path = os.path.join(folder, name)
-    if os.path.exists(path):
-        return path, False
-    prefix, number = name.split("-")[:2]
-    passed = False
-    try:
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                if entry.name.startswith("."):  # a temporary file
-                    continue
-                if entry.name.endswith(suffix):
-                    return entry.path, False
-                parts = entry.name.split("-")
-                later = len(parts) == 3 and parts[0] == prefix and parts[1].isdigit() and int(parts[1]) > int(number)
-                passed = passed or later
-    except OSError:
-        pass
-    return None, passed
 
 
 def _hold_lock(path: str) -> int | None:

@@ -756,19 +756,13 @@ class ShardLog:
 
     def _write_shard(self, sid: int, rows: int, table: pa.Table) -> Shard:
         """Writer thread: the file of shard `sid`, named by its place in the order of this log's files and by its
-        checksum (ranks holding the same pool make the same files in the same order), linked from the process that
-        writes for this one if it wrote the same bytes (`Scratch.link_shared`), else written here; returned as a
-        `Shard` read from that file."""
+        checksum, returned as a `Shard` read from that file."""
         data = arrow_bytes(table)
         checksum = bytes_checksum(data)
         name = f"{self.prefix}-{self._files_written:06d}-{checksum[:12]}.arrow"
         self._files_written += 1
         path = os.path.join(self._scratch.folder(self.kind), name)
-        if self._scratch.link_shared(self.kind, name, data.size, checksum, path):
-            self._scratch.shared["linked"] += 1
-        else:
-            write_atomic(path, lambda tmp: write_buffer(tmp, data))
-            self._scratch.shared["written"] += 1
+        write_atomic(path, lambda tmp: write_buffer(tmp, data))
         shard = Shard(sid, name, rows, [path], owned=path)
         shard.digest = (data.size, checksum)
         shard.layout(self.read_columns)
@@ -945,6 +939,12 @@ class ShardLog:
                 self._dirty.add(shard.sid)
         return keys
 
+    def key_state(self) -> tuple[int, list[int]]:
+        """(keys ever handed out, the freed ones in the order they are reused): what an `IndexOnlyLog` needs to hand
+        out the same keys as this log."""
+        with self._lock:
+            return self._size, self._free[: self._num_free].tolist()
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             written = [s for s in self.shards.values() if not s.is_open]
@@ -956,6 +956,44 @@ class ShardLog:
                 "open_rows": open_rows,
                 "pending_rows": len(self._pending),
             }
+
+
+class IndexOnlyLog(ShardLog):
+    """The keys of a `ShardLog` whose rows another process holds: handed out and freed exactly as that log does
+    (the same keys for the same appends and deletes), with no row stored, written or readable here."""
+
+    def __init__(self, kind: str, size: int, free: Sequence[int]):
+        self.kind, self.shards, self._lock = kind, {}, threading.Lock()
+        self._size, self._num_free = size, len(free)
+        self._loc = np.full(max(size, 1024), FREE, np.int64)
+        self._gen = np.zeros(len(self._loc), np.int32)
+        self._free = np.asarray(free, np.int64)
+
+    def append(self, item, size: int = 1) -> int:
+        with self._lock:
+            key = self._new_key()
+            self._loc[key] = PENDING
+        return key
+
+    def delete(self, key: int) -> None:
+        with self._lock:
+            self._release_key(key)
+
+    def flush(self, seal: bool = False, wait: bool = False) -> None:
+        pass
+
+    def compact(self, wait: bool = True) -> None:
+        pass
+
+    def read(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{self.kind}: this pool holds its index only; its rows are read where they are held (rank 0 of a run)."
+        )
+
+    locate = locations = save_into = read  # every other access to the rows
+
+    def stats(self) -> dict[str, int]:
+        return {}
 
 
 def column_or_none(table: pa.Table | pa.RecordBatch, name: str):
