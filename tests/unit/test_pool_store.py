@@ -19,13 +19,21 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import pytest
 from helpers import kill_a_save_at_random, traj
 
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, tokenizer_fingerprint
 from trl_exreplay.pool.check import PoolFormatError
-from trl_exreplay.pool.folder import STATE_FILE, read_state, state_files
-from trl_exreplay.pool.shards import TASK_ROW_FEATURES, TASK_ROW_SCHEMA, TRAJECTORY_FEATURES, TRAJECTORY_SCHEMA
+from trl_exreplay.pool.folder import STATE_FILE, Scratch, read_state, state_files
+from trl_exreplay.pool.shards import (
+    TASK_ROW_FEATURES,
+    TASK_ROW_SCHEMA,
+    TRAJECTORY_FEATURES,
+    TRAJECTORY_SCHEMA,
+    ShardLog,
+)
+from trl_exreplay.pool.writer import Writer
 from trl_exreplay.tiny import build_tiny_tokenizer
 
 SAVER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "pool_saver.py")
@@ -159,9 +167,9 @@ def test_evictions_leave_tombstones_that_compaction_removes(tmp_path):
 
 
 def test_a_row_evicted_while_compactions_rewrite_it_twice_is_counted_once(tmp_path):
-    """A tombstone waits for the next flush while compactions may move its row more than once (a rewrite of the shard
-    that the previous rewrite made): it must follow every move, or the new shard keeps counting the row as live and
-    the save writes a state that its own check refuses (num_trajectories below the shards' live rows)."""
+    """Random evictions while compactions rewrite shards that earlier compactions made: every tombstone is counted
+    once, wherever its row moved, or a save writes a state that its own check refuses (num_trajectories below the
+    shards' live rows)."""
     pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, work_dir=str(tmp_path / "work"))
     rng = np.random.default_rng(1)
     for task in range(400):
@@ -173,6 +181,31 @@ def test_a_row_evicted_while_compactions_rewrite_it_twice_is_counted_once(tmp_pa
         pool.flush(wait=True)
         pool.save(str(tmp_path / "pool"))  # its own check of the state it committed raised here
     assert ExperiencePool.load(str(tmp_path / "pool")).content_hash() == pool.content_hash()
+
+
+def test_a_row_deleted_while_a_compaction_rewrites_it_is_a_tombstone_of_its_new_shard(tmp_path):
+    schema = pa.schema([("text", pa.string())])
+    build = lambda items: pa.record_batch([pa.array(items)], schema=schema)  # noqa: E731
+    writer, scratch = Writer(), Scratch(str(tmp_path))
+    log = ShardLog("notes", "note", schema, build, writer, scratch, shard_rows=4, stage_rows=4)
+    keys = [log.append(text) for text in "abcd"]
+    log.flush(seal=True, wait=True)
+    log.delete(keys[0])
+    log.delete(keys[1])  # half the shard dead: the next flush rewrites "c" and "d" into a new shard
+    write = log._write_shard
+
+    def write_then_delete(sid, rows, table):
+        shard = write(sid, rows, table)
+        log.delete(keys[2])  # the new shard is written, its keys not moved yet
+        return shard
+
+    log._write_shard = write_then_delete
+    log.flush(wait=True)
+    log._write_shard = write
+    assert log.read([keys[3]], ("text",)) == [{"text": "d"}]
+    assert log.stats() == {"shards": 1, "rows": 2, "dead_rows": 1, "open_rows": 0, "pending_rows": 0}
+    writer.close()
+    scratch.remove()
 
 
 def test_explicit_compaction_and_skip_set_clears(tmp_path):
@@ -444,6 +477,32 @@ def test_an_index_only_pool_decides_as_the_pool_it_copies_and_holds_no_row(tmp_p
             read()
     assert index_only.choose([], 1) == {}  # nothing to read
     holder.close()
+
+
+@pytest.mark.parametrize("lag", [0.0, 0.01])
+def test_evictions_racing_a_lagging_writer_thread_leave_the_same_pool(tmp_path, lag):
+    """Evictions (tombstones) of rows the writer thread is still staging, sealing or compacting: whatever its timing,
+    the pool holds what one without a writer lag holds, every tombstone counted once (a save checks the live rows of
+    its shards against the index), and a load gives it back."""
+    pools = [ExperiencePool(max_trajectories_per_task=1, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+             for _ in range(2)]  # fmt: skip
+    lagging = pools[1]
+    for log in (lagging._trajectories, lagging._task_rows):
+        build = log._build
+        log._build = lambda items, build=build: (time.sleep(lag), build(items))[1]
+    for version in range(6):  # each version evicts the previous one's trajectory of every task
+        for task in "abcdefgh":
+            for pool in pools:
+                record(pool, task, 1, [0.9 - 0.1 * version - 0.001 * (ord(task) % 7)], version=version)
+    for pool in pools:
+        pool.flush(wait=True)
+    stats = lagging.storage_stats()
+    assert stats["trajectory_rows"] - stats["trajectory_dead_rows"] == lagging.num_trajectories == 8
+    assert lagging.content_hash() == pools[0].content_hash()
+    lagging.save(str(tmp_path / "saved"))
+    assert ExperiencePool.load(str(tmp_path / "saved")).content_hash() == pools[0].content_hash()
+    for pool in pools:
+        pool.close()
 
 
 def shard_files(pool) -> list[str]:

@@ -122,7 +122,7 @@ def _write_stream(sink, table: pa.Table | pa.RecordBatch) -> None:
 
 
 def arrow_bytes(table: pa.Table) -> pa.Buffer:
-    """The bytes `write_arrow` writes for `table`, in memory: the same table gives the same bytes on every rank."""
+    """The bytes `write_arrow` writes for `table`, in memory."""
     sink = pa.BufferOutputStream()
     _write_stream(sink, table)
     return sink.getvalue()
@@ -223,7 +223,7 @@ class Shard:
         self.rows = rows
         self.nbytes = 0
         self.live = 0
-        self.dead: set[int] = set()  # rows with a tombstone, as the writer thread has counted them (`live` = rest)
+        self.dead: set[int] = set()  # rows with a tombstone (`live` counts the others)
         self.paths = list(paths)  # existing copies, newest first (the owned one in the scratch folder, saved ones)
         self.owned = owned
         self.touched = False  # rows were read since the last `release`
@@ -536,14 +536,7 @@ class ShardLog:
         self.shards: dict[int, Shard] = {}
         self._open: Shard | None = None  # (writer thread) the shard receiving rows, in RAM
         self._next_sid = 0
-        # Rows deleted since the last flush, counted by the writer thread in job order: a written row's location, or
-        # (key, generation) of a row handed to the writer but not staged yet (`_staged_dead` then says where it went).
-        self._tombstones: list = []
-        self._captured: set[tuple[int, int]] = set()  # (key, generation) of rows handed over, not staged yet
-        self._staged_dead: dict[tuple[int, int], int] = {}
-        # A row rewritten by a compaction while its tombstone waited (its key deleted meanwhile): old -> new location.
-        self._forward: dict[int, int] = {}
-        self._files_written = 0  # the number in the next shard file's name: files come in job order on every rank
+        self._files_written = 0  # the number in the next shard file's name
         self._last_append = 0.0
         # Compaction looks only at what changed (a pool has thousands of shards): shards that lost rows, small ones.
         self._dirty: set[int] = set()
@@ -599,19 +592,23 @@ class ShardLog:
         return key
 
     def delete(self, key: int) -> None:
-        """Tombstone the row of `key` (or drop it from the buffer) and free the key."""
+        """Free `key`: drop its row from the buffer, or leave a tombstone in its shard (compaction removes it)."""
         with self._lock:
             loc = int(self._loc[key])
             if loc == PENDING:
-                self._pending.pop(key, None)
-                captured = (key, int(self._gen[key]))
-                if captured in self._captured:  # its row will be staged all the same: a tombstone there
-                    self._tombstones.append(captured)
-            elif loc >= 0:  # a tombstone, counted against its shard by the writer thread (see `_flush`)
-                self._tombstones.append(loc)
+                self._pending.pop(key, None)  # a row being staged meanwhile is found dead there (`_stage`)
+            elif loc >= 0:
+                self._tombstone(loc)
             else:
                 raise KeyError(f"{self.kind}: key {key} is not in use.")
             self._release_key(key)
+
+    def _tombstone(self, loc: int) -> None:
+        """(Lock held.) The row at `loc` is dead."""
+        shard = self.shards[loc >> _ROW_BITS]
+        shard.live -= 1
+        shard.dead.add(loc & _ROW_MASK)
+        self._dirty.add(shard.sid)
 
     def locate(self, key: int):
         """``(item, None)`` for a pending row, ``(shard, row)`` for a staged or written one."""
@@ -669,38 +666,21 @@ class ShardLog:
             self._writer.wait()
 
     def _flush(self, seal: bool, check: bool) -> None:
-        """Hand the writer thread one job: count the tombstones since the last flush, stage the pending rows, seal if
-        asked, then maybe compact. Everything that decides a shard's bytes (which rows, where a shard ends, which
-        shards are rewritten) thus happens on the writer thread in the order the caller asked for it, whatever the
-        threads' timing: ranks that record the same pool write the same files, which they can share (`Scratch`)."""
+        """Hand the writer thread one job: stage the pending rows, seal if asked, then maybe compact."""
         if check:
             self._writer.raise_error()
         with self._lock:
             batch = [(k, g, self._pending[k]) for k, g in self._unflushed if self._gen[k] == g and k in self._pending]
-            tombstones = self._tombstones
-            self._unflushed, self._unflushed_size, self._tombstones = [], 0, []
-            self._captured.update((k, g) for k, g, _ in batch)
+            self._unflushed, self._unflushed_size = [], 0
         try:
-            self._writer.submit(lambda: self._write_step(tombstones, batch, seal), check)
+            self._writer.submit(lambda: self._write_step(batch, seal), check)
         except BaseException:
             with self._lock:
                 self._unflushed[:0] = [(k, g) for k, g, _ in batch]
-                self._captured.difference_update((k, g) for k, g, _ in batch)
-                self._tombstones[:0] = tombstones
             raise
 
-    def _write_step(self, tombstones: list, batch: list, seal: bool) -> None:
+    def _write_step(self, batch: list, seal: bool) -> None:
         """Writer thread: one flush's work, in order."""
-        with self._lock:
-            for tombstone in tombstones:
-                loc = self._staged_dead.pop(tombstone, None) if isinstance(tombstone, tuple) else tombstone
-                while loc in self._forward:  # rewritten by compactions while its tombstone waited: its last place
-                    loc = self._forward.pop(loc)
-                shard = None if loc is None else self.shards.get(loc >> _ROW_BITS)
-                if shard is not None:
-                    shard.live -= 1
-                    shard.dead.add(loc & _ROW_MASK)
-                    self._dirty.add(shard.sid)
         if batch:
             self._stage(batch)
         if seal:
@@ -726,7 +706,6 @@ class ShardLog:
         except BaseException:
             with self._lock:  # still pending: retried by the next flush
                 self._unflushed[:0] = [(k, g) for k, g, _ in batch]
-                self._captured.difference_update((k, g) for k, g, _ in batch)
             raise
         if self._open is None:
             sid, chunks = self._new_sid(), []
@@ -739,18 +718,15 @@ class ShardLog:
         grown.nbytes = (self._open.nbytes if self._open is not None else 0) + record_batch.nbytes
         first = grown.rows - len(batch)
         with self._lock:
-            # Every row counts as live here, and a row deleted since it was handed over leaves a tombstone that the
-            # next flush counts: the same count, at the same point of the job order, whenever the delete came.
             grown.live = (self._open.live if self._open is not None else 0) + len(batch)
             grown.dead = self._open.dead if self._open is not None else set()
             self.shards[sid] = self._open = grown
             for row, (key, gen, _) in enumerate(batch, start=first):
-                self._captured.discard((key, gen))
                 if self._gen[key] == gen and self._loc[key] == PENDING:
                     self._loc[key] = (sid << _ROW_BITS) | row
                     self._pending.pop(key, None)
-                else:
-                    self._staged_dead[(key, gen)] = (sid << _ROW_BITS) | row
+                else:  # deleted since it was handed over
+                    self._tombstone((sid << _ROW_BITS) | row)
         if grown.rows >= self.shard_rows or grown.nbytes >= self.shard_bytes:
             self._seal()
 
@@ -774,16 +750,15 @@ class ShardLog:
         shard = self._open
         if shard is None:
             return
-        with self._lock:  # live counts change on this thread only (`_write_step`)
-            live = self.shards[shard.sid].live if shard.sid in self.shards else 0
-            if not live:  # every row deleted while it was open: no file
+        with self._lock:
+            if not shard.live:  # every row deleted while it was open: no file
                 self._open = None
                 self.shards.pop(shard.sid, None)
                 return
         table = shard.table().combine_chunks()  # one record batch per file: the fast path of row reads
         sealed = self._write_shard(shard.sid, shard.rows, table)
-        with self._lock:
-            sealed.live, sealed.dead = live, shard.dead
+        with self._lock:  # deletes meanwhile left their tombstones in `shard`
+            sealed.live, sealed.dead = shard.live, shard.dead
             self._open = None
             self.shards[shard.sid] = sealed
             self._note_size(sealed)
@@ -843,52 +818,43 @@ class ShardLog:
             self._compact(victims)
 
     def _compact(self, victims: list[Shard]) -> None:
-        """Writer thread: rewrite the live rows of `victims` into new shards. Live as the writer thread has counted
-        tombstones (`Shard.dead`), not as the caller's deletes stand now: the new shards' bytes are then the same on
-        every rank, whenever the deletes came."""
+        """Writer thread: rewrite the live rows of `victims` into new shards, then move their keys there; a row whose
+        key is deleted meanwhile is a tombstone of its new shard."""
         with self._lock:
-            old = [
-                (victim.sid << _ROW_BITS) | row
-                for victim in sorted(victims, key=lambda v: v.sid)  # by shard, then row: the new shards keep the order
-                for row in range(victim.rows)
-                if row not in victim.dead
-            ]
-        if not old:
-            return
-        old = np.asarray(old, dtype=np.int64)
-        parts = [
-            (self._new_sid(), old[start : start + self.shard_rows]) for start in range(0, len(old), self.shard_rows)
-        ]
-        self._rewrite(parts, {s.sid: s for s in victims})
-
-    def _rewrite(self, parts, victims: dict[int, Shard]) -> None:
-        """Writer thread: copy the rows at the locations `old` of each part (rows of `victims`) into a new shard, then
-        move their keys there; a row whose key was deleted meanwhile forwards its waiting tombstone to its new place."""
-        tables = {sid: shard.table() for sid, shard in victims.items()}
-        with self._lock:  # the keys that may live in the victims: one pass over the index, not one per part
-            candidates = np.nonzero(np.isin(self._loc[: self._size] >> _ROW_BITS, list(victims)))[0]
-        for sid, old in parts:
-            sources = old >> _ROW_BITS
-            pieces = [tables[int(s)].take(pa.array(old[sources == s] & _ROW_MASK)) for s in np.unique(sources)]
-            table = pa.concat_tables(pieces).combine_chunks()
-            shard = self._write_shard(sid, len(old), table)
-            new = (sid << _ROW_BITS) | np.arange(len(old), dtype=np.int64)
+            old = np.asarray(
+                [
+                    (victim.sid << _ROW_BITS) | row
+                    for victim in sorted(victims, key=lambda v: v.sid)  # by shard, then row: the order is kept
+                    for row in range(victim.rows)
+                    if row not in victim.dead
+                ],
+                dtype=np.int64,
+            )
+            # the keys that may live in the victims: one pass over the index, not one per new shard
+            candidates = np.nonzero(np.isin(self._loc[: self._size] >> _ROW_BITS, [v.sid for v in victims]))[0]
+        tables = {victim.sid: victim.table() for victim in victims}
+        for start in range(0, len(old), self.shard_rows):
+            part = old[start : start + self.shard_rows]
+            sources = part >> _ROW_BITS
+            pieces = [tables[int(s)].take(pa.array(part[sources == s] & _ROW_MASK)) for s in np.unique(sources)]
+            sid = self._new_sid()
+            shard = self._write_shard(sid, len(part), pa.concat_tables(pieces).combine_chunks())
             with self._lock:  # a key leaves the victims only by a delete (no other thread moves keys): check again
-                keys = candidates[np.isin(self._loc[candidates], old)]
-                at = np.searchsorted(old, self._loc[keys])  # `old` is sorted
-                self._loc[keys] = new[at]
-                for gone in np.setdiff1d(np.arange(len(old)), at).tolist():
-                    self._forward[int(old[gone])] = int(new[gone])
-                shard.live = len(old)
+                keys = candidates[np.isin(self._loc[candidates], part)]
+                at = np.searchsorted(part, self._loc[keys])  # `part` is sorted
+                self._loc[keys] = (sid << _ROW_BITS) | at
+                shard.live, shard.dead = len(at), set(range(len(part))) - set(at.tolist())
                 self.shards[sid] = shard
                 self._note_size(shard)
-                for source, count in zip(*np.unique(sources, return_counts=True)):
-                    self.shards[int(source)].live -= int(count)
+                if shard.dead:
+                    self._dirty.add(sid)
+                for source, count in zip(*np.unique(part[at] >> _ROW_BITS, return_counts=True)):
+                    self.shards[int(source)].live -= int(count)  # the dead ones were counted by their delete
         with self._lock:
-            self._drop_empty(list(victims))
-        for shard in victims.values():
-            shard.release()
-            shard.unmap()
+            self._drop_empty([victim.sid for victim in victims])
+        for victim in victims:
+            victim.release()
+            victim.unmap()
 
     # ------------------------------------------------------------------------------------------ persistence
     def save_into(self, folder: str) -> list[dict]:
