@@ -454,10 +454,10 @@ class GuidedRollouts:
             )
 
     def resume(self, checkpoint: str) -> None:
-        from .guidance.store import load_experience
+        from .guidance.store import MANIFEST, load_experience
 
         folder = os.path.join(checkpoint, EXPERIENCE_DIR)
-        if not os.path.lexists(folder):
+        if not os.path.lexists(os.path.join(folder, MANIFEST)):  # none, or a first save killed before its commit
             message = (
                 f"trl_exreplay: the checkpoint {checkpoint} holds no experience store ({EXPERIENCE_DIR}/): guided "
                 "rollouts resume with the provider's records only."

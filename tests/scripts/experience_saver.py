@@ -54,13 +54,14 @@ def loaded_digest(folder: str) -> str | None:
 
 
 def leftovers(folder: str) -> list[str]:
-    """A dead save's temp siblings, and version folders the manifest does not name."""
-    parent, base = os.path.dirname(folder), os.path.basename(folder)
-    found = [name for name in os.listdir(parent) if name.startswith(base + ".")]
-    if os.path.isdir(folder):
-        versions = [name for name in os.listdir(folder) if name.startswith("v-")]
-        found += versions[1:] if len(versions) > 1 else []
-    return found
+    """What the committed manifest does not name in the folder: a killed save's version folder or temporary manifest."""
+    if not os.path.isdir(folder):
+        return []
+    names = set(os.listdir(folder))
+    if "manifest.json" in names:
+        with open(os.path.join(folder, "manifest.json")) as f:
+            names -= {"manifest.json", *(name.split("/")[0] for name in json.load(f)["files"])}
+    return sorted(names)
 
 
 def sweep(folder: str, seed: int) -> None:

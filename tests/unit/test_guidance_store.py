@@ -289,7 +289,7 @@ def test_a_save_refuses_values_load_would_refuse_and_folders_it_does_not_own(tmp
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="neither empty nor a saved experience"):
+    with pytest.raises(ValueError, match="holds something other than a saved experience"):
         save_experience(str(other), RECORDS, BACKLOG)
     assert os.listdir(other) == ["notes.txt"]
     empty = tmp_path / "empty"
@@ -460,7 +460,7 @@ def test_forged_tables_are_refused_naming_them(tmp_path):
 def test_killed_saves_always_leave_the_last_complete_experience(tmp_path):
     """A writer process saving changing experience again and again into one folder is SIGKILLed at a random instant
     of a random save; the folder must load as the last save that completed, or as the one in flight (a kill after
-    its commit). The next writer's save removes what the killed one left beside the folder."""
+    its commit). The next writer's save removes what the killed one left in the folder."""
     saver = load_script("tests/scripts/experience_saver.py", "experience_saver")
     folder = str(tmp_path / "exp")
     chooser = random.Random(2024)
@@ -468,7 +468,7 @@ def test_killed_saves_always_leave_the_last_complete_experience(tmp_path):
     trials, killed_mid_save, left = 5, 0, []
 
     def leftovers_gone():  # the previous writer's leftovers are gone after this writer's first save
-        assert not set(left) & set(os.listdir(tmp_path)), left
+        assert not set(left) & set(os.listdir(folder)), left
         left.clear()
 
     for trial in range(trials):
@@ -479,7 +479,7 @@ def test_killed_saves_always_leave_the_last_complete_experience(tmp_path):
         digest = saver.digest(loaded.records, loaded.backlog)
         assert digest in {committed, in_flight}, f"trial {trial}: the folder is not a complete save"
         killed_mid_save += in_flight is not None
-        left[:] = [name for name in os.listdir(tmp_path) if name.startswith("exp.tmp-")]
+        left[:] = saver.leftovers(folder)
     assert killed_mid_save >= 2  # the kills really landed inside saves
     save_experience(folder, RECORDS, BACKLOG)
     assert sorted(os.listdir(tmp_path)) == ["exp"] and len(os.listdir(folder)) == 2  # manifest, one version

@@ -14,14 +14,12 @@ The folder::
     v-<16 hex>/records/                    `datasets.Dataset.save_to_disk` of the records
     v-<16 hex>/backlog/                    ... and of the backlog (`datasets.load_from_disk` reads both)
 
-A save is atomic: a process killed at any instant of it leaves the folder loadable, as the previous save or the new
-one, never a mixture. The new version is written complete and fsynced in a sibling ``<folder>.tmp-<pid>``; if the
-folder does not exist yet, that sibling is renamed to it (the folder appears complete or not at all); otherwise its
-version folder is moved into the folder and its ``manifest.json`` replaces the folder's (the commit), and the old
-version folder is removed after. Replacing the whole folder instead (rename the old aside, rename the new in) would
-leave an instant with no folder at all. What a killed save leaves (a ``.tmp-<pid>`` sibling of a dead process, a
-version folder the manifest does not name) is removed by the next save to the same folder. One save to a folder at
-a time.
+A save is atomic, as a pool's (`trl_exreplay.pool.folder`): the new version folder is written complete and fsynced
+beside the committed one, then ``manifest.json`` is replaced (the commit), then what the manifest does not name is
+removed. A process killed at any instant of a save leaves the previous save loadable, or the new one once committed,
+never a mixture; before a folder's first commit it holds no manifest, hence no saved experience. What a killed save
+leaves (a version folder the manifest does not name, a temporary manifest) is removed by the next save to the same
+folder. One save to a folder at a time.
 
 Example:
 
@@ -67,7 +65,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..pool.check import CHECKSUM, PoolFormatError, _is_int, _within, check_arrow, file_checksum
-from ..pool.folder import fsync_path, pid_alive
+from ..pool.folder import fsync_path, write_json_atomic
 from .provider import ExperienceRecord, SummaryInput
 
 __all__ = [
@@ -90,7 +88,7 @@ _VERSION = re.compile(r"v-[0-9a-f]{16}")
 # An uncompressed stream's columns take about its size in memory; more than this many times it is refused.
 _MAX_EXPANSION, _MAX_EXPANSION_SLACK = 8, 1 << 20
 _HEX = re.compile(r"[0-9a-f]{16}")
-_PID = re.compile(r"[0-9]{1,10}")
+_TEMPORARY_MANIFEST = re.compile(rf"\.{re.escape(MANIFEST)}\.tmp-[0-9a-f]{{12}}")  # `write_json_atomic`'s
 
 # Column names and types, in the dataclasses' field order. Load requires exactly these (`pool.check.check_arrow`).
 RECORD_SCHEMA = pa.schema(
@@ -315,79 +313,56 @@ def _write_table(root: str, version: str, table: str, columns: dict[str, list]) 
     return {"rows": dataset.num_rows, "data_files": data_files}, files
 
 
-def _remove_dead_temps(folder: str) -> None:
-    """Remove the ``<folder>.tmp-<pid>`` siblings that saves killed before their commit left (their process is gone,
-    or it was one with this process's id)."""
-    parent, prefix = os.path.dirname(folder), os.path.basename(folder) + ".tmp-"
-    for name in os.listdir(parent):
-        pid = name[len(prefix) :]
-        if name.startswith(prefix) and _PID.fullmatch(pid) and (int(pid) == os.getpid() or not pid_alive(int(pid))):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _remove_other_versions(folder: str, keep: str) -> None:
-    """Remove the version folders of `folder` that the committed manifest does not name (the previous save's, and a
-    killed save's moved in before its commit). Nothing else in the folder is touched."""
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if name != keep and _VERSION.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
+def _ours(folder: str, name: str) -> bool:
+    """Whether `name` in `folder` is something a save writes there: the manifest, a version folder, a temporary
+    manifest."""
+    path = os.path.join(folder, name)
+    if name == MANIFEST:
+        return os.path.isfile(path)
+    if _VERSION.fullmatch(name):
+        return os.path.isdir(path) and not os.path.islink(path)
+    return _TEMPORARY_MANIFEST.fullmatch(name) is not None and os.path.isfile(path)
 
 
 def save_experience(folder: str, records: Sequence[ExperienceRecord], backlog: Sequence[SummaryInput]) -> None:
     """Save `records` and `backlog` to `folder`, atomically (see the module docstring), replacing what it held.
 
-    `folder` must not exist, or be empty, or hold a saved experience (a ``manifest.json``): anything else is refused
-    (`ValueError`) rather than written into. Values load would refuse (a negative step, a str field that is not a
-    str) raise before anything is written.
+    `folder` must not exist, or hold only what saves write there (none at all, a saved experience, what a killed save
+    left): anything else is refused (`ValueError`) rather than written into. Values load would refuse (a negative
+    step, a str field that is not a str) raise before anything is written.
     """
     columns = {RECORDS: _record_columns(records), BACKLOG: _backlog_columns(backlog)}
     folder = os.path.abspath(folder)
-    parent = os.path.dirname(folder)
-    exists = os.path.lexists(folder)
-    if exists and not (os.path.isdir(folder) and (not os.listdir(folder) or os.path.isfile(f"{folder}/{MANIFEST}"))):
+    if os.path.lexists(folder) and not (
+        os.path.isdir(folder) and not os.path.islink(folder) and all(_ours(folder, n) for n in os.listdir(folder))
+    ):
         raise ValueError(
-            f"Not saving experience into {folder}: it exists and is neither empty nor a saved experience folder "
-            f"(no {MANIFEST}). Save to another folder, or remove this one first."
+            f"Not saving experience into {folder}: it holds something other than a saved experience (a "
+            f"{MANIFEST} and its version folder). Save to another folder, or remove this one first."
         )
-    os.makedirs(parent, exist_ok=True)
-    _remove_dead_temps(folder)
-    tmp = f"{folder}.tmp-{os.getpid()}"
+    os.makedirs(folder, exist_ok=True)
     version = f"v-{uuid.uuid4().hex[:16]}"
-    moved = False
     try:
-        os.makedirs(os.path.join(tmp, version))
         tables, files = {}, {}
         for table in (RECORDS, BACKLOG):
-            tables[table], table_files = _write_table(tmp, version, table, columns[table])
+            tables[table], table_files = _write_table(folder, version, table, columns[table])
             files.update(table_files)
-        fsync_path(os.path.join(tmp, version))
-        manifest = {"format_version": FORMAT_VERSION, "tables": tables, "files": files}
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_path(tmp)
-        if not exists:
-            os.rename(tmp, folder)  # the commit: the folder appears complete
-            fsync_path(parent)
-        else:
-            os.rename(os.path.join(tmp, version), os.path.join(folder, version))
-            moved = True
-            fsync_path(folder)
-            os.replace(os.path.join(tmp, MANIFEST), os.path.join(folder, MANIFEST))  # the commit
-            moved = False
-            fsync_path(folder)
-            os.rmdir(tmp)
+        fsync_path(os.path.join(folder, version))
+        fsync_path(folder)
+        write_json_atomic(
+            os.path.join(folder, MANIFEST), {"format_version": FORMAT_VERSION, "tables": tables, "files": files}
+        )  # the commit
+        fsync_path(folder)
     except BaseException:
-        try:  # remove what this save wrote; the committed folder is untouched
-            shutil.rmtree(tmp, ignore_errors=True)
-            if moved:
-                shutil.rmtree(os.path.join(folder, version), ignore_errors=True)
-        except Exception:  # noqa: BLE001 - the save's own error is the one to report
-            logger.exception("trl_exreplay: cleaning up after a failed experience save")
+        shutil.rmtree(os.path.join(folder, version), ignore_errors=True)  # the committed save is untouched
         raise
-    _remove_other_versions(folder, version)
+    for name in os.listdir(folder):  # the previous save's version, and what killed saves left
+        if name not in (MANIFEST, version) and _ours(folder, name):
+            path = os.path.join(folder, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
 
 
 # ------------------------------------------------------------------------------------------------------- loading
