@@ -321,7 +321,7 @@ def shard_rows(files: dict[str, bytes], folder: str) -> int:
 
 
 def all_trajectories(pool) -> list[dict]:
-    rows = [dict(t.__dict__) for task in pool.stored_tasks() for t in pool.trajectories(task)]
+    rows = [dict(t.__dict__) for task in pool.stored_tasks() for t in pool.candidates(task)]
     return sorted(rows, key=lambda row: row["traj_id"])
 
 

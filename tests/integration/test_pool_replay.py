@@ -66,11 +66,11 @@ def test_bucket_arrays_follow_every_move_into_out_of_and_between_buckets():
         task = f"t{rnd.randrange(40)}"
         record(pool, task, rnd.choice([0, 1, 2, 3, 4]), [rnd.random()], version=step)  # 4 of 4: the skip set
         members = bucket_members(pool)  # the bucketed tasks that hold trajectories (others cannot be replayed)
-        holding = {d: sorted(t for t in ts if pool.trajectories(t)) for d, ts in pool.buckets().items()}
+        holding = {d: sorted(t for t in ts if pool.candidates(t)) for d, ts in pool.buckets().items()}
         assert {d: sorted(m) for d, m in members.items()} == {d: ts for d, ts in holding.items() if ts}
         assert all(len(set(m)) == len(m) for m in members.values())
     assert pool.skip_set and len(pool.buckets()) >= 3
-    assert any(not pool.trajectories(t) for t in pool.buckets()[0])  # bucket 0: tasks never solved, left out
+    assert any(not pool.candidates(t) for t in pool.buckets()[0])  # bucket 0: tasks never solved, left out
 
 
 def test_live_and_loaded_pools_keep_the_same_bucket_arrays_and_draws(tmp_path, rejection):
@@ -80,7 +80,7 @@ def test_live_and_loaded_pools_keep_the_same_bucket_arrays_and_draws(tmp_path, r
         record(pool, f"t{rnd.randrange(200)}", rnd.choice([0, 1, 1, 2, 3, 4]), [rnd.random()], version=step)
     members = bucket_members(pool)
     assert sum(len(m) for m in members.values()) > 16 * 6  # drawing 6: by rejection, not over the listing
-    assert any(m != [t for t in pool.buckets()[d] if pool.trajectories(t)] for d, m in members.items())
+    assert any(m != [t for t in pool.buckets()[d] if pool.candidates(t)] for d, m in members.items())
     pool.save(str(tmp_path / "pool"))
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     assert bucket_members(loaded) == members

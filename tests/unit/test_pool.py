@@ -45,11 +45,11 @@ def outcome(task_id, successes, num_fresh=4, entropies=(), version=0, task_row="
 
 
 def entropies(pool, task_id):
-    return [t.entropy for t in pool.trajectories(task_id)]
+    return [t.entropy for t in pool.candidates(task_id)]
 
 
 def ids(pool, task_id):
-    return [t.traj_id for t in pool.trajectories(task_id)]
+    return [t.traj_id for t in pool.candidates(task_id)]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def test_fully_solved_task_enters_skip_set_and_leaves_buckets_and_store():
     assert pool.skip_set == ["t1"]
     assert pool.bucket_of("t1") is None
     assert pool.buckets() == {1: ["t2"]}
-    assert pool.trajectories("t1") == []
+    assert pool.candidates("t1") == []
     assert pool.num_trajectories == 1 and pool.num_tasks == 1
     # the task row is kept (the task can still be rolled out), but the task is not replayable
     assert pool.task_row("t1") == {"task_id": "t1", "prompt": "solve t1"}
@@ -151,7 +151,7 @@ def test_skip_set_task_leaves_it_when_not_fully_solved():
     # fully solved again: back in the skip set, store cleared again
     pool.record_outcome(outcome("t1", 2, num_fresh=2))
     assert pool.skip_set == ["t2", "t1"]
-    assert pool.trajectories("t1") == [] and pool.buckets() == {}
+    assert pool.candidates("t1") == [] and pool.buckets() == {}
 
 
 def test_no_fresh_rollouts_is_not_fully_solved():
@@ -194,7 +194,7 @@ def test_default_bounds_store_one_to_rbound_minus_one():
     pool = ExperiencePool(experience_rbound=4)
     for s in range(4):
         pool.record_outcome(outcome(f"t{s}", s, num_fresh=4, entropies=[0.3] * s))
-    assert [len(pool.trajectories(f"t{s}")) for s in range(4)] == [0, 1, 2, 3]
+    assert [len(pool.candidates(f"t{s}")) for s in range(4)] == [0, 1, 2, 3]
 
 
 def test_traj_ids_are_sequential_across_tasks_and_drops():
@@ -268,7 +268,7 @@ def test_pool_store_mode_best_random_stores_one_deterministically():
         return pool
 
     a, b = build(0), build(0)
-    assert len(a.trajectories("t")) == 5  # one per outcome, 6 outcomes, capacity 5 (FIFO)
+    assert len(a.candidates("t")) == 5  # one per outcome, 6 outcomes, capacity 5 (FIFO)
     assert entropies(a, "t") == entropies(b, "t")
     for step, e in enumerate(entropies(a, "t"), start=1):
         assert e in [f32(0.1 * step + 0.01 * i) for i in range(3)]
@@ -336,7 +336,7 @@ def test_task_row():
 
 
 def _candidates(pool, values):
-    return [pool.add(traj("t", e)) and pool.trajectories("t")[-1] for e in values]
+    return [pool.add(traj("t", e)) and pool.candidates("t")[-1] for e in values]
 
 
 def test_select_argmin_by_saved_entropy():
@@ -433,9 +433,9 @@ def test_content_hash_equal_for_equal_pools_and_sensitive_to_content():
     assert a.content_hash() == b.content_hash()
     assert len(a.content_hash()) == 64
     before = a.content_hash()
-    a.trajectories("b")[0].entropy = f32(0.78)  # the pool hands out copies: its content does not change
-    a.trajectories("b")[0].logps[0] = 5.0
-    assert a.content_hash() == before and a.trajectories("b")[0].entropy == f32(0.77)
+    a.candidates("b")[0].entropy = f32(0.78)  # the pool hands out copies: its content does not change
+    a.candidates("b")[0].logps[0] = 5.0
+    assert a.content_hash() == before and a.candidates("b")[0].entropy == f32(0.77)
     one_entropy_differs = build_pool()
     one_entropy_differs.record_outcome(outcome("zz", 1, entropies=[0.78]))
     a.record_outcome(outcome("zz", 1, entropies=[0.77]))
@@ -463,7 +463,7 @@ def assert_same_pool(loaded: ExperiencePool, pool: ExperiencePool):
     tasks = [t for tasks in pool.buckets().values() for t in tasks] + pool.skip_set
     for task_id in tasks:
         assert loaded.task_row(task_id) == pool.task_row(task_id)
-        got, want = loaded.trajectories(task_id), pool.trajectories(task_id)
+        got, want = loaded.candidates(task_id), pool.candidates(task_id)
         assert len(got) == len(want)
         for g, w in zip(got, want):
             assert g.task_id == w.task_id
@@ -492,7 +492,7 @@ def test_save_load_round_trip(tmp_path):
     assert loaded.rejected_rows == 0
     assert_same_pool(loaded, pool)
     assert entropies(loaded, "a") == [f32(0.05), f32(0.12)]
-    assert loaded.trajectories("b")[0].logps == [f32(-0.1), f32(-0.2)]
+    assert loaded.candidates("b")[0].logps == [f32(-0.1), f32(-0.2)]
 
 
 def test_loaded_pool_continues_like_the_live_one(tmp_path):
@@ -541,7 +541,7 @@ def test_save_over_existing_pool(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["pool"]  # the old copy and the temporary folder are gone
     loaded = ExperiencePool.load(path)
     assert_same_pool(loaded, second)
-    assert loaded.skip_set == ["d", "b"] and loaded.trajectories("b") == []
+    assert loaded.skip_set == ["d", "b"] and loaded.candidates("b") == []
 
 
 def test_save_creates_parent_folders(tmp_path):
@@ -668,7 +668,7 @@ def test_row_with_bad_shape_is_rejected_not_fatal(tmp_path):
     pool = build_pool()
     path = str(tmp_path / "pool")
     pool.save(path)
-    bad_id = pool.trajectories("c")[0].traj_id
+    bad_id = pool.candidates("c")[0].traj_id
 
     def edit(rows):
         for row in rows:
@@ -680,9 +680,9 @@ def test_row_with_bad_shape_is_rejected_not_fatal(tmp_path):
     loaded = ExperiencePool.load(path)
     assert loaded.rejected_rows == 1
     assert loaded.num_trajectories == pool.num_trajectories - 1
-    assert ids(loaded, "c") == [t.traj_id for t in pool.trajectories("c")[1:]]
+    assert ids(loaded, "c") == [t.traj_id for t in pool.candidates("c")[1:]]
     for task_id in ("a", "b", "f"):
-        assert loaded.trajectories(task_id) == pool.trajectories(task_id)
+        assert loaded.candidates(task_id) == pool.candidates(task_id)
     assert loaded.buckets() == pool.buckets() and loaded.skip_set == pool.skip_set
 
 
@@ -693,7 +693,7 @@ def test_row_with_null_field_is_rejected(tmp_path, column):
     pool = build_pool()
     path = str(tmp_path / "pool")
     pool.save(path)
-    bad_id = pool.trajectories("b")[0].traj_id
+    bad_id = pool.candidates("b")[0].traj_id
 
     def edit(rows):
         for row in rows:
@@ -704,7 +704,7 @@ def test_row_with_null_field_is_rejected(tmp_path, column):
     _rewrite_rows(path, edit)
     loaded = ExperiencePool.load(path)
     assert loaded.rejected_rows == 1
-    assert loaded.trajectories("b") == []
+    assert loaded.candidates("b") == []
     assert loaded.num_trajectories == pool.num_trajectories - 1
     loaded.save(str(tmp_path / "again"))  # what was accepted can be saved again
     assert ExperiencePool.load(str(tmp_path / "again")).content_hash() == loaded.content_hash()
@@ -716,10 +716,10 @@ def test_stale_trajectories_are_evicted_first_under_max_policy_age():
     pool.add(traj("t", entropy=0.2, version=0))
     # a higher-entropy but young trajectory would be refused by argmin; the stale ones make room instead
     assert pool.add(traj("t", entropy=0.9, version=10))
-    assert sorted(t.policy_version for t in pool.trajectories("t")) == [0, 10]
-    assert [t.entropy for t in pool.trajectories("t")] == [f32(0.2), f32(0.9)]
+    assert sorted(t.policy_version for t in pool.candidates("t")) == [0, 10]
+    assert [t.entropy for t in pool.candidates("t")] == [f32(0.2), f32(0.9)]
     assert pool.add(traj("t", entropy=0.8, version=11))
-    assert sorted(t.policy_version for t in pool.trajectories("t")) == [10, 11]
+    assert sorted(t.policy_version for t in pool.candidates("t")) == [10, 11]
     # nothing stale left: back to argmin eviction (0.95 > max entropy 0.9: dropped)
     assert not pool.add(traj("t", entropy=0.95, version=12))
     assert [len(pool.candidates("t", current_step=12, max_policy_age=5))] == [2]

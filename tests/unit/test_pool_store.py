@@ -54,7 +54,7 @@ def record(pool, task_id, successes, entropies=(), version=0, num_fresh=4, task_
 
 
 def entropies(pool, task_id):
-    return [t.entropy for t in pool.trajectories(task_id)]
+    return [t.entropy for t in pool.candidates(task_id)]
 
 
 def files_of(path) -> list[str]:
@@ -91,7 +91,7 @@ def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
         table = datasets.Dataset.from_file(str(shard))  # memory-mapped by `datasets` itself
         assert table.features == datasets.Features.from_dict(TRAJECTORY_FEATURES)
         rows += table.to_list()
-    want = [dict(t.__dict__, store_seq=i) for i, t in enumerate(pool.trajectories("a") + pool.trajectories("b"))]
+    want = [dict(t.__dict__, store_seq=i) for i, t in enumerate(pool.candidates("a") + pool.candidates("b"))]
     assert sorted(rows, key=lambda r: r["traj_id"]) == want
     assert want[0] == {
         "task_id": "a",
@@ -425,7 +425,7 @@ def test_a_pool_reads_the_files_it_mapped_even_if_a_saved_copy_is_replaced(tmp_p
     record(pool, "a", 2, [0.1, 0.2])
     pool.save(str(tmp_path / "first"))
     loaded = ExperiencePool.load(str(tmp_path / "first"))
-    want = loaded.trajectories("a")
+    want = loaded.candidates("a")
     loaded.save(str(tmp_path / "second"))  # now also a location of its shards, tried first
     (name,) = [n for n in files_of(tmp_path / "second") if n.startswith("trajectories/")]
     other = ExperiencePool(experience_rbound=8)
@@ -433,9 +433,9 @@ def test_a_pool_reads_the_files_it_mapped_even_if_a_saved_copy_is_replaced(tmp_p
     other.save(str(tmp_path / "third"))
     (foreign,) = [n for n in files_of(tmp_path / "third") if n.startswith("trajectories/")]
     os.replace(tmp_path / "third" / foreign, tmp_path / "second" / name)  # another file under the same name
-    assert loaded.trajectories("a") == want and [t.entropy for t in want] == [f32(0.1), f32(0.2)]
+    assert loaded.candidates("a") == want and [t.entropy for t in want] == [f32(0.1), f32(0.2)]
     os.remove(tmp_path / "first" / name)  # no path to the mapped file left: read through the mapping
-    assert loaded.trajectories("a") == want
+    assert loaded.candidates("a") == want
 
 
 # --------------------------------------------------------------------------------------------------------------------

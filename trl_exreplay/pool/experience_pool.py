@@ -322,10 +322,6 @@ class ExperiencePool:
         index = self.index
         return [index.task_ids[t] for t in index.ordered(index.store_order).tolist() if index.count[t] > 0]
 
-    def trajectories(self, task_id: str) -> list[Trajectory]:
-        """Copies of a task's stored trajectories, in store order (read from the shards)."""
-        return self.candidates(task_id)
-
     def task_row(self, task_id: str) -> dict | None:
         t = self.index.task_index.get(task_id)
         if t is None or self.index.row_key[t] < 0:
@@ -339,7 +335,8 @@ class ExperiencePool:
         max_policy_age: int | None = None,
         window: int | None = None,
     ) -> list[Trajectory]:
-        """Stored trajectories of a task young enough to replay (and among the `window` most recently stored)."""
+        """Copies of a task's stored trajectories, in store order (read from the shards); with the arguments, those young
+        enough to replay and among the `window` most recently stored."""
         t = self.index.task_index.get(task_id)
         return [] if t is None else self._read_all(self.index.keys(t, current_step, max_policy_age, window))
 
@@ -616,7 +613,7 @@ class ExperiencePool:
             if self.index.row_key[self.index.task_index[task_id]] >= 0:
                 digest.update(json.dumps([task_id, self.task_row(task_id)], sort_keys=True).encode())
         for task_id in sorted(self.stored_tasks()):
-            for trajectory in self.trajectories(task_id):
+            for trajectory in self.candidates(task_id):
                 digest.update(json.dumps(asdict(trajectory), sort_keys=True).encode())
         return digest.hexdigest()
 
