@@ -64,7 +64,7 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(
         {
             "rank": rank,
-            "pool_hash": trainer.pool.content_hash(),
+            "pool_hash": trainer.pool.index_hash(),  # equal on every rank; rank 0 alone holds the rows
             "pool_trajectories": trainer.pool.num_trajectories,
             "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
             "replayed_rows": replayed_rows,
