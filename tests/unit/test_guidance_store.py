@@ -280,6 +280,25 @@ def test_the_tables_are_datasets_folders(tmp_path):
     assert table.to_list() == [b.as_dict() for b in BACKLOG]
 
 
+def test_an_error_after_the_commit_keeps_the_committed_save(tmp_path, monkeypatch):
+    """The save's last fsync fails (or an interrupt lands) after its manifest is in place: what it names stays."""
+    import trl_exreplay.guidance.store as store
+
+    folder = str(tmp_path / "exp")
+    fsync = store.fsync_path
+
+    def fsync_failing_after_the_commit(path):
+        if os.path.exists(os.path.join(folder, "manifest.json")):
+            raise OSError(5, "Input/output error")
+        fsync(path)
+
+    monkeypatch.setattr(store, "fsync_path", fsync_failing_after_the_commit)
+    with pytest.raises(OSError, match="Input/output error"):
+        save_experience(folder, RECORDS, BACKLOG)
+    loaded = load_experience(folder)
+    assert loaded.records == RECORDS and loaded.backlog == BACKLOG
+
+
 def test_a_save_refuses_values_load_would_refuse_and_folders_it_does_not_own(tmp_path):
     with pytest.raises(ValueError, match=r"records\[0\].step"):
         save_experience(str(tmp_path / "a"), [record(0, "q", step=-1)], [])

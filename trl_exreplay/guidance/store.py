@@ -342,6 +342,7 @@ def save_experience(folder: str, records: Sequence[ExperienceRecord], backlog: S
         )
     os.makedirs(folder, exist_ok=True)
     version = f"v-{uuid.uuid4().hex[:16]}"
+    committed = False
     try:
         tables, files = {}, {}
         for table in (RECORDS, BACKLOG):
@@ -352,9 +353,11 @@ def save_experience(folder: str, records: Sequence[ExperienceRecord], backlog: S
         write_json_atomic(
             os.path.join(folder, MANIFEST), {"format_version": FORMAT_VERSION, "tables": tables, "files": files}
         )  # the commit
+        committed = True
         fsync_path(folder)
     except BaseException:
-        shutil.rmtree(os.path.join(folder, version), ignore_errors=True)  # the committed save is untouched
+        if not committed:  # remove what this save wrote; the committed save is untouched
+            shutil.rmtree(os.path.join(folder, version), ignore_errors=True)
         raise
     for name in os.listdir(folder):  # the previous save's version, and what killed saves left
         if name not in (MANIFEST, version) and _ours(folder, name):

@@ -286,8 +286,8 @@ class ExperiencePool:
         self.index.row_key[t] = self._task_rows.append((self.index.task_ids[t], row))
 
     def _task_row_text(self, key: int) -> str:
-        item, row = self._task_rows.locate(key)
-        return item[1] if row is None else item.read(("task_row",), [row])[0]["task_row"]
+        (found,) = self._task_rows.read([key], ("task_row",))  # under the log's lock: no compaction meanwhile
+        return found["task_row"] if isinstance(found, dict) else found[1]
 
     # ---------------------------------------------------------------------------------------------- queries
     def bucket_of(self, task_id: str) -> int | None:
