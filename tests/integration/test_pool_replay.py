@@ -222,7 +222,7 @@ def test_rows_read_with_pread_are_the_arrow_values():
         record(pool, "a", 3, [rnd.random()], n=rnd.randrange(1, 3000), version=i)
     pool.flush(wait=True)
     key = int(pool.index.slots[pool.index.task_index["a"], 0])
-    shard, _ = pool._trajectories.locate(key)
+    shard = pool._trajectories.shards[int(pool._trajectories.locations(np.array([key]))[0]) >> 32]
     assert isinstance(shard, Shard) and not shard.is_open
     table = read_arrow(shard.paths[0])
     names = ("prompt_ids", "completion_ids", "completion_mask", "logps", "rewards", "reward")

@@ -24,8 +24,7 @@ log = ShardLog("notes", "note", schema, lambda items: pa.record_batch([pa.array(
                Writer(), Scratch(), shard_rows=2, stage_rows=1)
 keys = [log.append(text) for text in ("a", "b", "c")]  # each append is handed to the writer thread
 log.flush(seal=True, wait=True)  # "a", "b" filled one shard file; sealing writes "c" to a second one
-shard, row = log.locate(keys[0])
-assert shard.column("text", row) == "a" and log.stats()["shards"] == 2
+assert log.read(keys, ("text",)) == [{"text": "a"}, {"text": "b"}, {"text": "c"}] and log.stats()["shards"] == 2
 ```
 """
 
@@ -399,9 +398,6 @@ class Shard:
                 return None
         return layout
 
-    def column(self, name: str, row: int):
-        return self.read((name,), [row])[0][name]
-
     def file_digest(self) -> tuple[int, str]:
         """(size, xxh3-64) of the shard's file, computed the first time (the writer thread does it for its shards, a
         load for the shards it verifies), then known: a shard file never changes."""
@@ -609,16 +605,6 @@ class ShardLog:
         shard.live -= 1
         shard.dead.add(loc & _ROW_MASK)
         self._dirty.add(shard.sid)
-
-    def locate(self, key: int):
-        """``(item, None)`` for a pending row, ``(shard, row)`` for a staged or written one."""
-        with self._lock:
-            loc = int(self._loc[key])
-            if loc == PENDING:
-                return self._pending[key], None
-            if loc < 0:
-                raise KeyError(f"{self.kind}: key {key} is not in use.")
-            return self.shards[loc >> _ROW_BITS], loc & _ROW_MASK
 
     def read(self, keys: Sequence[int], names: tuple[str, ...]) -> list:
         """For each of `keys`: its pending item, or the columns `names` of its row as a dict. Under the log's lock,
@@ -956,7 +942,7 @@ class IndexOnlyLog(ShardLog):
             f"{self.kind}: this pool holds its index only; its rows are read where they are held (rank 0 of a run)."
         )
 
-    locate = locations = save_into = read  # every other access to the rows
+    locations = save_into = read  # every other access to the rows
 
     def stats(self) -> dict[str, int]:
         return {}
