@@ -224,7 +224,7 @@ def test_rows_read_with_pread_are_the_arrow_values():
     key = int(pool.index.slots[pool.index.task_index["a"], 0])
     shard = pool._trajectories.shards[int(pool._trajectories.locations(np.array([key]))[0]) >> 32]
     assert isinstance(shard, Shard) and not shard.is_open
-    table = read_arrow(shard.paths[0])
+    table = read_arrow(shard.path)
     names = ("prompt_ids", "completion_ids", "completion_mask", "logps", "rewards", "reward")
     rows = [40, 3, 3, 4, 63, 0, 5, 20, 21, 22]  # unsorted, repeated, adjacent and far apart
     want = [{name: table.column(name)[row].as_py() for name in names} for row in rows]
@@ -241,8 +241,14 @@ def test_a_read_opens_each_shard_it_reads_once_and_closes_it(tmp_path, monkeypat
     pool.save(str(tmp_path / "pool"))
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     opened = []
-    original = Shard.open_file
-    monkeypatch.setattr(Shard, "open_file", lambda shard: opened.append(shard.name) or original(shard))
+    original = os.open
+
+    def counting_open(path, *args, **kwargs):
+        if str(path).endswith(".arrow"):
+            opened.append(os.path.basename(path))
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", counting_open)
     for p in (pool, loaded):
         opened.clear()
         descriptors = len(os.listdir("/proc/self/fd"))

@@ -186,7 +186,7 @@ def load_index(
         """(index in the state, shard) of each shard file, checked, then mapped one at a time."""
         for i, entry in enumerate(state["shards"][kind]):
             file = folder.verify(state, f"{kind}/{entry['name']}", verify)
-            shard = Shard(-1, entry["name"], 0, [file])
+            shard = Shard(-1, entry["name"], 0, file)
             try:
                 shard.map(file)
             except (OSError, pa.ArrowException) as e:
@@ -198,11 +198,6 @@ def load_index(
                 recorded = state["files"][f"{kind}/{entry['name']}"]
                 shard.digest = (recorded["size"], recorded[CHECKSUM])
             yield i, shard
-
-    def settle(log, shard):
-        shard.layout(log.read_columns)  # so that no read pays for it
-        shard.release()  # validation read offsets and ids through the mapping: unmap them again
-        log.keep(shard)  # unmapped too, when a hard link in the scratch folder keeps the file
 
     reasons: Counter = Counter()
     n = tasks.num_rows
@@ -219,7 +214,7 @@ def load_index(
         rows = row_index[owners]
         good = ~invalid_rows(shard.table(), rows, ("task_row",), ())
         row_key[owners[good]] = logs[TASK_ROWS_DIR].adopt(shard, rows[good])
-        settle(logs[TASK_ROWS_DIR], shard)
+        logs[TASK_ROWS_DIR].keep(shard)  # so that it outlives `folder`; then unmapped
     lost = int(((row_shard >= 0) & (row_key < 0)).sum())
     if lost:
         reasons["missing or malformed task row"] += lost
@@ -260,7 +255,7 @@ def load_index(
         entry_key[good] = keys
         per_key.append((keys, {"task": entry_task[good], **{name: values[name][rows] for name in _INDEX_COLUMNS}}))
         del table, values
-        settle(log, shard)
+        log.keep(shard)
     ok = entry_key >= 0
     index = PoolIndex.from_state(capacity, state["counters"], columns, entry_task[ok], entry_key[ok])
     for keys, values in per_key:

@@ -31,7 +31,6 @@ assert log.read(keys, ("text",)) == [{"text": "a"}, {"text": "b"}, {"text": "c"}
 from __future__ import annotations
 
 import array
-import functools
 import json
 import os
 import sys
@@ -49,7 +48,6 @@ from .index import grow
 from .writer import Writer
 
 _BURST_GAP, _MAX_DEFER = 0.003, 0.5
-_NUMPY_TYPES = {pa.int8(): np.int8, pa.int32(): np.int32, pa.int64(): np.int64, pa.float32(): np.float32}
 PENDING = -1  # location of a row still in RAM
 FREE = -2  # location of an unused key
 _ROW_BITS = 32
@@ -191,65 +189,40 @@ def release_pages(span: tuple[int, int] | None) -> None:
 
 # ----------------------------------------------------------------------------------------------------------- shards
 class Shard:
-    """One shard: immutable once it has a file (memory-mapped), or the open shard whose rows are still in RAM.
+    """One shard: the open one, whose rows are still in RAM, or an immutable Arrow file at `path`.
 
-    Knows where copies of its file are and how many of its rows are still live.
+    A file the log owns (its copy in the scratch folder, `owned`) is read with `os.pread` at byte offsets known from
+    its layout, so no page of it is mapped into the process; any other (a loaded file no hard link could keep) stays
+    memory-mapped and is read through its mapping, which outlives the deletion of the folder it was loaded from.
+    `live` counts its rows without a tombstone (those in `dead`).
     """
 
-    __slots__ = (
-        "sid",
-        "name",
-        "rows",
-        "nbytes",
-        "live",
-        "dead",
-        "paths",
-        "owned",
-        "touched",
-        "_table",
-        "_span",
-        "_readers",
-        "_layouts",
-        "_inode",
-        "digest",
-    )
+    __slots__ = ("sid", "name", "rows", "nbytes", "live", "dead", "path", "owned", "digest", "_table", "_span",
+                 "_layout", "_inode")  # fmt: skip
 
-    def __init__(
-        self, sid: int, name: str, rows: int, paths: Sequence[str], owned: str | None = None, table=None, span=None
-    ):
+    def __init__(self, sid: int, name: str, rows: int, path: str | None = None, owned: bool = False):
         self.sid = sid
         self.name = name
         self.rows = rows
         self.nbytes = 0
         self.live = 0
-        self.dead: set[int] = set()  # rows with a tombstone (`live` counts the others)
-        self.paths = list(paths)  # existing copies, newest first (the owned one in the scratch folder, saved ones)
+        self.dead: set[int] = set()
+        self.path = path
         self.owned = owned
-        self.touched = False  # rows were read since the last `release`
-        self._table = table
-        self._span = span  # (address, size) of the file mapping
-        self._readers: dict[tuple, Callable] = {}
-        self._layouts: dict[tuple, list] = {}
-        self._inode = None  # (device, inode) of the mapped file: `read` uses only a path to that very file
         self.digest: tuple[int, str] | None = None  # (size, xxh3-64) of the file: computed once, it never changes
+        self._table: pa.Table | None = None
+        self._span: tuple[int, int] | None = None  # (address, size) of the file mapping
+        self._layout: tuple | None = None  # (names, where they are in the file): see `prepare`
+        self._inode: tuple[int, int] | None = None  # (device, inode) of the mapped file
 
     @property
     def is_open(self) -> bool:
-        return not self.paths
+        return self.path is None
 
     def table(self) -> pa.Table:
-        """The shard's rows, memory-mapped (from a path to the very file this shard is)."""
+        """The shard's rows, memory-mapped (mapped now if not yet)."""
         if self._table is None:
-            for path in self.paths:
-                try:
-                    info = os.stat(path)
-                except OSError:
-                    continue
-                if self._inode is None or (info.st_dev, info.st_ino) == self._inode:
-                    self.map(path)
-                    break
-            else:
-                raise FileNotFoundError(f"Shard {self.name}: no file left at {self.paths}.")
+            self.map(self.path)
         return self._table
 
     def map(self, path: str) -> None:
@@ -259,217 +232,101 @@ class Shard:
         self._inode = (info.st_dev, info.st_ino)
         self.rows = self._table.num_rows
 
-    def unmap(self) -> None:
-        """Forget the mapping (~30 KB of Arrow objects per shard), once reads can go through `pread` and a file is
-        sure to stay (its scratch copy); a shard read through its mapping keeps it."""
-        if self.owned is not None and self._inode is not None and all(self._layouts.values()):
-            self._table, self._span = None, None
-            self._readers.clear()
+    def prepare(self, names: tuple[str, ...]) -> None:
+        """Compute where columns `names` are in an owned file, so that its reads need no mapping, then `release` it.
+        Done once, by the writer thread for the shards it writes and at load for the others."""
+        if self.owned and self._layout is None:
+            layout = _layout(self.table(), names, self._span)
+            self._layout = None if layout is None else (names, layout)
+        self.release()
 
     def release(self) -> None:
-        """Drop this process's resident pages of the mapped file (see `release_pages`)."""
-        self.touched = False
+        """Drop this process's resident pages of the mapped file (see `release_pages`), and the mapping itself (~30 KB
+        of Arrow objects) when reads go through `pread`."""
         release_pages(self._span)
-
-    def reader(self, names: tuple[str, ...]) -> Callable[[int], dict]:
-        """``row -> {name: Python value}`` for columns `names`, over zero-copy numpy views of the rows."""
-        reader = self._readers.get(names)
-        if reader is None:
-            reader = self._readers[names] = self._make_reader(names)
-        return reader
-
-    def _make_reader(self, names: tuple[str, ...]) -> Callable[[int], dict]:
-        table = self.table()
-        chunks = table.column(0).chunks if table.num_columns else []
-        starts = np.cumsum([0] + [len(c) for c in chunks])
-        per_chunk = []
-        for index in range(len(chunks)):
-            getters = []
-            for name in names:
-                chunk = table.column(name).chunks[index]
-                if pa.types.is_list(chunk.type):
-                    offsets = chunk.offsets.to_numpy()
-                    values = chunk.values.to_numpy(zero_copy_only=chunk.values.null_count == 0)
-                    getters.append((name, 0, offsets, values))
-                elif pa.types.is_string(chunk.type):
-                    getters.append((name, 1, chunk, None))
-                else:
-                    getters.append((name, 2, chunk.to_numpy(zero_copy_only=chunk.null_count == 0), None))
-            per_chunk.append(getters)
-
-        def read(row: int) -> dict:
-            if not self.touched:
-                self.touched = True
-                _TOUCHED.add(self)
-            index = 0 if len(per_chunk) == 1 else int(np.searchsorted(starts, row, side="right")) - 1
-            local = row - int(starts[index])
-            out = {}
-            for name, kind, data, values in per_chunk[index]:
-                if kind == 0:
-                    out[name] = values[data[local] : data[local + 1]].tolist()
-                elif kind == 1:
-                    out[name] = data[local].as_py()
-                else:
-                    out[name] = data[local].item()
-            return out
-
-        return read
+        if self._layout is not None:
+            self._table = self._span = None
 
     def read(self, names: tuple[str, ...], rows: Sequence[int]) -> list[dict]:
-        """Columns `names` of `rows`, as Python objects.
-
-        A written shard is read with `os.pread` at byte offsets known from its layout (kept in RAM: 4 bytes per row
-        and distinct offsets array), so no page of the file is mapped into the process; a shard still in RAM, or
-        whose files are all gone (still mapped), is read from its Arrow columns.
-        """
-        layout = self.layout(names)
-        fd = self.open_file() if layout is not None else None
-        if fd is not None:
-            try:
-                return _pread_rows(fd, layout, rows)
-            finally:
-                os.close(fd)
-        read = self.reader(names)
-        return [read(row) for row in rows]
-
-    def open_file(self) -> int | None:
-        """A new descriptor of a path to this shard's file, if any is left (hard links are; a file replaced under the
-        same name is not)."""
-        for path in self.paths:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            info = os.fstat(fd)
-            if (info.st_dev, info.st_ino) == self._inode:
-                return fd
+        """Columns `names` of `rows`, as Python objects."""
+        if self._layout is None or self._layout[0] != names:
+            out = self.table().select(list(names)).take(pa.array(rows, pa.int64())).to_pylist()
+            release_pages(self._span)
+            return out
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return _pread_rows(fd, self._layout[1], rows)
+        finally:
             os.close(fd)
-        return None
 
-    def layout(self, names: tuple[str, ...]) -> list | None:
-        """Where each of `names` is in the file: offsets (copied to RAM, shared between columns of equal lengths),
-        byte offset of the values; None when the shard is not a single-batch file mapped whole. Computed once, by
-        the writer thread for the shards it writes and at load for the others, so reads never pay for it."""
-        if names in self._layouts:
-            return self._layouts[names]
-        layout = None
-        if not self.is_open:
-            table = self.table()
-            if self._span is not None and all(column.num_chunks == 1 for column in table.columns):
-                layout = self._make_layout(table, names)
-                release_pages(self._span)  # the offsets were read through the mapping
-        self._layouts[names] = layout
-        return layout
-
-    def _make_layout(self, table: pa.Table, names: tuple[str, ...]) -> list | None:
-        base, size = self._span
-        layout, shared = [], {}
-        for name in names:
-            chunk = table.column(name).chunks[0]
-            if pa.types.is_list(chunk.type) or pa.types.is_string(chunk.type):
-                if pa.types.is_list(chunk.type):
-                    child = chunk.values
-                    if child.null_count or not pa.types.is_primitive(child.type):
-                        return None
-                    dtype = _NUMPY_TYPES.get(child.type)
-                    if dtype is None:
-                        return None
-                    data, itemsize = child.buffers()[1], child.type.bit_width // 8
-                    start = data.address - base + child.offset * itemsize
-                else:
-                    data, itemsize, dtype = chunk.buffers()[2], 1, None  # utf-8 bytes
-                    start = data.address - base
-                if not (0 <= start and data.address + data.size <= base + size):
-                    return None  # not inside the mapping (a copy): read through Arrow
-                if pa.types.is_list(chunk.type):
-                    raw = chunk.offsets.to_numpy().tobytes()
-                else:
-                    raw = np.frombuffer(chunk.buffers()[1], np.int32)[chunk.offset : chunk.offset + len(chunk) + 1]
-                    raw = raw.tobytes()
-                offsets = shared.setdefault(raw, array.array("i", raw))  # compact, fast to index
-                layout.append((name, offsets, start, itemsize, _converter(dtype)))
-            elif pa.types.is_primitive(chunk.type) and chunk.null_count == 0:
-                values = chunk.to_numpy()
-                typecode = {np.dtype(np.float32): "f", np.dtype(np.int64): "q", np.dtype(np.int32): "i"}
-                if values.dtype not in typecode:
-                    return None
-                layout.append((name, array.array(typecode[values.dtype], values.tobytes()), -1, 0, None))
-            else:
-                return None
-        return layout
-
-    def file_digest(self) -> tuple[int, str]:
-        """(size, xxh3-64) of the shard's file, computed the first time (the writer thread does it for its shards, a
-        load for the shards it verifies), then known: a shard file never changes."""
+    def file_digest(self, path: str) -> tuple[int, str]:
+        """(size, xxh3-64) of the shard's file (a copy of it at `path`): computed the first time, then known (the
+        writer thread knows it for its shards, a verifying load for the shards it checked)."""
         if self.digest is None:
-            self.table()  # a path to the very file
-            for path in self.paths:
-                info = os.stat(path)
-                if (info.st_dev, info.st_ino) == self._inode:
-                    self.digest = (info.st_size, file_checksum(path))
-                    break
+            self.digest = (os.path.getsize(path), file_checksum(path))
         return self.digest
 
     def save_into(self, folder: str) -> str:
         """Make this shard a file of `folder` (a hard link when possible); returns its path there."""
         dest = os.path.join(folder, self.name)
         if not os.path.exists(dest):
-            link_or_copy(self.paths, dest, fallback=lambda tmp: write_arrow(tmp, self.table()))
-        if dest not in self.paths:
-            self.paths.insert(0 if self.owned is None else 1, dest)
+            link_or_copy([self.path], dest, fallback=lambda tmp: write_arrow(tmp, self.table()))
         return dest
 
 
-def _int8_list(data: bytes) -> list[int]:
-    """int8 values as a list: a mask of model tokens only is built without reading it value by value."""
-    if not data.strip(b"\x01"):
-        return [1] * len(data)
-    if data.isascii():  # values 0..127: bytes() gives the same ints, faster than numpy
-        return list(data)
-    return np.frombuffer(data, np.int8).tolist()
+# Array typecodes of the numpy types read back (`_pread_rows` converts with `array`, which is faster than numpy for
+# small reads); None: UTF-8 text.
+_TYPECODES = {pa.int8(): "b", pa.int32(): "i", pa.int64(): "q", pa.float32(): "f"}
 
 
-def _array_list(typecode: str, data: bytes) -> list:
-    return array.array(typecode, data).tolist()
-
-
-def _numpy_list(dtype: np.dtype, data: bytes) -> list:
-    return np.frombuffer(data, dtype).tolist()
-
-
-def _converter(dtype) -> Callable[[bytes], list | str]:
-    """``bytes -> list`` equal to ``np.frombuffer(data, dtype).tolist()`` (a str for None: utf-8), by the fastest
-    route (`array.array` converts without numpy's per-call overhead). Picklable: a lazily read value holds it."""
-    if dtype is None:
-        return bytes.decode
-    dtype = np.dtype(dtype)
-    if dtype == np.int8:
-        return _int8_list
-    code = {"i": "i", "l": "q", "q": "q", "f": "f", "d": "d"}.get(dtype.char)
-    if code is not None and dtype.isnative and array.array(code).itemsize == dtype.itemsize:
-        return functools.partial(_array_list, code)
-    return functools.partial(_numpy_list, dtype)
+def _layout(table: pa.Table, names: tuple[str, ...], span: tuple[int, int]) -> list | None:
+    """Per column of `names`: (name, offsets, byte offset of the values in the file, item size, typecode); a scalar
+    column is kept whole in RAM (offsets holds its values, byte offset -1). None when the file is not one record
+    batch of lists, strings and non-null scalars inside the mapping `span`: it is then read through the mapping."""
+    if any(column.num_chunks != 1 for column in table.columns):
+        return None
+    base, size = span
+    layout, shared = [], {}
+    for name in names:
+        chunk = table.column(name).chunks[0]
+        if pa.types.is_list(chunk.type):
+            child, raw = chunk.values, chunk.offsets.to_numpy().tobytes()
+            code = _TYPECODES.get(child.type)
+            if code is None or child.null_count:
+                return None
+            data, itemsize = child.buffers()[1], child.type.bit_width // 8
+            start = data.address - base + child.offset * itemsize
+        elif pa.types.is_string(chunk.type):
+            data, itemsize, code = chunk.buffers()[2], 1, None
+            start = data.address - base
+            raw = np.frombuffer(chunk.buffers()[1], np.int32)[chunk.offset : chunk.offset + len(chunk) + 1].tobytes()
+        elif chunk.type in _TYPECODES and chunk.null_count == 0:
+            layout.append((name, array.array(_TYPECODES[chunk.type], chunk.to_numpy().tobytes()), -1, 0, None))
+            continue
+        else:
+            return None
+        if not (0 <= start and data.address + data.size <= base + size):
+            return None  # not inside the mapping (a copy)
+        offsets = shared.setdefault(raw, array.array("i", raw))  # compact, fast to index; shared by equal columns
+        layout.append((name, offsets, start, itemsize, code))
+    return layout
 
 
 def _pread_rows(fd: int, layout: list, rows: Sequence[int]) -> list[dict]:
-    """Columns of `rows` read from the file `fd` at the offsets of `layout`, one `pread` per row and column, none for
-    scalars (kept in RAM)."""
+    """Columns of `rows` read from the file `fd` at the offsets of `layout`, one `pread` per row and list column."""
     out = []
     pread = os.pread
     for row in rows:
         values = {}
-        for name, offsets, start, itemsize, convert in layout:
+        for name, offsets, start, itemsize, code in layout:
             if start < 0:
                 values[name] = offsets[row]
                 continue
             first = offsets[row]
             data = pread(fd, (offsets[row + 1] - first) * itemsize, start + first * itemsize)
-            values[name] = convert(data)
+            values[name] = data.decode() if code is None else array.array(code, data).tolist()
         out.append(values)
     return out
-
-
-_TOUCHED: set[Shard] = set()  # shards read through their mapping since the last `ShardLog.release`
 
 
 class ShardLog:
@@ -509,7 +366,7 @@ class ShardLog:
         read_columns: tuple[str, ...] = (),
     ):
         self.kind = kind
-        self.read_columns = read_columns
+        self.read_columns = read_columns or tuple(schema.names)
         self.prefix = prefix
         self.schema = schema
         self._build = build
@@ -524,8 +381,7 @@ class ShardLog:
         self._loc = np.empty(0, np.int64)
         self._gen = np.empty(0, np.int32)  # bumped on delete: a row written for an old use of a key is not its row
         self._size = 0
-        self._free = np.empty(0, np.int64)
-        self._num_free = 0
+        self._free: list[int] = []  # freed keys, reused last freed first
         self._pending: dict[int, object] = {}
         self._unflushed: list[tuple[int, int]] = []  # (key, generation) in append order
         self._unflushed_size = 0
@@ -539,39 +395,24 @@ class ShardLog:
         self._small: set[int] = set()
 
     # ---------------------------------------------------------------------------------------------- keys
-    def _new_key(self) -> int:
-        if self._num_free:
-            self._num_free -= 1
-            return int(self._free[self._num_free])
-        if self._size == len(self._loc):
-            grown = max(1024, 2 * len(self._loc))
+    def _new_keys(self, count: int) -> np.ndarray:
+        """`count` keys never used before (the freed ones are reused one at a time, by `_new_key`)."""
+        if self._size + count > len(self._loc):
+            grown = max(1024, 2 * len(self._loc), self._size + count)
             self._loc = grow(self._loc, grown, None)  # entries past _size are set when first used
             self._gen = grow(self._gen, grown, None)
-        self._gen[self._size] = 0
-        self._size += 1
-        return self._size - 1
+        keys = np.arange(self._size, self._size + count, dtype=np.int64)
+        self._gen[keys] = 0
+        self._size += count
+        return keys
 
-    def _new_keys(self, count: int) -> np.ndarray:
-        reused = min(count, self._num_free)
-        keys = [self._free[self._num_free - reused : self._num_free][::-1].copy()]
-        self._num_free -= reused
-        fresh = count - reused
-        if self._size + fresh > len(self._loc):
-            grown = max(1024, 2 * len(self._loc), self._size + fresh)
-            self._loc = grow(self._loc, grown, None)
-            self._gen = grow(self._gen, grown, None)
-        self._gen[self._size : self._size + fresh] = 0
-        keys.append(np.arange(self._size, self._size + fresh, dtype=np.int64))
-        self._size += fresh
-        return np.concatenate(keys)
+    def _new_key(self) -> int:
+        return self._free.pop() if self._free else int(self._new_keys(1)[0])
 
     def _release_key(self, key: int) -> None:
         self._gen[key] += 1
         self._loc[key] = FREE
-        if self._num_free == len(self._free):
-            self._free = grow(self._free, max(1024, 2 * len(self._free)), None)
-        self._free[self._num_free] = key
-        self._num_free += 1
+        self._free.append(key)
 
     def append(self, item, size: int = 1) -> int:
         """Buffer a row; returns its key. Hands the buffer to the writer thread when it is big enough."""
@@ -608,8 +449,7 @@ class ShardLog:
 
     def read(self, keys: Sequence[int], names: tuple[str, ...]) -> list:
         """For each of `keys`: its pending item, or the columns `names` of its row as a dict. Under the log's lock,
-        so that no shard file goes away (a compaction) while it is read; then the pages read through a mapping are
-        released."""
+        so that no shard file goes away (a compaction) while it is read."""
         out: list = [None] * len(keys)
         with self._lock:
             by_shard: dict[int, list[tuple[int, int]]] = {}
@@ -624,23 +464,11 @@ class ShardLog:
             for sid, wanted in by_shard.items():
                 for (i, _), row in zip(wanted, self.shards[sid].read(names, [row for _, row in wanted])):
                     out[i] = row
-        self.release()
         return out
 
     def locations(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
             return self._loc[keys]
-
-    @staticmethod
-    def release() -> None:
-        """Drop the resident pages of the shard files read through their mapping since the last call (see
-        `release_pages`); reads through `pread` map nothing."""
-        while _TOUCHED:
-            try:
-                shard = _TOUCHED.pop()
-            except KeyError:
-                break
-            shard.release()
 
     # ------------------------------------------------------------------------------------------ flush
     def flush(self, seal: bool = False, wait: bool = False) -> None:
@@ -699,7 +527,7 @@ class ShardLog:
             sid, chunks = self._open.sid, self._open.table().to_batches()
         # A new object for the grown shard: a reader holding the previous one keeps a consistent view. Its file's name
         # comes with its bytes, when it is sealed.
-        grown = Shard(sid, f"{self.prefix}-{sid:06d}-open", sum(len(c) for c in chunks) + len(batch), [], table=None)
+        grown = Shard(sid, f"{self.prefix}-{sid:06d}-open", sum(len(c) for c in chunks) + len(batch))
         grown._table = pa.Table.from_batches([*chunks, record_batch], schema=self.schema)
         grown.nbytes = (self._open.nbytes if self._open is not None else 0) + record_batch.nbytes
         first = grown.rows - len(batch)
@@ -725,10 +553,9 @@ class ShardLog:
         self._files_written += 1
         path = os.path.join(self._scratch.folder(self.kind), name)
         write_atomic(path, lambda tmp: write_buffer(tmp, data))
-        shard = Shard(sid, name, rows, [path], owned=path)
+        shard = Shard(sid, name, rows, path, owned=True)
         shard.digest = (data.size, checksum)
-        shard.layout(self.read_columns)
-        shard.unmap()
+        shard.prepare(self.read_columns)
         return shard
 
     def _seal(self) -> None:
@@ -768,19 +595,18 @@ class ShardLog:
             if shard is None or shard.live or shard is self._open:
                 continue
             del self.shards[sid]
-            if shard.owned is not None and os.path.exists(shard.owned):
-                os.remove(shard.owned)
+            if shard.owned and os.path.exists(shard.path):
+                os.remove(shard.path)
 
-    def _maybe_compact(self) -> None:
-        """Writer thread: rewrite the shards that are mostly tombstones, and merge small ones."""
+    def _maybe_compact(self, everything: bool = False) -> None:
+        """Writer thread: rewrite the shards that are mostly tombstones (`everything`: all that hold one), and merge
+        small ones."""
         with self._lock:
-            self._drop_empty()
-            victims = []
-            for sid in self._dirty:
-                shard = self.shards.get(sid)
-                if shard is not None and not shard.is_open:
-                    if shard.live <= shard.rows * (1.0 - self.compact_dead_fraction):
-                        victims.append(shard)
+            self._drop_empty(list(self.shards) if everything else None)
+            seen = list(self.shards) if everything else self._dirty
+            keep = 1.0 if everything else 1.0 - self.compact_dead_fraction
+            victims = [self.shards[sid] for sid in seen if sid in self.shards]
+            victims = [s for s in victims if not s.is_open and s.live < s.rows and s.live <= s.rows * keep]
             self._dirty.clear()  # the others are looked at again when they lose more rows
             small = [self.shards[sid] for sid in self._small if sid in self.shards]
             if len(small) >= 4:  # many small shards (frequent saves seal them early): merge them
@@ -791,17 +617,9 @@ class ShardLog:
     def compact(self, wait: bool = True) -> None:
         """Rewrite every written shard holding tombstones, now; the index moves to the new shards when done."""
         self.flush(seal=True)
-        self._writer.submit(self._compact_all)
+        self._writer.submit(lambda: self._maybe_compact(everything=True))
         if wait:
             self._writer.wait()
-
-    def _compact_all(self) -> None:
-        """Writer thread: `compact`."""
-        with self._lock:
-            self._drop_empty(list(self.shards))
-            victims = [s for s in self.shards.values() if s.live < s.rows and not s.is_open]
-        if victims:
-            self._compact(victims)
 
     def _compact(self, victims: list[Shard]) -> None:
         """Writer thread: rewrite the live rows of `victims` into new shards, then move their keys there; a row whose
@@ -840,7 +658,6 @@ class ShardLog:
             self._drop_empty([victim.sid for victim in victims])
         for victim in victims:
             victim.release()
-            victim.unmap()
 
     # ------------------------------------------------------------------------------------------ persistence
     def save_into(self, folder: str) -> list[dict]:
@@ -850,28 +667,27 @@ class ShardLog:
         os.makedirs(folder, exist_ok=True)
         with self._lock:
             shards = sorted((s for s in self.shards.values() if s.live > 0), key=lambda s: s.sid)
-        for shard in shards:
-            shard.save_into(folder)
-        return [
-            {"name": s.name, "rows": s.rows, "live": s.live, "sid": s.sid, "digest": s.file_digest()} for s in shards
-        ]
+        entries = [{"name": s.name, "rows": s.rows, "live": s.live, "sid": s.sid} for s in shards]
+        for entry, shard in zip(entries, shards):
+            entry["digest"] = shard.file_digest(shard.save_into(folder))
+        return entries
 
     def keep(self, shard: Shard) -> None:
         """Give a loaded shard a hard link in the scratch folder, so that it outlives the folder it was loaded from
-        (a checkpoint that TRL rotates away) without staying mapped; on another file system it stays mapped."""
+        (a checkpoint that TRL rotates away) without staying mapped; on another file system it stays mapped. Then
+        prepare its reads."""
         dest = os.path.join(self._scratch.folder(self.kind), shard.name)
         try:
-            os.link(os.path.realpath(shard.paths[0]), dest)  # link(2) would link a symlink (the Hub cache's) itself
+            os.link(os.path.realpath(shard.path), dest)  # link(2) would link a symlink (the Hub cache's) itself
         except OSError:
             dest = None
         if dest is not None:
             info = os.lstat(dest)  # the link itself: it must be the mapped file, not a symlink to it
             if (info.st_dev, info.st_ino) == shard._inode:
-                shard.owned = dest
-                shard.paths.insert(0, dest)
-                shard.unmap()  # reads go through the layout the load prepared (`persistence.load_index`)
+                shard.path, shard.owned = dest, True
             else:
                 os.remove(dest)
+        shard.prepare(self.read_columns)
 
     def adopt(self, shard: Shard, rows: np.ndarray) -> np.ndarray:
         """Register a loaded shard whose `rows` are live; returns their new keys (in the order of `rows`)."""
@@ -895,7 +711,7 @@ class ShardLog:
         """(keys ever handed out, the freed ones in the order they are reused): what an `IndexOnlyLog` needs to hand
         out the same keys as this log."""
         with self._lock:
-            return self._size, self._free[: self._num_free].tolist()
+            return self._size, list(self._free)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -916,10 +732,9 @@ class IndexOnlyLog(ShardLog):
 
     def __init__(self, kind: str, size: int, free: Sequence[int]):
         self.kind, self.shards, self._lock = kind, {}, threading.Lock()
-        self._size, self._num_free = size, len(free)
+        self._size, self._free = size, list(free)
         self._loc = np.full(max(size, 1024), FREE, np.int64)
         self._gen = np.zeros(len(self._loc), np.int32)
-        self._free = np.asarray(free, np.int64)
 
     def append(self, item, size: int = 1) -> int:
         with self._lock:
