@@ -12,8 +12,9 @@
       trajectories/traj-*.arrow      trajectory shards, one row per trajectory (`datasets` features)
       task_rows/rows-*.arrow         task row shards (task id, the dataset row as JSON)
 
-* `Scratch`: the folder where a live pool writes its shards, locked for as long as its process lives; the folders
-  of killed processes are removed by the next pool that starts under the same parent (`remove_dead_scratch`).
+* `Scratch`: the folder where a live pool writes its shards, held by a file lock for as long as its process lives;
+  the folders of killed processes are removed by the next pool that starts under the same parent
+  (`remove_dead_scratch`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -110,6 +110,7 @@ class Scratch:
     """
 
     PREFIX = "exreplay-pool-"
+    LOCK = ".owner.lock"
 
     def __init__(self, parent: str | None = None):
         self.parent = parent
@@ -127,11 +128,9 @@ class Scratch:
                     os.makedirs(parent, exist_ok=True)
                     self._made_parent = True
                 remove_dead_scratch(parent)
-                # Made under a hidden name, which no sweep takes, and locked before it gets its swept name.
-                hidden = tempfile.mkdtemp(prefix=f".{self.PREFIX}", dir=parent)
-                self._owner_fd = _lock_folder(hidden)
-                self.path = os.path.join(parent, os.path.basename(hidden)[1:])
-                os.rename(hidden, self.path)
+                path = tempfile.mkdtemp(prefix=f"{self.PREFIX}{os.getpid()}-", dir=parent)
+                self._owner_fd = _hold_lock(os.path.join(path, self.LOCK))
+                self.path = path
             return self.path
 
     def folder(self, kind: str) -> str:
@@ -154,49 +153,74 @@ class Scratch:
                         pass
 
 
-def _lock_folder(path: str, wait: bool = True) -> int | None:
-    """A descriptor of folder `path` holding an exclusive lock on it, which the kernel releases when no process holds
-    the descriptor any more (this one and the children it forks), even after kill -9; None when the lock is taken
-    (`wait=False`) or where file locks are not supported."""
+def _hold_lock(path: str) -> int | None:
+    """Create `path` and hold an exclusive lock on it for as long as this process (or a child it forks) lives: the
+    kernel releases it when they are gone, even after kill -9. None where file locks are not supported."""
     try:
         import fcntl
     except ImportError:
         return None
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
         return None
     return fd
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` runs (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
 def remove_dead_scratch(parent: str) -> list[str]:
-    """Remove the scratch folders under `parent` whose process no longer runs (a kill -9 leaves its shards there);
-    returns their paths. A folder is dead when its lock can be taken: a live pool holds it from before the folder has
-    its name. A hidden folder (a process killed between making and naming it) goes once a minute old."""
+    """Remove the scratch folders under `parent` left by processes that no longer run (a kill -9 leaves its shards
+    there); returns their paths. A folder is dead when its owner lock can be taken (no process holds it any more); a
+    folder without a lock file (made before it had one, or an instant ago by a live process) only when its pid runs
+    no process. A live run's folder is never touched."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
     removed = []
     try:
         names = os.listdir(parent)
     except OSError:
         return []
     for name in names:
-        path = os.path.join(parent, name)
-        if not name.lstrip(".").startswith(Scratch.PREFIX):
+        if not name.startswith(Scratch.PREFIX):
             continue
+        pid_text = name[len(Scratch.PREFIX) :].split("-", 1)[0]
+        path = os.path.join(parent, name)
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        lock = os.path.join(path, Scratch.LOCK)
         try:
-            if name.startswith(".") and time.time() - os.lstat(path).st_mtime < 60:
-                continue  # may be a live pool's, a moment before it takes its lock
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            if pid_alive(int(pid_text)):
+                continue
+            fd = None
         except OSError:
             continue
-        fd = _lock_folder(path, wait=False)
-        if fd is not None:
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # held: its process runs
             shutil.rmtree(path, ignore_errors=True)
-            os.close(fd)
             removed.append(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
     if removed:
         logger.info("trl_exreplay: removed %d scratch folder(s) of pool processes that no longer run.", len(removed))
     return removed
