@@ -6,6 +6,7 @@ Sizes here are tiny; `benchmarks/pool_scale.py` measures 10k to 1M trajectories.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -252,6 +253,35 @@ def test_saves_write_only_new_shards_and_share_the_others(tmp_path):
         assert os.stat(second / name).st_mtime_ns == mtimes[name] and inode(second / name) == inode(second / name)
     assert files_of(second) == sorted(state_files(read_state(str(second))))  # the old tasks table was pruned
     assert ExperiencePool.load(str(second)).content_hash() == pool.content_hash()
+
+
+def test_a_loaded_pool_outside_the_scratch_file_system_links_each_save_from_the_last(tmp_path, monkeypatch):
+    """Where no hard link into the scratch folder can be made (another file system), a loaded shard is read through
+    its mapping, and each save links it from the previous save's copy: once TRL rotates the loaded checkpoint away,
+    no save writes its rows again."""
+    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=4)
+    for task in "abcdef":
+        record(pool, task, 2, [0.5, 0.4])
+    pool.save(str(tmp_path / "a"))
+    want = pool.content_hash()
+    pool.close()
+    work, link = tmp_path / "work", os.link
+
+    def no_link_into_scratch(source, dest, *args, **kwargs):
+        if str(dest).startswith(str(work)):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return link(source, dest, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", no_link_into_scratch)
+    loaded = ExperiencePool.load(str(tmp_path / "a"), work_dir=str(work))
+    assert loaded.content_hash() == want
+    loaded.save(str(tmp_path / "b"))
+    shutil.rmtree(tmp_path / "a")  # rotated away
+    loaded.save(str(tmp_path / "c"))
+    shards = [n for n in files_of(tmp_path / "c") if n.startswith(("trajectories/", "task_rows/"))]
+    assert shards and all(inode(tmp_path / "c" / n) == inode(tmp_path / "b" / n) for n in shards)
+    assert loaded.content_hash() == want
+    assert ExperiencePool.load(str(tmp_path / "c")).content_hash() == want
 
 
 def test_killed_saves_always_leave_the_last_complete_pool(tmp_path):

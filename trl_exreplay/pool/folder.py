@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from .check import PoolFolder, PoolFormatError, parse_state
 
@@ -78,28 +78,16 @@ def write_json_atomic(path: str, data: dict) -> None:
     write_atomic(path, write)
 
 
-def link_or_copy(sources: Sequence[str], dest: str, fallback: Callable[[str], None] | None = None) -> bool:
-    """Give `dest` the content of the first existing of `sources`: a hard link (no data written), else a copy.
-
-    `fallback(tmp)` writes the content when no source exists any more. Returns whether a hard link was made.
-    """
-    for source in sources:
-        if not os.path.exists(source):
-            continue
-        try:
-            os.link(os.path.realpath(source), dest)
-            return True
-        except FileExistsError:
-            return True
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EACCES):
-                raise
-            write_atomic(dest, lambda tmp, source=source: shutil.copyfile(source, tmp))
-            return False
-    if fallback is None:
-        raise FileNotFoundError(f"No copy left of {os.path.basename(dest)} (looked in {list(sources)}).")
-    write_atomic(dest, fallback)
-    return False
+def link_or_copy(source: str, dest: str) -> None:
+    """Give `dest` the content of `source`: a hard link (no data written), else (another file system) a copy."""
+    try:
+        os.link(os.path.realpath(source), dest)  # link(2) would link a symlink (the Hub cache's) itself
+    except FileExistsError:
+        pass
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EACCES):
+            raise
+        write_atomic(dest, lambda tmp: shutil.copyfile(source, tmp))
 
 
 class Scratch:

@@ -251,7 +251,7 @@ class Shard:
         """Columns `names` of `rows`, as Python objects."""
         if self._layout is None or self._layout[0] != names:
             out = self.table().select(list(names)).take(pa.array(rows, pa.int64())).to_pylist()
-            release_pages(self._span)
+            self.release()
             return out
         fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -259,19 +259,23 @@ class Shard:
         finally:
             os.close(fd)
 
-    def file_digest(self, path: str) -> tuple[int, str]:
-        """(size, xxh3-64) of the shard's file (a copy of it at `path`): computed the first time, then known (the
-        writer thread knows it for its shards, a verifying load for the shards it checked)."""
-        if self.digest is None:
-            self.digest = (os.path.getsize(path), file_checksum(path))
-        return self.digest
-
-    def save_into(self, folder: str) -> str:
-        """Make this shard a file of `folder` (a hard link when possible); returns its path there."""
+    def save_into(self, folder: str) -> tuple[int, str]:
+        """Make this shard a file of `folder` (a hard link when possible); returns the file's (size, xxh3-64), known
+        from when it was written or verified, else computed now (once: a shard file never changes)."""
         dest = os.path.join(folder, self.name)
+        source = self.path if os.path.exists(self.path) else None
         if not os.path.exists(dest):
-            link_or_copy([self.path], dest, fallback=lambda tmp: write_arrow(tmp, self.table()))
-        return dest
+            if source is None:  # a loaded file whose folder is gone: written again from its mapping, and hashed
+                self.digest = None
+                write_atomic(dest, lambda tmp: write_arrow(tmp, self.table()))
+            else:
+                link_or_copy(source, dest)
+        if self.digest is None:
+            path = source or dest
+            self.digest = (os.path.getsize(path), file_checksum(path))
+        if not self.owned:
+            self.path = dest  # the newest copy (a link where it can be): the next save links from it
+        return self.digest
 
 
 # Array typecodes of the numpy types read back (`_pread_rows` converts with `array`, which is faster than numpy for
@@ -412,7 +416,7 @@ class ShardLog:
     def _release_key(self, key: int) -> None:
         self._gen[key] += 1
         self._loc[key] = FREE
-        self._free.append(key)
+        self._free.append(int(key))
 
     def append(self, item, size: int = 1) -> int:
         """Buffer a row; returns its key. Hands the buffer to the writer thread when it is big enough."""
@@ -615,7 +619,8 @@ class ShardLog:
             self._compact(victims)
 
     def compact(self, wait: bool = True) -> None:
-        """Rewrite every written shard holding tombstones, now; the index moves to the new shards when done."""
+        """Rewrite every written shard holding tombstones, and merge small ones, now; the index moves to the new shards
+        when done."""
         self.flush(seal=True)
         self._writer.submit(lambda: self._maybe_compact(everything=True))
         if wait:
@@ -669,7 +674,7 @@ class ShardLog:
             shards = sorted((s for s in self.shards.values() if s.live > 0), key=lambda s: s.sid)
         entries = [{"name": s.name, "rows": s.rows, "live": s.live, "sid": s.sid} for s in shards]
         for entry, shard in zip(entries, shards):
-            entry["digest"] = shard.file_digest(shard.save_into(folder))
+            entry["digest"] = shard.save_into(folder)
         return entries
 
     def keep(self, shard: Shard) -> None:
