@@ -62,19 +62,24 @@ __all__ = [
 ]
 
 CHECKSUM = "xxh3_64"
-# The settings a saved pool records (the `ExperiencePool` constructor's keyword arguments), in this order.
-SETTINGS = (
-    "max_trajectories_per_task",
-    "experience_lbound",
-    "experience_rbound",
-    "exp_select_mode",
-    "pool_store_mode",
-    "max_policy_age",
-    "replay_window",
-    "seed",
-)
 SELECT_MODES = ("argmin", "argmax", "random")
 STORE_MODES = ("all", "best")
+# The settings a saved pool records (the `ExperiencePool` constructor's keyword arguments), in this order, with what
+# each must be: ``(value, settings) -> ok`` and its description for messages.
+_SETTING_RULES = {
+    "max_trajectories_per_task": (lambda v, s: _is_int(v) and v >= 1, "an integer >= 1"),
+    "experience_lbound": (lambda v, s: _is_int(v) and v >= 0, "an integer >= 0"),
+    "experience_rbound": (
+        lambda v, s: _is_int(v) and _is_int(s["experience_lbound"]) and v >= s["experience_lbound"] + 2,
+        "an integer >= experience_lbound + 2 (a task's trajectories are stored when lbound < successes < rbound)",
+    ),
+    "exp_select_mode": (lambda v, s: v in SELECT_MODES, f"one of {list(SELECT_MODES)}"),
+    "pool_store_mode": (lambda v, s: v in STORE_MODES, f"one of {list(STORE_MODES)}"),
+    "max_policy_age": (lambda v, s: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
+    "replay_window": (lambda v, s: v is None or (_is_int(v) and v >= 1), "null or an integer >= 1"),
+    "seed": (lambda v, s: _is_int(v), "an integer"),
+}
+SETTINGS = tuple(_SETTING_RULES)
 COUNTERS = ("next_traj_id", "num_outcomes", "stored_count", "stamp")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _HEX = re.compile(r"[0-9a-f]{16}")
@@ -139,28 +144,8 @@ def check_settings(settings, file: str, where: str = "settings.") -> dict:
     _need(not unknown, file, f"unknown settings {unknown}; allowed: {list(SETTINGS)}.")
     missing = [name for name in SETTINGS if name not in settings]
     _need(not missing, file, f"settings {missing} are missing.")
-    _int(settings, "max_trajectories_per_task", file, 1, where)
-    lbound = settings["experience_lbound"]
-    rbound = settings["experience_rbound"]
-    _need(
-        _is_int(lbound) and lbound >= 0, file, f"`{where}experience_lbound` must be an integer >= 0, got {lbound!r}."
-    )
-    _need(
-        _is_int(rbound) and rbound >= lbound + 2,
-        file,
-        f"`{where}experience_rbound` must be an integer >= experience_lbound + 2 = {lbound + 2} (a task's "
-        f"trajectories are stored when lbound < successes < rbound), got {rbound!r}.",
-    )
-    for key, allowed in (("exp_select_mode", SELECT_MODES), ("pool_store_mode", STORE_MODES)):
-        _need(settings[key] in allowed, file, f"`{where}{key}` must be one of {list(allowed)}, got {settings[key]!r}.")
-    for key, low in (("max_policy_age", 0), ("replay_window", 1)):
-        value = settings[key]
-        _need(
-            value is None or (_is_int(value) and value >= low),
-            file,
-            f"`{where}{key}` must be null or an integer >= {low}, got {value!r}.",
-        )
-    _need(_is_int(settings["seed"]), file, f"`{where}seed` must be an integer, got {settings['seed']!r}.")
+    for name, (ok, allowed) in _SETTING_RULES.items():
+        _need(ok(settings[name], settings), file, f"`{where}{name}` must be {allowed}, got {settings[name]!r}.")
     return settings
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 
 from .check import PoolFolder
@@ -51,10 +50,6 @@ def _pool_state(pool_dir: str) -> dict:
     for name in state_files(state)[1:]:
         folder.verify(state, name)
     return state
-
-
-def _state_bytes(state: dict) -> bytes:
-    return json.dumps(state).encode()
 
 
 def _pool_card(repo_id: str, state: dict) -> str:
@@ -135,9 +130,10 @@ def push_pool(
 
     if isinstance(pool, ExperiencePool):
         pool.compact()
-        export = tempfile.mkdtemp(prefix="export-", dir=pool._scratch.folder("exports"))  # same disk: hard links
-        try:
-            pool.save(export)
+        with tempfile.TemporaryDirectory(
+            prefix="export-", dir=pool._scratch.folder("exports"), ignore_cleanup_errors=True
+        ) as export:
+            pool.save(export)  # on the pool's own disk: hard links
             return push_pool(
                 export,
                 repo_id,
@@ -147,8 +143,6 @@ def push_pool(
                 revision=revision,
                 commit_message=commit_message,
             )
-        finally:
-            shutil.rmtree(export, ignore_errors=True)
     pool_dir = os.path.abspath(pool)
     state = _pool_state(pool_dir)
     if any(e["live"] < e["rows"] for es in state["shards"].values() for e in es):
@@ -157,7 +151,7 @@ def push_pool(
             loaded.save(pool_dir)
         state = _pool_state(pool_dir)
     # state.json as the bytes just validated (not re-read: it cannot change between the check and the upload)
-    operations = [CommitOperationAdd(path_in_repo=STATE_FILE, path_or_fileobj=_state_bytes(state))]
+    operations = [CommitOperationAdd(path_in_repo=STATE_FILE, path_or_fileobj=json.dumps(state).encode())]
     operations += [
         CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(pool_dir, name))
         for name in state_files(state)[1:]

@@ -76,18 +76,8 @@ def trusted_trajectory(**fields) -> Trajectory:
 
 
 def copy_trajectory(t: Trajectory) -> Trajectory:
-    return trusted_trajectory(
-        task_id=t.task_id,
-        prompt_ids=list(t.prompt_ids),
-        completion_ids=list(t.completion_ids),
-        completion_mask=list(t.completion_mask),
-        logps=list(t.logps),
-        rewards=list(t.rewards),
-        reward=t.reward,
-        entropy=t.entropy,
-        policy_version=t.policy_version,
-        traj_id=t.traj_id,
-    )
+    """A copy of `t` that shares no list with it (the other values are immutable)."""
+    return trusted_trajectory(**{name: list(v) if isinstance(v, list) else v for name, v in t.__dict__.items()})
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
