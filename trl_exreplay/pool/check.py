@@ -48,6 +48,8 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from .index import COUNTERS
+
 __all__ = [
     "PoolFormatError",
     "PoolFolder",
@@ -80,7 +82,6 @@ _SETTING_RULES = {
     "seed": (lambda v, s: _is_int(v), "an integer"),
 }
 SETTINGS = tuple(_SETTING_RULES)
-COUNTERS = ("next_traj_id", "num_outcomes", "stored_count", "stamp")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _HEX = re.compile(r"[0-9a-f]{16}")
 _CHUNK = 8 << 20
