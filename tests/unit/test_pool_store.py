@@ -255,6 +255,32 @@ def test_saves_write_only_new_shards_and_share_the_others(tmp_path):
     assert ExperiencePool.load(str(second)).content_hash() == pool.content_hash()
 
 
+def test_with_the_scratch_folder_on_another_file_system_a_checkpoint_copies_only_new_shards(tmp_path, monkeypatch):
+    """Scratch folder on a local disk, checkpoints on another file system: the first save copies the shards, and
+    each later checkpoint hard-links the ones the previous checkpoint holds, copying only the new ones."""
+    work, link = tmp_path / "work", os.link
+
+    def across_file_systems(source, dest, *args, **kwargs):
+        if str(source).startswith(str(work)) != str(dest).startswith(str(work)):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return link(source, dest, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", across_file_systems)
+    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=4, work_dir=str(work))
+    for task in "abcdef":
+        record(pool, task, 2, [0.5, 0.4])
+    first, second = tmp_path / "checkpoint-1", tmp_path / "checkpoint-2"
+    pool.save(str(first))
+    record(pool, "g", 2, [0.5, 0.4])
+    pool.save(str(second))
+    shards = lambda path: {n for n in files_of(path) if n.startswith(("trajectories/", "task_rows/"))}  # noqa: E731
+    old, new = shards(first), shards(second)
+    assert old < new
+    assert all(inode(first / n) == inode(second / n) for n in old)  # linked from the previous checkpoint
+    assert all(os.stat(second / n).st_nlink == 1 for n in new - old)  # copied from the scratch folder
+    assert ExperiencePool.load(str(second)).content_hash() == pool.content_hash()
+
+
 def test_a_loaded_pool_outside_the_scratch_file_system_links_each_save_from_the_last(tmp_path, monkeypatch):
     """Where no hard link into the scratch folder can be made (another file system), a loaded shard is read through
     its mapping, and each save links it from the previous save's copy: once TRL rotates the loaded checkpoint away,

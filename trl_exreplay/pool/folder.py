@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .check import PoolFolder, PoolFormatError, parse_state
 
@@ -78,16 +78,19 @@ def write_json_atomic(path: str, data: dict) -> None:
     write_atomic(path, write)
 
 
-def link_or_copy(source: str, dest: str) -> None:
-    """Give `dest` the content of `source`: a hard link (no data written), else (another file system) a copy."""
-    try:
-        os.link(os.path.realpath(source), dest)  # link(2) would link a symlink (the Hub cache's) itself
-    except FileExistsError:
-        pass
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EACCES):
-            raise
-        write_atomic(dest, lambda tmp: shutil.copyfile(source, tmp))
+def link_or_copy(sources: Sequence[str], dest: str) -> None:
+    """Give `dest` the content of `sources` (existing copies of one file): a hard link from the first that shares its
+    file system (no data written), else a copy of the first."""
+    for source in sources:
+        try:
+            os.link(os.path.realpath(source), dest)  # link(2) would link a symlink (the Hub cache's) itself
+            return
+        except FileExistsError:
+            return
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EACCES):
+                raise
+    write_atomic(dest, lambda tmp: shutil.copyfile(sources[0], tmp))
 
 
 class Scratch:

@@ -198,7 +198,7 @@ class Shard:
     """
 
     __slots__ = ("sid", "name", "rows", "nbytes", "live", "dead", "path", "owned", "digest", "_table", "_span",
-                 "_layout", "_inode")  # fmt: skip
+                 "_layout", "_inode", "saved")  # fmt: skip
 
     def __init__(self, sid: int, name: str, rows: int, path: str | None = None, owned: bool = False):
         self.sid = sid
@@ -209,6 +209,7 @@ class Shard:
         self.dead: set[int] = set()
         self.path = path
         self.owned = owned
+        self.saved: str | None = None  # the copy made by the last save (on the checkpoints' file system)
         self.digest: tuple[int, str] | None = None  # (size, xxh3-64) of the file: computed once, it never changes
         self._table: pa.Table | None = None
         self._span: tuple[int, int] | None = None  # (address, size) of the file mapping
@@ -260,21 +261,21 @@ class Shard:
             os.close(fd)
 
     def save_into(self, folder: str) -> tuple[int, str]:
-        """Make this shard a file of `folder` (a hard link when possible); returns the file's (size, xxh3-64), known
-        from when it was written or verified, else computed now (once: a shard file never changes)."""
+        """Make this shard a file of `folder`: a hard link from its own file or from its last saved copy, whichever
+        shares the folder's file system, else a copy. Returns the file's (size, xxh3-64), known from when it was
+        written or verified, else computed now (once: a shard file never changes)."""
         dest = os.path.join(folder, self.name)
-        source = self.path if os.path.exists(self.path) else None
+        sources = [p for p in (self.path, self.saved) if p is not None and os.path.exists(p)]
         if not os.path.exists(dest):
-            if source is None:  # a loaded file whose folder is gone: written again from its mapping, and hashed
+            if sources:
+                link_or_copy(sources, dest)
+            else:  # a loaded file whose folders are all gone: written again from its mapping, and hashed
                 self.digest = None
                 write_atomic(dest, lambda tmp: write_arrow(tmp, self.table()))
-            else:
-                link_or_copy(source, dest)
         if self.digest is None:
-            path = source or dest
+            path = sources[0] if sources else dest
             self.digest = (os.path.getsize(path), file_checksum(path))
-        if not self.owned:
-            self.path = dest  # the newest copy (a link where it can be): the next save links from it
+        self.saved = dest
         return self.digest
 
 
