@@ -42,6 +42,13 @@ logger = logging.getLogger("trl_exreplay.pool")
 __all__ = ["ExperiencePool"]
 
 _STORED_COLUMNS = ("prompt_ids", "completion_ids", "completion_mask", "logps", "rewards", "reward")  # read back
+_LIST_DTYPES = (
+    ("prompt_ids", np.int32),
+    ("completion_ids", np.int32),
+    ("completion_mask", np.int8),
+    ("logps", np.float32),
+    ("rewards", np.float32),
+)
 
 
 class ExperiencePool:
@@ -635,14 +642,41 @@ def _close_storage(writer: Writer, scratch: Scratch) -> None:
     scratch.remove()
 
 
+def _mask(row) -> np.ndarray:
+    """A 0/1 mask as int8: bytes() converts a list of small ints 3x faster than numpy."""
+    try:
+        data = bytes(row)
+    except (TypeError, ValueError):
+        return np.asarray(row, np.int8)
+    return np.frombuffer(data, np.int8) if max(data, default=0) <= 1 else np.asarray(row, np.int8)
+
+
+def _list_array(rows: list, dtype):
+    import pyarrow as pa
+
+    # One call per row: the GIL can switch in between.
+    parts = [_mask(row) if dtype == np.int8 else np.asarray(row, dtype=dtype) for row in rows]
+    offsets = np.zeros(len(parts) + 1, np.int32)
+    np.cumsum([len(p) for p in parts], out=offsets[1:])
+    values = np.concatenate(parts) if parts else np.empty(0, dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
 def _trajectory_batch(items: list):
     """Writer thread: (trajectory, store_seq) pairs -> one record batch of `TRAJECTORY_SCHEMA`."""
     import pyarrow as pa
 
     trajectories = [t for t, _ in items]
-    columns = {name: [getattr(t, name) for t in trajectories] for name in TRAJECTORY_SCHEMA.names[:-1]}
-    columns["store_seq"] = [seq for _, seq in items]
-    return pa.RecordBatch.from_pydict(columns, schema=TRAJECTORY_SCHEMA)
+    arrays = [pa.array([t.task_id for t in trajectories], pa.string())]
+    arrays += [_list_array([getattr(t, name) for t in trajectories], dtype) for name, dtype in _LIST_DTYPES]
+    arrays += [
+        pa.array(np.array([t.reward for t in trajectories], np.float32)),
+        pa.array(np.array([t.entropy for t in trajectories], np.float32)),
+        pa.array(np.array([t.policy_version for t in trajectories], np.int64)),
+        pa.array(np.array([t.traj_id for t in trajectories], np.int64)),
+        pa.array(np.array([seq for _, seq in items], np.int64)),
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
 
 
 def _task_row_batch(items: list):
