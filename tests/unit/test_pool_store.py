@@ -300,6 +300,7 @@ def test_a_loaded_pool_outside_the_scratch_file_system_links_each_save_from_the_
 
     monkeypatch.setattr(os, "link", no_link_into_scratch)
     loaded = ExperiencePool.load(str(tmp_path / "a"), work_dir=str(work))
+    assert not any(shard.owned for shard in loaded._trajectories.shards.values())  # kept outside the scratch folder
     assert loaded.content_hash() == want
     loaded.save(str(tmp_path / "b"))
     shutil.rmtree(tmp_path / "a")  # rotated away
@@ -308,6 +309,11 @@ def test_a_loaded_pool_outside_the_scratch_file_system_links_each_save_from_the_
     assert shards and all(inode(tmp_path / "c" / n) == inode(tmp_path / "b" / n) for n in shards)
     assert loaded.content_hash() == want
     assert ExperiencePool.load(str(tmp_path / "c")).content_hash() == want
+    for name in ("b", "c"):  # every copy gone: the rows are written again from the mappings, as the same bytes
+        shutil.rmtree(tmp_path / name)
+    loaded.save(str(tmp_path / "d"))
+    assert loaded.content_hash() == want
+    assert ExperiencePool.load(str(tmp_path / "d")).content_hash() == want
 
 
 def test_killed_saves_always_leave_the_last_complete_pool(tmp_path):

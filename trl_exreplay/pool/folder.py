@@ -79,18 +79,26 @@ def write_json_atomic(path: str, data: dict) -> None:
 
 
 def link_or_copy(sources: Sequence[str], dest: str) -> None:
-    """Give `dest` the content of `sources` (existing copies of one file): a hard link from the first that shares its
-    file system (no data written), else a copy of the first."""
+    """Give `dest` the content of `sources` (copies of one file, any of which may vanish meanwhile): a hard link from
+    the first that shares its file system (no data written), else a copy of the first still there."""
     for source in sources:
         try:
             os.link(os.path.realpath(source), dest)  # link(2) would link a symlink (the Hub cache's) itself
             return
         except FileExistsError:
             return
+        except FileNotFoundError:
+            continue
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EACCES):
                 raise
-    write_atomic(dest, lambda tmp: shutil.copyfile(sources[0], tmp))
+    for source in sources:
+        try:
+            write_atomic(dest, lambda tmp, source=source: shutil.copyfile(source, tmp))
+            return
+        except FileNotFoundError:
+            continue
+    raise FileNotFoundError(f"No copy of {os.path.basename(dest)} is left (looked at {list(sources)}).")
 
 
 class Scratch:

@@ -214,7 +214,7 @@ def load_index(
         rows = row_index[owners]
         good = ~invalid_rows(shard.table(), rows, ("task_row",), ())
         row_key[owners[good]] = logs[TASK_ROWS_DIR].adopt(shard, rows[good])
-        logs[TASK_ROWS_DIR].keep(shard)  # so that it outlives `folder`; then unmapped
+        logs[TASK_ROWS_DIR].keep(shard)  # so that it outlives `folder`
     lost = int(((row_shard >= 0) & (row_key < 0)).sum())
     if lost:
         reasons["missing or malformed task row"] += lost

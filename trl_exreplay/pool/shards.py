@@ -191,14 +191,14 @@ def release_pages(span: tuple[int, int] | None) -> None:
 class Shard:
     """One shard: the open one, whose rows are still in RAM, or an immutable Arrow file at `path`.
 
-    A file the log owns (its copy in the scratch folder, `owned`) is read with `os.pread` at byte offsets known from
-    its layout, so no page of it is mapped into the process; any other (a loaded file no hard link could keep) stays
-    memory-mapped and is read through its mapping, which outlives the deletion of the folder it was loaded from.
-    `live` counts its rows without a tombstone (those in `dead`).
+    A file is read with `os.pread` at byte offsets known from its layout, so no page of it is mapped into the process.
+    A file the log owns (its copy in the scratch folder, `owned`) needs no mapping; any other (a loaded file no hard
+    link could keep) stays mapped too, and is read through its mapping once its folder is gone. `live` counts its
+    rows without a tombstone (those in `dead`).
     """
 
     __slots__ = ("sid", "name", "rows", "nbytes", "live", "dead", "path", "owned", "digest", "_table", "_span",
-                 "_layout", "_inode", "saved")  # fmt: skip
+                 "_layout", "_inode", "copies")  # fmt: skip
 
     def __init__(self, sid: int, name: str, rows: int, path: str | None = None, owned: bool = False):
         self.sid = sid
@@ -209,7 +209,7 @@ class Shard:
         self.dead: set[int] = set()
         self.path = path
         self.owned = owned
-        self.saved: str | None = None  # the copy made by the last save (on the checkpoints' file system)
+        self.copies: list[str] = []  # the copies the last saves made, newest first (on the checkpoints' file system)
         self.digest: tuple[int, str] | None = None  # (size, xxh3-64) of the file: computed once, it never changes
         self._table: pa.Table | None = None
         self._span: tuple[int, int] | None = None  # (address, size) of the file mapping
@@ -234,49 +234,68 @@ class Shard:
         self.rows = self._table.num_rows
 
     def prepare(self, names: tuple[str, ...]) -> None:
-        """Compute where columns `names` are in an owned file, so that its reads need no mapping, then `release` it.
-        Done once, by the writer thread for the shards it writes and at load for the others."""
-        if self.owned and self._layout is None:
+        """Compute where columns `names` are in the file, so that reads need no mapping, then `release` it. Done
+        once, by the writer thread for the shards it writes and at load for the others."""
+        if self._layout is None:
             layout = _layout(self.table(), names, self._span)
             self._layout = None if layout is None else (names, layout)
         self.release()
 
     def release(self) -> None:
-        """Drop this process's resident pages of the mapped file (see `release_pages`), and the mapping itself (~30 KB
-        of Arrow objects) when reads go through `pread`."""
+        """Drop this process's resident pages of the mapped file (see `release_pages`), and, for an owned file read
+        with `pread`, the mapping itself (~30 KB of Arrow objects)."""
         release_pages(self._span)
-        if self._layout is not None:
+        if self.owned and self._layout is not None:
             self._table = self._span = None
 
     def read(self, names: tuple[str, ...], rows: Sequence[int]) -> list[dict]:
         """Columns `names` of `rows`, as Python objects."""
-        if self._layout is None or self._layout[0] != names:
+        fd = self._open_file() if self._layout is not None and self._layout[0] == names else None
+        if fd is None:
             table = self.table().select(list(names))
             out = [table.slice(row, 1).to_pylist()[0] for row in rows]  # a `take` would join the open shard's chunks
             self.release()
             return out
-        fd = os.open(self.path, os.O_RDONLY)
         try:
             return _pread_rows(fd, self._layout[1], rows)
         finally:
             os.close(fd)
 
+    def _open_file(self) -> int | None:
+        """A descriptor of `path`; for a file the log does not own, None once `path` is not the mapped file."""
+        if self.owned:
+            return os.open(self.path, os.O_RDONLY)
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) == self._inode:
+            return fd
+        os.close(fd)
+        return None
+
     def save_into(self, folder: str) -> tuple[int, str]:
-        """Make this shard a file of `folder`: a hard link from its own file or from its last saved copy, whichever
-        shares the folder's file system, else a copy. Returns the file's (size, xxh3-64), known from when it was
-        written or verified, else computed now (once: a shard file never changes)."""
+        """Make this shard a file of `folder`: a hard link from its own file or a copy a save made, whichever shares
+        the folder's file system, else a copy. Returns the file's (size, xxh3-64): known from when it was written or
+        verified, else computed now (once: a shard file never changes)."""
         dest = os.path.join(folder, self.name)
-        sources = [p for p in (self.path, self.saved) if p is not None and os.path.exists(p)]
+        self.copies = [copy for copy in self.copies if copy != dest and os.path.exists(copy)]
         if not os.path.exists(dest):
+            sources = [p for p in (self.path, *self.copies) if os.path.exists(p)]
             if sources:
                 link_or_copy(sources, dest)
-            else:  # a loaded file whose folders are all gone: written again from its mapping, and hashed
-                self.digest = None
+            else:  # a loaded file whose folders are all gone: written again from its mapping
                 write_atomic(dest, lambda tmp: write_arrow(tmp, self.table()))
+                if self.digest is not None and (os.path.getsize(dest), file_checksum(dest)) != self.digest:
+                    os.remove(dest)
+                    raise RuntimeError(
+                        f"Shard {self.name}: no copy of its file is left, and its rows written again are other bytes "
+                        "than the pool recorded. Save the pool while a folder it was loaded or saved to still holds it."
+                    )
         if self.digest is None:
-            path = sources[0] if sources else dest
-            self.digest = (os.path.getsize(path), file_checksum(path))
-        self.saved = dest
+            self.digest = (os.path.getsize(dest), file_checksum(dest))
+        self.copies = [dest, *self.copies][:2]
         return self.digest
 
 
