@@ -262,9 +262,7 @@ class Shard:
             os.close(fd)
 
     def _open_file(self) -> int | None:
-        """A descriptor of `path`; for a file the log does not own, None once `path` is not the mapped file."""
-        if self.owned:
-            return os.open(self.path, os.O_RDONLY)
+        """A descriptor of `path`, or None once `path` is gone or not the mapped file (a loaded folder deleted)."""
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError:
@@ -280,27 +278,25 @@ class Shard:
         the folder's file system, else a copy. Returns the file's (size, xxh3-64): known from when it was written or
         verified, else computed now (once: a shard file never changes)."""
         dest = os.path.join(folder, self.name)
-        self.copies = [copy for copy in self.copies if copy != dest and os.path.exists(copy)]
         if not os.path.exists(dest):
-            sources = [p for p in (self.path, *self.copies) if os.path.exists(p)]
-            if sources:
-                link_or_copy(sources, dest)
-            else:  # a loaded file whose folders are all gone: written again from its mapping
+            try:
+                link_or_copy([self.path, *self.copies], dest)
+            except FileNotFoundError:  # a loaded file whose folders are all gone: written again from its mapping
                 write_atomic(dest, lambda tmp: write_arrow(tmp, self.table()))
                 if self.digest is not None and (os.path.getsize(dest), file_checksum(dest)) != self.digest:
                     os.remove(dest)
                     raise RuntimeError(
                         f"Shard {self.name}: no copy of its file is left, and its rows written again are other bytes "
                         "than the pool recorded. Save the pool while a folder it was loaded or saved to still holds it."
-                    )
+                    ) from None
         if self.digest is None:
             self.digest = (os.path.getsize(dest), file_checksum(dest))
-        self.copies = [dest, *self.copies][:2]
+        self.copies = [dest, *(copy for copy in self.copies if copy != dest)][:2]
         return self.digest
 
 
-# Array typecodes of the numpy types read back (`_pread_rows` converts with `array`, which is faster than numpy for
-# small reads); None: UTF-8 text.
+# `array` typecodes of the Arrow types read back (`_pread_rows` converts with `array`, which is faster than numpy for
+# small reads); strings are decoded as UTF-8.
 _TYPECODES = {pa.int8(): "b", pa.int32(): "i", pa.int64(): "q", pa.float32(): "f"}
 
 
