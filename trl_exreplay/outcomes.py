@@ -4,15 +4,25 @@ as trajectories, recorded once TRL's loss forward has given them log-probs and e
 `task_outcomes` is a pure function of the gathered batch; `PendingOutcomes` holds this rank's records between the
 generation step and the loss forward; `trajectory_records` reads them from TRL's generation output.
 
+A task's difficulty is counted per group of G rollouts: a task drawn into two groups of one batch (a dataset that
+repeats its tasks, a small dataset, `steps_per_generation` spanning an epoch) gives two outcomes of at most G, one
+per group in batch order, never one of 2G, which would put it in a bucket above G and keep the pool's bound
+``successes < rbound`` from ever storing it.
+
 Example:
 
 ```python
 from trl_exreplay.outcomes import task_outcomes
 
-outcomes = task_outcomes(["a", "a", "b", "b"], fresh_rows=[0, 1, 2], success=[True, False, True, True])
-assert outcomes == {"a": [1, 2, [0]], "b": [1, 1, [2]]}  # task -> [successes, rollouts, winning rows]
+# two groups of 2: task "a" then task "b"; task -> successes, rollouts counted, winning rows, per group
+outcomes = task_outcomes(["a", "a", "b", "b"], fresh_rows=[0, 1, 2], success=[True, False, True, True], group_size=2)
+assert outcomes == [("a", 1, 2, [0]), ("b", 1, 1, [2])]
 # row 3 replayed, counted as ExGRPO counts a replayed task: 2 successes of 2 for "b", its fresh success alone wins
-assert task_outcomes(["a", "a", "b", "b"], [0, 1, 2], [True, False, True, True], replayed_rows=[3])["b"] == [2, 2, [2]]
+assert task_outcomes(["a", "a", "b", "b"], [0, 1, 2], [True, False, True, True], 2, replayed_rows=[3])[1] == (
+    "b", 2, 2, [2]
+)
+# one task in both groups: two outcomes of 2, not one of 4
+assert task_outcomes(["a"] * 4, [0, 1, 2, 3], [True] * 4, group_size=2) == [("a", 2, 2, [0, 1]), ("a", 2, 2, [2, 3])]
 ```
 """
 
@@ -28,21 +38,31 @@ from .pool import TaskOutcome, Trajectory
 
 
 def task_outcomes(
-    row_tasks: list[str], fresh_rows: list[int], success: list[bool], replayed_rows: list[int] = ()
-) -> dict[str, list]:
-    """One outcome per task over all its groups in the batch (a dataset may repeat a task): task -> [successes,
-    rollouts counted, winning global rows]. Fresh rows count and win; `replayed_rows` (ExGRPO's bucket of a replayed
+    row_tasks: list[str], fresh_rows: list[int], success: list[bool], group_size: int, replayed_rows: list[int] = ()
+) -> list[tuple[str, int, int, list[int]]]:
+    """One outcome per group of `group_size` consecutive rows that counts any row, in batch order: (task, successes,
+    rollouts counted, winning global rows). Fresh rows count and win; `replayed_rows` (ExGRPO's bucket of a replayed
     task, ``(s + k) / G``) count in the successes and rollouts but never win: they are in the pool already."""
-    outcomes: dict[str, list] = {}
+    groups: dict[int, list] = {}
     replayed = set(replayed_rows)
     for row in sorted({*fresh_rows, *replayed}):
-        outcome = outcomes.setdefault(row_tasks[row], [0, 0, []])
-        outcome[1] += 1
+        outcome = groups.setdefault(row // group_size, [row_tasks[row], 0, 0, []])
+        outcome[2] += 1
         if success[row]:
-            outcome[0] += 1
+            outcome[1] += 1
             if row not in replayed:
-                outcome[2].append(row)
-    return outcomes
+                outcome[3].append(row)
+    return [tuple(outcome) for _, outcome in sorted(groups.items())]
+
+
+def zero_spread_share(totals: torch.Tensor, fresh_rows: list[int], group_size: int) -> float:
+    """The share of the groups with a fresh row (at least one: `fresh_rows` is not empty) whose fresh rows' total rewards are all equal: the groups that teach
+    nothing before any replayed row is put in (TRL's `frac_reward_zero_std` is taken after; for plain GRPO the two
+    are the same). A group with one fresh row has no spread."""
+    groups: dict[int, list[float]] = {}
+    for row, total in zip(fresh_rows, totals[fresh_rows].tolist()):
+        groups.setdefault(row // group_size, []).append(total)
+    return sum(max(values) - min(values) <= 1e-6 for values in groups.values()) / len(groups)
 
 
 def trajectory_records(

@@ -104,8 +104,8 @@ def _bucket_mass(difficulties: np.ndarray, num_generations: int, weighting: str)
     if weighting == "uniform":
         return None
     if weighting == "normal":  # ExGRPO's exp(-(k - G/2)^2 / 2), k the bucket's successes
-        # A task drawn into several groups of one batch counts its successes over all of them, so k can exceed G: it
-        # weighs as k = G does (exp of -k^2/2 far out would underflow to 0, and a draw over zeros is NaN).
+        # Outcomes are counted per group (k <= G), but a pool saved before that, or filled by hand, can hold k above G:
+        # it weighs as k = G does (exp of -k^2/2 far out would underflow to 0, and a draw over zeros is NaN).
         successes = difficulties.clip(0, num_generations)
         return np.exp(-0.5 * ((successes - num_generations / 2) / NORMAL_BUCKET_STD) ** 2)
     if weighting == "linear":

@@ -24,7 +24,7 @@ from accelerate.utils import gather_object
 
 from .distributed import from_main_process, gather_row_flags
 from .metrics import FaultCounts, log_generation
-from .outcomes import PendingOutcomes, task_outcomes, trajectory_records
+from .outcomes import PendingOutcomes, task_outcomes, trajectory_records, zero_spread_share
 from .planner import ReplayPlan, plan_replay, replay_groups_due
 from .pool import ExperiencePool, task_key, tokenizer_fingerprint
 from .pool.rules import is_solved
@@ -419,13 +419,12 @@ class ReplayController:
             fresh_rows = [r for r in fresh_rows if not faulted[r]]
         if fresh_rows:
             metrics["replay/fresh_reward"].append(totals[fresh_rows].nanmean().item())
+            metrics["replay/zero_std_fresh"].append(zero_spread_share(totals, fresh_rows, self.num_generations))
         replayed_rows = []
         if self.options["replay_count_replayed_successes"]:  # ExGRPO: a replayed task's bucket is (s + k) of G
             replayed_rows = [r for r in range(len(row_tasks)) if step.plan.is_replayed(r) and not missing[r]]
-        outcomes = task_outcomes(row_tasks, fresh_rows, success, replayed_rows)
-        local_winners = sorted(
-            r - offset for *_, rows in outcomes.values() for r in rows if 0 <= r - offset < num_local
-        )
+        outcomes = task_outcomes(row_tasks, fresh_rows, success, self.num_generations, replayed_rows)
+        local_winners = sorted(r - offset for *_, rows in outcomes for r in rows if 0 <= r - offset < num_local)
         records = trajectory_records(
             output,
             local_winners,
@@ -439,15 +438,15 @@ class ReplayController:
             count=self._faults.count,
         )
         if self.exhausted:  # every question retired: the run's last batch, of retired tasks, leaves them retired
-            outcomes = {}
+            outcomes = []
         elif self.options["replay_start"] == "solved" and self.schedule.started_at is None:
             # ExGRPO before replay starts: solved tasks enter the skip set, nothing enters the pool or a bucket. The
             # first batch that succeeds often enough starts replay (`success` is gathered: every rank decides alike);
             # the next batch is the first one collected, and the one after it the first that can replay.
-            outcomes = {task: o for task, o in outcomes.items() if is_solved(o[0], o[1])}
+            outcomes = [o for o in outcomes if is_solved(o[1], o[2])]
             if starts_replay(success, fresh_rows, self.options["replay_start_solved_fraction"]):
                 self.schedule.started_at = global_step
-        self.pending = PendingOutcomes([(task, *o) for task, o in outcomes.items()], records, offset)
+        self.pending = PendingOutcomes(outcomes, records, offset)
         return success, fresh_rows, records
 
     def flush(self) -> list[dict]:

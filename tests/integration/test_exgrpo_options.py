@@ -116,15 +116,15 @@ def test_a_replayed_tasks_bucket_counts_its_replayed_success(tmp_path):
         trainer.train()
         replayed_outcomes = 0
         for outcomes, (plan, row_tasks) in trainer.outcomes:
-            replayed_tasks = set(plan.replay_groups.values())
-            for task, successes, counted_rows, winners in outcomes:
-                rows = row_tasks.count(task)  # a task may fill several groups of a batch; one outcome over them
-                if task in replayed_tasks:
+            replayed_groups = set(plan.replay_groups)
+            assert [task for task, *_ in outcomes] == row_tasks[::4]  # one outcome per group of 4, in batch order
+            for group, (task, successes, counted_rows, winners) in enumerate(outcomes):
+                if group in replayed_groups:
                     replayed_outcomes += 1
-                    assert counted_rows == (rows if counted else rows - 1)
+                    assert counted_rows == (4 if counted else 3)
                     assert successes >= (len(winners) + 1 if counted else len(winners))
                 else:
-                    assert counted_rows == rows and successes == len(winners)
+                    assert counted_rows == 4 and successes == len(winners)
         assert replayed_outcomes >= 3
 
 

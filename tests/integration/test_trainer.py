@@ -414,7 +414,9 @@ class OutcomeRecordingTrainer(RecordingTrainer):
         return output
 
 
-def test_a_task_in_several_groups_has_one_outcome(tmp_path):
+def test_a_task_in_several_groups_has_one_outcome_per_group(tmp_path):
+    """One task fills the batch's four groups of 4: four outcomes of at most 4 rollouts each (the design counts a
+    task's difficulty per group), never one of 16, which would sit in a bucket above G and never be stored."""
     trainer = make_trainer(tmp_path, trainer_cls=OutcomeRecordingTrainer, num_tasks=1, max_steps=4)
     trainer.train()
     tokenizer = trainer.processing_class
@@ -424,12 +426,13 @@ def test_a_task_in_several_groups_has_one_outcome(tmp_path):
             tokenizer.decode(output["completion_ids"][r, : int(output["completion_mask"][r].sum())]) for r in range(16)
         ]
         success = said_target([[{"content": t}] for t in texts], ["red"] * 16)
-        fresh = [r for r in range(16) if not replayed[r]]
-        ((task_id, successes, num_fresh, winners),) = outcomes  # four groups, one task, one outcome
-        assert task_id == "task-0"
-        assert num_fresh == len(fresh)
-        assert winners == [r for r in fresh if success[r] == 1.0]
-        assert successes == len(winners)
+        assert len(outcomes) == 4  # four groups, one task, one outcome each
+        for group, (task_id, successes, num_fresh, winners) in enumerate(outcomes):
+            fresh = [r for r in range(4 * group, 4 * group + 4) if not replayed[r]]
+            assert task_id == "task-0"
+            assert num_fresh == len(fresh) <= 4
+            assert winners == [r for r in fresh if success[r] == 1.0]
+            assert successes == len(winners)
 
 
 def test_given_pool_takes_the_run_configuration(tmp_path, caplog):
