@@ -92,6 +92,8 @@ PRESETS: dict[str, dict] = {
     # ExGRPO's published recipe (replay_profile, docs/config.md "Profiles"), and the same without retired questions
     "exgrpo": {"replay_profile": "exgrpo"},
     "exgrpo-noretire": {"replay_profile": "exgrpo", "replay_retire_solved": False},
+    # Every group teaches (`replay_profile="teach"`): rescue of all-fail groups, retired questions revisited
+    "teach": {"replay_profile": "teach"},
     # Candidates tried on the tuning seeds (0-4); see docs/results.md for what they showed.
     "exreplay-k4": {"replay_trajectories_per_group": 4},  # half of a replayed task's group is replayed
     "exreplay-early": {"replay_start_ratio": 0.1},

@@ -56,8 +56,8 @@ CODE_NAMES = {
 GROUPS = (
     ("Replay: when and how much", ("enable_experience_replay", "replay_profile", "replay_ratio", "replay_start",
                                    "replay_start_ratio", "replay_start_solved_fraction", "replay_retire_solved",
-                                   "replay_trajectories_per_group", "replay_bucket_weighting",
-                                   "replay_count_replayed_successes")),
+                                   "replay_revisit_ratio", "replay_rescue", "replay_trajectories_per_group",
+                                   "replay_bucket_weighting", "replay_count_replayed_successes")),
     ("The pool: what is stored and kept", ("replay_success_threshold", "replay_store_lbound", "replay_store_rbound",
                                            "replay_max_trajectories_per_task", "replay_store_mode",
                                            "replay_max_policy_age", "replay_window", "replay_resume_without_pool",
@@ -128,6 +128,8 @@ EXGRPO_SOURCES = {
     "replay_unclipped_fresh": "`actor.loss_remove_clip: true` (only in mixed mode)",
     "replay_bucket_weighting": "`exp_bucket_manager: normal` (`weighted_bucket_sampler.py`, sigma 1)",
     "replay_shaping": "`off_policy_reshape: p_div_p_0.1` (w / (w + 0.1): our replay_shaping_beta's default)",
+    "replay_revisit_ratio": "none: a retired question is never drawn again",
+    "replay_rescue": "none",
 }
 
 
@@ -140,14 +142,18 @@ def profiles() -> list[str]:
         "`replay_profile` gives the fields below that are left unset (None) a published recipe's values; a field "
         "set by hand, in code, YAML or a flag, keeps its value. Without a profile they take the library's defaults "
         '(the AgentEvolver-style pipeline it was designed from); `replay_profile="exgrpo"` is ExGRPO\'s code as published (arXiv '
-        "2510.02245), whose start threshold 0.35 is `replay_start_solved_fraction`'s default. Which one to use: "
-        "[results](results.md) compares them.",
+        "2510.02245), whose start threshold 0.35 is `replay_start_solved_fraction`'s default; "
+        '`replay_profile="teach"` makes every group teach: a fresh group whose rollouts all failed is rescued by a '
+        "stored success of its task (AR3PO's response reuse, arXiv 2509.25808), and a solved question leaves the "
+        "fresh stream but is revisited, returning when it fails (unlike ExGRPO's retired questions, never seen "
+        "again). Which one to use: [results](results.md) compares them.",
         "",
-        "| field | default | `exgrpo` | in ExGRPO's code |",
-        "|---|---|---|---|",
+        "| field | default | `exgrpo` | `teach` | in ExGRPO's code |",
+        "|---|---|---|---|---|",
     ]
-    for name, value in REPLAY_PROFILES["exgrpo"].items():
-        lines.append(f"| `{name}` | `{PROFILE_FIELDS[name]!r}` | `{value!r}` | {EXGRPO_SOURCES[name]} |")
+    for name, default in PROFILE_FIELDS.items():
+        exgrpo, teach = (REPLAY_PROFILES[p].get(name, default) for p in ("exgrpo", "teach"))
+        lines.append(f"| `{name}` | `{default!r}` | `{exgrpo!r}` | `{teach!r}` | {EXGRPO_SOURCES[name]} |")
     lines += [
         "",
         "Shared by both: a replay ratio of 0.5 of the batch's questions, k = 1 replayed trajectory in a group of G, "

@@ -75,7 +75,9 @@ class ExReplayGRPOConfig(GRPOConfig):
             "help": "The recipe that gives the fields left unset (None) their values: None, the library's defaults "
             "(the value after 'None:' in each field's help), or 'exgrpo', ExGRPO's published code "
             "(replay_start='solved', replay_retire_solved, replay_count_replayed_successes, replay_unclipped_fresh, "
-            "replay_bucket_weighting='normal', replay_shaping='exgrpo'; see Profiles below). A field you set wins."
+            "replay_bucket_weighting='normal', replay_shaping='exgrpo'), or 'teach', every group teaching "
+            "(replay_rescue=1, replay_retire_solved with replay_revisit_ratio=0.25); see Profiles below. A field you "
+            "set wins."
         },
     )
     replay_start: str | None = field(
@@ -108,6 +110,27 @@ class ExReplayGRPOConfig(GRPOConfig):
             "skip-set task (solved by every fresh rollout) gets no fresh rollout again: its groups take other dataset "
             "rows, so every batch keeps its size. A map-style dataset only (an iterable one trains without it, "
             "with a warning). None: the profile's; False without one."
+        },
+    )
+    replay_revisit_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": "With replay_retire_solved: the share of a retired question's draws let through as revisits (drawn "
+            "per group from the step's seed, the same on every rank); a revisit that any fresh rollout fails puts the "
+            "question back in the fresh stream, so a solved question that is forgotten is trained again. 0: retired "
+            "questions never return (ExGRPO). In [0, 1]. None: the profile's; 0 without one."
+        },
+    )
+    replay_rescue: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rescue (AR3PO's response reuse): after scoring, a fresh group whose rollouts all failed, of a task "
+            "the pool holds this many successes of, gets that many of its failed rollouts replaced by them (the lowest "
+            "saved entropy first), trained as replayed rows, so that the group has a reward spread to learn from. With "
+            "rescue on, a task solved by every fresh rollout keeps its best stored success (it is not replayed while "
+            "solved), so that a forgotten task can be rescued. A rescued row's reference log-probs would be those of "
+            "the failed rollout, so with beta != 0 rescue is off (one warning). 0: off; below num_generations. None: "
+            "the profile's; 0 without one."
         },
     )
     replay_count_replayed_successes: bool | None = field(
@@ -380,6 +403,8 @@ class ExReplayGRPOConfig(GRPOConfig):
 PROFILE_FIELDS: dict[str, Any] = {
     "replay_start": "steps",
     "replay_retire_solved": False,
+    "replay_revisit_ratio": 0.0,
+    "replay_rescue": 0,
     "replay_count_replayed_successes": False,
     "replay_unclipped_fresh": False,
     "replay_bucket_weighting": "uniform",
@@ -393,6 +418,13 @@ REPLAY_PROFILES: dict[str, dict[str, Any]] = {
         "replay_unclipped_fresh": True,
         "replay_bucket_weighting": "normal",
         "replay_shaping": "exgrpo",
+    },
+    # Every group teaches: an all-fail group is rescued by a stored success, a solved question leaves the fresh stream
+    # and comes back on a failed revisit; the rest is the library's defaults (docs/config.md, "Profiles").
+    "teach": {
+        "replay_rescue": 1,
+        "replay_retire_solved": True,
+        "replay_revisit_ratio": 0.25,
     },
 }
 
@@ -445,6 +477,17 @@ def validate_replay_options(options: dict[str, Any], num_generations: int | None
         "replay_unclipped_fresh",
     ):
         _check(isinstance(o[name], bool), name, o[name], "True or False (a bool, not a string)")
+    revisit = o["replay_revisit_ratio"]
+    _check(_is_number(revisit) and 0.0 <= revisit <= 1.0, "replay_revisit_ratio", revisit, "numbers in [0, 1]")
+    if revisit > 0 and not o["replay_retire_solved"]:
+        raise ValueError(
+            f"Invalid value {revisit!r} for `replay_revisit_ratio`: it revisits retired questions, and "
+            "replay_retire_solved=False retires none; allowed: 0, or set replay_retire_solved=True."
+        )
+    rescue = o["replay_rescue"]
+    upper = "num_generations - 1" if num_generations is None else f"num_generations - 1 = {num_generations - 1}"
+    _check(_is_int(rescue) and 0 <= rescue and (num_generations is None or rescue < num_generations), "replay_rescue",
+           rescue, f"integers 0 .. {upper}")  # fmt: skip
     profile = o["replay_profile"]
     _check(profile is None or profile in REPLAY_PROFILES, "replay_profile", profile,
            "None, " + ", ".join(map(repr, REPLAY_PROFILES)))  # fmt: skip

@@ -295,3 +295,39 @@ def plan_replay(
     for task_id, group in zip(to_place, free):
         replay_groups[group] = task_id
     return ReplayPlan(num_generations, num_replayed, dict(sorted(replay_groups.items())))
+
+
+def plan_rescue(
+    row_success: Sequence[bool | None],
+    group_keys: Sequence[str],
+    num_generations: int,
+    num_rescued: int,
+    has_successes: Sequence[bool],
+    skip_groups: Sequence[int] = (),
+) -> dict[int, str]:
+    """The groups rescued after scoring (AR3PO's response reuse): group -> task, for each group whose fresh rows all
+    failed (`row_success` per global row: True, False, or None for a row that does not count: replayed, or with no
+    reward; at least one False, no True), whose task `has_successes` (the pool holds `num_rescued` of its successes),
+    and that is not in `skip_groups` (replay groups, groups with guided rows). Its last `num_rescued` rows take the
+    stored successes: the layout of a replay group, so the same tensors mark them. 0 rescues nothing.
+
+    Example:
+
+    ```pycon
+    >>> # groups of 4: all failed (task a, stored); mixed (b); all failed (c, nothing stored); all failed, replayed (a)
+    >>> plan_rescue([False] * 4 + [True, False, False, False] + [False] * 4 + [False, False, False, None],
+    ...             ["a", "b", "c", "a"], 4, 1, [True, True, False, True], skip_groups=[3])
+    {0: 'a'}
+
+    ```
+    """
+    if num_rescued == 0:
+        return {}
+    skipped = set(skip_groups)
+    rescued = {}
+    for group, task in enumerate(group_keys):
+        rows = row_success[group * num_generations : (group + 1) * num_generations]
+        if group in skipped or not has_successes[group] or True in rows or False not in rows:
+            continue
+        rescued[group] = task
+    return rescued

@@ -25,10 +25,10 @@ from accelerate.utils import gather_object
 from .distributed import from_main_process, gather_row_flags
 from .metrics import FaultCounts, log_generation
 from .outcomes import PendingOutcomes, task_outcomes, trajectory_records, zero_spread_share
-from .planner import ReplayPlan, plan_replay, replay_groups_due
+from .planner import ReplayPlan, plan_replay, plan_rescue, replay_groups_due
 from .pool import ExperiencePool, task_key, tokenizer_fingerprint
 from .pool.rules import is_solved
-from .schedule import ReplaySchedule, redirect_retired_groups, starts_replay
+from .schedule import ReplaySchedule, redirect_retired_groups, revisited_groups, starts_replay
 from .selection import policy_forward, select_trajectories
 from .step import GenerationStep
 
@@ -91,6 +91,14 @@ class ReplayController:
                 "`datasets.Dataset`); with this %s, solved questions stay in the fresh stream.",
                 type(train_dataset).__name__,
             )
+        self.rescue_rows = options["replay_rescue"] if self.enabled else 0
+        if self.rescue_rows and args.beta != 0.0:
+            self.rescue_rows = 0
+            logger.warning(
+                "trl_exreplay: replay_rescue=%d is off: with beta=%g TRL's KL term would compare a rescued row's "
+                "tokens with the reference log-probs of the failed rollout it replaces (computed before scoring). "
+                "Rescue needs beta=0 (TRL's default).", options["replay_rescue"], args.beta,
+            )  # fmt: skip
         self._retired: set[str] | None = None  # the retired tasks, as of the last generation batch
         self._dataset_keys: list[str] | None = None  # the task of each training dataset row
         self._active_rows: tuple[list[int], list[str]] = ([], [])
@@ -251,8 +259,10 @@ class ReplayController:
         offset = rank * local_rows
         row_keys = gather_object([task_key(x, self.options["task_id_column"]) for x in inputs])
         draw_seed = [args.seed, global_step, micro_step]
+        revisits = []
         if self.retiring:
-            inputs, row_keys = self._redirect_retired(inputs, row_keys, offset, draw_seed, metrics, global_step)
+            inputs, row_keys, revisits = self._redirect_retired(inputs, row_keys, offset, draw_seed, metrics,
+                                                                global_step)  # fmt: skip
         group_keys = row_keys[::G]
 
         plan = ReplayPlan(G, self.options["replay_trajectories_per_group"], {})
@@ -300,6 +310,7 @@ class ReplayController:
             task_rows=task_rows,
             row_tasks=[plan.task_of_row(r, group_keys) for r in range(len(row_keys))],
             seed=draw_seed,
+            revisited=set(revisits) - set(plan.replay_groups),
         )
 
     def _redirect_retired(self, inputs: list, row_keys: list, offset: int, seed: list, metrics, global_step: int):
@@ -317,24 +328,30 @@ class ReplayController:
                 self._dataset_keys = [task_key(row, column) for row in self._train_dataset]
             active = [i for i, key in enumerate(self._dataset_keys) if key not in retired]
             self._active_rows = (active, [self._dataset_keys[i] for i in active])
-            if not active:
+            if not active and not self.options["replay_revisit_ratio"]:
                 self.exhausted = True  # this last batch is of retired tasks: its outcomes stay out of the pool
                 logger.warning(
                     "trl_exreplay: every training question is retired (solved by all its fresh rollouts: %d tasks, "
                     "replay_retire_solved=True), so no fresh rollout is left to make; training stops after step %d.",
                     len(retired), global_step + 1,
                 )  # fmt: skip
-        redirect = redirect_retired_groups(row_keys[::G], self._retired, *self._active_rows, seed=[*seed, 2])
+        group_keys = row_keys[::G]
+        revisits = revisited_groups(group_keys, self._retired, self.options["replay_revisit_ratio"], [*seed, 3])
+        if revisits:  # a revisited group keeps its retired task (a key no task has is never redirected)
+            group_keys = [None if g in revisits else key for g, key in enumerate(group_keys)]
+        redirect = redirect_retired_groups(group_keys, self._retired, *self._active_rows, seed=[*seed, 2])
         metrics["replay/retired_tasks"].append(float(len(self._retired)))
         metrics["replay/redirected_groups"].append(float(len(redirect)))
+        if self.options["replay_revisit_ratio"]:
+            metrics["replay/revisited_groups"].append(float(len(revisits)))
         if not redirect:
-            return inputs, row_keys
+            return inputs, row_keys, revisits
         inputs = [
             self._train_dataset[redirect[(offset + i) // G]] if (offset + i) // G in redirect else row
             for i, row in enumerate(inputs)
         ]
         row_keys = [self._dataset_keys[redirect[r // G]] if r // G in redirect else k for r, k in enumerate(row_keys)]
-        return inputs, row_keys
+        return inputs, row_keys, revisits
 
     # ----------------------------------------------------------------------------------------- generation
     def generate(self, step: GenerationStep, prompt_ids: list, generate: Callable, num_generations: int, *,
@@ -402,6 +419,50 @@ class ReplayController:
             message = "recorded rewards do not match the reward functions"
             self._faults.count("reward_arity_mismatch", message, counts["reward_arity_mismatch"])
 
+    def rescue(
+        self, step: GenerationStep, rewards_per_func: torch.Tensor, reward_weights, *, global_step: int, metrics
+    ) -> torch.Tensor:
+        """AR3PO's response reuse, after scoring: each fresh group whose rows all failed, of a task the pool holds
+        `replay_rescue` successes of, gets its last rows replaced by them (`planner.plan_rescue`; lowest saved entropy
+        first). Returns the rewards TRL computes advantages from, the rescued rows' being their recorded ones;
+        `rewards_per_func` itself is left as scored (the outcomes count those rows as the failures they were). The
+        rows' tokens are put into TRL's output after it (`step.splice_rescued`). Collective: the decision is global,
+        the trajectories are read on rank 0."""
+        G, k = self.num_generations, self.rescue_rows
+        if not k:
+            return rewards_per_func
+        totals = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        success = (totals >= self.options["replay_success_threshold"]).cpu().tolist()
+        missing = torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
+        row_success = [None if missing[r] or step.plan.is_replayed(r) else success[r] for r in range(len(success))]
+        group_keys = step.row_tasks[::G]
+        guided = set() if step.guidance is None else {r // G for r, flag in enumerate(step.guidance.guided) if flag}
+        age, window = self.options["replay_max_policy_age"], self.options["replay_window"]
+        has = [self.pool.num_candidates(task, global_step, age, window) >= k for task in group_keys]
+        groups = plan_rescue(row_success, group_keys, G, k, has, skip_groups=[*step.plan.replay_groups, *guided])
+        metrics["replay/rescued_groups"].append(float(len(groups)))
+        counted = [r for r, flag in enumerate(row_success) if flag is not None]
+        if not groups:
+            if counted:
+                metrics["replay/zero_std_rescued"].append(zero_spread_share(totals, counted, G))
+            return rewards_per_func
+        tasks = sorted(set(groups.values()))
+        chosen = self._on_main(lambda: self.pool.choose(tasks, k, global_step, age, window))
+        rescued = rewards_per_func.clone()
+        for group, task in groups.items():
+            for j, trajectory in enumerate(chosen[task]):
+                row = (group + 1) * G - k + j
+                if len(trajectory.rewards) != rescued.size(1):
+                    self._faults.count("reward_arity_mismatch", "recorded rewards do not match the reward functions")
+                    continue
+                rescued[row] = torch.tensor(trajectory.rewards, dtype=rescued.dtype, device=rescued.device)
+                step.rescued[row] = trajectory
+        rescued_totals = (rescued * reward_weights.to(rescued.device).unsqueeze(0)).nansum(dim=1)
+        metrics["replay/zero_std_rescued"].append(zero_spread_share(rescued_totals, counted, G))
+        local = range(step.offset, step.offset + len(step.task_rows))
+        step.rescued_local = {row - step.offset: t for row, t in step.rescued.items() if row in local}
+        return rescued
+
     # ------------------------------------------------------------------------------------------- outcomes
     def queue_outcomes(self, output: dict, step: GenerationStep, *, reward_weights, global_step: int, metrics):
         """Each task's outcome from the gathered rewards, and this rank's successful fresh rows as pool records, kept
@@ -423,6 +484,10 @@ class ReplayController:
         replayed_rows = []
         if self.options["replay_count_replayed_successes"]:  # ExGRPO: a replayed task's bucket is (s + k) of G
             replayed_rows = [r for r in range(len(row_tasks)) if step.plan.is_replayed(r) and not missing[r]]
+        if step.revisited:  # retired tasks revisited: those any fresh rollout failed return to the fresh stream
+            G = self.num_generations
+            returned = {row_tasks[r] for r in fresh_rows if r // G in step.revisited and not success[r]}
+            metrics["replay/returned_tasks"].append(float(len(returned)))
         outcomes = task_outcomes(row_tasks, fresh_rows, success, self.num_generations, replayed_rows)
         local_winners = sorted(r - offset for *_, rows in outcomes for r in rows if 0 <= r - offset < num_local)
         records = trajectory_records(
@@ -462,7 +527,7 @@ class ReplayController:
         summaries = [merged[row].pop("summary") for row in sorted(merged) if "summary" in merged[row]]
         if self.enabled and pending is not None:
             for outcome in pending.task_outcomes(merged):
-                self.pool.record_outcome(outcome)
+                self.pool.record_outcome(outcome, keep_solved=int(bool(self.rescue_rows)))
         return summaries
 
     def log_generation(self, step: GenerationStep, metrics, *, global_step: int, max_steps: int) -> None:

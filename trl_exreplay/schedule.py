@@ -6,8 +6,9 @@
 * **Retired questions** (``replay_retire_solved``): a task in the skip set (every fresh rollout of it succeeded) is
   retired: a group whose task is retired takes another dataset row instead, drawn from the rows whose task is not
   (`redirect_retired_groups`), so no fresh rollout goes to a question that is already solved, and every batch keeps
-  its size. A retired task is never sampled nor replayed again, so it never leaves the skip set: the retired set only
-  grows. (ExGRPO drops skip-set questions from its data at each epoch, an epoch drawing each question once: a solved
+  its size. A retired task is not sampled nor replayed again, so it does not leave the skip set: the retired set only
+  grows, unless ``replay_revisit_ratio`` lets a share of its draws through (`revisited_groups`): a revisit that fails
+  returns the task to the fresh stream. (ExGRPO drops skip-set questions from its data at each epoch, an epoch drawing each question once: a solved
   question is never drawn again. Here the rule acts from the next generation batch, so that it holds too where a
   dataset repeats its questions within one epoch, as the evidence harness's do.)
 
@@ -71,6 +72,17 @@ def redirect_retired_groups(
     while len(chosen) < len(groups):  # fewer active tasks than retired groups: any active row, repeats allowed
         chosen.append(int(rng.integers(len(active_rows))))
     return {g: int(active_rows[i]) for g, i in zip(groups, chosen)}
+
+
+def revisited_groups(group_keys: Sequence[str], retired: Collection[str], revisit_ratio: float, seed) -> list[int]:
+    """The groups of retired tasks let through as revisits: each with probability `revisit_ratio`, drawn from `seed`
+    (the same on every rank, and on a resumed run). A revisit every fresh rollout wins keeps its task retired; one
+    that any fails takes the task out of the skip set, back into the fresh stream."""
+    groups = [g for g, key in enumerate(group_keys) if key in retired]
+    if not groups or revisit_ratio <= 0:
+        return []
+    draws = np.random.default_rng(seed).random(len(groups))
+    return [g for g, u in zip(groups, draws.tolist()) if u < revisit_ratio]
 
 
 class EpochSeededSampler(Sampler):

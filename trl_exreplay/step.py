@@ -53,6 +53,11 @@ class GenerationStep:
     guided_prompt_ids: dict[int, list[int]] = field(default_factory=dict)
     retrieved: dict[str, tuple] = field(default_factory=dict)  # task text -> (experience text or None, records)
     retrieval_down: bool = False  # the provider failed in this step: its remaining rows go unguided
+    rescued: dict[int, Any] = field(
+        default_factory=dict
+    )  # global rows of all-fail groups -> the stored success put in
+    rescued_local: dict[int, Any] = field(default_factory=dict)  # this rank's rescued rows -> their trajectory
+    revisited: set[int] = field(default_factory=set)  # groups of retired tasks let through as revisits
     _replay_taken: bool = False
     _stripped: bool = False
 
@@ -104,6 +109,52 @@ class LossForward:
     logps: Any = None
     entropies: Any = None
     entropy_mask: Any = None  # the tokens TRL's `top_entropy_quantile` selection kept (None: no selection)
+
+
+def splice_rescued(output: dict, rescued_local: dict[int, Any], pad_token_id: int) -> None:
+    """Put each rescued row's stored trajectory into TRL's generation `output` (in place), in place of the failed
+    rollout TRL generated and scored: its prompt and completion tokens, masks (`tool_mask` from the stored model-token
+    mask), and its recorded log-probs as the old and sampling ones; the tensors are widened where a stored sequence is
+    longer. Then `attach_replay_tensors` marks the rows as replayed (advantage 0 in TRL's loss, the off-policy term on
+    their recorded log-probs), as a replay group's rows."""
+    if not rescued_local:
+        return
+    prompt_width = max([output["prompt_ids"].size(1), *(len(t.prompt_ids) for t in rescued_local.values())])
+    width = max([output["completion_ids"].size(1), *(len(t.completion_ids) for t in rescued_local.values())])
+    _widen(output, "prompt_ids", prompt_width, pad_token_id, left=True)
+    _widen(output, "prompt_mask", prompt_width, 0, left=True)
+    fills = {"completion_ids": pad_token_id, "completion_mask": 0, "tool_mask": 1, "old_per_token_logps": 0.0,
+             "sampling_per_token_logps": 0.0, "importance_sampling_ratio": 1.0}  # fmt: skip
+    for key, fill in fills.items():
+        _widen(output, key, width, fill)
+    device = output["completion_ids"].device
+    for i, trajectory in rescued_local.items():
+        p, n = len(trajectory.prompt_ids), len(trajectory.completion_ids)
+        output["prompt_ids"][i] = pad_token_id
+        output["prompt_ids"][i, prompt_width - p :] = torch.tensor(trajectory.prompt_ids, device=device)
+        output["prompt_mask"][i] = 0
+        output["prompt_mask"][i, prompt_width - p :] = 1
+        output["completion_ids"][i] = pad_token_id
+        output["completion_ids"][i, :n] = torch.tensor(trajectory.completion_ids, device=device)
+        output["completion_mask"][i] = 0
+        output["completion_mask"][i, :n] = 1
+        if "tool_mask" in output:
+            output["tool_mask"][i] = 1
+            output["tool_mask"][i, :n] = torch.tensor(trajectory.completion_mask, device=device)
+        for key in ("old_per_token_logps", "sampling_per_token_logps"):
+            if key in output:
+                output[key][i] = 0.0
+                output[key][i, :n] = torch.tensor(trajectory.logps, dtype=output[key].dtype, device=device)
+
+
+def _widen(output: dict, key: str, width: int, fill, left: bool = False) -> None:
+    """`output[key]` (rows x tokens) padded with `fill` to `width` tokens (on the left for prompts)."""
+    tensor = output.get(key)
+    if tensor is None or tensor.dim() != 2 or tensor.size(1) >= width or (key == "importance_sampling_ratio" and
+                                                                           tensor.size(1) == 1):  # fmt: skip
+        return
+    pad = tensor.new_full((tensor.size(0), width - tensor.size(1)), fill)
+    output[key] = torch.cat([pad, tensor] if left else [tensor, pad], dim=1)
 
 
 def attach_replay_tensors(output: dict, replayed_local: dict[int, Any], replaying: bool) -> None:

@@ -28,7 +28,7 @@ from .multiturn import MultiTurnRollouts, check_multi_turn_vllm
 from .pool import ExperiencePool
 from .replay import POOL_DIR, POOL_WORK_DIR, ReplayController
 from .schedule import EpochSeededSampler
-from .step import GenerationStep, LossForward, attach_replay_tensors
+from .step import GenerationStep, LossForward, attach_replay_tensors, splice_rescued
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         log-probs, the outcomes queued for the pool, the step's metrics."""
         guidance, num_rows = step.guidance, len(step.row_tasks)
         discarding = guidance is not None and any(guidance.discarded(r) for r in range(num_rows))
-        attach_replay_tensors(output, step.replayed_local, replaying=bool(step.plan.replay_groups) or discarding)
+        if step.rescued:  # the stored successes TRL's advantages were computed with, in place of the failed rollouts
+            splice_rescued(output, step.rescued_local, self._tokenizer.pad_token_id)
+        replaying = bool(step.plan.replay_groups) or bool(step.rescued) or discarding
+        attach_replay_tensors(output, {**step.replayed_local, **step.rescued_local}, replaying=replaying)
+        if step.rescued:  # TRL's normaliser of the "dapo" loss type, counted again over the spliced rows (collective)
+            loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
+            output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         if discarding:
             self._guidance.attach_discarded_rows(output, step)
         metrics, global_step = self._metrics["train"], self.state.global_step
@@ -365,8 +371,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         # Replayed rows' tool calls are not run again and their environments are not played: with tools, what the
         # reward functions see of them says nothing to compare the recorded rewards with.
         self._replay.put_recorded_rewards(step, rewards_per_func, compare=not self.tools and self.environments is None)
-        step.rewards = rewards_per_func
-        return rewards_per_func
+        step.rewards = rewards_per_func  # as scored: the outcomes count a rescued row as the failure it was
+        return self._replay.rescue(step, rewards_per_func, self.reward_weights, global_step=self.state.global_step,
+                                   metrics=self._metrics["train"])  # fmt: skip
 
     # --------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):

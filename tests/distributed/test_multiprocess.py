@@ -130,6 +130,32 @@ def test_the_exgrpo_profile_is_rank_identical_and_resumes_exactly(tmp_path, conf
         assert resumed[rank]["redirected_groups"][-6:] == whole[rank]["redirected_groups"][-6:]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp_cpu", "zero3_cpu"])
+def test_the_teach_profile_is_rank_identical_and_resumes_exactly(tmp_path, config):
+    """replay_profile="teach" on 2 ranks: rescued groups (their stored success read on rank 0 and sent to the rank
+    that holds the row; the loss's token count gathered again), retired questions and their revisits are decided
+    alike on both ranks, and a run resumed from its step-6 checkpoint makes the plans, losses, pool and metrics of
+    the run that was not stopped."""
+    config = f"recipes/accelerate/{config}.yaml"
+    whole = launch(config, tmp_path / "whole", "teach")
+    check_rank_identical(whole)
+    rank0, rank1 = whole
+    for name in ("rescued_groups", "revisited_groups", "redirected_groups", "skip_set"):
+        assert rank0[name] == rank1[name], name
+    assert sum(rank0["rescued_groups"]) > 0 and sum(rank0["revisited_groups"]) > 0, rank0
+    checkpoint = tmp_path / "whole" / "run" / "checkpoint-6"
+    resumed = launch(config, tmp_path / "resumed", "teach", f"resume={checkpoint}")
+    for rank in range(2):
+        after = [plan for plan, step in zip(whole[rank]["plans"], whole[rank]["plan_steps"]) if step >= 6]
+        assert resumed[rank]["plans"] == after
+        assert resumed[rank]["losses"] == whole[rank]["losses"]
+        assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
+        assert resumed[rank]["pool_content_hash"] == whole[rank]["pool_content_hash"]
+        for name in ("rescued_groups", "revisited_groups", "redirected_groups"):
+            assert resumed[rank][name][-6:] == whole[rank][name][-6:], name
+
+
 def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
     """With TRL options whose replayed term gathers over ranks (entropy selection) and a non-default loss type; and
     experience-guided rollouts, whose discarded rows take a behaviour forward that ZeRO-3 makes collective."""

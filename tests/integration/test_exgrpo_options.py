@@ -118,7 +118,7 @@ def test_a_replayed_tasks_bucket_counts_its_replayed_success(tmp_path):
         for outcomes, (plan, row_tasks) in trainer.outcomes:
             replayed_groups = set(plan.replay_groups)
             assert [task for task, *_ in outcomes] == row_tasks[::4]  # one outcome per group of 4, in batch order
-            for group, (task, successes, counted_rows, winners) in enumerate(outcomes):
+            for group, (_task, successes, counted_rows, winners) in enumerate(outcomes):
                 if group in replayed_groups:
                     replayed_outcomes += 1
                     assert counted_rows == (4 if counted else 3)

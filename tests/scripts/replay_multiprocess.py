@@ -8,7 +8,7 @@ optimizer, RNG) of an earlier run with the same settings. `trl-options` trains w
 makes collective calls of its own (TRL's entropy selection gathers every rank's entropies) or is not the default
 clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`. `scratch=DIR`: the
 live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared. `small-shards`: the
-trainer gets a pool whose shards hold 2 rows, so that files are written during training. `ratio=R`: `replay_ratio` (default 1). `exgrpo`: `replay_profile="exgrpo"` for 12 steps on a dataset of 6
+trainer gets a pool whose shards hold 2 rows, so that files are written during training. `ratio=R`: `replay_ratio` (default 1). `exgrpo` or `teach`: that `replay_profile` for 12 steps on a dataset of 6
 rows (an epoch of 2 steps, so questions retire during the run). `guided`: experience-guided rollouts too (mixed, half
 the tasks keep, the offline provider updated every step; evaluation guided every 3 steps, one group spanning both
 ranks); each rank records every allocation it draws.
@@ -102,11 +102,12 @@ class CountingTrainer(ExReplayGRPOTrainer):
             self._multi_turn.engine.run = recording_run
 
 
+PROFILE = next((o for o in options if o in ("exgrpo", "teach")), None)  # replay_profile, 12 steps on 6 rows
 TRL_OPTIONS = dict(loss_type="cispo", top_entropy_quantile=0.5, entropy_coef=0.01, off_policy_mask_threshold=0.5)
 episodes = []
 tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY if multi_turn else VOCABULARY)
 single_turn_settings = dict(
-    per_device_train_batch_size=6, replay_trajectories_per_group=1, max_steps=12 if "exgrpo" in options else 6,
+    per_device_train_batch_size=6, replay_trajectories_per_group=1, max_steps=12 if PROFILE in options else 6,
     max_completion_length=4,
 )  # fmt: skip
 multi_turn_settings = dict(
@@ -137,12 +138,12 @@ config = ExReplayGRPOConfig(
     **(multi_turn_settings if multi_turn else single_turn_settings),
     **(TRL_OPTIONS if "trl-options" in options else {}),
     **(GUIDED if "guided" in options else {}),
-    **({"replay_profile": "exgrpo"} if "exgrpo" in options else {}),
+    **({"replay_profile": PROFILE} if PROFILE in options else {}),
 )
 if multi_turn:
     task_setup = dict(text_env_factory=KeyDoorEnv, train_dataset=key_door_dataset(num_tasks=1, repeats=40))
 else:
-    repeats = 2 if "exgrpo" in options else 20
+    repeats = 2 if PROFILE in options else 20
     task_setup = dict(reward_funcs=said_target, train_dataset=say_word_dataset(num_tasks=3, repeats=repeats))
     if "guided" in options:
         task_setup["eval_dataset"] = say_word_dataset(num_tasks=2, repeats=4)
@@ -185,6 +186,10 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
                 e["replay/retired_tasks"] for e in trainer.state.log_history if "replay/retired_tasks" in e
             ],
             "skip_set": trainer.pool.skip_set,
+            **{
+                name: [e[f"replay/{name}"] for e in trainer.state.log_history if f"replay/{name}" in e]
+                for name in ("rescued_groups", "revisited_groups", "returned_tasks")
+            },
             "experience": [r.as_dict() for r in trainer._guidance.experience.records()] if trainer._guidance else [],
             "guided_fraction": [
                 e["guide/guided_fraction"] for e in trainer.state.log_history if "guide/guided_fraction" in e

@@ -23,6 +23,8 @@ REPLAY_FIELDS = {
     "replay_start_ratio",
     "replay_start_solved_fraction",
     "replay_retire_solved",
+    "replay_revisit_ratio",
+    "replay_rescue",
     "replay_count_replayed_successes",
     "replay_unclipped_fresh",
     "replay_trajectories_per_group",
@@ -87,6 +89,8 @@ DEFAULTS = {
     "replay_start_ratio": 0.35,
     "replay_start_solved_fraction": 0.35,
     "replay_retire_solved": False,
+    "replay_revisit_ratio": 0.0,
+    "replay_rescue": 0,
     "replay_count_replayed_successes": False,
     "replay_unclipped_fresh": False,
     "replay_trajectories_per_group": 1,
@@ -159,6 +163,14 @@ def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_pa
     assert {name: replay_options(make(tmp_path, config_cls=GRPOConfig))[name] for name in PROFILE_FIELDS} == (
         PROFILE_FIELDS
     )
+
+
+def test_the_teach_profile_rescues_and_retires_with_revisits(tmp_path):
+    c = make(tmp_path, replay_profile="teach")
+    assert (c.replay_rescue, c.replay_retire_solved, c.replay_revisit_ratio) == (1, True, 0.25)
+    # the rest is the library's defaults
+    assert (c.replay_start, c.replay_shaping, c.replay_bucket_weighting) == ("steps", "clip", "uniform")
+    assert make(tmp_path, replay_profile="teach", replay_rescue=0).replay_rescue == 0
 
 
 def test_the_profile_is_read_from_yaml_and_flags_as_it_is_from_code(tmp_path):
@@ -283,6 +295,10 @@ INVALID = [
     ("max_turns", dict(max_turns=True), "integers >= 1"),
     ("max_tokens_per_turn", dict(max_tokens_per_turn=True), "None or integers >= 1"),
     ("env_workers", dict(env_workers=True), "integers >= 1"),
+    ("replay_revisit_ratio", dict(replay_revisit_ratio=1.5), "numbers in [0, 1]"),
+    ("replay_revisit_ratio", dict(replay_revisit_ratio=0.5), "set replay_retire_solved=True"),
+    ("replay_rescue", dict(replay_rescue=4), "integers 0 .. num_generations - 1 = 3"),
+    ("replay_rescue", dict(replay_rescue=-1), "integers 0 .. num_generations - 1 = 3"),
     ("guidance_train", dict(guidance_train="some"), "'off', 'mixed', 'all'"),
     ("guidance_eval", dict(guidance_eval=None), "'off', 'mixed', 'all'"),
     ("guidance_trained_prompt", dict(guidance_trained_prompt="keep"), "'guided', 'plain', 'hybrid'"),

@@ -18,6 +18,7 @@ from trl_exreplay.planner import (
     bucket_weights,
     draw_replay_tasks,
     plan_replay,
+    plan_rescue,
     replay_groups_due,
 )
 from trl_exreplay.pool.index import TaskBuckets
@@ -534,3 +535,21 @@ def test_rank_rows_and_fresh_rows_per_rank():
     assert swapped == {0: "p", 1: "p", 2: "p", 3: "p"} and replayed == {2: "p0", 3: "p1"}
     swapped, replayed = plan.rank_rows(6, 6, group_keys, selected)
     assert swapped == {} and replayed == {4: "c0", 5: "c1"}  # group 2's task is its own: no row swapped
+
+
+def test_plan_rescue_takes_all_fail_fresh_groups_of_tasks_with_successes():
+    """Groups of 4. A group is rescued only if none of its counted rows won, at least one failed, its task holds
+    successes, and it is not skipped (a replay group, a guided one); None rows (replayed, no reward) do not count."""
+    rows = (
+        [False, False, None, False]  # 0: all counted rows failed: rescued
+        + [False, False, True, False]  # 1: one success: it has a spread already
+        + [None] * 4  # 2: nothing counted
+        + [False] * 4  # 3: all failed, but its task holds nothing
+        + [False] * 4  # 4: all failed, skipped (a replay group)
+        + [False] * 4  # 5: the same task as group 0, also rescued
+    )
+    keys = ["a", "b", "c", "d", "e", "a"]
+    has = [True, True, True, False, True, True]
+    assert plan_rescue(rows, keys, 4, 1, has, skip_groups=[4]) == {0: "a", 5: "a"}
+    assert plan_rescue(rows, keys, 4, 2, has, skip_groups=[4]) == {0: "a", 5: "a"}
+    assert plan_rescue(rows, keys, 4, 0, has) == {}

@@ -10,6 +10,7 @@ from trl_exreplay.schedule import (
     EpochSeededSampler,
     ReplaySchedule,
     redirect_retired_groups,
+    revisited_groups,
     starts_replay,
 )
 
@@ -99,3 +100,14 @@ def test_the_epoch_seeded_sampler_draws_trls_orders_by_epoch_number():
     resumed.set_epoch(3)
     assert list(resumed) == trl_orders[3] and len(resumed) == len(alone)
     assert list(trl_sampler()) != trl_orders[3]  # what TRL's sampler draws after a resume
+
+
+def test_revisited_groups_let_a_share_of_retired_draws_through_by_seed():
+    keys = ["a", "b", "a", "c", "b", "a"] * 50  # 300 groups; a and b retired: 250 retired groups
+    assert revisited_groups(keys, {"a", "b"}, 0.0, seed=[0, 1]) == []
+    assert revisited_groups(keys, {"a", "b"}, 1.0, seed=[0, 1]) == [g for g, k in enumerate(keys) if k != "c"]
+    drawn = revisited_groups(keys, {"a", "b"}, 0.25, seed=[0, 1])
+    assert drawn == revisited_groups(keys, {"a", "b"}, 0.25, seed=[0, 1])  # every rank, and a resumed run, alike
+    assert drawn != revisited_groups(keys, {"a", "b"}, 0.25, seed=[0, 2])
+    assert all(keys[g] in "ab" for g in drawn) and 40 <= len(drawn) <= 85  # about a quarter of 250
+    assert revisited_groups(keys, set(), 0.5, seed=0) == []

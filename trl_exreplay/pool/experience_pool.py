@@ -142,8 +142,10 @@ class ExperiencePool:
         return sum(self.rejected_reasons.values())
 
     # ----------------------------------------------------------------------------------------------- updates
-    def record_outcome(self, outcome: TaskOutcome) -> None:
-        """Update buckets, skip set and store with one task's outcome of one step."""
+    def record_outcome(self, outcome: TaskOutcome, keep_solved: int = 0) -> None:
+        """Update buckets, skip set and store with one task's outcome of one group. A solved task leaves its store,
+        but for the `keep_solved` best of its successes (by `exp_select_mode`: the stored ones, else one of this
+        outcome's): rescue's material (`replay_rescue`) if the task is failed again. A solved task is not replayed."""
         index = self.index
         index.num_outcomes += 1
         t = index.task(outcome.task_id)
@@ -154,7 +156,18 @@ class ExperiencePool:
                 index.skip_order[t] = index.next_stamp()
             index.set_difficulty(t, -1)
             index.difficulty_order[t] = -1
-            self._drop(index.clear(t))
+            keys = index.clear(t)
+            order = self._selection_order(
+                index.key_entropy[keys].tolist(), index.key_traj_id[keys].tolist(), min(keep_solved, len(keys)), None
+            )
+            kept = [keys[i] for i in order]
+            for key in kept:
+                index.append_slot(t, key)
+            self._drop([key for key in keys if key not in kept])
+            if keep_solved and not kept and outcome.successful:
+                rng = np.random.default_rng([self.seed, index.num_outcomes])
+                self.add(outcome.successful[best_index([t.entropy for t in outcome.successful], self.exp_select_mode,
+                                                       rng)])  # fmt: skip
             return
         index.skip_order[t] = -1
         index.set_difficulty(t, outcome.successes)
@@ -339,6 +352,17 @@ class ExperiencePool:
         enough to replay and among the `window` most recently stored."""
         t = self.index.task_index.get(task_id)
         return [] if t is None else self._read_all(self.index.keys(t, current_step, max_policy_age, window))
+
+    def num_candidates(
+        self,
+        task_id: str,
+        current_step: int | None = None,
+        max_policy_age: int | None = None,
+        window: int | None = None,
+    ) -> int:
+        """How many trajectories `candidates` would return (counted on the index: nothing is read)."""
+        t = self.index.task_index.get(task_id)
+        return 0 if t is None else len(self.index.keys(t, current_step, max_policy_age, window))
 
     def replayable_tasks(
         self,

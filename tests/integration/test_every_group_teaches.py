@@ -1,0 +1,101 @@
+"""`replay_profile="teach"` in the trainer, part by part, on the say-the-word task with a tiny model: rescue
+(`replay_rescue`: an all-fail fresh group gets a stored success, and TRL's advantages are computed over the group
+that results) and retired questions with revisits (`replay_revisit_ratio`). Two-process runs of the profile (DDP and
+ZeRO-3, resumed) are in tests/distributed/test_multiprocess.py."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from helpers import make_trainer
+
+from trl_exreplay import ExReplayGRPOTrainer
+from trl_exreplay.examples import VOCABULARY
+from trl_exreplay.tiny import save_tiny_model
+
+G = 4
+
+
+class StepRecordingTrainer(ExReplayGRPOTrainer):
+    """Keeps each training generation batch's output, rescued and revisited rows, row tasks and the skip set it was
+    planned with, and the outcomes it queued."""
+
+    def _finish_generation(self, output, step):
+        super()._finish_generation(output, step)
+        self.steps = getattr(self, "steps", []) + [
+            dict(
+                output={k: v.clone() if torch.is_tensor(v) else v for k, v in output.items()},
+                rescued=dict(step.rescued),
+                revisited=set(step.revisited),
+                row_tasks=list(step.row_tasks),
+                replay_groups=dict(step.plan.replay_groups),
+                outcomes=list(self._replay.pending.outcomes),
+                skip_set=set(self._retired_before),
+            )
+        ]
+
+    def _plan_generation(self, inputs):
+        step = super()._plan_generation(inputs)
+        self._retired_before = set(self.pool.skip_set)  # the pool as the plan read it (outcomes flushed first)
+        return step
+
+
+def test_an_all_fail_group_is_rescued_by_a_stored_success_and_trained_as_replayed(tmp_path):
+    """replay_ratio 0: only rescue puts stored rows in. Each rescued group's last row holds the stored success's
+    tokens, is marked replayed (its recorded log-probs, advantage 0 in TRL's loss), and TRL's advantages are those of
+    the group with that row's recorded reward 1 among 3 failures: (1 - 1/4) / (0.5 + 1e-4) for it, (0 - 1/4) / (0.5 +
+    1e-4) for the others (the group's unbiased std is 0.5). The pool counts the group as it was: 0 successes of 4."""
+    trainer = make_trainer(tmp_path, trainer_cls=StepRecordingTrainer, max_steps=10, replay_rescue=1,
+                           replay_ratio=0.0, learning_rate=5e-2)  # fmt: skip
+    trainer.train()
+    rescued_groups = 0
+    for step in trainer.steps:
+        output = step["output"]
+        for row, trajectory in step["rescued"].items():
+            rescued_groups += 1
+            group = row // G
+            assert row == group * G + G - 1  # the group's last row
+            n = len(trajectory.completion_ids)
+            assert output["completion_ids"][row, :n].tolist() == trajectory.completion_ids
+            assert output["completion_mask"][row].sum() == n
+            assert output["exreplay_replayed"][row] == 1 and output["exp_mask"][row, :n].tolist() == [1] * n
+            assert torch.equal(output["recorded_per_token_logps"][row, :n], torch.tensor(trajectory.logps))
+            expected = torch.tensor([-0.25, -0.25, -0.25, 0.75]) / (0.5 + 1e-4)
+            assert torch.allclose(output["advantages"][group * G : group * G + G], expected, atol=1e-6)
+            task = step["row_tasks"][row]
+            assert (task, 0, G, []) in [tuple(o) for o in step["outcomes"]]
+    assert rescued_groups >= 2
+    logged = [e["replay/rescued_groups"] for e in trainer.state.log_history if "replay/rescued_groups" in e]
+    assert sum(logged) == rescued_groups
+    assert [e for e in trainer.state.log_history if e.get("replay/rows_fraction")] == []  # nothing planned
+
+
+def test_retired_questions_are_revisited_and_a_failed_revisit_returns(tmp_path):
+    """replay_revisit_ratio 0.5: about half the draws of a retired task are let through. A revisited group holds its
+    retired task (not redirected); a revisit that any fresh rollout fails takes its task out of the skip set."""
+    trainer = make_trainer(tmp_path, trainer_cls=StepRecordingTrainer, max_steps=16, replay_retire_solved=True,
+                           replay_revisit_ratio=0.5, learning_rate=5e-2)  # fmt: skip
+    trainer.train()
+    revisits = returned = 0
+    for before, after in zip(trainer.steps, trainer.steps[1:]):
+        for group in before["revisited"]:
+            revisits += 1
+            task = before["row_tasks"][group * G]
+            assert task in before["skip_set"]
+            outcome = next(o for o in before["outcomes"] if o[0] == task)
+            if outcome[1] < outcome[2]:  # failed by a fresh rollout: back in the fresh stream
+                returned += 1
+                assert task not in after["skip_set"]
+    assert revisits >= 2
+    logged = [e["replay/revisited_groups"] for e in trainer.state.log_history if "replay/revisited_groups" in e]
+    assert sum(logged) >= revisits
+
+
+def test_rescue_with_a_kl_term_is_off_and_says_so(tmp_path, caplog):
+    save_tiny_model(str(tmp_path / "model"), VOCABULARY, seed=0)  # beta > 0: TRL loads the reference from a path
+    with caplog.at_level(logging.WARNING, logger="trl_exreplay"):
+        trainer = make_trainer(tmp_path, model=str(tmp_path / "model"), max_steps=2, replay_rescue=1, beta=0.1)
+    assert "replay_rescue=1 is off" in caplog.text
+    trainer.train()
+    assert not any("replay/rescued_groups" in e for e in trainer.state.log_history)
