@@ -104,6 +104,8 @@ class ReplayController:
         self._active_rows: tuple[list[int], list[str]] = ([], [])
         self.exhausted = False  # every training question is retired
         self.pending: PendingOutcomes | None = None  # the last step's outcomes, not yet in the pool
+        self._said_task_ids = not (self.enabled or options["guidance_train"] != "off")  # said once, where ids matter
+        self._said_all_solved = False
         self._setup_pool(processing_class, model, experience_pool)
 
     @classmethod
@@ -122,7 +124,11 @@ class ReplayController:
                 logger.warning(
                     "trl_exreplay: a generation batch holds %d task group(s), so replay_ratio=%g replays a group in "
                     "only about one generation batch of %.3g (replay/tasks is 0 in the others). To replay in every "
-                    "batch, give it more groups (steps_per_generation, per_device_train_batch_size, processes).",
+                    "batch, give it more groups, on-policy: gradient_accumulation_steps=N (TRL's "
+                    "steps_per_generation follows it), a larger per_device_train_batch_size, or more processes. "
+                    "steps_per_generation above gradient_accumulation_steps gives more groups too, but then all "
+                    "but one of the optimizer steps of a generation batch train on rollouts of an older policy, "
+                    "in GRPO itself.",
                     groups, options["replay_ratio"], 1 / (options["replay_ratio"] * groups),
                 )  # fmt: skip
         return cls(
@@ -257,6 +263,9 @@ class ReplayController:
         G, args = self.num_generations, self._args
         rank, local_rows = self._accelerator.process_index, len(inputs)
         offset = rank * local_rows
+        if not self._said_task_ids:
+            self._said_task_ids = True
+            say_task_id_source(inputs, self.options["task_id_column"])
         row_keys = gather_object([task_key(x, self.options["task_id_column"]) for x in inputs])
         draw_seed = [args.seed, global_step, micro_step]
         revisits = []
@@ -478,6 +487,19 @@ class ReplayController:
         if self._multi_turn:  # an episode the environment failed says nothing about the task
             faulted = gather_row_flags(self._accelerator, step.faulted_rows, num_local)
             fresh_rows = [r for r in fresh_rows if not faulted[r]]
+        if fresh_rows and not self._said_all_solved and all(success[r] for r in fresh_rows):
+            fresh_totals = totals[fresh_rows]
+            if fresh_totals.min() < fresh_totals.max():  # the rewards tell rollouts apart; the threshold does not
+                self._said_all_solved = True
+                logger.warning(
+                    "trl_exreplay: every fresh rollout of this generation batch counted as a success (total reward "
+                    ">= replay_success_threshold=%g, the total being the weighted sum over the %d reward function(s); "
+                    "here it ranged %g-%g), so every task goes to the skip set and nothing is stored or replayed. If "
+                    "a reward function gives every rollout something (a format reward), set replay_success_threshold "
+                    "to the total a solved rollout gets.",
+                    self.options["replay_success_threshold"], rewards_per_func.size(1), fresh_totals.min().item(),
+                    fresh_totals.max().item(),
+                )  # fmt: skip
         if fresh_rows:
             metrics["replay/fresh_reward"].append(totals[fresh_rows].nanmean().item())
             metrics["replay/zero_std_fresh"].append(zero_spread_share(totals, fresh_rows, self.num_generations))
@@ -535,6 +557,26 @@ class ReplayController:
         metrics["replay/started"].append(float(self.started(global_step, max_steps)))
         ages = [global_step - t.policy_version for ts in step.selected.values() for t in ts]
         log_generation(metrics, step.plan, len(step.row_tasks), ages, self.pool.stats(), self._faults.totals)
+
+
+def say_task_id_source(rows: list[dict], column: str) -> None:
+    """Log once where the task ids come from: the `column` of the dataset rows, or a hash of each prompt (then a
+    warning when only some rows miss it, and the rows' columns, in which a misspelled name shows)."""
+    missing = sum(row.get(column) is None for row in rows)
+    if not missing:
+        # said at warning level, as the fallbacks are: the one line that says which rows count as one task
+        logger.warning("trl_exreplay: task ids from the dataset's %r column (task_id_column).", column)
+    elif missing == len(rows):
+        logger.warning(
+            "trl_exreplay: the dataset rows have no %r column (task_id_column; their columns: %s), so a task's id is a "
+            "hash of its prompt: rows with the same prompt are one task. To name tasks, add that column or set "
+            "task_id_column.", column, sorted(rows[0]) if rows else [],
+        )  # fmt: skip
+    else:
+        logger.warning(
+            "trl_exreplay: %d of the first batch's %d rows have no %r value (None or absent): their task id is a hash "
+            "of their prompt, the others' their %r value.", missing, len(rows), column, column,
+        )  # fmt: skip
 
 
 def _vocab_size(model) -> int | None:

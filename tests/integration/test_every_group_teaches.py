@@ -11,7 +11,7 @@ import torch
 from helpers import make_trainer
 
 from trl_exreplay import ExReplayGRPOTrainer
-from trl_exreplay.examples import VOCABULARY
+from trl_exreplay.examples import VOCABULARY, said_target
 from trl_exreplay.tiny import save_tiny_model
 
 G = 4
@@ -99,3 +99,18 @@ def test_rescue_with_a_kl_term_is_off_and_says_so(tmp_path, caplog):
     assert "replay_rescue=1 is off" in caplog.text
     trainer.train()
     assert not any("replay/rescued_groups" in e for e in trainer.state.log_history)
+
+
+def test_a_threshold_every_rollout_passes_is_said_once(tmp_path, caplog):
+    """An always-1 format reward beside the task's: every rollout's total is at least 1, the default threshold, so
+    every task would be "solved" and nothing stored; the trainer says so once, naming the field and the totals."""
+
+    def format_reward(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    with caplog.at_level(logging.WARNING, logger="trl_exreplay"):
+        trainer = make_trainer(tmp_path, max_steps=3, reward_funcs=[said_target, format_reward])
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "counted as a success" in r.getMessage()]
+    assert len(said) == 1 and "replay_success_threshold=1" in said[0] and "ranged 1-2" in said[0]
+    assert trainer.pool.num_trajectories == 0 and trainer.pool.skip_set
