@@ -56,6 +56,19 @@ def gloo_worker_threads() -> int | None:
     return count
 
 
+def uses_gloo_group() -> bool:
+    """Whether this process is in an initialised gloo process group of several ranks (the case `exit_distributed` is
+    for)."""
+    import torch.distributed as dist
+
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+        and "gloo" in str(dist.get_backend()).lower()
+    )
+
+
 def exit_distributed(status: int = 0) -> None:
     """Ends a rank of a multi-process run: a barrier, `destroy_process_group()`, then, if gloo worker threads are still
     running (or cannot be counted on this platform while a gloo group was used), the rest of a normal exit and

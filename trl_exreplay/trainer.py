@@ -17,7 +17,7 @@ from trl import GRPOTrainer
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
 from .config import replay_options, validate_replay_options
 from .custom_rollouts import replaying_rollout
-from .distributed import any_rank_active, generation_is_collective
+from .distributed import any_rank_active, generation_is_collective, uses_gloo_group
 from .envs import env_reward
 from .guidance import ExperienceProvider
 from .guided_rollouts import EXPERIENCE_DIR, GuidedRollouts, guided_rollouts
@@ -475,6 +475,15 @@ class _AtTrainEnd(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.trainer._replay_enabled or self.trainer._guidance is not None:
             self.trainer._flush_pending()
+        if state.is_world_process_zero and uses_gloo_group():
+            # The trainer cannot end the process for the script: an `atexit` hook would not know the script's exit
+            # status (a `sys.exit(1)` would become 0), and without ending it the gloo abort stays possible.
+            logger.warning(
+                "trl_exreplay: a multi-process gloo run: make `trl_exreplay.distributed.exit_distributed()` the LAST "
+                "line of this script, on every rank, after save_model() or push_to_hub(): it ends the process "
+                "(os._exit) so that a gloo worker thread cannot abort it at exit after the work is done; nothing "
+                "written after it runs."
+            )
         if self.trainer._guidance is not None:
             self.trainer._guidance.summarizer.close()
         if self.trainer.text_env_factory is not None:

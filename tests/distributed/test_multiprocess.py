@@ -144,6 +144,8 @@ def test_the_teach_profile_is_rank_identical_and_resumes_exactly(tmp_path, confi
     for name in ("rescued_groups", "revisited_groups", "redirected_groups", "skip_set"):
         assert rank0[name] == rank1[name], name
     assert sum(rank0["rescued_groups"]) > 0 and sum(rank0["revisited_groups"]) > 0, rank0
+    # save_model() after train() and before exit_distributed(), the script's last line: the model is written
+    assert (tmp_path / "whole" / "final" / "model.safetensors").is_file()
     checkpoint = tmp_path / "whole" / "run" / "checkpoint-6"
     resumed = launch(config, tmp_path / "resumed", "teach", f"resume={checkpoint}")
     for rank in range(2):

@@ -200,6 +200,8 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         },
         f,
     )
+if PROFILE == "teach":  # written after training, before the script's last line: exit_distributed() must not lose it
+    trainer.save_model(os.path.join(out_dir, "final"))
 # The end of every launched rank: without it a gloo worker thread may free a tensor during interpreter finalization and
 # abort the process after its work is done (about 1 launch in 100; see trl_exreplay/distributed.py)
 exit_distributed()
