@@ -9,8 +9,8 @@ process. It prints:
 
 * the rollout: its turns (one batched generation, the environments' steps, the observations tokenized), the seconds
   of a turn, and the seconds spent in the cleaning, measured around each call, with its share of the rollout;
-* the cleaning of one observation, alone (median of repeated calls): a typical ALFWorld observation of that rollout,
-  and a 100,000-character one (ALFWorld's text repeated), without and with spellings (one per 1,000 characters), with
+* the cleaning of one observation, alone (median of repeated calls): a typical (median-length) and the longest
+  ALFWorld observation of that rollout, and a 100,000-character one (ALFWorld's text repeated), without and with spellings (one per 1,000 characters), with
   the recipe's tokenizer (8 special tokens) and with one holding Qwen2.5's 22 special tokens; each next to what
   tokenizing the same text costs, and as a share of the rollout's mean turn.
 
@@ -136,7 +136,8 @@ def main() -> None:
 
     turns, texts = run["turns"], run["texts"]
     mean_turn = statistics.fmean(turns)
-    typical = sorted(texts, key=len)[len(texts) // 2]  # the median-length observation of the rollout
+    by_length = sorted(texts, key=len)
+    typical, longest = by_length[len(texts) // 2], by_length[-1]  # the median-length and the longest of the rollout
     long = (typical * (LONG // len(typical) + 1))[:LONG]
 
     qwen = alfworld_tokenizer()
@@ -163,6 +164,7 @@ def main() -> None:
                                 ("Qwen2.5's 22 special", qwen, "<|im_end|>")):  # fmt: skip
         cases = (
             (f"typical ALFWorld ({len(typical)} chars)", typical),
+            (f"longest ALFWorld ({len(longest)} chars)", longest),
             (f"{LONG:,} chars", long),
             (f"{LONG:,} chars, 1 spelling/1,000", with_spellings(long, spelling)),
         )
