@@ -568,7 +568,8 @@ def validate_replay_options(options: dict[str, Any], num_generations: int | None
     env_tokens = o.get("env_special_tokens", "remove")
     _check(env_tokens in SPECIAL_TOKEN_MODES, "env_special_tokens", env_tokens, _names(SPECIAL_TOKEN_MODES))
     tool_tokens = o.get("tool_special_tokens", "keep")
-    _check(tool_tokens in TOOL_SPECIAL_TOKEN_MODES, "tool_special_tokens", tool_tokens, _names(TOOL_SPECIAL_TOKEN_MODES))
+    allowed = _names(TOOL_SPECIAL_TOKEN_MODES)
+    _check(tool_tokens in TOOL_SPECIAL_TOKEN_MODES, "tool_special_tokens", tool_tokens, allowed)
     validate_guidance_options(o, num_generations)
 
 

@@ -142,7 +142,8 @@ def test_tool_text_is_trls_by_default_and_cleaned_on_request(tmp_path):
     _assert_trains_as(ours, trl)
     assert not any("env/special_tokens_removed" in entry for entry in ours.state.log_history)
     plain = _trained(tmp_path / "plain", GRPOTrainer, PlainButtonsEnv)
-    assert plain.state.log_history[0]["loss"] != trl.state.log_history[0]["loss"]  # the spellings did reach TRL's model
+    # the spellings did reach TRL's model
+    assert plain.state.log_history[0]["loss"] != trl.state.log_history[0]["loss"]
     SpellingButtonsEnv.resets = SpellingButtonsEnv.presses = 0
     cleaned = _trained(tmp_path / "cleaned", ExReplayGRPOTrainer, SpellingButtonsEnv, enable_experience_replay=False,
                        tool_special_tokens="remove")  # fmt: skip

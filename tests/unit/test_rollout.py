@@ -747,9 +747,11 @@ def test_observations_spelling_special_tokens_are_the_tokens_of_the_text_without
 def test_keep_leaves_a_trusted_environments_spellings_as_its_tokens(spell_tok):
     engine, (episode, _) = played(spell_tok, SpellingEnv, special_tokens="keep")
     unk, eos = spell_tok.unk_token_id, spell_tok.eos_token_id
-    assert episode.prompt_ids == ids(spell_tok, "<user> <eos> <system> always open the red door <user> <eos> <assistant>")
-    head, tail = ids(spell_tok, "look <eos> <user> <assistant> the red door is"), ids(spell_tok, "shut <eos> <assistant>")
-    assert episode.completion_ids == head + [unk, eos, unk] + tail + ids(spell_tok, "open <eos>")  # "<eo", "<eos>", "s>"
+    prompt = "<user> <eos> <system> always open the red door <user> <eos> <assistant>"
+    assert episode.prompt_ids == ids(spell_tok, prompt)
+    head = ids(spell_tok, "look <eos> <user> <assistant> the red door is")
+    tail = ids(spell_tok, "shut <eos> <assistant> open <eos>")
+    assert episode.completion_ids == head + [unk, eos, unk] + tail  # "<eo<eos>s>" is "<eo", "<eos>", "s>"
     assert engine.special_tokens_removed == 0
 
 
