@@ -67,7 +67,9 @@ GROUPS = (
                   "replay_shaping_beta", "replay_unclipped_fresh")),
     ("Data columns", ("task_id_column", "system_prompt_column")),
     ("Multi-turn episodes (games given as `text_env_factory`)", ("max_turns", "max_tokens_per_turn",
-                                                                 "env_step_timeout", "env_workers")),
+                                                                 "env_step_timeout", "env_workers",
+                                                                 "env_special_tokens")),
+    ("TRL's tool loop (`tools`, `environment_factory`)", ("tool_special_tokens",)),
     ("Experience-guided rollouts (AgentEvolver's Self-Navigating; off by default)", ("guidance_train", "guidance_eval",
                                                               "guidance_ratio", "guidance_trained_prompt",
                                                               "guidance_keep_ratio", "guidance_template",
@@ -102,7 +104,7 @@ def render() -> str:
         "`ExReplayGRPOConfig` is TRL's `GRPOConfig` (every field of it works as in TRL) plus the fields below. "
         "**The naming rule:** every field of experience replay is `replay_<what>`, except the one switch "
         "`enable_experience_replay`; dataset columns end in `_column`, as TRL's do; the multi-turn episode fields "
-        "describe episodes, not replay, and keep plain names; every field of experience-guided rollouts (their "
+        "(and the tool loop's) describe episodes, not replay, and keep plain names; every field of experience-guided rollouts (their "
         "providers' included) is `guidance_<what>`.",
         "",
         "The **in the published code** column gives each field's counterpart in ExGRPO's code "

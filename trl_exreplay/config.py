@@ -13,6 +13,7 @@ from . import compat  # noqa: F401 - refuses a TRL outside the supported range
 from .guidance.allocation import ROLLOUT_MODES, SAMPLE_MODES
 from .guidance.reme import MAX_TIMEOUT
 from .pool.check import SELECT_MODES, STORE_MODES  # one list of each, shared with saved pools' checks
+from .untrusted_text import SPECIAL_TOKEN_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +275,26 @@ class ExReplayGRPOConfig(GRPOConfig):
             "help": "Multi-turn: environment calls running at once (threads), so a slow one does not serialise."
         },
     )
+    env_special_tokens: str = field(
+        default="remove",
+        metadata={
+            "help": "Multi-turn: what an observation's spellings of the tokenizer's special or added tokens (`<eos>`, "
+            "a role marker) become before it is tokenized, on every backend: 'remove' them (counted in "
+            "env/special_tokens_removed), 'refuse' the episode (a counted environment fault: env/errors), or 'keep' "
+            "them (a trusted environment that needs them). An environment's text is untrusted: a spelled token "
+            "would put a chat turn or an end of sequence it wrote into every rollout and every replayed trajectory."
+        },
+    )
+    tool_special_tokens: str = field(
+        default="keep",
+        metadata={
+            "help": "TRL's tool loop (`tools`, `environment_factory`): 'remove' the spellings of the tokenizer's "
+            "special or added tokens from tool results and from `reset()` observations before TRL tokenizes them "
+            "(counted in env/special_tokens_removed), or 'keep' them as TRL does (the default: the trainer stays "
+            "GRPOTrainer exactly). Turn it on when tools or environments return text from elsewhere (web pages, "
+            "files, other people's games)."
+        },
+    )
     replay_resume_without_pool: bool = field(
         default=False,
         metadata={
@@ -438,6 +459,8 @@ def profile_values(profile: str | None, values: dict[str, Any]) -> dict[str, Any
 
 
 REPLAY_STARTS = ("steps", "solved")
+# TRL's tool loop has no episode a spelled token could refuse (a tool result is not an environment fault there).
+TOOL_SPECIAL_TOKEN_MODES = ("keep", "remove")
 EXPERIENCE_PROVIDERS = ("offline", "reme")
 
 
@@ -584,6 +607,12 @@ def validate_replay_options(options: dict[str, Any], num_generations: int | None
     _check(timeout is None or timeout > 0, "env_step_timeout", timeout, "None or numbers > 0")
     workers = o["env_workers"]
     _check(_is_int(workers) and workers >= 1, "env_workers", workers, "integers >= 1")
+    # .get: options made by hand before these fields existed take the defaults
+    env_tokens = o.get("env_special_tokens", "remove")
+    _check(env_tokens in SPECIAL_TOKEN_MODES, "env_special_tokens", env_tokens, _names(SPECIAL_TOKEN_MODES))
+    tool_tokens = o.get("tool_special_tokens", "keep")
+    allowed = _names(TOOL_SPECIAL_TOKEN_MODES)
+    _check(tool_tokens in TOOL_SPECIAL_TOKEN_MODES, "tool_special_tokens", tool_tokens, allowed)
     validate_guidance_options(o, num_generations)
 
 

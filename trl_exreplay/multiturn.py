@@ -63,6 +63,7 @@ class MultiTurnRollouts:
             system_prompt_column=options["system_prompt_column"],
             chat_template_kwargs=trainer.chat_template_kwargs,
             max_prompt_tokens=model_context(trainer.model, args if trainer.use_vllm else None),
+            special_tokens=options["env_special_tokens"],
         )
         return cls(engine, options, trainer.reward_funcs)
 
@@ -182,12 +183,13 @@ class MultiTurnRollouts:
                 len(steps),
                 sum(self.engine.errors.values()),
                 self.engine.errors["nonfinite_reward"],
+                self.engine.special_tokens_removed,
             ],
             dtype=torch.float64,
             device=accelerator.device,
         )
         totals = accelerator.gather(local.view(1, -1)).view(-1, local.numel()).sum(dim=0).tolist()
-        count, turns, wins, truncated, invalid, seconds, num_steps, errors, nonfinite = totals
+        count, turns, wins, truncated, invalid, seconds, num_steps, errors, nonfinite, spelled = totals
         if count > 0:
             metrics["env/turns_mean"].append(turns / count)
             metrics["env/success_rate"].append(wins / count)
@@ -197,6 +199,7 @@ class MultiTurnRollouts:
             metrics["env/step_seconds"].append(seconds / num_steps)
         metrics["env/errors"] = [errors]  # a running total: the latest value, not a mean over the logging window
         metrics["env/nonfinite_rewards"] = [nonfinite]  # among the errors, also a running total
+        metrics["env/special_tokens_removed"] = [spelled]  # from observations, before tokenizing: a running total
 
 
 def _generate_turn_vllm(engine, contexts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:

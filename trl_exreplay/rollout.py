@@ -8,6 +8,10 @@ marked in `exp_mask`).
 Lockstep: with a `sync` callback (multi-process), every rank runs the same number of turns, the largest any rank
 needs, and makes exactly one `generate` call per turn (a dummy one when it has no active episode left), so ranks with
 different numbers of episodes or turns (or none at all) make the same collective calls inside generation.
+
+Observations are untrusted text: here, where they are tokenized (whatever ran the environment: this process, an
+`EnvProcessPool` worker or a Ray actor; each returns text), their spellings of special tokens are removed, refused or
+kept (`special_tokens`), once per observation.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .guidance.template import insert_experience
-from .untrusted_text import token_prefix
+from .untrusted_text import SpecialTokenFilter, token_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +194,10 @@ class MultiTurnRollout:
         system_prompt_column: dataset column holding an optional system prompt.
         max_prompt_tokens: tokens a first observation may have (the model's context; None: no bound). A longer one
             is the environment's fault (`reset_error`), found without tokenizing all of it.
+        special_tokens: what an observation's spellings of the tokenizer's special or added tokens become before it is
+            tokenized (the environment's text is untrusted: `<eos>` or a role marker in it would forge a chat turn):
+            'remove' them (counted in `special_tokens_removed`), 'refuse' the episode (a `reset_error` or
+            `step_error`), or 'keep' them (a trusted environment that needs them).
     """
 
     def __init__(
@@ -205,8 +213,10 @@ class MultiTurnRollout:
         system_prompt_column: str = "system_prompt",
         chat_template_kwargs: dict | None = None,
         max_prompt_tokens: int | None = None,
+        special_tokens: str = "remove",
     ):
         self.text_env_factory = text_env_factory
+        self.observation_filter = SpecialTokenFilter(tokenizer, special_tokens)
         self.max_prompt_tokens = max_prompt_tokens
         self.tokenizer = tokenizer
         self.turns = ChatTurns(tokenizer, chat_template_kwargs)
@@ -369,8 +379,13 @@ class MultiTurnRollout:
                 episode.logprobs = [None] * len(episode.logprobs)
         return episodes
 
+    @property
+    def special_tokens_removed(self) -> int:
+        """Spellings of special or added tokens removed from observations so far (a running total)."""
+        return self.observation_filter.removed
+
     def _first_observation(self, observation) -> str:
-        text = observation_text(observation)
+        text = self.observation_filter(observation_text(observation))
         budget = self.max_prompt_tokens
         if budget is not None and token_prefix(text, self.tokenizer, budget)[1]:
             raise ValueError(
@@ -381,8 +396,9 @@ class MultiTurnRollout:
 
     def _env_turn_ids(self, observation, episode: Episode) -> list[int]:
         """An environment turn's tokens, its observation tokenized only as far as the episode's budget can keep (and
-        a margin, so the kept tokens are those of the whole text): a huge observation costs what is kept."""
-        text = observation_text(observation)
+        a margin, so the kept tokens are those of the whole text): a huge observation costs what is kept (and one scan
+        for spelled special tokens, which tokenizes nothing)."""
+        text = self.observation_filter(observation_text(observation))
         keep = self.max_completion_length - len(episode.completion_ids) + _CUT_MARGIN_TOKENS
         if len(text) > keep * _CUT_CHARS_PER_TOKEN:  # only a long one: a usual observation is tokenized once
             text, _ = token_prefix(text, self.tokenizer, keep)

@@ -29,6 +29,7 @@ from .pool import ExperiencePool
 from .replay import POOL_DIR, POOL_WORK_DIR, ReplayController
 from .schedule import EpochSeededSampler
 from .step import GenerationStep, LossForward, attach_replay_tensors, splice_rescued
+from .untrusted_text import SpecialTokenFilter
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     * `_tool_call_loop`: so that TRL's tool loop (`tools`, `environment_factory`) skips replayed rows, which are
       finished episodes, keeps their tool results masked, and runs in lockstep over ranks where generation is
       collective (ZeRO-3, FSDP);
+    * `_get_tool_suffix_ids`: with `tool_special_tokens='remove'`, to remove the spellings of special tokens from tool
+      results where TRL tokenizes them, once each (`reset()` observations of `environment_factory` environments are
+      cleaned by wrapping each instance's `reset`: TRL has no method between the call and the prompt);
     * `_calculate_rewards`: so that replayed rows keep their recorded rewards (they count in their group's advantage);
     * `_compute_loss`: to add the replayed tokens' term (`loss.off_policy_loss`) to TRL's loss, given the replayed
       rows at advantage 0 (and, with `replay_unclipped_fresh`, TRL's loss with no clip range once replay runs);
@@ -113,6 +117,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     _generation: GenerationStep | None = None  # the generation step in progress (see `trl_exreplay.step`)
     _loss_forward: LossForward | None = None  # TRL's loss forward in progress (see `_compute_loss`)
     _multi_turn: MultiTurnRollouts | None = None  # the `text_env_factory` games (`trl_exreplay.multiturn`)
+    _tool_text: SpecialTokenFilter | None = None  # TRL's tool results and resets, with tool_special_tokens='remove'
     text_env_factory = None
 
     def __init__(
@@ -152,6 +157,10 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         self.replay = replay_options(self.args)
         validate_replay_options(self.replay, self.num_generations)
         self._replay_enabled = bool(self.replay["enable_experience_replay"])
+        if self.replay["tool_special_tokens"] == "remove" and (self.tools or self.environment_factories is not None):
+            self._tool_text = SpecialTokenFilter(self._tokenizer, "remove")
+            if self.environment_factories is not None:
+                self._clean_environment_resets()
         if self._replay_enabled and self.rollout_func is not None:
             self.rollout_func = replaying_rollout(self.rollout_func, self)  # asked for the fresh rows only
         self.text_env_factory = text_env_factory
@@ -184,13 +193,16 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         if not self.model.training or not (self._replay_enabled or self._guide_train):
-            return self._generate_unplanned(inputs)
-        self._generation = step = self._plan_generation(inputs)
-        try:
-            output = super()._generate_and_score_completions(step.rows)
-            self._finish_generation(output, step)
-        finally:
-            self._generation = None
+            output = self._generate_unplanned(inputs)
+        else:
+            self._generation = step = self._plan_generation(inputs)
+            try:
+                output = super()._generate_and_score_completions(step.rows)
+                self._finish_generation(output, step)
+            finally:
+                self._generation = None
+        if self._tool_text is not None:
+            self._log_tool_text()
         return output
 
     def _generate_unplanned(self, inputs):
@@ -356,6 +368,40 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             tool_mask[i] = list(trajectory.completion_mask[: len(completion_ids[i])])
         return result
 
+    def _get_tool_suffix_ids(self, tool_messages):
+        if self._tool_text is not None:
+            # In place: the message TRL keeps in the completion (what reward functions and logs read) is then the text
+            # the model sees. Each result passes here once, in the round that adds it.
+            for message in tool_messages:
+                message["content"] = self._tool_text.content(message["content"])
+        return super()._get_tool_suffix_ids(tool_messages)
+
+    def _clean_environment_resets(self) -> None:
+        """TRL appends an `environment_factory` environment's `reset()` observation to the prompt inside
+        `_generate_and_score_completions`, with no method of its own in between: each instance's `reset` is wrapped
+        instead (an instance attribute; the class's methods, which TRL lists as tools, stay as they are): the instances
+        TRL built already, and those its factories build later (the user's factory mapping itself is left alone)."""
+        clean = self._tool_text
+
+        def cleaned(environment):
+            environment.reset = functools.partial(_cleaned_reset, environment.reset, clean)
+            return environment
+
+        for pool in self._environment_pool.values():
+            for environment in pool:
+                cleaned(environment)
+        self.environment_factories = {
+            name: functools.partial(_cleaned_instance, factory, cleaned)
+            for name, factory in self.environment_factories.items()
+        }
+
+    def _log_tool_text(self) -> None:
+        """`env/special_tokens_removed` of TRL's tool loop: a running total over ranks. Collective: every rank generates
+        every batch."""
+        local = torch.tensor([float(self._tool_text.removed)], device=self.accelerator.device)
+        total = self.accelerator.reduce(local, reduction="sum").item()
+        self._metrics["train" if self.model.training else "eval"]["env/special_tokens_removed"] = [total]
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         infinite = torch.isinf(rewards_per_func)
@@ -488,3 +534,12 @@ class _AtTrainEnd(TrainerCallback):
             self.trainer._guidance.summarizer.close()
         if self.trainer.text_env_factory is not None:
             self.trainer._multi_turn.engine.close()
+
+
+def _cleaned_reset(reset, clean: SpecialTokenFilter, *args, **kwargs):
+    """`reset(*args, **kwargs)`'s observation (None, a str or content blocks) with its spelled special tokens removed."""
+    return clean.content(reset(*args, **kwargs))
+
+
+def _cleaned_instance(factory, cleaned, *args, **kwargs):
+    return cleaned(factory(*args, **kwargs))

@@ -1,11 +1,13 @@
-"""Untrusted text (retrieved experience, an environment's observations) made safe to tokenize into a prompt.
+"""Untrusted text (retrieved experience, an environment's observations, a tool's results) made safe to tokenize into a
+prompt.
 
 Two rules, as pure functions of a tokenizer and a string:
 
 * **No forged tokens.** A tokenizer parses the text of its added tokens (`<|im_start|>`, `<eos>`, a role marker)
   wherever it occurs, even inside ordinary text. Retrieved text spelling one would put a chat turn or an end of
   sequence into the trained prompt, so `remove_token_strings` deletes every such spelling (again and again: deleting one
-  can join the pieces of another, `<eo<eos>s>`).
+  can join the pieces of another, `<eo<eos>s>`). `SpecialTokenFilter` applies it to every text of one source for a
+  whole run: the pattern built once, the removals counted, and a spelling removed, refused or (a trusted source) kept.
 * **A token budget.** `token_prefix` keeps the first `max_tokens` tokens of a text without tokenizing all of it
   (a 2-million-word observation costs what its kept prefix costs), by tokenizing ever longer prefixes.
 
@@ -27,7 +29,17 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["added_token_strings", "remove_token_strings", "token_prefix"]
+__all__ = [
+    "SPECIAL_TOKEN_MODES",
+    "SpecialTokenFilter",
+    "SpelledTokens",
+    "added_token_strings",
+    "remove_token_strings",
+    "token_prefix",
+]
+
+# What a `SpecialTokenFilter` does with a spelling: remove it, refuse the text (`SpelledTokens`), or keep it.
+SPECIAL_TOKEN_MODES = ("remove", "refuse", "keep")
 
 _FIRST_CHARS_PER_TOKEN = 8  # the first prefix tried holds this many characters per wanted token, then doubles
 
@@ -41,15 +53,69 @@ def added_token_strings(tokenizer) -> list[str]:
 
 def remove_token_strings(text: str, token_strings: list[str]) -> tuple[str, int]:
     """`text` without any spelling of `token_strings`, and how many were removed."""
+    pattern = _spelling_pattern(token_strings)
+    return (text, 0) if pattern is None else _remove_all(pattern, text)
+
+
+def _spelling_pattern(token_strings: list[str]) -> re.Pattern | None:
     if not token_strings:
-        return text, 0
-    pattern = re.compile("|".join(re.escape(s) for s in token_strings))
+        return None
+    return re.compile("|".join(re.escape(s) for s in token_strings))
+
+
+def _remove_all(pattern: re.Pattern, text: str) -> tuple[str, int]:
     removed = 0
     while True:
         text, count = pattern.subn("", text)
         if not count:
             return text, removed
         removed += count
+
+
+class SpelledTokens(ValueError):
+    """Untrusted text that spells a special or added token, refused (a `SpecialTokenFilter` in mode 'refuse')."""
+
+
+class SpecialTokenFilter:
+    """`remove_token_strings` with a tokenizer's `added_token_strings`, for every text of one untrusted source in a run.
+
+    `mode`: 'remove' (every spelling removed, again and again, and counted in `removed`, a running total), 'refuse'
+    (a text that spells one raises `SpelledTokens`; one that does not is returned as it is) or 'keep' (a trusted source:
+    the text is returned unscanned). The pattern is built once: on a short text, building it costs far more than the
+    scan. Never tokenizes. Text without any spelling comes back as it is, in every mode.
+    """
+
+    def __init__(self, tokenizer, mode: str = "remove"):
+        if mode not in SPECIAL_TOKEN_MODES:
+            raise ValueError(f"Invalid mode {mode!r}: allowed values are {', '.join(map(repr, SPECIAL_TOKEN_MODES))}.")
+        self.mode = mode
+        self.removed = 0
+        self._pattern = None if mode == "keep" else _spelling_pattern(added_token_strings(tokenizer))
+
+    def __call__(self, text: str) -> str:
+        if self._pattern is None:
+            return text
+        if self.mode == "refuse":
+            found = self._pattern.search(text)
+            if found is not None:
+                raise SpelledTokens(f"the text spells the special or added token {found.group()!r}")
+            return text
+        text, removed = _remove_all(self._pattern, text)
+        self.removed += removed
+        return text
+
+    def content(self, content):
+        """A chat message's content cleaned: a str, or the text parts of a list of content blocks (others as they are)."""
+        if isinstance(content, str):
+            return self(content)
+        if isinstance(content, list):
+            return [
+                {**part, "text": self(part["text"])}
+                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                else part
+                for part in content
+            ]
+        return content
 
 
 def token_prefix(text: str, tokenizer, max_tokens: int) -> tuple[str, bool]:

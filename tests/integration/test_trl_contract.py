@@ -28,6 +28,7 @@ OVERRIDDEN = {
     "_tool_call_loop": [
         "self", "prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images", "multimodal_fields",
     ],
+    "_get_tool_suffix_ids": ["self", "tool_messages"],
     "_compute_loss": ["self", "model", "inputs"],
     "get_high_entropy_mask": ["self", "entropies", "mask", "threshold"],
     "save_model": ["self", "output_dir", "_internal_call"],

@@ -11,6 +11,7 @@ come from TRL's tool loop. Under DDP and ZeRO-3 (2 processes) the same, with ran
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 
@@ -19,9 +20,17 @@ import torch
 from helpers import REPOSITORY, make_args
 from launching import accelerate_launch
 from loss_check import CheckingTrainer, assert_replaying_losses_compose
-from tool_env import ButtonsEnv, build_tool_model, build_tool_tokenizer, buttons_dataset
+from tool_env import (
+    ButtonsEnv,
+    PlainButtonsEnv,
+    SpellingButtonsEnv,
+    build_tool_model,
+    build_tool_tokenizer,
+    buttons_dataset,
+)
+from trl import GRPOConfig, GRPOTrainer
 
-from trl_exreplay import ExReplayGRPOTrainer
+from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -89,6 +98,59 @@ def test_environment_factory_replays_stored_episodes_with_tool_results_masked(tm
     logged = [e for e in trainer.state.log_history if "replay/rows_fraction" in e]
     assert any(e["replay/rows_fraction"] > 0 and e["tools/call_frequency"] > 0 for e in logged)
     assert "replay/reward_mismatch" not in trainer.state.log_history[-2]  # environments are not replayed: no check
+
+
+# ------------------------------------------------------------------------------------------ untrusted tool text
+
+
+def _trained(tmp_path, trainer_cls, environment_factory, **options):
+    tokenizer = build_tool_tokenizer()
+    config_cls = GRPOConfig if trainer_cls is GRPOTrainer else ExReplayGRPOConfig
+    trainer = trainer_cls(
+        model=build_tool_model(tokenizer),
+        args=make_args(tmp_path, config_cls, **{**TOOL_SETTINGS, "max_steps": 3, **options}),
+        train_dataset=buttons_dataset(),
+        processing_class=tokenizer,
+        environment_factory=environment_factory,
+    )
+    trainer.train()
+    return trainer
+
+
+def _assert_trains_as(ours, theirs, reward_name: str | None = None) -> None:
+    """The same training: every metric TRL logs, with the same value (bit-equal on CPU), and the same weights. TRL
+    names an environment's reward after its class: `reward_name` is ours where the classes differ."""
+    logged = [[e for e in t.state.log_history if "loss" in e] for t in (ours, theirs)]
+    assert len(logged[0]) == len(logged[1]) == 3
+    theirs_name = type(theirs.environments[0]).__name__
+    for mine, trl in zip(*logged):
+        for name, value in trl.items():
+            if name in ("step_time", "train_runtime"):
+                continue
+            got = mine[name.replace(theirs_name, reward_name) if reward_name else name]
+            assert got == value or (math.isnan(got) and math.isnan(value)), name
+    for (name, mine), (_, trl) in zip(ours.model.named_parameters(), theirs.model.named_parameters()):
+        assert torch.equal(mine, trl), name
+
+
+def test_tool_text_is_trls_by_default_and_cleaned_on_request(tmp_path):
+    """TRL's tool loop with replay off: by default the trainer is GRPOTrainer exactly, spelled special tokens in tool
+    results and `reset()` observations included (no metric added); with tool_special_tokens='remove' it trains exactly
+    as GRPOTrainer does on the same environment without the spellings, and counts every one removed."""
+    trl = _trained(tmp_path / "trl", GRPOTrainer, SpellingButtonsEnv)
+    ours = _trained(tmp_path / "ours", ExReplayGRPOTrainer, SpellingButtonsEnv, enable_experience_replay=False)
+    _assert_trains_as(ours, trl)
+    assert not any("env/special_tokens_removed" in entry for entry in ours.state.log_history)
+    plain = _trained(tmp_path / "plain", GRPOTrainer, PlainButtonsEnv)
+    # the spellings did reach TRL's model
+    assert plain.state.log_history[0]["loss"] != trl.state.log_history[0]["loss"]
+    SpellingButtonsEnv.resets = SpellingButtonsEnv.presses = 0
+    cleaned = _trained(tmp_path / "cleaned", ExReplayGRPOTrainer, SpellingButtonsEnv, enable_experience_replay=False,
+                       tool_special_tokens="remove")  # fmt: skip
+    _assert_trains_as(cleaned, plain, reward_name="SpellingButtonsEnv")
+    removed = [e["env/special_tokens_removed"] for e in cleaned.state.log_history if "env/special_tokens_removed" in e]
+    assert SpellingButtonsEnv.resets == 3 * 16 and SpellingButtonsEnv.presses > 0
+    assert removed[-1] == 2 * (SpellingButtonsEnv.resets + SpellingButtonsEnv.presses) and len(removed) == 3
 
 
 def press(button: str) -> str:

@@ -48,6 +48,8 @@ REPLAY_FIELDS = {
     "max_tokens_per_turn",
     "env_step_timeout",
     "env_workers",
+    "env_special_tokens",
+    "tool_special_tokens",
     "replay_resume_without_pool",
     "replay_scratch_dir",
     "system_prompt_column",
@@ -114,6 +116,8 @@ DEFAULTS = {
     "max_tokens_per_turn": None,
     "env_step_timeout": 60.0,
     "env_workers": 16,
+    "env_special_tokens": "remove",
+    "tool_special_tokens": "keep",
     "replay_resume_without_pool": False,
     "replay_scratch_dir": None,
     "system_prompt_column": "system_prompt",
@@ -271,6 +275,9 @@ INVALID = [
     ("max_tokens_per_turn", dict(max_tokens_per_turn=0), "None or integers >= 1"),
     ("env_step_timeout", dict(env_step_timeout=0.0), "None or numbers > 0"),
     ("env_workers", dict(env_workers=0), "integers >= 1"),
+    ("env_special_tokens", dict(env_special_tokens="strip"), "'remove', 'refuse', 'keep'"),
+    ("env_special_tokens", dict(env_special_tokens=None), "'remove', 'refuse', 'keep'"),
+    ("tool_special_tokens", dict(tool_special_tokens="refuse"), "'keep', 'remove'"),
     # values that parse but cannot work (issue 24, point 4)
     ("replay_success_threshold", dict(replay_success_threshold=float("nan")), "finite numbers"),
     ("replay_success_threshold", dict(replay_success_threshold=float("inf")), "finite numbers"),
@@ -383,7 +390,8 @@ def test_the_naming_rule_one_prefix_per_part():
     """The rule docs/config.md states: replay fields are `replay_<what>` (but the switch), guided rollouts' fields
     `guidance_<what>`, the games' fields name the episode, and the data columns end in `_column`."""
     added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)}
-    episode = {"max_turns", "max_tokens_per_turn", "env_step_timeout", "env_workers"}
+    episode = {"max_turns", "max_tokens_per_turn", "env_step_timeout", "env_workers", "env_special_tokens",
+               "tool_special_tokens"}  # fmt: skip
     columns = {name for name in added if name.endswith("_column")}
     assert columns == {"task_id_column", "system_prompt_column"}
     prefixed = {name for name in added if name.startswith(("replay_", "guidance_"))}

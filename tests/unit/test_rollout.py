@@ -9,9 +9,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from dataclasses import asdict
 
 import pytest
 from helpers import ScriptedGenerate, ids
+from process_envs import SPELLING_VOCABULARY, SPELLINGS_PER_EPISODE, PlainEnv, SpellingEnv
 
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, KeyDoorEnv
 from trl_exreplay.rollout import ChatTurns, MultiTurnRollout, call_with_timeout, run_concurrently
@@ -675,6 +677,10 @@ class CountingTokenizer:
         self.lengths.append(len(text))
         return self._tokenizer(text, *args, **kwargs)
 
+    def apply_chat_template(self, messages, *args, **kwargs):  # a chat rendered: its messages' text is tokenized
+        self.lengths.append(sum(len(m["content"]) for m in messages))
+        return self._tokenizer.apply_chat_template(messages, *args, **kwargs)
+
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
 
@@ -706,3 +712,97 @@ def test_a_huge_step_observation_is_tokenized_only_as_far_as_the_budget_keeps(to
     assert episode.completion_ids == ids(tok, "take the key <eos> <user> you see a key you see a")
     assert episode.truncated and episode.finished and episode.error is None
     assert max(counting.lengths) < 10_000
+
+
+# --------------------------------------------------------------------------------------- untrusted observations
+SPELLING_TASKS = [{"task_id": "r", "door": "red"}, {"task_id": "b", "door": "blue"}]
+
+
+@pytest.fixture(scope="module")
+def spell_tok():
+    return build_tiny_tokenizer(SPELLING_VOCABULARY)
+
+
+def played(tokenizer, factory, **kwargs):
+    engine = engine_for(tokenizer, factory, **kwargs)
+    return engine, engine.run(SPELLING_TASKS, ScriptedGenerate(tokenizer, ["look <eos>", "open <eos>"]))
+
+
+def test_observations_spelling_special_tokens_are_the_tokens_of_the_text_without_them(spell_tok):
+    engine, episodes = played(spell_tok, SpellingEnv)
+    for episode, door in zip(episodes, ["red", "blue"]):
+        assert episode.prompt_ids == ids(spell_tok, f"<user> always open the {door} door <eos> <assistant>")
+        env_turn = f"<user> the {door} door is shut <eos> <assistant>"
+        assert episode.completion_ids == ids(spell_tok, f"look <eos> {env_turn} open <eos>")
+        assert episode.env_mask == [1, 1] + [0] * 8 + [1, 1]
+        assert episode.reward == 1.0 and episode.error is None and episode.turns == 2
+    assert engine.special_tokens_removed == 2 * SPELLINGS_PER_EPISODE
+    assert engine.errors == Counter()
+    plain_engine, plain = played(spell_tok, PlainEnv)  # the same game without the spellings
+    tokens = lambda es: [(e.prompt_ids, e.completion_ids, e.env_mask, e.reward) for e in es]  # noqa: E731
+    assert tokens(episodes) == tokens(plain)
+    assert plain_engine.special_tokens_removed == 0
+
+
+def test_keep_leaves_a_trusted_environments_spellings_as_its_tokens(spell_tok):
+    engine, (episode, _) = played(spell_tok, SpellingEnv, special_tokens="keep")
+    unk, eos = spell_tok.unk_token_id, spell_tok.eos_token_id
+    prompt = "<user> <eos> <system> always open the red door <user> <eos> <assistant>"
+    assert episode.prompt_ids == ids(spell_tok, prompt)
+    head = ids(spell_tok, "look <eos> <user> <assistant> the red door is")
+    tail = ids(spell_tok, "shut <eos> <assistant> open <eos>")
+    assert episode.completion_ids == head + [unk, eos, unk] + tail  # "<eo<eos>s>" is "<eo", "<eos>", "s>"
+    assert engine.special_tokens_removed == 0
+
+
+class StepSpellingEnv(SpellingEnv):
+    RESET = PlainEnv.RESET  # only the step's observation spells special tokens
+
+
+@pytest.mark.parametrize(("factory", "kind"), [(SpellingEnv, "reset_error"), (StepSpellingEnv, "step_error")])
+def test_refuse_fails_the_episode_as_a_counted_environment_fault(spell_tok, factory, kind):
+    engine, episodes = played(spell_tok, factory, special_tokens="refuse")
+    assert engine.errors == Counter({kind: 2}) and engine.special_tokens_removed == 0
+    for episode in episodes:
+        assert episode.error == kind and episode.reward == 0.0 and not any(episode.env_mask)
+        if kind == "reset_error":  # no observation reaches the prompt, and nothing is played
+            assert episode.prompt_ids == ids(spell_tok, "<user> <eos> <assistant>") and episode.turns == 0
+        else:  # the refused observation never reaches the completion
+            assert episode.completion_ids == ids(spell_tok, "look <eos>") and episode.turns == 1
+    _, plain = played(spell_tok, PlainEnv, special_tokens="refuse")
+    assert all(episode.error is None and episode.reward == 1.0 for episode in plain)
+
+
+@pytest.mark.parametrize("mode", ["remove", "refuse"])
+def test_cleaning_is_the_identity_on_text_without_spellings_and_tokenizes_nothing_more(tok, mode):
+    """ALFWorld's text, like KeyDoorEnv's, spells no special token: its episodes are those of `keep` (the engine before
+    observations were cleaned), token for token, and the tokenizer sees the same texts as often."""
+    runs = {}
+    for name in ("keep", mode):
+        counting = CountingTokenizer(tok)
+        engine = engine_for(counting, max_prompt_tokens=100)
+        counting.lengths.clear()
+        tasks = [dict(RED_TASK), {"task_id": "g", "door": "green"}]
+        script = ["take the key <eos>", "open the door <eos>", "open red green door <eos>"]
+        episodes = [asdict(e) for e in engine.run(tasks, ScriptedGenerate(tok, script))]
+        for episode in episodes:
+            del episode["step_seconds"]
+        runs[name] = (episodes, counting.lengths, engine.special_tokens_removed, engine.errors)
+    assert runs[mode] == runs["keep"]
+    assert [e["reward"] for e in runs["keep"][0]] == [1.0, 1.0] and runs["keep"][2] == 0
+
+
+def test_a_huge_spelled_observation_is_cleaned_whole_and_tokenized_only_as_far_as_kept(tok):
+    counting = CountingTokenizer(tok)
+    engine = engine_for(counting, Factory(), max_completion_length=12)
+    counting.lengths.clear()
+    tasks = [{"task_id": "t", "steps": [("<eos> you see a key " * 200_000, 0.0, False, {}), ("x", 1.0, True, {})]}]
+    (episode,) = engine.run(tasks, ScriptedGenerate(tok, ["take the key <eos>"]))
+    assert episode.completion_ids == ids(tok, "take the key <eos> <user> you see a key you see a")
+    assert engine.special_tokens_removed == 200_000  # every spelling, also those past the cut
+    assert max(counting.lengths) < 10_000
+
+
+def test_an_unknown_mode_is_refused_by_name(tok):
+    with pytest.raises(ValueError, match=r"'strip'.*'remove', 'refuse', 'keep'"):
+        engine_for(tok, special_tokens="strip")

@@ -7,7 +7,13 @@ import random
 import pytest
 
 from trl_exreplay.tiny import build_tiny_tokenizer
-from trl_exreplay.untrusted_text import added_token_strings, remove_token_strings, token_prefix
+from trl_exreplay.untrusted_text import (
+    SpecialTokenFilter,
+    SpelledTokens,
+    added_token_strings,
+    remove_token_strings,
+    token_prefix,
+)
 
 WORDS = ["red", "blue", "door", "key", "open"]
 
@@ -23,6 +29,24 @@ def test_every_spelling_is_removed_even_one_that_removal_joins(tok):
     assert remove_token_strings("<<eos>eos>open<us<user>er>", strings) == ("open", 4)
     assert remove_token_strings("open the red door", strings) == ("open the red door", 0)
     assert remove_token_strings("<eos>", []) == ("<eos>", 0)
+
+
+def test_a_filter_removes_and_counts_refuses_or_keeps(tok):
+    remove = SpecialTokenFilter(tok)
+    assert remove("<<eos>eos>open<us<user>er>") == "open" and remove.removed == 4
+    assert remove("open the red door") == "open the red door" and remove.removed == 4  # a running total
+    blocks = [{"type": "text", "text": "red <system>"}, {"type": "image", "image": "<eos>"}]
+    assert remove.content(blocks) == [{"type": "text", "text": "red "}, {"type": "image", "image": "<eos>"}]
+    assert remove.content("<tool> blue") == " blue" and remove.content(None) is None and remove.removed == 6
+    refuse = SpecialTokenFilter(tok, "refuse")
+    assert refuse("open the red door") == "open the red door"
+    with pytest.raises(SpelledTokens, match="'<eos>'"):
+        refuse("open <eo<eos>s> door")
+    assert isinstance(SpelledTokens("x"), ValueError) and refuse.removed == 0
+    keep = SpecialTokenFilter(tok, "keep")
+    assert keep("<eos> <system>") == "<eos> <system>" and keep.removed == 0
+    with pytest.raises(ValueError, match=r"Invalid mode 'drop'"):
+        SpecialTokenFilter(tok, "drop")
 
 
 @pytest.mark.parametrize("budget", [1, 2, 7, 40, 1000])
