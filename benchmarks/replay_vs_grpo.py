@@ -56,7 +56,14 @@ call whose testbed settings differ from those of the runs already there is refus
 
 `train_success` is the mean total reward of the step's fresh rollouts (their success rate: rewards are 0 or 1 in
 these testbeds); `wall_s` in a point is training time so far. `DIR/<testbed>.png` plots held-out success against fresh
-rollouts: the mean over seeds and the min-max band, one line per method.
+rollouts and, beside it, against training seconds: the mean over seeds and the min-max band, one line per method.
+
+The report (`--report`) reads every figure per seed, each method against the baseline's run on the same seed: the
+normalised area under held-out success over fresh rollouts (and over training seconds) up to the fewest any method
+consumed on that seed, the fresh rollouts to the seed's baseline final and to the testbed's `target_levels` (median and
+geometric mean of the ratios, with the seeds that never reach a target and those where it is not above the start),
+final success (also on the seeds where neither run collapsed) and collapses (exact McNemar). The ratio read off curves
+averaged over seeds is printed only as an appendix that shows how fragile it is (`--mean-curve`).
 """
 
 from __future__ import annotations
