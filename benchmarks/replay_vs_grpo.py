@@ -79,6 +79,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from datetime import datetime, timezone
 from importlib.metadata import version
@@ -748,15 +749,23 @@ def method_label(name: str, entry_name: str, entry: dict) -> str:
     return f"{name} ({what})" if not method.get("preset") else f"{name} (over {what})"
 
 
+# The replay fields' names before they were all `replay_*` (runs recorded then keep them).
+FORMER_REPLAY_FIELDS = ("exp_", "off_policy", "offpolicy_", "max_trajectories_per_task", "use_current_policy_entropy")
+
+
 def replay_fields(entry: dict) -> dict:
     """The replay settings the testbed's own training fields set (beside `enable_experience_replay`)."""
-    return {k: v for k, v in entry.get("training", {}).items() if k.startswith("replay_")}
+    return {k: v for k, v in entry.get("training", {}).items() if k.startswith(("replay_", *FORMER_REPLAY_FIELDS))}
 
 
 def _cell_name(label: str) -> str:
     """`method` (what it ran): the method's key in code, its label beside."""
     key, _, rest = label.partition(" ")
     return f"`{key}` {rest}" if rest else f"`{key}`"
+
+
+def _seeds(n: int) -> str:
+    return f"{n} seed" if n == 1 else f"{n} seeds"
 
 
 def _p(p: float) -> str:
@@ -812,9 +821,9 @@ def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
         "only one of the two collapsed.)",
         "",
         f"| method | rollouts to {b}'s final on the same seed: median ratio (geometric mean) | reached / never / not "
-        "scoreable | " + " | ".join(f"to {level:.2f}: median rollouts; never / not scoreable "
-                                    f"| to {level:.2f}: ratio vs {b}, median (geometric mean); seeds"
-                                    for level in levels) + " |",
+        "scoreable |" + "".join(f" to {level:.2f}: median rollouts; never / not scoreable "
+                                  f"| to {level:.2f}: ratio vs {b}, median (geometric mean); seeds |"
+                                  for level in levels),
         "|---|---|---|" + "---|---|" * len(levels),
     ]  # fmt: skip
     for r in rows:
@@ -870,7 +879,7 @@ def collapse_lines(rows: list[dict], baseline: str) -> list[str]:
             cell += (f"on the {steady['seeds']} seeds where neither collapsed: final {_paired_cell(steady)}, median "
                      f"{steady['median']:+.3f}; AUC {_paired_cell(auc_steady)}, median {auc_steady['median']:+.3f}; ")  # fmt: skip
         cell += (f"collapsed: `{r['method']}` {r['collapsed_shared']} of {n}, `{baseline}` "
-                 f"{r['baseline_collapsed_shared']} of {n}, exact McNemar p = {_p(test['p'])} ({test['wins']} seeds "
+                 f"{r['baseline_collapsed_shared']} of {n}, exact McNemar p = {_p(test['p'])} ({_seeds(test['wins'])} "
                  f"where only `{baseline}` collapsed, {test['losses']} where only `{r['method']}` did)")  # fmt: skip
         lines.append(cell)
     return ["", "Final success and AUC by collapse (per seed):", *lines] if lines else []
@@ -1058,9 +1067,8 @@ def plot(out: Path, name: str, entry: dict) -> Path:
             ax.fill_between(xs, low, high, alpha=0.18, color=line.get_color())
     axes[0].set_xlabel("fresh rollouts consumed")
     axes[1].set_xlabel("training seconds (evaluation excluded; this machine, these runs)")
-    axes[0].set_ylabel(
-        entry.get("measure", "held-out success"), fontsize=8 if len(entry.get("measure", "")) > 40 else 10
-    )
+    measure = entry.get("measure", "held-out success")
+    axes[0].set_ylabel("\n".join(textwrap.wrap(measure, 50)), fontsize=8 if len(measure) > 40 else 10)
     fig.suptitle(f"{name}: mean and min-max over seeds (the tables' figures are per seed)", fontsize=10)
     for ax in axes:
         ax.grid(alpha=0.3)
