@@ -52,7 +52,9 @@ def test_every_figure_is_read_per_seed_on_a_small_fixture(harness):
     # AUC over fresh rollouts, per seed, up to R = the fewest rollouts any method consumed on the seed (180 on both):
     # seed 1, grpo: (0.1 + 0.3) / 2 * 100 + (0.3 + 0.46) / 2 * 80 (0.46: its curve at 180) = 50.4, over 180.
     assert grpo["auc"]["rollouts"]["per_seed"]["1"] == pytest.approx(50.4 / 180)
-    assert replay["auc"]["rollouts"]["per_seed"]["1"] == pytest.approx(((0.1 + 0.5) / 2 * 90 + (0.5 + 0.4) / 2 * 90) / 180)
+    assert replay["auc"]["rollouts"]["per_seed"]["1"] == pytest.approx(
+        ((0.1 + 0.5) / 2 * 90 + (0.5 + 0.4) / 2 * 90) / 180
+    )
     assert grpo["auc"]["rollouts"]["per_seed"]["2"] == pytest.approx(0.1)
     assert replay["auc"]["rollouts"]["per_seed"]["2"] == pytest.approx(((0.1 + 0.3) / 2 * 90 + 0.3 * 90) / 180)
     differences = [67.5 / 180 - 50.4 / 180, 45 / 180 - 0.1]
@@ -130,7 +132,9 @@ def test_one_seed_of_the_committed_doors_game_results_by_hand(harness):
     end = min(r["points"][-1]["fresh_rollouts"] for r in runs.values())  # every method of the comparison
     assert rows["exreplay"]["auc"]["rollouts"]["per_seed"]["206"] == pytest.approx(
         area(curve(replay, "fresh_rollouts"), end))  # fmt: skip
-    assert rows["grpo"]["auc"]["rollouts"]["per_seed"]["206"] == pytest.approx(area(curve(grpo, "fresh_rollouts"), end))
+    assert rows["grpo"]["auc"]["rollouts"]["per_seed"]["206"] == pytest.approx(
+        area(curve(grpo, "fresh_rollouts"), end)
+    )
     seconds = min(r["points"][-1]["wall_s"] for r in runs.values())
     assert rows["exreplay"]["auc"]["time"]["per_seed"]["206"] == pytest.approx(area(curve(replay, "wall_s"), seconds))
 
