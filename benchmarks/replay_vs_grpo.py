@@ -41,6 +41,9 @@ call whose testbed settings differ from those of the runs already there is refus
                   "wall_s": float, "step_s": float,   # training time (evaluation excluded), per optimizer step
                   "losses": [float per step], "settings": {every config field this run set},
                   "zero_std_groups": [float per step],  # TRL's frac_reward_zero_std (absent in older runs)
+                  "zero_std_fresh": [float | null per step],  # replay/zero_std_fresh: the share of groups whose
+                                 # fresh rollouts alone have no reward spread (null where not logged, e.g. without
+                                 # replay; absent in older runs)
                   "run": {"command": str, "commit": str, "versions": {...}, "machine": {...}, "date": str}
                 }
               }
@@ -53,7 +56,14 @@ call whose testbed settings differ from those of the runs already there is refus
 
 `train_success` is the mean total reward of the step's fresh rollouts (their success rate: rewards are 0 or 1 in
 these testbeds); `wall_s` in a point is training time so far. `DIR/<testbed>.png` plots held-out success against fresh
-rollouts: the mean over seeds and the min-max band, one line per method.
+rollouts and, beside it, against training seconds: the mean over seeds and the min-max band, one line per method.
+
+The report (`--report`) reads every figure per seed, each method against the baseline's run on the same seed: the
+normalised area under held-out success over fresh rollouts (and over training seconds) up to the fewest any method
+consumed on that seed, the fresh rollouts to the seed's baseline final and to the testbed's `target_levels` (median and
+geometric mean of the ratios, with the seeds that never reach a target and those where it is not above the start),
+final success (also on the seeds where neither run collapsed) and collapses (exact McNemar). The ratio read off curves
+averaged over seeds is printed only as an appendix that shows how fragile it is (`--mean-curve`).
 """
 
 from __future__ import annotations
@@ -65,9 +75,11 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from datetime import datetime, timezone
 from importlib.metadata import version
@@ -185,7 +197,7 @@ class _Recorder:
         self.callback = Callback()
         self.testbed, self.tokenizer = testbed, tokenizer
         self.rows_per_step, self.max_steps = rows_per_step, max_steps
-        self.points, self.losses, self.zero_std_groups = [], [], []
+        self.points, self.losses, self.zero_std_groups, self.zero_std_fresh = [], [], [], []
         self.replay = {name: [] for name in REPLAY_SERIES}
         self.guidance = {name: [] for name in GUIDE_SERIES}
         self.fresh = 0
@@ -220,7 +232,8 @@ class _Recorder:
         # One generation per optimizer step (steps_per_generation = gradient_accumulation_steps), logged every step.
         self.fresh += int(round(logs.get("replay/generated_rows", self.rows_per_step)))
         self.losses.append(logs["loss"])
-        self.zero_std_groups.append(logs.get("frac_reward_zero_std"))
+        self.zero_std_groups.append(logs.get("frac_reward_zero_std"))  # after replayed rows are in the groups
+        self.zero_std_fresh.append(logs.get("replay/zero_std_fresh"))  # the fresh rollouts alone (replay runs)
         train_success = logs.get("replay/fresh_reward", logs.get("env/success_rate", logs.get("reward")))
         if "replay/rows_fraction" in logs:
             for name in REPLAY_SERIES:
@@ -288,6 +301,7 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
         "points": recorder.points,
         "losses": recorder.losses,
         "zero_std_groups": recorder.zero_std_groups,
+        "zero_std_fresh": recorder.zero_std_fresh,
         "replay": recorder.replay,
         **({"guidance": recorder.guidance} if recorder.guidance["guided_fraction"] else {}),
         "wall_s": round(wall, 3),
@@ -324,6 +338,8 @@ RUN_FIELDS = {
     "run": dict,
 }
 
+OPTIONAL_SERIES = ("zero_std_groups", "zero_std_fresh")
+
 
 def validate_results(results: dict) -> None:
     """Raise `ValueError` naming the first field of `results` that does not follow the schema of this docstring."""
@@ -349,6 +365,9 @@ def validate_results(results: dict) -> None:
                 where = f"testbeds.{name}.methods.{method}.runs.{seed}"
                 for key, kind in RUN_FIELDS.items():
                     need(run.get(key), kind, f"{where}.{key}")
+                for key in OPTIONAL_SERIES:  # absent in runs recorded before the series was
+                    if key in run:
+                        need(run[key], list, f"{where}.{key}")
                 for key in ("command", "commit", "versions", "machine", "date"):
                     if key not in run["run"]:
                         raise ValueError(f"results.json: {where}.run.{key} is missing")
@@ -449,11 +468,24 @@ def compare_with_trl(ours: dict, theirs: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- analysis
+# Every figure of the tables is computed per seed, each method against the baseline's run on the same seed; the curves
+# averaged over seeds (`method_curve`) only draw the plots and the appendix that shows why no figure is read off them.
+AXES = {"rollouts": "fresh_rollouts", "time": "wall_s"}  # the x-axes of the area under the curve
+# bfa2444 counts a difficulty bucket above G as G in the "normal" (ExGRPO's Gaussian) bucket weighting. The commits of
+# committed runs made before it, whose "normal"-weighted runs with buckets above G ran the case that fix changes:
+BUCKET_CLIP = "bfa2444"
+BEFORE_BUCKET_CLIP = ("74660d4", "bca855d")
+
+
 def method_curve(runs: dict) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Per evaluation point (over seeds): mean fresh rollouts, mean, min and max held-out success."""
+    """Per evaluation point (over seeds): mean fresh rollouts, mean, min and max held-out success (plots only)."""
+    return _mean_curve(runs, "fresh_rollouts")
+
+
+def _mean_curve(runs: dict, axis: str) -> tuple[list[float], list[float], list[float], list[float]]:
     series = [run["points"] for run in runs.values()]
     n = min(len(points) for points in series)
-    xs = [sum(points[i]["fresh_rollouts"] for points in series) / len(series) for i in range(n)]
+    xs = [sum(points[i][axis] for points in series) / len(series) for i in range(n)]
     ys = [[points[i]["heldout_success"] for points in series] for i in range(n)]
     return xs, [sum(y) / len(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
 
@@ -484,6 +516,14 @@ def sign_test(differences: list[float]) -> dict:
     return {"wins": wins, "losses": losses, "ties": len(differences) - n, "p": min(1.0, 2 * tail)}
 
 
+def paired(differences: list[float]) -> dict | None:
+    """The paired statistics of per-seed differences: mean and 95% t interval, median, exact sign test."""
+    if not differences:
+        return None
+    return {"interval": paired_interval(differences), "median": statistics.median(differences),
+            "sign": sign_test(differences), "seeds": len(differences)}  # fmt: skip
+
+
 def collapsed(points: list[dict]) -> bool:
     """A run that ends below half its own best held-out success (and had one above 0)."""
     best = max(p["heldout_success"] for p in points)
@@ -501,56 +541,88 @@ def rollouts_to_reach(xs: list[float], ys: list[float], level: float) -> float |
     return None
 
 
-def summarize(entry: dict, baseline: str = "grpo") -> list[dict]:
-    """One row per method: final held-out success (mean, std, per seed), rollouts to reach the baseline's final
-    success (ratio to the baseline's own), area under the curve, generation saved, training time per step."""
-    rows = []
-    methods = entry["methods"]
-    base_level = base_need = None
-    base_finals = {}
-    if baseline in methods:
-        bx, by, _, _ = method_curve(methods[baseline]["runs"])
-        if by[-1] > by[0]:  # a baseline that did not rise above its start sets no level worth reaching
-            base_level = by[-1]
-            base_need = rollouts_to_reach(bx, by, base_level)
-        base_finals = {seed: run["points"][-1]["heldout_success"] for seed, run in methods[baseline]["runs"].items()}
-    for name, method in methods.items():
-        runs = method["runs"]
-        finals = [run["points"][-1]["heldout_success"] for run in runs.values()]
-        paired = [run["points"][-1]["heldout_success"] - base_finals[seed] for seed, run in runs.items()
-                  if seed in base_finals]  # fmt: skip
-        mean = sum(finals) / len(finals)
-        std = math.sqrt(sum((f - mean) ** 2 for f in finals) / (len(finals) - 1)) if len(finals) > 1 else 0.0
-        xs, ys, _, _ = method_curve(runs)
-        need = rollouts_to_reach(xs, ys, base_level) if base_level is not None else None
-        generated = [  # the share of each run's rows that were generated, not replayed
-            run["points"][-1]["fresh_rollouts"] / (rows_per_step(run["settings"]) * run["points"][-1]["step"])
-            for run in runs.values()
-        ]
-        saved = 1 - sum(generated) / len(generated)
-        # Area under the held-out curve over steps, as a mean success (trapezoids, evaluation points by step).
-        points = [run["points"] for run in runs.values()]
-        auc = sum(
-            sum((p[i]["heldout_success"] + p[i - 1]["heldout_success"]) / 2 * (p[i]["step"] - p[i - 1]["step"])
-                for i in range(1, len(p))) / p[-1]["step"]
-            for p in points
-        ) / len(points)  # fmt: skip
-        rows.append({
-            "method": name, "seeds": sorted(runs, key=int), "final_mean": mean, "final_std": std,
-            "final_per_seed": {seed: run["points"][-1]["heldout_success"] for seed, run in runs.items()},
-            "initial_mean": sum(run["points"][0]["heldout_success"] for run in runs.values()) / len(runs),
-            "rollouts_to_baseline_final": need,
-            "rollout_ratio": (need / base_need) if (need is not None and base_need) else None,
-            "auc": auc, "generation_saved": saved,
-            "paired_difference": paired_interval(paired),
-            "sign_test": sign_test(paired) if paired else None,
-            "collapse_rate": sum(collapsed(run["points"]) for run in runs.values()) / len(runs),
-            # Share of the groups TRL scored with zero reward spread (`frac_reward_zero_std`), over all steps; None
-            # for runs recorded before the series was (it was added at the pre-registered test's second half).
-            "zero_std_groups": _mean_of_series(run.get("zero_std_groups") for run in runs.values()),
-            "step_s": sum(run["step_s"] for run in runs.values()) / len(runs),
-        })  # fmt: skip
-    return rows
+def seed_curve(run: dict, axis: str = "fresh_rollouts") -> tuple[list[float], list[float]]:
+    """One run's held-out curve: x (`fresh_rollouts`, or `wall_s`: training seconds) and success at each point."""
+    return [p[axis] for p in run["points"]], [p["heldout_success"] for p in run["points"]]
+
+
+def value_at(xs: list[float], ys: list[float], x: float) -> float:
+    """The curve at `x`: linear between its points, its first value before them and its last after them."""
+    if x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            x0, x1 = xs[i - 1], xs[i]
+            return ys[i] if x1 == x0 else ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
+    return ys[-1]
+
+
+def normalised_auc(xs: list[float], ys: list[float], end: float) -> float:
+    """The trapezoid integral of the curve from 0 to `end` (interpolated there), divided by `end`: its mean success
+    over [0, end]."""
+    knots = [(0.0, value_at(xs, ys, 0.0))] + [(x, y) for x, y in zip(xs, ys) if 0 < x < end]
+    knots.append((end, value_at(xs, ys, end)))
+    return sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(knots, knots[1:])) / end
+
+
+def seed_aucs(methods: dict, axis: str) -> dict[str, dict[str, float]]:
+    """Per method and seed, the normalised area under held-out success over `axis` ("fresh_rollouts" or "wall_s") up
+    to R, the smallest last x that any method of the comparison (every method of `methods` that ran the seed)
+    reached on that seed: every method of a seed is read over the same range."""
+    ends: dict[str, float] = {}
+    for method in methods.values():
+        for seed, run in method["runs"].items():
+            last = run["points"][-1][axis]
+            ends[seed] = min(ends.get(seed, last), last)
+    return {
+        name: {seed: normalised_auc(*seed_curve(run, axis), ends[seed])
+               for seed, run in method["runs"].items() if ends[seed] > 0}
+        for name, method in methods.items()
+    }  # fmt: skip
+
+
+def to_baseline_final(run: dict, base_run: dict) -> dict:
+    """Fresh rollouts `run` needs to reach the same seed's baseline final (`base_run`'s last held-out success), and
+    its ratio to the rollouts the baseline needed to first reach it. Not scoreable when that target is at or below the
+    seed's initial success (its step-0 point: every method of a seed starts from the same model)."""
+    target = base_run["points"][-1]["heldout_success"]
+    if target <= base_run["points"][0]["heldout_success"]:
+        return {"target": target, "status": "not scoreable"}
+    base_need = rollouts_to_reach(*seed_curve(base_run), target)
+    need = rollouts_to_reach(*seed_curve(run), target)
+    if need is None:
+        return {"target": target, "status": "never", "baseline_need": base_need}
+    return {"target": target, "status": "reached", "need": need, "baseline_need": base_need,
+            "ratio": need / base_need}  # fmt: skip
+
+
+def ratio_summary(ratios: list[float]) -> dict | None:
+    """Median and geometric mean of per-seed ratios (None without any)."""
+    if not ratios:
+        return None
+    geometric = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    return {"median": statistics.median(ratios), "geometric_mean": geometric, "seeds": len(ratios)}
+
+
+def to_level(runs: dict, base_runs: dict, level: float) -> dict:
+    """Fresh rollouts to a fixed held-out success `level`, per seed (None: never reached; seeds whose initial success
+    is already at or above it are not scoreable); the median over the scoreable seeds with "never" counted as
+    infinite (infinite when at least half never reach it), and the ratio to the baseline's need on the seeds where
+    both reach it."""
+    need, ratios, not_scoreable = {}, [], []
+    for seed, run in runs.items():
+        if run["points"][0]["heldout_success"] >= level:
+            not_scoreable.append(seed)
+            continue
+        need[seed] = rollouts_to_reach(*seed_curve(run), level)
+        base = base_runs.get(seed)
+        base_need = rollouts_to_reach(*seed_curve(base), level) if base is not None else None
+        if need[seed] is not None and base_need:
+            ratios.append(need[seed] / base_need)
+    reached = [v for v in need.values() if v is not None]
+    median = statistics.median([math.inf if v is None else v for v in need.values()]) if need else None
+    return {"level": level, "need": need, "median": median, "never": len(need) - len(reached),
+            "not_scoreable": len(not_scoreable), "ratio": ratio_summary(ratios)}  # fmt: skip
 
 
 def _mean_of_series(series) -> float | None:
@@ -558,34 +630,226 @@ def _mean_of_series(series) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def replays(run: dict) -> bool:
+    return run["settings"].get("enable_experience_replay", True) is not False
+
+
+def normal_weighting(settings: dict) -> bool:
+    """Whether a run drew pool tasks by ExGRPO's Gaussian over buckets (`"normal"`; the `exgrpo` profile's)."""
+    weighting = settings.get("replay_bucket_weighting")
+    return weighting == "normal" or (weighting is None and settings.get("replay_profile") == "exgrpo")
+
+
+def buckets_above_g(run: dict) -> int:
+    """Steps whose recorded difficulty buckets hold a task with more successes than the run's G rollouts a group."""
+    g = run["settings"].get("num_generations", 8)
+    return sum(any(int(k) > g and v for k, v in b.items()) for b in run["replay"].get("buckets", []))
+
+
+def summarize(entry: dict, baseline: str = "grpo", levels: tuple[float, ...] = ()) -> list[dict]:
+    """One row per method, every comparison per seed against the baseline's run on the same seed: final held-out
+    success (and its paired difference, also on the seeds where neither run collapsed), collapses (exact McNemar
+    test), the normalised area under the curve over fresh rollouts and over training time, the fresh rollouts to the
+    same seed's baseline final and to each of `levels`, zero-spread groups (after replayed rows are inserted, and among
+    fresh rollouts only), generation saved, training time per step."""
+    methods = entry["methods"]
+    base_runs = methods[baseline]["runs"] if baseline in methods else {}
+    aucs = {axis: seed_aucs(methods, key) for axis, key in AXES.items()}
+    rows = []
+    for name, method in methods.items():
+        runs = method["runs"]
+        seeds = sorted(runs, key=int)
+        shared = [s for s in seeds if s in base_runs]
+        finals = {s: runs[s]["points"][-1]["heldout_success"] for s in seeds}
+        base_finals = {s: base_runs[s]["points"][-1]["heldout_success"] for s in shared}
+        mean = sum(finals.values()) / len(finals)
+        std = math.sqrt(sum((f - mean) ** 2 for f in finals.values()) / (len(finals) - 1)) if len(finals) > 1 else 0.0
+        fell = {s: collapsed(runs[s]["points"]) for s in seeds}
+        base_fell = {s: collapsed(base_runs[s]["points"]) for s in shared}
+        steady = [s for s in shared if not fell[s] and not base_fell[s]]
+        auc = {}
+        for axis in AXES:
+            mine, theirs = aucs[axis][name], aucs[axis].get(baseline, {})
+            auc[axis] = {"per_seed": mine, "mean": sum(mine.values()) / len(mine) if mine else None,
+                         "paired": paired([mine[s] - theirs[s] for s in shared if s in mine and s in theirs])}  # fmt: skip
+        final = {s: to_baseline_final(runs[s], base_runs[s]) for s in shared}
+        generated = [  # the share of each run's rows that were generated, not replayed
+            run["points"][-1]["fresh_rollouts"] / (rows_per_step(run["settings"]) * run["points"][-1]["step"])
+            for run in runs.values()
+        ]
+        after = _mean_of_series(run.get("zero_std_groups") for run in runs.values())
+        if not any(replays(run) for run in runs.values()):
+            fresh, fresh_source = after, "every group fresh"  # no replayed row: the two shares are one
+        else:
+            fresh = _mean_of_series(run.get("zero_std_fresh") for run in runs.values())
+            fresh_source = "recorded" if fresh is not None else "not recorded"
+        early = {s: buckets_above_g(runs[s]) for s in seeds
+                 if normal_weighting(runs[s]["settings"]) and runs[s]["run"]["commit"][:7] in BEFORE_BUCKET_CLIP}  # fmt: skip
+        rows.append({
+            "method": name, "seeds": seeds, "final_mean": mean, "final_std": std, "final_per_seed": finals,
+            "initial_mean": sum(run["points"][0]["heldout_success"] for run in runs.values()) / len(runs),
+            "initial_per_seed": {s: runs[s]["points"][0]["heldout_success"] for s in seeds},
+            "final": paired([finals[s] - base_finals[s] for s in shared]),
+            "final_steady": paired([finals[s] - base_finals[s] for s in steady]),
+            "auc_steady": paired([auc["rollouts"]["per_seed"][s] - aucs["rollouts"][baseline][s] for s in steady
+                                  if s in auc["rollouts"]["per_seed"] and s in aucs["rollouts"].get(baseline, {})]),
+            # kept under their former names: the results line's test and older readers use them
+            "paired_difference": paired_interval([finals[s] - base_finals[s] for s in shared]),
+            "sign_test": sign_test([finals[s] - base_finals[s] for s in shared]) if shared else None,
+            "collapsed": sum(fell.values()), "collapse_rate": sum(fell.values()) / len(runs),
+            "collapsed_shared": sum(fell[s] for s in shared), "baseline_collapsed_shared": sum(base_fell.values()),
+            # exact McNemar: the seeds where only one of the pair collapsed (wins: only the baseline did)
+            "collapse_test": sign_test([int(base_fell[s]) - int(fell[s]) for s in shared]) if shared else None,
+            "auc": auc,
+            "to_final": {
+                "per_seed": final,
+                "ratio": ratio_summary([f["ratio"] for f in final.values() if f["status"] == "reached"]),
+                "never": sum(f["status"] == "never" for f in final.values()),
+                "not_scoreable": sum(f["status"] == "not scoreable" for f in final.values()),
+            },
+            "levels": [to_level(runs, base_runs, level) for level in levels],
+            "zero_std_groups": after, "zero_std_fresh": fresh, "zero_std_fresh_source": fresh_source,
+            "generation_saved": 1 - sum(generated) / len(generated),
+            "step_s": sum(run["step_s"] for run in runs.values()) / len(runs),
+            "before_bucket_clip": early,
+        })  # fmt: skip
+    return rows
+
+
+def mean_curve_ratio(entry: dict, baseline: str, level: float) -> dict[str, float | None]:
+    """Appendix only, not an endpoint: the rollouts at which each method's MEAN curve (averaged over seeds at each
+    evaluation point) first reaches `level`, as a ratio to the baseline's mean curve (None: never)."""
+    needs = {}
+    for name, method in entry["methods"].items():
+        xs, ys, _, _ = method_curve(method["runs"])
+        needs[name] = rollouts_to_reach(xs, ys, level)
+    base = needs.get(baseline)
+    return {name: (need / base if need is not None and base else None) for name, need in needs.items()}
+
+
+def mean_curve_lines(entry: dict, baseline: str, levels: list[str]) -> list[str]:
+    """The appendix table of the mean-curve ratio at several levels ("final": the baseline's mean final)."""
+    xs, ys, _, _ = method_curve(entry["methods"][baseline]["runs"])
+    values = [ys[-1] if level == "final" else float(level) for level in levels]
+    names = list(entry["methods"])
+    lines = ["", f"Appendix, not an endpoint: fresh rollouts at which the mean curve over seeds first reaches a level, "
+             f"as a ratio to {baseline}'s mean curve (the figure the tables used to give, at {baseline}'s mean final; "
+             "read per seed above):", "",
+             "| level | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
+    for level, value in zip(levels, values):
+        ratios = mean_curve_ratio(entry, baseline, value)
+        cells = " | ".join("never" if ratios[n] is None else f"{ratios[n]:.2f}x" for n in names)
+        label = f"{value:.4f} ({baseline}'s mean final)" if level == "final" else f"{value:.3f}"
+        lines.append(f"| {label} | {cells} |")
+    return lines
+
+
+def method_label(name: str, entry_name: str, entry: dict) -> str:
+    """A method named by what it ran: on a testbed whose own training fields set replay settings (a recipe's YAML),
+    a replay method runs those (with its preset's fields on top), not the library's defaults."""
+    method = entry["methods"][name]
+    if not replay_fields(entry) or not any(replays(run) for run in method["runs"].values()):
+        return name
+    what = getattr(TESTBEDS.get(entry_name), "replay_settings", None) or "the testbed's replay settings"
+    return f"{name} ({what})" if not method.get("preset") else f"{name} (over {what})"
+
+
+# The replay fields' names before they were all `replay_*` (runs recorded then keep them).
+FORMER_REPLAY_FIELDS = ("exp_", "off_policy", "offpolicy_", "max_trajectories_per_task", "use_current_policy_entropy")
+
+
+def replay_fields(entry: dict) -> dict:
+    """The replay settings the testbed's own training fields set (beside `enable_experience_replay`)."""
+    return {k: v for k, v in entry.get("training", {}).items() if k.startswith(("replay_", *FORMER_REPLAY_FIELDS))}
+
+
+def _cell_name(label: str) -> str:
+    """`method` (what it ran): the method's key in code, its label beside."""
+    key, _, rest = label.partition(" ")
+    return f"`{key}` {rest}" if rest else f"`{key}`"
+
+
+def _seeds(n: int) -> str:
+    return f"{n} seed" if n == 1 else f"{n} seeds"
+
+
+def _p(p: float) -> str:
+    return f"{p:.2g}"
+
+
+def _paired_cell(stats: dict | None) -> str:
+    if stats is None or stats["interval"] is None:
+        return ""
+    d, t = stats["interval"], stats["sign"]
+    return f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]; {t['wins']}/{t['losses']}, p = {_p(t['p'])}"
+
+
+def _ratio_cell(summary: dict | None) -> str:
+    return "no seed" if summary is None else f"{summary['median']:.2f}x ({summary['geometric_mean']:.2f}x)"
+
+
+def _rollouts(value: float | None) -> str:
+    return "never" if value is None or math.isinf(value) else f"{value:,.0f}"
+
+
 def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
-    rows = summarize(entry, baseline)
-    base = next((r for r in rows if r["method"] == baseline), None)
-    baseline_flat = base is not None and base["rollouts_to_baseline_final"] is None
+    levels = tuple(getattr(TESTBEDS.get(name), "target_levels", ()))
+    rows = summarize(entry, baseline, levels)
+    label = {r["method"]: method_label(r["method"], name, entry) for r in rows}
+    mark = {r["method"]: " †" if r["before_bucket_clip"] else "" for r in rows}
+    b = f"`{baseline}`"
     lines = [
         f"### {name}: {entry['summary']}",
         "",
-        f"| method | held-out success, final (mean ± std) | per seed | initial | paired Δ vs {baseline} [95% CI] "
-        f"| sign test (above/below, p) | fresh rollouts to {baseline}'s final (ratio) | AUC | collapsed "
-        "| zero-spread groups | generation saved | s / step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| method | final (mean ± std) | initial | Δ final vs {b} [95% CI]; sign test | AUC, fresh rollouts "
+        f"| Δ AUC vs {b} [95% CI]; sign test | AUC, training time | Δ AUC (time) vs {b} [95% CI]; sign test "
+        f"| collapsed (McNemar p vs {b}) | generation saved | s / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        per_seed = ", ".join(f"{seed}: {value:.3f}" for seed, value in sorted(r["final_per_seed"].items(),
-                                                                              key=lambda kv: int(kv[0])))  # fmt: skip
-        need = "never" if r["rollouts_to_baseline_final"] is None else f"{r['rollouts_to_baseline_final']:.0f}"
-        need = f"n/a: {baseline} ended at its start" if baseline_flat else need
-        ratio = "" if r["rollout_ratio"] is None else f" ({r['rollout_ratio']:.2f}x)"
-        d = r["paired_difference"]
-        delta = "" if d is None or r["method"] == baseline else f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
-        t = r["sign_test"]
-        sign = "" if t is None or r["method"] == baseline else f"{t['wins']}/{t['losses']}, p={t['p']:.3g}"
-        zero = "" if r["zero_std_groups"] is None else f"{100 * r['zero_std_groups']:.1f}%"
+        other = r["method"] != baseline
+        rollouts, time_ = r["auc"]["rollouts"], r["auc"]["time"]
+        test = r["collapse_test"]
+        mcnemar = f" (p = {_p(test['p'])})" if other and test is not None else ""
         lines.append(
-            f"| {r['method']} | {r['final_mean']:.3f} ± {r['final_std']:.3f} | {per_seed} | {r['initial_mean']:.3f} "
-            f"| {delta} | {sign} | {need}{ratio} | {r['auc']:.3f} | {100 * r['collapse_rate']:.0f}% | {zero} "
+            f"| {_cell_name(label[r['method']])}{mark[r['method']]} | {r['final_mean']:.3f} ± {r['final_std']:.3f} "
+            f"| {r['initial_mean']:.3f} | {_paired_cell(r['final']) if other else ''} | {rollouts['mean']:.3f} "
+            f"| {_paired_cell(rollouts['paired']) if other else ''} | {time_['mean']:.3f} "
+            f"| {_paired_cell(time_['paired']) if other else ''} | {r['collapsed']} of {len(r['seeds'])}{mcnemar} "
             f"| {100 * r['generation_saved']:.1f}% | {r['step_s']:.2f} |"
         )
+    lines += [
+        "",
+        f"(Per seed, against {b}'s run on the same seed. AUC: held-out success integrated over fresh rollouts (or "
+        "training seconds) from 0 to the fewest any method consumed on that seed, divided by it; sign test: seeds "
+        "above/below, exact two-sided p; collapsed: ended below half its own best; McNemar: exact, on the seeds where "
+        "only one of the two collapsed.)",
+        "",
+        f"| method | rollouts to {b}'s final on the same seed: median ratio (geometric mean) | reached / never / not "
+        "scoreable |" + "".join(f" to {level:.2f}: median rollouts; never / not scoreable "
+                                  f"| to {level:.2f}: ratio vs {b}, median (geometric mean); seeds |"
+                                  for level in levels),
+        "|---|---|---|" + "---|---|" * len(levels),
+    ]  # fmt: skip
+    for r in rows:
+        f = r["to_final"]
+        cells = [_ratio_cell(f["ratio"]), f"{f['ratio']['seeds'] if f['ratio'] else 0} / {f['never']} / "
+                 f"{f['not_scoreable']}"]  # fmt: skip
+        for level in r["levels"]:
+            cells += [f"{_rollouts(level['median'])}; {level['never']} / {level['not_scoreable']}",
+                      f"{_ratio_cell(level['ratio'])}; {level['ratio']['seeds'] if level['ratio'] else 0}"]  # fmt: skip
+        lines.append(f"| {_cell_name(label[r['method']])} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"(Ratio: the fresh rollouts a method needs to first reach the target on a seed (linear between evaluation "
+        f"points) over those {b} needs on that seed, summarised over the seeds where it reached it; never: seeds "
+        "where it did not; not scoreable: seeds where the target is at or below the initial success. A median of "
+        'rollouts is "never" when half the seeds or more never reach the level.)',
+    ]
+    lines += collapse_lines(rows, baseline)
+    lines += zero_spread_lines(rows, label)
+    lines += per_seed_lines(rows, baseline)
+    lines += label_lines(name, entry, rows, label)
     lines += detail_lines(entry)
     lines += run_lines(entry)
     guidance = guidance_lines(entry)
@@ -597,6 +861,102 @@ def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
                       f"(max loss difference {check['max_loss_diff']:.3g}, max held-out difference "
                       f"{check['max_point_diff']:.3g})."]  # fmt: skip
     return "\n".join(lines)
+
+
+def collapse_lines(rows: list[dict], baseline: str) -> list[str]:
+    """Per method, the final difference and the AUC difference (fresh rollouts) to the baseline on every seed and on
+    the seeds where neither run collapsed, and the collapses of each on the seeds they share (exact McNemar test)."""
+    lines = []
+    for r in rows:
+        if r["method"] == baseline or r["final"] is None:
+            continue
+        everything, steady, test = r["final"], r["final_steady"], r["collapse_test"]
+        auc, auc_steady = r["auc"]["rollouts"]["paired"], r["auc_steady"]
+        n = everything["seeds"]
+        cell = (f"- `{r['method']}` - `{baseline}`: final {_paired_cell(everything)}, median {everything['median']:+.3f}; "
+                f"AUC {_paired_cell(auc)}, median {auc['median']:+.3f} ({n} seeds); ")  # fmt: skip
+        if r["collapsed_shared"] == r["baseline_collapsed_shared"] == 0:
+            lines.append(cell + "no run of either collapsed")
+            continue
+        if steady is None or steady["interval"] is None:
+            cell += f"{0 if steady is None else 1} seed where neither collapsed; "
+        else:
+            cell += (f"on the {steady['seeds']} seeds where neither collapsed: final {_paired_cell(steady)}, median "
+                     f"{steady['median']:+.3f}; AUC {_paired_cell(auc_steady)}, median {auc_steady['median']:+.3f}; ")  # fmt: skip
+        cell += (f"collapsed: `{r['method']}` {r['collapsed_shared']} of {n}, `{baseline}` "
+                 f"{r['baseline_collapsed_shared']} of {n}, exact McNemar p = {_p(test['p'])} ({_seeds(test['wins'])} "
+                 f"where only `{baseline}` collapsed, {test['losses']} where only `{r['method']}` did)")  # fmt: skip
+        lines.append(cell)
+    return ["", "Final success and AUC by collapse (per seed):", *lines] if lines else []
+
+
+def zero_spread_lines(rows: list[dict], label: dict) -> list[str]:
+    """Zero-spread groups, by cause: TRL's share (after replayed rows are in the groups) and the fresh rollouts' own."""
+    if all(r["zero_std_groups"] is None and r["zero_std_fresh"] is None for r in rows):
+        return ["", "Zero-spread groups: not recorded by these runs."]
+    lines = ["", "| method | zero-spread groups, after replayed rows are inserted (TRL's `frac_reward_zero_std`) "
+             "| zero-spread groups, fresh rollouts only (`replay/zero_std_fresh`) |", "|---|---|---|"]  # fmt: skip
+    for r in rows:
+        after = "not recorded" if r["zero_std_groups"] is None else f"{100 * r['zero_std_groups']:.1f}%"
+        fresh = {"every group fresh": f"{after} (every group fresh)", "not recorded": "not recorded"}.get(
+            r["zero_std_fresh_source"], f"{100 * (r['zero_std_fresh'] or 0):.1f}%"
+        )
+        lines.append(f"| {_cell_name(label[r['method']])} | {after} | {fresh} |")
+    return lines
+
+
+def per_seed_lines(rows: list[dict], baseline: str) -> list[str]:
+    """Every seed: the initial success, and per method the final, the AUC over fresh rollouts and the rollouts to the
+    baseline's final (the baseline's own need in rollouts; the others' as a ratio to it)."""
+    base = next((r for r in rows if r["method"] == baseline), None)
+    if base is None:
+        return []
+    names = [r["method"] for r in rows]
+    lines = ["", f"Per seed: final / AUC over fresh rollouts / rollouts to `{baseline}`'s final on the seed ("
+             f"`{baseline}`: its own need; the others: ratio to it; n/s: not scoreable):", "",
+             "| seed | initial | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|---|" + "---|" * len(names)]  # fmt: skip
+    for seed in base["seeds"]:
+        cells = []
+        for r in rows:
+            if seed not in r["final_per_seed"]:
+                cells.append("")
+                continue
+            f = r["to_final"]["per_seed"].get(seed, {})
+            if f.get("status") == "not scoreable":
+                need = "n/s"
+            elif f.get("status") == "never":
+                need = "never"
+            elif r["method"] == baseline:
+                need = _rollouts(f["baseline_need"])
+            else:
+                need = f"{f['ratio']:.2f}x"
+            auc = r["auc"]["rollouts"]["per_seed"].get(seed)
+            cells.append(f"{r['final_per_seed'][seed]:.3f} / {auc:.3f} / {need}")
+        initial = base["initial_per_seed"][seed]  # the step-0 point: the same model for every method
+        lines.append(f"| {seed} | {initial:.3f} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def label_lines(name: str, entry: dict, rows: list[dict], label: dict) -> list[str]:
+    """What the labels stand for: the replay settings a testbed's own training fields set, and the runs made before
+    the bucket clip (with how many of their steps held buckets above G)."""
+    lines = []
+    fields = replay_fields(entry)
+    relabelled = [r["method"] for r in rows if label[r["method"]] != r["method"]]
+    if fields and relabelled:
+        what = getattr(TESTBEDS.get(name), "replay_settings", None) or "the testbed's replay settings"
+        settings = ", ".join(f"{k}={v}" for k, v in fields.items())
+        lines.append(f"- {what}: the testbed's training fields set {settings}; every replay method here runs over "
+                     f"them ({', '.join(f'`{m}`' for m in relabelled)}), so none of them is the library's defaults.")  # fmt: skip
+    for r in rows:
+        early = r["before_bucket_clip"]
+        if not early:
+            continue
+        steps = ", ".join(f"{seed}: {n}" for seed, n in sorted(early.items(), key=lambda kv: int(kv[0])))
+        lines.append(f"- † `{r['method']}`: {len(early)} of its {len(r['seeds'])} runs were made before {BUCKET_CLIP}, "
+                     "which counts a bucket above G as G in ExGRPO's Gaussian bucket weighting (`\"normal\"`, which "
+                     "it uses); steps whose buckets held a count above G, per seed: " + steps + ".")  # fmt: skip
+    return ["", *lines] if lines else []
 
 
 def detail_lines(entry: dict) -> list[str]:
@@ -639,11 +999,31 @@ def run_lines(entry: dict) -> list[str]:
             ends = [r["skip_set"][-1] for r in series.values() if r.get("skip_set")]
             if ends:
                 cells.append(f"skip set at the end {min(ends):.0f}-{max(ends):.0f} tasks")
+        commits: dict[str, list[str]] = {}
+        for s, r in runs.items():
+            if "run" in r:
+                commits.setdefault(r["run"]["commit"][:7], []).append(s)
+        if commits:
+            cells.append("made at " + ", ".join(f"{c} ({seed_ranges(ss)})" for c, ss in commits.items()))
         recorded = [s for s, r in runs.items() if r.get("zero_std_groups")]
         if recorded and len(recorded) < len(runs):
-            cells.append(f"zero-spread groups recorded on seeds {seeds(recorded)}")
+            cells.append(f"zero-spread groups recorded on seeds {seed_ranges(recorded)}")
+        fresh = [s for s, r in runs.items() if any(v is not None for v in r.get("zero_std_fresh") or [])]
+        if fresh and len(fresh) < len(runs):
+            cells.append(f"fresh zero-spread groups recorded on seeds {seed_ranges(fresh)}")
         lines.append(f"- `{name}` ({len(runs)} seeds): " + "; ".join(cells))
     return ["", "Runs by seed:", *lines] if lines else []
+
+
+def seed_ranges(seeds) -> str:
+    """Seeds as runs of consecutive numbers: "200-204, 207"."""
+    numbers, parts = sorted(int(s) for s in seeds), []
+    for n in numbers:
+        if parts and n == parts[-1][1] + 1:
+            parts[-1][1] = n
+        else:
+            parts.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
 def _mean_part(runs: list[list[dict]], index: int, part: str) -> float:
@@ -682,17 +1062,22 @@ def plot(out: Path, name: str, entry: dict) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for method_name, method in entry["methods"].items():
-        xs, mean, low, high = method_curve(method["runs"])
         seeds = len(method["runs"])
-        (line,) = ax.plot(xs, mean, marker="o", markersize=3, label=f"{method_name} ({seeds} seeds)")
-        ax.fill_between(xs, low, high, alpha=0.18, color=line.get_color())
-    ax.set_xlabel("fresh rollouts consumed")
-    ax.set_ylabel(entry.get("measure", "held-out success"), fontsize=8 if len(entry.get("measure", "")) > 40 else 10)
-    ax.set_title(f"{name}: mean and min-max over seeds")
-    ax.grid(alpha=0.3)
-    ax.legend()
+        for ax, axis in zip(axes, AXES.values()):
+            xs, mean, low, high = _mean_curve(method["runs"], axis)
+            (line,) = ax.plot(xs, mean, marker="o", markersize=3,
+                              label=f"{method_label(method_name, name, entry)} ({seeds} seeds)")  # fmt: skip
+            ax.fill_between(xs, low, high, alpha=0.18, color=line.get_color())
+    axes[0].set_xlabel("fresh rollouts consumed")
+    axes[1].set_xlabel("training seconds (evaluation excluded; this machine, these runs)")
+    measure = entry.get("measure", "held-out success")
+    axes[0].set_ylabel("\n".join(textwrap.wrap(measure, 50)), fontsize=8 if len(measure) > 40 else 10)
+    fig.suptitle(f"{name}: mean and min-max over seeds (the tables' figures are per seed)", fontsize=10)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     path = out / f"{name}.png"
     fig.savefig(path, dpi=120)
@@ -706,10 +1091,10 @@ def plot(out: Path, name: str, entry: dict) -> Path:
             series = [run["replay"] for run in method["runs"].values()]
             n = min(len(s["pool_tasks"]) for s in series)
             steps = list(range(1, n + 1))
-            left.plot(steps, [sum(s["pool_tasks"][i] for s in series) / len(series) for i in range(n)],
-                      label=method_name)  # fmt: skip
+            label = method_label(method_name, name, entry)
+            left.plot(steps, [sum(s["pool_tasks"][i] for s in series) / len(series) for i in range(n)], label=label)
             right.plot(steps, [sum(s["rows_fraction"][i] for s in series) / len(series) for i in range(n)],
-                       label=method_name)  # fmt: skip
+                       label=label)  # fmt: skip
         left.set(xlabel="optimizer step", ylabel="tasks in the pool (mean over seeds)", title=f"{name}: pool")
         right.set(xlabel="optimizer step", ylabel="replayed fraction of rows", title=f"{name}: replay share")
         for ax in (left, right):
@@ -721,13 +1106,16 @@ def plot(out: Path, name: str, entry: dict) -> Path:
     return path
 
 
-def report(out: Path, baseline: str = "grpo") -> str:
+def report(out: Path, baseline: str = "grpo", mean_curve: list[str] | None = None) -> str:
     results = load_results(out)
     parts = []
     for name, entry in results["testbeds"].items():
         if entry["methods"]:
             plot(out, name, entry)
-            parts.append(markdown_table(name, entry, baseline))
+            table = markdown_table(name, entry, baseline)
+            if mean_curve and baseline in entry["methods"]:
+                table += "\n" + "\n".join(mean_curve_lines(entry, baseline, mean_curve))
+            parts.append(table)
     return "\n\n".join(parts)
 
 
@@ -756,6 +1144,10 @@ def parse_args(argv=None):
     parser.add_argument("--report", action="store_true", help="Only print the tables and redraw the plots of --out.")
     parser.add_argument("--baseline", default="grpo",
                         help="With --report: the method the paired differences and rollout ratios are taken against.")  # fmt: skip
+    parser.add_argument("--mean-curve", metavar="LEVELS",
+                        help="With --report: also print the appendix of the ratio read off the curves averaged over "
+                             "seeds, at these comma-separated levels ('final': the baseline's mean final), to show how "
+                             "fragile it is. Not an endpoint: the tables' figures are per seed.")  # fmt: skip
     options = parser.parse_args(argv)
     if not options.report and options.testbed is None:
         parser.error("--testbed is required unless --report")
@@ -773,7 +1165,8 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     options = parse_args(argv)
     if options.report:
-        print(report(options.out, options.baseline))
+        levels = [level for level in (options.mean_curve or "").split(",") if level]
+        print(report(options.out, options.baseline, levels))
         return load_results(options.out)
     testbed = TESTBEDS[options.testbed]()
     for field_value in options.set or []:

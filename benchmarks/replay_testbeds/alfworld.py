@@ -46,6 +46,10 @@ class AlfWorld(Testbed):
     measure = "held-out success (greedy, valid_seen + valid_unseen)"
     trl_comparable = False  # played through `text_env_factory`
     eval_every = 8
+    # No fixed level: GRPO does not raise this testbed's held-out success (docs/alfworld_tiny_default.md).
+    target_levels = ()
+    # The recipe's YAML sets replay fields: every replay method runs over them, `exreplay` included.
+    replay_settings = "the recipe's settings"
     data_dir = os.environ.get("ALFWORLD_TESTBED_DATA", str(REPOSITORY / "data" / "alfworld"))
 
     def __init__(self):
@@ -136,6 +140,7 @@ class AlfWorldFewGames(AlfWorld):
     summary = "the recipe's tiny default on 8 train games, 40 steps at 1e-4; measured on those 8 games (not held-out)"
     measure = "train-game success (sampled, 8 episodes on each of the 8 games RL plays; not held-out)"
     eval_every = 10
+    target_levels = (0.45, 0.55)
     games = 8
     episodes_per_game = 8
 

@@ -22,6 +22,12 @@ class Testbed:
     measure: str = "held-out success (sampled)"  # what `heldout_success` measures, as plots and tables say it
     # Whether TRL's own GRPOTrainer can train it (single-turn reward functions); `text_env_factory` is this library's API.
     trl_comparable: bool = True
+    # Fixed held-out success levels the report counts the fresh rollouts to, per seed (besides the same seed's
+    # baseline final); none where no level is meaningful.
+    target_levels: tuple[float, ...] = ()
+    # What the replay methods run over, where the testbed's own training fields set replay settings (e.g. a recipe's
+    # YAML): tables and plots name those methods by it. None: the library's defaults, under each method's preset.
+    replay_settings: str | None = None
 
     def build(self, seed: int):
         """The initial (model, tokenizer) of `seed`: identical for every method."""

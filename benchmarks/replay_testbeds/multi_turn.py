@@ -92,6 +92,7 @@ class MultiTurn(Testbed):
     )
     limits = dict(max_turns=3, max_completion_length=48, max_tokens_per_turn=4)
     eval_every = 20
+    target_levels = (0.10, 0.20)
     trl_comparable = False  # played through `text_env_factory`, which TRL's GRPOTrainer does not have
 
     def __init__(self):

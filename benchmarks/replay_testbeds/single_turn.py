@@ -71,6 +71,7 @@ class SingleTurn(Testbed):
         beta=0.0,
     )
     eval_every = 25
+    target_levels = (0.45, 0.50)
 
     def __init__(self):
         self.split = problems()

@@ -53,7 +53,11 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     assert entry["trl_check"]["max_loss_diff"] == 0.0
     assert (out / "single-turn.png").stat().st_size > 0
     table = capsys.readouterr().out
-    assert "| grpo | " in table and "| exreplay | " in table and "identical to `grpo`: **True**" in table
+    assert "| `grpo` | " in table and "identical to `grpo`: **True**" in table
+    # `--set replay_start_ratio=0.25` is a replay setting of the testbed's: the replay method is named by it.
+    assert "| `exreplay` (the testbed's replay settings) | " in table and "replay_start_ratio=0.25" in table
+    # One value per step of the fresh rollouts' own zero-spread share (logged by replay runs; None where not logged).
+    assert len(replay["zero_std_fresh"]) == 4 == len(grpo["zero_std_fresh"]) == len(replay["zero_std_groups"])
 
     # A call with another model or other training fields is refused before it trains: one entry, one set of settings.
     assert entry["model"] == {"hidden_size": 64, "num_layers": 2, "num_heads": 4}
@@ -109,7 +113,7 @@ def test_the_guided_preset_records_what_guidance_did(harness, tmp_path, capsys):
     assert guidance["store_records"][-1] > 0
     assert "`exreplay-guided` (1 seeds):" in capsys.readouterr().out
     harness.main(["--report", "--out", str(out), "--baseline", "exreplay-guided"])
-    assert "paired Δ vs exreplay-guided [95% CI]" in capsys.readouterr().out
+    assert "Δ final vs `exreplay-guided` [95% CI]" in capsys.readouterr().out
 
 
 def test_the_doors_testbed_gives_guidance_its_vocabulary_can_spell(harness):
