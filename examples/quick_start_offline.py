@@ -2,7 +2,7 @@
 in place of the Hub's, plus `use_cpu=True` (TRL's default bf16 asks for a GPU without it). A test holds the two
 scripts to exactly these differences (tests/integration/test_quick_start.py).
 
-    python examples/quick_start_offline.py     # about 10 s on 2 CPU cores; TRL's accuracy_reward needs math-verify
+    python examples/quick_start_offline.py     # about 20 s on 2 CPU cores; TRL's accuracy_reward needs math-verify
 
 It writes the tiny model to tiny-sums-model/ and the run (its last checkpoint, with the replay pool) to
 Qwen2.5-0.5B-GRPO/, in the current folder.
@@ -14,8 +14,8 @@ from trl_exreplay.distributed import exit_distributed
 from trl_exreplay.examples import save_sums_model, sums_dataset
 from trl.rewards import accuracy_reward
 
-dataset = sums_dataset()
-args = GRPOConfig(output_dir="Qwen2.5-0.5B-GRPO", num_generations=8, steps_per_generation=4, use_cpu=True)
+dataset = sums_dataset(repeats=4)  # a few optimizer steps per epoch
+args = GRPOConfig(output_dir="Qwen2.5-0.5B-GRPO", num_generations=8, gradient_accumulation_steps=4, use_cpu=True)
 trainer = GRPOTrainer(model=save_sums_model(), reward_funcs=accuracy_reward, args=args, train_dataset=dataset)
 trainer.train()
 exit_distributed()

@@ -37,11 +37,13 @@ SUMS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 3), (3, 1), (2, 2), (1, 1)]
 SUMS_VOCABULARY = ["what", "is", "+", "?", "1", "2", "3", *(f"\\boxed{{{n}}}" for n in (2, 3, 4))]
 
 
-def sums_dataset():
-    """`datasets.Dataset` of small sums in the format of TRL's math datasets: prompt (conversational), solution."""
+def sums_dataset(repeats: int = 1):
+    """`datasets.Dataset` of small sums in the format of TRL's math datasets: prompt (conversational), solution; each
+    sum `repeats` times."""
     from datasets import Dataset
 
     rows = [{"prompt": [{"role": "user", "content": f"what is {a} + {b} ?"}], "solution": str(a + b)} for a, b in SUMS]
+    rows = rows * repeats
     return Dataset.from_list(rows)
 
 

@@ -122,3 +122,23 @@ def test_no_user_page_gives_the_ratio_read_off_mean_curves_as_a_figure():
     for page in (REPO / "README.md", REPO / "docs" / "trainer.md", REPO / "docs" / "index.md"):
         assert "0.38x" not in page.read_text()
     assert results.count("0.38x") == 1 and results.index("0.38x") > appendix
+
+
+VERDICT = re.compile(r"<!-- verdict:.*?-->\n(.*?)<!-- /verdict -->", re.DOTALL)
+
+
+def test_the_verdict_is_one_paragraph_of_readme_and_the_docs_home_with_the_per_seed_figures(harness):
+    """The two-sentence verdict on README's first screen and the docs home page: the same text, its figures the
+    per-seed ones of the results files."""
+    (readme,) = VERDICT.findall((REPO / "README.md").read_text())
+    (home,) = VERDICT.findall((REPO / "docs" / "index.md").read_text())
+    assert readme == home
+    verdict = " ".join(readme.split())
+    single, doors = (summary(harness, t, "grpo", "exreplay") for t in TESTBEDS[:2])
+    assert f"a median {single['to_final']['ratio']['median']:.2f}x GRPO's fresh rollouts on single-turn" in verdict
+    assert f"{doors['to_final']['ratio']['median']:.2f}x on a multi-turn game" in verdict
+    assert (
+        f"collapsed on {doors['baseline_collapsed_shared']} of 20 seeds and replay's on {doors['collapsed']} "
+        f"(McNemar p = {doors['collapse_test']['p']:.2f})" in verdict
+    )
+    assert "5-13% more time per step" in verdict and "5-13%" in (REPO / "docs" / "results.md").read_text()
