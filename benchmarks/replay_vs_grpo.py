@@ -35,7 +35,8 @@ call whose testbed settings differ from those of the runs already there is refus
                               "train_success": float | null, "wall_s": float}, ...],  # step 0 is the initial model
                   "replay": {"rows_fraction": [float per step], "pool_tasks": [...], "pool_trajectories": [...],
                              "skip_set": [...], "importance_ratio_mean": [...], "policy_age": [...],
-                             "buckets": [{successes: tasks} per step]},                # empty without replay
+                             "buckets": [{successes: tasks} per step],                 # empty without replay
+                             "rescued_groups": [...], ...},  # TEACH_SERIES, in runs that log them (`teach`)
                   "guidance": {"guided_fraction": [float per step], "success_guided": [float | null], ...},
                                                  # GUIDE_SERIES, only in experience-guided runs
                   "wall_s": float, "step_s": float,   # training time (evaluation excluded), per optimizer step
@@ -139,6 +140,9 @@ def rows_per_step(settings: dict) -> int:
 
 
 REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "skip_set", "importance_ratio_mean", "policy_age")
+# What `replay_profile="teach"` logs (rescue, retired questions and their revisits), per step, in runs that log them
+# (None where a step does not: `returned_tasks` only in steps with a revisit).
+TEACH_SERIES = ("rescued_groups", "zero_std_rescued", "retired_tasks", "revisited_groups", "returned_tasks")
 # The `guide/` metrics of experience-guided runs, per step (None where a step has no value, e.g. no guided row).
 GUIDE_SERIES = ("guided_fraction", "discarded_fraction", "records_per_rollout", "success_guided", "success_unguided",
                 "store_records", "summarizer_backlog", "summarizer_failures", "retrieve_failures")  # fmt: skip
@@ -241,6 +245,9 @@ class _Recorder:
             # Tasks per difficulty bucket (successes among a task's latest fresh rollouts), stored or not.
             buckets = {k.removeprefix("replay/bucket_"): v for k, v in logs.items() if k.startswith("replay/bucket_")}
             self.replay.setdefault("buckets", []).append(buckets)
+            if any(f"replay/{name}" in logs for name in TEACH_SERIES):
+                for name in TEACH_SERIES:
+                    self.replay.setdefault(name, []).append(logs.get(f"replay/{name}"))
         if "guide/guided_fraction" in logs:
             for name in GUIDE_SERIES:
                 self.guidance[name].append(logs.get(f"guide/{name}"))
