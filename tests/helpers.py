@@ -201,3 +201,22 @@ def kill_a_save_at_random(
     child.wait()
     committed = [words[2] for words in lines if words[0] == "saved"][-1]
     return committed, lines[-1][2] if lines[-1][0] == "saving" else None
+
+
+def spelling_episodes(factory) -> tuple[list[tuple], int]:
+    """`process_envs.SpellingEnv`'s game (or `PlainEnv`'s) played for 4 tasks through `factory` (the class, or a pool
+    of it): each episode's (prompt ids, completion ids, env mask, reward), and the special-token spellings the engine
+    removed."""
+    from collections import Counter
+
+    from process_envs import SPELLING_VOCABULARY
+
+    from trl_exreplay.rollout import MultiTurnRollout
+
+    tokenizer = build_tiny_tokenizer(SPELLING_VOCABULARY)
+    tasks = [{"task_id": f"door-{i}", "door": door} for i, door in enumerate(["red", "blue", "red", "blue"])]
+    engine = MultiTurnRollout(factory, tokenizer, max_turns=4, max_completion_length=64, workers=4)
+    played = engine.run(tasks, ScriptedGenerate(tokenizer, ["look <eos>", "open <eos>"]))
+    engine.close()
+    assert engine.errors == Counter()
+    return [(e.prompt_ids, e.completion_ids, e.env_mask, e.reward) for e in played], engine.special_tokens_removed

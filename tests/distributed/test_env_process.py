@@ -16,9 +16,8 @@ from collections import Counter
 from dataclasses import asdict
 
 import pytest
-from helpers import ScriptedGenerate, gone
+from helpers import ScriptedGenerate, gone, spelling_episodes
 from process_envs import (
-    SPELLING_VOCABULARY,
     SPELLINGS_PER_EPISODE,
     PlainEnv,
     ProbeEnv,
@@ -334,18 +333,8 @@ def test_rollout_drops_idle_environments_lost_with_their_worker():
 def test_observations_spelling_special_tokens_are_cleaned_on_the_trainer_side_of_the_pool():
     """The worker processes return the environment's text as it is; the engine, which tokenizes it, removes the spellings:
     the episodes are token for token those of the same game without them, played in this process, and counted."""
-    tokenizer = build_tiny_tokenizer(SPELLING_VOCABULARY)
-    tasks = [{"task_id": f"door-{i}", "door": door} for i, door in enumerate(["red", "blue", "red", "blue"])]
-
-    def episodes(factory):
-        engine = MultiTurnRollout(factory, tokenizer, max_turns=4, max_completion_length=64, workers=4)
-        played = engine.run(tasks, ScriptedGenerate(tokenizer, ["look <eos>", "open <eos>"]))
-        engine.close()
-        assert engine.errors == Counter()
-        return [(e.prompt_ids, e.completion_ids, e.env_mask, e.reward) for e in played], engine.special_tokens_removed
-
-    expected, removed = episodes(PlainEnv)
+    expected, removed = spelling_episodes(PlainEnv)
     assert removed == 0 and [reward for *_, reward in expected] == [1.0] * 4
     with EnvProcessPool(SpellingEnv, workers=2) as pool:
-        assert episodes(pool) == (expected, 4 * SPELLINGS_PER_EPISODE)
+        assert spelling_episodes(pool) == (expected, 4 * SPELLINGS_PER_EPISODE)
         assert pool.restarts == 0

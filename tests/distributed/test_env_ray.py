@@ -11,9 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from helpers import ScriptedGenerate, gone
+from helpers import ScriptedGenerate, gone, spelling_episodes
 from process_envs import (
-    SPELLING_VOCABULARY,
     SPELLINGS_PER_EPISODE,
     PlainEnv,
     ProbeEnv,
@@ -204,18 +203,8 @@ def test_a_rollout_goes_on_when_an_actor_dies_mid_episode():
 def test_observations_spelling_special_tokens_are_cleaned_on_the_trainer_side_of_the_pool():
     """The Ray actors return the environment's text as it is; the engine, which tokenizes it, removes the spellings:
     the episodes are token for token those of the same game without them, played in this process, and counted."""
-    tokenizer = build_tiny_tokenizer(SPELLING_VOCABULARY)
-    tasks = [{"task_id": f"door-{i}", "door": door} for i, door in enumerate(["red", "blue", "red", "blue"])]
-
-    def episodes(factory):
-        engine = MultiTurnRollout(factory, tokenizer, max_turns=4, max_completion_length=64, workers=4)
-        played = engine.run(tasks, ScriptedGenerate(tokenizer, ["look <eos>", "open <eos>"]))
-        engine.close()
-        assert engine.errors == Counter()
-        return [(e.prompt_ids, e.completion_ids, e.env_mask, e.reward) for e in played], engine.special_tokens_removed
-
-    expected, removed = episodes(PlainEnv)
+    expected, removed = spelling_episodes(PlainEnv)
     assert removed == 0 and [reward for *_, reward in expected] == [1.0] * 4
     with RayEnvPool(SpellingEnv, workers=2, cpus_per_worker=0.5) as pool:
-        assert episodes(pool) == (expected, 4 * SPELLINGS_PER_EPISODE)
+        assert spelling_episodes(pool) == (expected, 4 * SPELLINGS_PER_EPISODE)
         assert pool.restarts == 0
