@@ -126,9 +126,10 @@ class ExReplayGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Rescue (AR3PO's response reuse): after scoring, a fresh group whose rollouts all failed, of a task "
-            "the pool holds this many successes of, gets that many of its failed rollouts replaced by them (the lowest "
-            "saved entropy first), trained as replayed rows, so that the group has a reward spread to learn from. With "
-            "rescue on, a task solved by every fresh rollout keeps its best stored success (it is not replayed while "
+            "the pool holds this many successes of, gets that many of its failed rollouts replaced by them (chosen by "
+            "replay_select_mode on their saved entropies), trained as replayed rows, so that the group has a reward "
+            "spread to learn from; from the first step the pool holds one, whatever replay_start. With rescue on, a "
+            "task solved by every fresh rollout keeps this many of its best successes (it is not replayed while "
             "solved), so that a forgotten task can be rescued. A rescued row's reference log-probs would be those of "
             "the failed rollout, so with beta != 0 rescue is off (one warning). 0: off; below num_generations. None: "
             "the profile's; 0 without one."
@@ -454,8 +455,11 @@ def profile_values(profile: str | None, values: dict[str, Any]) -> dict[str, Any
     """`values` of the `PROFILE_FIELDS`, each one left None given `profile`'s value (the design documents' without a
     profile). An unknown profile is left to `validate_replay_options`."""
     recipe = REPLAY_PROFILES.get(profile, {})
-    return {name: recipe.get(name, design) if values.get(name) is None else values[name]
-            for name, design in PROFILE_FIELDS.items()}  # fmt: skip
+    resolved = {name: recipe.get(name, design) if values.get(name) is None else values[name]
+                for name, design in PROFILE_FIELDS.items()}  # fmt: skip
+    if values.get("replay_revisit_ratio") is None and not resolved["replay_retire_solved"]:
+        resolved["replay_revisit_ratio"] = 0.0  # a profile's revisits go with its retirement, which you turned off
+    return resolved
 
 
 REPLAY_STARTS = ("steps", "solved")

@@ -19,6 +19,7 @@ import os
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from accelerate.utils import gather_object
 
@@ -309,7 +310,7 @@ class ReplayController:
         replayed = sorted(set(plan.replay_groups.values()))
         stored = self._on_main(lambda: {t: self.pool.task_row(t) for t in replayed}) if replayed else {}
         task_rows = [copy.deepcopy(stored[swapped[i]]) if i in swapped else row for i, row in enumerate(inputs)]
-        return GenerationStep(
+        step = GenerationStep(
             rows=task_rows,
             plan=plan,
             selected=selected,
@@ -321,6 +322,9 @@ class ReplayController:
             seed=draw_seed,
             revisited=set(revisits) - set(plan.replay_groups),
         )
+        if self.retiring and self.options["replay_revisit_ratio"]:
+            metrics["replay/revisited_groups"].append(float(len(step.revisited)))
+        return step
 
     def _redirect_retired(self, inputs: list, row_keys: list, offset: int, seed: list, metrics, global_step: int):
         """ExGRPO's retired questions (`trl_exreplay.schedule`): the groups whose task is in the pool's skip set take
@@ -346,13 +350,13 @@ class ReplayController:
                 )  # fmt: skip
         group_keys = row_keys[::G]
         revisits = revisited_groups(group_keys, self._retired, self.options["replay_revisit_ratio"], [*seed, 3])
+        if not self._active_rows[0]:  # every question retired (with revisits on): each retired group is a revisit
+            revisits = [g for g, key in enumerate(group_keys) if key in self._retired]
         if revisits:  # a revisited group keeps its retired task (a key no task has is never redirected)
             group_keys = [None if g in revisits else key for g, key in enumerate(group_keys)]
         redirect = redirect_retired_groups(group_keys, self._retired, *self._active_rows, seed=[*seed, 2])
         metrics["replay/retired_tasks"].append(float(len(self._retired)))
         metrics["replay/redirected_groups"].append(float(len(redirect)))
-        if self.options["replay_revisit_ratio"]:
-            metrics["replay/revisited_groups"].append(float(len(revisits)))
         if not redirect:
             return inputs, row_keys, revisits
         inputs = [
@@ -432,42 +436,52 @@ class ReplayController:
         self, step: GenerationStep, rewards_per_func: torch.Tensor, reward_weights, *, global_step: int, metrics
     ) -> torch.Tensor:
         """AR3PO's response reuse, after scoring: each fresh group whose rows all failed, of a task the pool holds
-        `replay_rescue` successes of, gets its last rows replaced by them (`planner.plan_rescue`; lowest saved entropy
-        first). Returns the rewards TRL computes advantages from, the rescued rows' being their recorded ones;
-        `rewards_per_func` itself is left as scored (the outcomes count those rows as the failures they were). The
-        rows' tokens are put into TRL's output after it (`step.splice_rescued`). Collective: the decision is global,
-        the trajectories are read on rank 0."""
+        `replay_rescue` successes of, gets its last rows replaced by them (`planner.plan_rescue`; chosen by
+        `replay_select_mode` on their saved entropies). Returns the rewards TRL computes advantages from, the rescued
+        rows' being their recorded ones; `rewards_per_func` itself is left as scored (the outcomes count those rows
+        as the failures they were). The rows' tokens are put into TRL's output after it (`step.splice_rescued`).
+        Rescue needs only a stored success, so it acts from the first step the pool holds one, whatever
+        `replay_start`. Collective: the decision is global, the trajectories are read on rank 0."""
         G, k = self.num_generations, self.rescue_rows
         if not k:
             return rewards_per_func
         totals = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
         success = (totals >= self.options["replay_success_threshold"]).cpu().tolist()
         missing = torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
+        if self._multi_turn:  # an episode the environment failed is no failure of the policy: it is not rescued
+            step.faulted_global = gather_row_flags(self._accelerator, step.faulted_rows, len(step.task_rows))
+            missing = [m or f for m, f in zip(missing, step.faulted_global)]
         row_success = [None if missing[r] or step.plan.is_replayed(r) else success[r] for r in range(len(success))]
         group_keys = step.row_tasks[::G]
         guided = set() if step.guidance is None else {r // G for r, flag in enumerate(step.guidance.guided) if flag}
         age, window = self.options["replay_max_policy_age"], self.options["replay_window"]
         has = [self.pool.num_candidates(task, global_step, age, window) >= k for task in group_keys]
         groups = plan_rescue(row_success, group_keys, G, k, has, skip_groups=[*step.plan.replay_groups, *guided])
-        metrics["replay/rescued_groups"].append(float(len(groups)))
         counted = [r for r, flag in enumerate(row_success) if flag is not None]
-        if not groups:
-            if counted:
-                metrics["replay/zero_std_rescued"].append(zero_spread_share(totals, counted, G))
-            return rewards_per_func
-        tasks = sorted(set(groups.values()))
-        chosen = self._on_main(lambda: self.pool.choose(tasks, k, global_step, age, window))
-        rescued = rewards_per_func.clone()
-        for group, task in groups.items():
-            for j, trajectory in enumerate(chosen[task]):
-                row = (group + 1) * G - k + j
-                if len(trajectory.rewards) != rescued.size(1):
+        rescued = rewards_per_func
+        if groups:
+            tasks = sorted(set(groups.values()))
+            rng = np.random.default_rng([*step.seed, 4])  # replay_select_mode="random": a draw of this step's
+            chosen = self._on_main(lambda: self.pool.choose(tasks, k, global_step, age, window, rng=rng))
+            rescued = rewards_per_func.clone()
+            limit = self._max_completion_length
+            for group, task in groups.items():
+                trajectories = chosen[task]
+                if any(len(t.rewards) != rescued.size(1) for t in trajectories):
                     self._faults.count("reward_arity_mismatch", "recorded rewards do not match the reward functions")
                     continue
-                rescued[row] = torch.tensor(trajectory.rewards, dtype=rescued.dtype, device=rescued.device)
-                step.rescued[row] = trajectory
-        rescued_totals = (rescued * reward_weights.to(rescued.device).unsqueeze(0)).nansum(dim=1)
-        metrics["replay/zero_std_rescued"].append(zero_spread_share(rescued_totals, counted, G))
+                if limit is not None and any(len(t.completion_ids) > limit for t in trajectories):
+                    # a success cut short is no success: the group stays as it was
+                    self._faults.count("rescues_too_long", "a stored success is longer than max_completion_length")
+                    continue
+                for j, trajectory in enumerate(trajectories):
+                    row = (group + 1) * G - k + j
+                    rescued[row] = torch.tensor(trajectory.rewards, dtype=rescued.dtype, device=rescued.device)
+                    step.rescued[row] = trajectory
+        metrics["replay/rescued_groups"].append(float(len({row // G for row in step.rescued})))
+        if counted:
+            rescued_totals = (rescued * reward_weights.to(rescued.device).unsqueeze(0)).nansum(dim=1)
+            metrics["replay/zero_std_rescued"].append(zero_spread_share(rescued_totals, counted, G))
         local = range(step.offset, step.offset + len(step.task_rows))
         step.rescued_local = {row - step.offset: t for row, t in step.rescued.items() if row in local}
         return rescued
@@ -485,7 +499,9 @@ class ReplayController:
         missing = torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
         fresh_rows = [r for r in range(len(row_tasks)) if not step.plan.is_replayed(r) and not missing[r]]
         if self._multi_turn:  # an episode the environment failed says nothing about the task
-            faulted = gather_row_flags(self._accelerator, step.faulted_rows, num_local)
+            faulted = step.faulted_global  # gathered by `rescue` when it ran, else now
+            if faulted is None:
+                faulted = gather_row_flags(self._accelerator, step.faulted_rows, num_local)
             fresh_rows = [r for r in fresh_rows if not faulted[r]]
         if fresh_rows and not self._said_all_solved and all(success[r] for r in fresh_rows):
             fresh_totals = totals[fresh_rows]
@@ -506,10 +522,6 @@ class ReplayController:
         replayed_rows = []
         if self.options["replay_count_replayed_successes"]:  # ExGRPO: a replayed task's bucket is (s + k) of G
             replayed_rows = [r for r in range(len(row_tasks)) if step.plan.is_replayed(r) and not missing[r]]
-        if step.revisited:  # retired tasks revisited: those any fresh rollout failed return to the fresh stream
-            G = self.num_generations
-            returned = {row_tasks[r] for r in fresh_rows if r // G in step.revisited and not success[r]}
-            metrics["replay/returned_tasks"].append(float(len(returned)))
         outcomes = task_outcomes(row_tasks, fresh_rows, success, self.num_generations, replayed_rows)
         local_winners = sorted(r - offset for *_, rows in outcomes for r in rows if 0 <= r - offset < num_local)
         records = trajectory_records(
@@ -530,9 +542,17 @@ class ReplayController:
             # ExGRPO before replay starts: solved tasks enter the skip set, nothing enters the pool or a bucket. The
             # first batch that succeeds often enough starts replay (`success` is gathered: every rank decides alike);
             # the next batch is the first one collected, and the one after it the first that can replay.
-            outcomes = [o for o in outcomes if is_solved(o[1], o[2])]
+            # A retired task failed on a revisit leaves the skip set all the same, with nothing stored.
+            retired = self._retired or set()
+            outcomes = [o if is_solved(o[1], o[2]) else (*o[:3], []) for o in outcomes
+                        if is_solved(o[1], o[2]) or o[0] in retired]  # fmt: skip
             if starts_replay(success, fresh_rows, self.options["replay_start_solved_fraction"]):
                 self.schedule.started_at = global_step
+        if step.revisited:  # retired tasks revisited: those a fresh rollout failed return to the fresh stream
+            G = self.num_generations
+            last = {o[0]: is_solved(o[1], o[2]) for o in outcomes}  # a task's last group in the batch decides
+            returned = {row_tasks[g * G] for g in step.revisited if last.get(row_tasks[g * G]) is False}
+            metrics["replay/returned_tasks"].append(float(len(returned)))
         self.pending = PendingOutcomes(outcomes, records, offset)
         return success, fresh_rows, records
 
@@ -549,7 +569,7 @@ class ReplayController:
         summaries = [merged[row].pop("summary") for row in sorted(merged) if "summary" in merged[row]]
         if self.enabled and pending is not None:
             for outcome in pending.task_outcomes(merged):
-                self.pool.record_outcome(outcome, keep_solved=int(bool(self.rescue_rows)))
+                self.pool.record_outcome(outcome, keep_solved=self.rescue_rows)
         return summaries
 
     def log_generation(self, step: GenerationStep, metrics, *, global_step: int, max_steps: int) -> None:

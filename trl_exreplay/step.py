@@ -58,6 +58,7 @@ class GenerationStep:
     )  # global rows of all-fail groups -> the stored success put in
     rescued_local: dict[int, Any] = field(default_factory=dict)  # this rank's rescued rows -> their trajectory
     revisited: set[int] = field(default_factory=set)  # groups of retired tasks let through as revisits
+    faulted_global: list[bool] | None = None  # every rank's rows the environment failed, once gathered
     _replay_taken: bool = False
     _stripped: bool = False
 
@@ -120,11 +121,15 @@ def splice_rescued(output: dict, rescued_local: dict[int, Any], pad_token_id: in
     if not rescued_local:
         return
     prompt_width = max([output["prompt_ids"].size(1), *(len(t.prompt_ids) for t in rescued_local.values())])
-    width = max([output["completion_ids"].size(1), *(len(t.completion_ids) for t in rescued_local.values())])
+    old_width = output["completion_ids"].size(1)
+    width = max([old_width, *(len(t.completion_ids) for t in rescued_local.values())])
     _widen(output, "prompt_ids", prompt_width, pad_token_id, left=True)
     _widen(output, "prompt_mask", prompt_width, 0, left=True)
     fills = {"completion_ids": pad_token_id, "completion_mask": 0, "tool_mask": 1, "old_per_token_logps": 0.0,
-             "sampling_per_token_logps": 0.0, "importance_sampling_ratio": 1.0}  # fmt: skip
+             "sampling_per_token_logps": 0.0}  # fmt: skip
+    ratio = output.get("importance_sampling_ratio")
+    if ratio is not None and ratio.dim() == 2 and ratio.size(1) == old_width:  # per token (not one per sequence)
+        fills["importance_sampling_ratio"] = 1.0
     for key, fill in fills.items():
         _widen(output, key, width, fill)
     device = output["completion_ids"].device
@@ -150,8 +155,7 @@ def splice_rescued(output: dict, rescued_local: dict[int, Any], pad_token_id: in
 def _widen(output: dict, key: str, width: int, fill, left: bool = False) -> None:
     """`output[key]` (rows x tokens) padded with `fill` to `width` tokens (on the left for prompts)."""
     tensor = output.get(key)
-    if tensor is None or tensor.dim() != 2 or tensor.size(1) >= width or (key == "importance_sampling_ratio" and
-                                                                           tensor.size(1) == 1):  # fmt: skip
+    if tensor is None or tensor.size(1) >= width:
         return
     pad = tensor.new_full((tensor.size(0), width - tensor.size(1)), fill)
     output[key] = torch.cat([pad, tensor] if left else [tensor, pad], dim=1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from helpers import make_trainer
 
@@ -71,25 +72,38 @@ def test_an_all_fail_group_is_rescued_by_a_stored_success_and_trained_as_replaye
     assert [e for e in trainer.state.log_history if e.get("replay/rows_fraction")] == []  # nothing planned
 
 
-def test_retired_questions_are_revisited_and_a_failed_revisit_returns(tmp_path):
+@pytest.mark.parametrize(
+    "start",
+    [
+        {},
+        {"replay_start": "solved", "replay_start_solved_fraction": 0.99, "replay_revisit_ratio": 1.0, "max_steps": 24},
+    ],
+    ids=["steps", "solved-never"],
+)
+def test_retired_questions_are_revisited_and_a_failed_revisit_returns(tmp_path, start):
     """replay_revisit_ratio 0.5: about half the draws of a retired task are let through. A revisited group holds its
-    retired task (not redirected); a revisit that any fresh rollout fails takes its task out of the skip set."""
-    trainer = make_trainer(tmp_path, trainer_cls=StepRecordingTrainer, max_steps=16, replay_retire_solved=True,
-                           replay_revisit_ratio=0.5, learning_rate=5e-2)  # fmt: skip
+    retired task (not redirected); a revisit that any fresh rollout fails takes its task out of the skip set, also
+    under ExGRPO's start rule before replay starts (when only solved outcomes are otherwise recorded)."""
+    trainer = make_trainer(tmp_path, trainer_cls=StepRecordingTrainer, replay_retire_solved=True, learning_rate=5e-2,
+                           **{"max_steps": 16, "replay_revisit_ratio": 0.5, **start})  # fmt: skip
     trainer.train()
-    revisits = returned = 0
+    revisits, returned = 0, []
     for before, after in zip(trainer.steps, trainer.steps[1:]):
+        back = set()
         for group in before["revisited"]:
             revisits += 1
             task = before["row_tasks"][group * G]
             assert task in before["skip_set"]
-            outcome = next(o for o in before["outcomes"] if o[0] == task)
+            outcome = [o for o in before["outcomes"] if o[0] == task][-1]  # its last group in the batch decides
             if outcome[1] < outcome[2]:  # failed by a fresh rollout: back in the fresh stream
-                returned += 1
+                back.add(task)
                 assert task not in after["skip_set"]
-    assert revisits >= 2
+        returned.append(len(back))
+    assert revisits >= 2 and sum(returned) >= 1
     logged = [e["replay/revisited_groups"] for e in trainer.state.log_history if "replay/revisited_groups" in e]
-    assert sum(logged) >= revisits
+    assert sum(logged[:-1]) == revisits  # the last batch has no next one to check against
+    returns = [e.get("replay/returned_tasks", 0.0) for e in trainer.state.log_history if "loss" in e]
+    assert returns[:-1] == returned
 
 
 def test_rescue_with_a_kl_term_is_off_and_says_so(tmp_path, caplog):

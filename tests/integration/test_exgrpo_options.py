@@ -56,9 +56,9 @@ class RetirementTrainer(ExReplayGRPOTrainer):
 
         def recording(inputs, row_keys, *rest):
             skip_set = set(self.pool.skip_set)
-            inputs, row_keys = redirect(inputs, row_keys, *rest)
+            inputs, row_keys, revisits = redirect(inputs, row_keys, *rest)
             self.seen.append((skip_set, row_keys[::4], len(inputs)))
-            return inputs, row_keys
+            return inputs, row_keys, revisits
 
         self._replay._redirect_retired = recording
 

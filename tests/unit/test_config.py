@@ -175,6 +175,9 @@ def test_the_teach_profile_rescues_and_retires_with_revisits(tmp_path):
     # the rest is the library's defaults
     assert (c.replay_start, c.replay_shaping, c.replay_bucket_weighting) == ("steps", "clip", "uniform")
     assert make(tmp_path, replay_profile="teach", replay_rescue=0).replay_rescue == 0
+    # turning its retirement off turns its revisits off with it (they revisit retired questions)
+    mine = make(tmp_path, replay_profile="teach", replay_retire_solved=False)
+    assert (mine.replay_retire_solved, mine.replay_revisit_ratio, mine.replay_rescue) == (False, 0.0, 1)
 
 
 def test_the_profile_is_read_from_yaml_and_flags_as_it_is_from_code(tmp_path):

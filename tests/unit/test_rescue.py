@@ -34,6 +34,13 @@ def test_a_task_solved_with_nothing_stored_keeps_one_of_this_outcomes_successes(
     assert plain.num_trajectories == 0
 
 
+def test_a_solved_task_keeps_as_many_successes_as_rescue_puts_in():
+    pool = ExperiencePool(experience_rbound=4)
+    pool.record_outcome(TaskOutcome("t", 2, 4, [traj("t", 0.75)]), keep_solved=2)
+    pool.record_outcome(TaskOutcome("t", 4, 4, [traj("t", 0.5), traj("t", 0.875), traj("t", 0.25)]), keep_solved=2)
+    assert [t.entropy for t in pool.candidates("t")] == [0.75, 0.25]  # the stored one, then this outcome's best
+
+
 def test_a_rescued_row_takes_its_stored_tokens_and_widens_the_batch():
     """Two rows of a rank: row 0 stays as generated; row 1 (a failed rollout of 2 tokens under a prompt of 2) takes a
     stored success with a longer prompt (3) and completion (4, its third token the environment's)."""

@@ -144,7 +144,7 @@ class ExperiencePool:
     # ----------------------------------------------------------------------------------------------- updates
     def record_outcome(self, outcome: TaskOutcome, keep_solved: int = 0) -> None:
         """Update buckets, skip set and store with one task's outcome of one group. A solved task leaves its store,
-        but for the `keep_solved` best of its successes (by `exp_select_mode`: the stored ones, else one of this
+        but for the `keep_solved` best of its successes (by `exp_select_mode`: the stored ones first, then this
         outcome's): rescue's material (`replay_rescue`) if the task is failed again. A solved task is not replayed."""
         index = self.index
         index.num_outcomes += 1
@@ -164,10 +164,12 @@ class ExperiencePool:
             for key in kept:
                 index.append_slot(t, key)
             self._drop([key for key in keys if key not in kept])
-            if keep_solved and not kept and outcome.successful:
+            wanted = min(keep_solved - len(kept), len(outcome.successful))
+            if wanted > 0:  # too few stored: this outcome's best successes make up the rest
                 rng = np.random.default_rng([self.seed, index.num_outcomes])
-                self.add(outcome.successful[best_index([t.entropy for t in outcome.successful], self.exp_select_mode,
-                                                       rng)])  # fmt: skip
+                entropies, ids = [t.entropy for t in outcome.successful], list(range(len(outcome.successful)))
+                for i in self._selection_order(entropies, ids, wanted, rng):
+                    self.add(outcome.successful[i])
             return
         index.skip_order[t] = -1
         index.set_difficulty(t, outcome.successes)
