@@ -1,6 +1,8 @@
-"""The trainer's experience-guided rollouts (AgentEvolver's Self-Navigating, seed 003): `GuidedRollouts`, an object
-`ExReplayGRPOTrainer`'s hooks call, given what it needs (settings and functions at construction, the step's figures in
-each call). The pure parts live in `trl_exreplay.guidance` (allocation, template, providers, summariser).
+"""The trainer's experience-guided rollouts (AgentEvolver's Self-Navigating, arXiv 2511.10395; code:
+github.com/modelscope/AgentEvolver, `agentevolver/module/exp_manager/`, described in its
+`docs/guidelines/exp_manager.md`): `GuidedRollouts`, an object `ExReplayGRPOTrainer`'s hooks call, given what it needs
+(settings and functions at construction, the step's figures in each call). The pure parts live in
+`trl_exreplay.guidance` (allocation, template, providers, summariser).
 
 In a generation step: the allocation (`guidance.allocation`, drawn on global rows, identical on every process) says
 which fresh rows are guided and which tasks keep the guidance; a guided row's task text retrieves records from the

@@ -1,5 +1,6 @@
-"""Experience-guided rollouts (seed 003) through the trainer: the allocation, the prompts trained token for token,
-`exp_mask` and the behaviour log-probs of discarded rows, the pool's records, failures, and the feature off."""
+"""Experience-guided rollouts (AgentEvolver's Self-Navigating, arXiv 2511.10395) through the trainer: the allocation,
+the prompts trained token for token, `exp_mask` and the behaviour log-probs of discarded rows, the pool's records,
+failures, and the feature off."""
 
 from __future__ import annotations
 

@@ -54,7 +54,8 @@ def insert_experience(prompt, text: str):
 
 def strip_experience(prompt, template: str):
     """`prompt` without the experience `insert_experience` put at the start of its first user message (unchanged when
-    it holds none). The template's `{}` matches any text, shortest first, as the seed's regular expression does."""
+    it holds none). The template's `{}` matches any text, shortest first, as the regular expression of AgentEvolver's
+    `ExperienceWorker.manage_training_context` (`agentevolver/module/exp_manager/exp_manager.py`) does."""
     pattern = re.compile(r"\A" + re.escape(template).replace(r"\{\}", "(.*?)"), flags=re.DOTALL)
     if isinstance(prompt, str):
         return pattern.sub("", prompt, count=1)
