@@ -367,8 +367,11 @@ class ExReplayGRPOConfig(GRPOConfig):
         default=512,
         metadata={
             "help": "Tokens of retrieved experience put in one prompt at most (the records joined, before the template); "
-            "the rest is cut (counted in guide/experience_truncated). Retrieved text is untrusted: any spelling of "
-            "a special or added token in it is removed (counted in guide/special_tokens_removed). >= 1."
+            "the rest is cut (counted in guide/experience_truncated). It is cut further where the guided prompt would "
+            "leave less than max_completion_length tokens of the model's context (guide/experience_cut_to_context; "
+            "a row with no room for any is left unguided, guide/unguided_for_context). Retrieved text is untrusted: "
+            "any spelling of a special or added token in it is removed (counted in guide/special_tokens_removed). "
+            ">= 1."
         },
     )
     guidance_update_freq: int = field(
