@@ -1,5 +1,7 @@
-"""Experience pool at scale: `ExperiencePool` (memory-mapped Arrow shards) against the seeds' design, a Python dict of
-trajectories pickled to disk (seed 001, section 2.12), measured in the same run.
+"""Experience pool at scale: `ExperiencePool` (memory-mapped Arrow shards) against the design of ExGRPO's code
+(github.com/ElliottYan/LUFFY, folder ExGRPO: its dataset's `experience`, a Python dict of each question's trajectories
+in RAM, `verl/mix_src/experience/rl_dataset_with_experience.py`, pickled whole with the data loader at each checkpoint,
+`_save_checkpoint` in `verl/trainer/ppo/ray_trainer.py`), measured in the same run.
 
 For each size N (trajectories of ``--prompt-tokens`` + ``--completion-tokens`` tokens with a log-prob per completion
 token, 5 per task, N / 5 tasks), each step in a fresh process so that memory is measured cleanly:
@@ -13,9 +15,10 @@ token, 5 per task, N / 5 tasks), each step in a fresh process so that memory is 
   new checkpoint folder.
 * ours, load: RSS with an empty pool, load the saved pool, the replay read of 64, add 512 and save incrementally: RSS
   growth.
-* baseline, build: ``{task: [trajectory dict of numpy arrays]}`` (compact: the seeds' Python lists would need
-  ~120 GB at 1M), same fill; add 512 (lists -> arrays, argmin eviction), sample 64 as the seeds do
-  (``random.sample`` of the valid task list, argmin entropy), save = ``pickle.dump`` of the whole dict.
+* baseline, build: ``{task: [trajectory dict of numpy arrays]}`` (compact: Python lists of token ids and log-probs
+  would need ~120 GB at 1M), same fill; add 512 (lists -> arrays; this library's per-task capacity and argmin
+  eviction), sample 64 as ExGRPO's code does (``random.sample`` of the valid task list, `sample_experience_uids` in
+  `verl/mix_src/experience/experience_helpers.py`; argmin entropy), save = ``pickle.dump`` of the whole dict.
 * baseline, load: RSS growth of ``pickle.load``.
 * `datasets` only (issue 26's question: does the hand-written store earn its keep?): the same trajectories in shards
   written with `datasets` (`Dataset.from_dict(...).save_to_disk`, one per flush; the fill in shards of 10,000 rows),
@@ -292,7 +295,8 @@ def ours_load(size: int, folder: str, prompt_tokens: int, completion_tokens: int
 
 # -------------------------------------------------------------------------------------------------------- baseline
 class DictPool:
-    """The seeds' pool: task -> list of trajectories in RAM, a skip set, pickled whole to save."""
+    """ExGRPO's pool with this library's per-task capacity: task -> list of trajectories in RAM, a skip set, pickled
+    whole to save."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -834,7 +838,7 @@ def table(results: dict) -> str:
         "Wall time, and in parentheses the calling thread's CPU time (what other processes on the machine do not "
         "inflate). `read 64`: one step's replay read: for ours the trainer's draw of 64 replay tasks over the buckets "
         "and the read of each one's lowest-entropy trajectory (`plan_replay`, `choose`); for the dict, 64 tasks drawn "
-        "as the seeds do (`random.sample` of the valid task list) and the lowest-entropy trajectory of each.",
+        "as ExGRPO's code does (`random.sample` of the valid task list) and the lowest-entropy trajectory of each.",
         "",
         "| trajectories | pool | add 512 | read 64 | save (incremental) | load | RSS growth |",
         "|---:|---|---:|---:|---:|---:|---:|",

@@ -119,9 +119,10 @@ PRESETS: dict[str, dict] = {
     "exreplay-random": {"replay_select_mode": "random"},  # random replay, FIFO eviction (not lowest entropy)
     "exreplay-tight-clip": {"replay_clip_high": 0.2},  # replayed ratios clipped as fresh ones are (1 + 0.2)
     "exreplay-saved-entropy": {"replay_select_by_current_entropy": False},  # rank by stored entropy: no extra forward
-    # Experience-guided rollouts (seed 003), as its recommended configuration sets them: half of each task's rollouts
-    # get retrieved experience, every training sample has it stripped (trained off-policy); the offline provider
-    # summarises each step's successes (the seed's `updated_freq: 0` relies on a prebuilt store, which these runs lack).
+    # Experience-guided rollouts, as AgentEvolver's recommended configuration sets them (docs/guidelines/exp_manager.md
+    # in github.com/modelscope/AgentEvolver): half of each task's rollouts get retrieved experience, every training
+    # sample has it stripped (trained off-policy); the offline provider summarises each step's successes (AgentEvolver's
+    # `updated_freq: 0` relies on a prebuilt store, which these runs lack).
     "exreplay-guided": GUIDED,
     "grpo-guided": {"enable_experience_replay": False, **GUIDED},  # guidance alone: its effect without replay
     # The same, with the testbed's experience (`Testbed.experience_settings` and `.experience_provider()`): e.g. the

@@ -319,7 +319,8 @@ class ExReplayGRPOConfig(GRPOConfig):
         metadata={"help": "Multi-turn: dataset column with an optional system prompt for the episode."},
     )
 
-    # ---- experience-guided rollouts (AgentEvolver's Self-Navigating, seed 003): off unless a rollout mode guides
+    # ---- experience-guided rollouts (AgentEvolver's Self-Navigating, arXiv 2511.10395; modelscope/AgentEvolver,
+    # docs/guidelines/exp_manager.md): off unless a rollout mode guides
     guidance_train: str = field(
         default="off",
         metadata={
@@ -367,8 +368,11 @@ class ExReplayGRPOConfig(GRPOConfig):
         default=512,
         metadata={
             "help": "Tokens of retrieved experience put in one prompt at most (the records joined, before the template); "
-            "the rest is cut (counted in guide/experience_truncated). Retrieved text is untrusted: any spelling of "
-            "a special or added token in it is removed (counted in guide/special_tokens_removed). >= 1."
+            "the rest is cut (counted in guide/experience_truncated). It is cut further where the guided prompt would "
+            "leave less than max_completion_length tokens of the model's context (guide/experience_cut_to_context; "
+            "a row with no room for any is left unguided, guide/unguided_for_context). Retrieved text is untrusted: "
+            "any spelling of a special or added token in it is removed (counted in guide/special_tokens_removed). "
+            ">= 1."
         },
     )
     guidance_update_freq: int = field(
@@ -418,7 +422,7 @@ class ExReplayGRPOConfig(GRPOConfig):
         validate_replay_options(replay_options(self), self.num_generations)
 
 
-# The fields whose value, left None, comes from `replay_profile`: the design documents' values (no profile), and
+# The fields whose value, left None, comes from `replay_profile`: the library's defaults (no profile), and
 # ExGRPO's published recipe (its code, ElliottYan/LUFFY, folder ExGRPO), where it differs; docs/config.md tabulates both.
 # ExGRPO's pool bounds (lbound < s <= rbound with 0 and G-1) are ours with the default replay_store_rbound (s < G), and
 # it too selects the lowest entropy under the current policy, replays half the questions, k = 1, beta 0.1.
@@ -452,7 +456,7 @@ REPLAY_PROFILES: dict[str, dict[str, Any]] = {
 
 
 def profile_values(profile: str | None, values: dict[str, Any]) -> dict[str, Any]:
-    """`values` of the `PROFILE_FIELDS`, each one left None given `profile`'s value (the design documents' without a
+    """`values` of the `PROFILE_FIELDS`, each one left None given `profile`'s value (the library's defaults without a
     profile). An unknown profile is left to `validate_replay_options`."""
     recipe = REPLAY_PROFILES.get(profile, {})
     resolved = {name: recipe.get(name, design) if values.get(name) is None else values[name]
@@ -621,8 +625,8 @@ def validate_replay_options(options: dict[str, Any], num_generations: int | None
 
 
 def validate_guidance_options(o: dict[str, Any], num_generations: int | None) -> None:
-    """The experience-guided rollouts' fields (seed 003); errors name the field and its allowed values. A field
-    missing from `o` (options made by hand, before these fields existed) takes its default."""
+    """The experience-guided rollouts' fields (AgentEvolver's Self-Navigating); errors name the field and its allowed
+    values. A field missing from `o` (options made by hand, before these fields existed) takes its default."""
     o = {**{f.name: f.default for f in fields(ExReplayGRPOConfig) if f.name in _GUIDANCE_FIELDS}, **o}
     for name in ("guidance_train", "guidance_eval"):
         _check(o[name] in ROLLOUT_MODES, name, o[name], _names(ROLLOUT_MODES))

@@ -1,6 +1,8 @@
-"""The trainer's experience-guided rollouts (AgentEvolver's Self-Navigating, seed 003): `GuidedRollouts`, an object
-`ExReplayGRPOTrainer`'s hooks call, given what it needs (settings and functions at construction, the step's figures in
-each call). The pure parts live in `trl_exreplay.guidance` (allocation, template, providers, summariser).
+"""The trainer's experience-guided rollouts (AgentEvolver's Self-Navigating, arXiv 2511.10395; code:
+github.com/modelscope/AgentEvolver, `agentevolver/module/exp_manager/`, described in its
+`docs/guidelines/exp_manager.md`): `GuidedRollouts`, an object `ExReplayGRPOTrainer`'s hooks call, given what it needs
+(settings and functions at construction, the step's figures in each call). The pure parts live in
+`trl_exreplay.guidance` (allocation, template, providers, summariser).
 
 In a generation step: the allocation (`guidance.allocation`, drawn on global rows, identical on every process) says
 which fresh rows are guided and which tasks keep the guidance; a guided row's task text retrieves records from the
@@ -33,7 +35,8 @@ from .distributed import gather_row_flags
 from .guidance import ExperienceProvider, SummaryInput
 from .guidance.allocation import allocate_guidance
 from .guidance.summarizer import BackgroundSummarizer
-from .guidance.template import format_experience, insert_experience, task_text
+from .guidance.template import fit_experience, format_experience, insert_experience, task_text
+from .multiturn import model_context
 from .selection import policy_forward
 from .untrusted_text import added_token_strings, remove_token_strings, token_prefix
 
@@ -43,7 +46,13 @@ EXPERIENCE_DIR = "exreplay_experience"
 
 
 # Counts every process adds to for the whole run, logged as the sum over processes so far.
-_RUNNING_TOTALS = ("retrieve_failures", "special_tokens_removed", "experience_truncated")
+_RUNNING_TOTALS = (
+    "retrieve_failures",
+    "special_tokens_removed",
+    "experience_truncated",
+    "experience_cut_to_context",
+    "unguided_for_context",
+)
 
 
 def make_provider(options: dict) -> ExperienceProvider:
@@ -82,6 +91,8 @@ def guided_rollouts(
         num_generations_eval=trainer.num_generations_eval,
         seed=trainer.args.seed,
         multi_turn=trainer.text_env_factory is not None,
+        context=model_context(trainer.model, trainer.args if trainer.use_vllm else None),
+        max_completion_length=trainer.max_completion_length,
         policy_forward=functools.partial(policy_forward, trainer),
         faults=faults,
         unsupported=unsupported,
@@ -93,7 +104,9 @@ class GuidedRollouts:
     the retrieved texts, the discarded rows' behaviour log-probs, the `guide/*` metrics and the summary inputs.
 
     `unsupported` names the run's features guidance cannot take (a True value refuses); `policy_forward` is a no-grad
-    forward of the current policy (`selection.policy_forward`); `faults` the run's `FaultCounts`."""
+    forward of the current policy (`selection.policy_forward`); `faults` the run's `FaultCounts`. A guided prompt
+    leaves `max_completion_length` tokens of the model's `context` (`multiturn.model_context`, as first observations
+    are bounded; None: no bound) for the completion (`fit_prompt`)."""
 
     def __init__(
         self,
@@ -109,6 +122,8 @@ class GuidedRollouts:
         policy_forward,
         faults,
         unsupported: dict[str, bool],
+        context: int | None = None,
+        max_completion_length: int = 0,
     ):
         o = self.options = options
         self.train = o["guidance_train"] != "off"
@@ -119,6 +134,8 @@ class GuidedRollouts:
         self._num_generations_eval = num_generations_eval
         self._seed = seed
         self._multi_turn = multi_turn
+        # the tokens a guided row's prompt may have (None: no bound)
+        self._room = None if context is None else context - max_completion_length
         self._policy_forward = policy_forward
         self._faults = faults
         for what, present in unsupported.items():
@@ -319,20 +336,43 @@ class GuidedRollouts:
                 self._faults.warn_once("no_user_text", message)
         return queries
 
+    def fit_prompt(self, step, i: int, render, ids: list[int] | None = None) -> list[int] | None:
+        """The prompt local row `i` is sampled on: `render(text)` (`ids`, when the caller has it) for its experience
+        `step.guided_text[i]`, cut where that prompt would leave less than `max_completion_length` tokens of the
+        model's context (`guide/experience_cut_to_context`). None, the row unguided (`guide/unguided_for_context`),
+        when not one token of experience fits."""
+        text = step.guided_text[i]
+        if self._room is None:
+            return render(text) if ids is None else ids
+        template = self.options["guidance_template"]
+        fitted = fit_experience(text, template, render, self._room, self._processing_class, ids)
+        if fitted is None:
+            del step.guided_text[i]
+            self._guide_counts["unguided_for_context"] += 1
+            return None
+        if fitted[0] != text:
+            step.guided_text[i] = fitted[0]
+            self._guide_counts["experience_cut_to_context"] += 1
+        return fitted[1]
+
     def take_step_counts(self) -> list[int]:
         """This step's counts (rows allocated to guidance, records retrieved, rows discarded), reset for the next."""
         return [self._guide_counts.pop(kind, 0) for kind in ("rows_allocated", "records_retrieved", "rows_discarded")]
 
     # ------------------------------------------------------------------------------------- single-turn
-    @staticmethod
-    def tokenize_guided(step, prompts: list, prompt_ids: list, tokenize) -> None:
+    def tokenize_guided(self, step, prompts: list, prompt_ids: list, tokenize) -> None:
         """Single-turn: the guided rows of `prompt_ids` (TRL's tokenisation of `prompts`) take their guided prompt, in
-        place, tokenized by `tokenize` (TRL's `_tokenize_prompts`); both prompts are kept in `step`."""
+        place, tokenized by `tokenize` (TRL's `_tokenize_prompts`) and kept within the model's context
+        (`fit_prompt`); both prompts are kept in `step`."""
         if not step.guided_text or step.guided_prompt_ids:
             return
         rows = sorted(step.guided_text)
         guided_ids, _, _ = tokenize([insert_experience(prompts[i], step.guided_text[i]) for i in rows])
         for i, ids in zip(rows, guided_ids):
+            render = functools.partial(_render, tokenize, prompts[i])
+            ids = self.fit_prompt(step, i, render, list(ids))
+            if ids is None:
+                continue  # an ordinary row: its prompt is TRL's
             step.plain_prompt_ids[i] = list(prompt_ids[i])
             step.guided_prompt_ids[i] = list(ids)
             prompt_ids[i] = list(ids)  # generated under the guided prompt
@@ -470,3 +510,8 @@ class GuidedRollouts:
         if self._summarizes:
             self.summarizer.restore(loaded.backlog)
         self._experience_started = True  # the store was initialised by the run that saved it
+
+
+def _render(tokenize, prompt, text: str) -> list[int]:
+    """`prompt` with `text` inserted, tokenized by `tokenize` (TRL's `_tokenize_prompts`)."""
+    return list(tokenize([insert_experience(prompt, text)])[0][0])

@@ -92,9 +92,11 @@ class MultiTurnRollouts:
         guide = None
         if step.guidance is not None:  # experience-guided rollouts: retrieved by the first observation
 
-            def guide(j: int, observation: str) -> str | None:
+            def guide(j: int, observation: str, render) -> list[int] | None:
                 guidance.guide_rows(step, step.offset, {fresh[j]: observation})
-                return step.guided_text.get(fresh[j])
+                if fresh[j] not in step.guided_text:
+                    return None
+                return guidance.fit_prompt(step, fresh[j], render)  # within the model's context, as observations are
 
         guiding = {"guide": guide} if guide is not None else {}
         if trainer.use_vllm:  # TRL synced vLLM's weights for this step before calling us

@@ -40,7 +40,8 @@ POOL_DIR = "exreplay_pool"
 # leading underscore keeps it out of `Trainer.push_to_hub` uploads.
 POOL_WORK_DIR = "_exreplay_pool_work"
 
-# `ExperiencePool`'s settings keep the design documents' names (seeds 000-002); the config field each comes from.
+# `ExperiencePool`'s settings keep ExGRPO's key names where it has them (`experience_lbound`, `experience_rbound`,
+# `exp_select_mode`: its `verl/mix_src/config/mix_ppo_trainer.yaml`); the config field each comes from.
 _POOL_SETTING_FIELDS = {
     "max_trajectories_per_task": "replay_max_trajectories_per_task",
     "experience_lbound": "replay_store_lbound",
@@ -209,7 +210,7 @@ class ReplayController:
             pool.set_vocab_size(self._vocab_size)
         changed = pool.configure(**self._pool_settings)
         if changed:
-            # The pool's own settings keep the design documents' names; the run sets them under the config's names.
+            # The pool's own settings keep ExGRPO's key names; the run sets them under the config's names.
             fields = [_POOL_SETTING_FIELDS.get(name, name) for name in changed]
             logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, fields)
         return pool

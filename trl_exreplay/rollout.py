@@ -16,6 +16,7 @@ kept (`special_tokens`), once per observation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -259,14 +260,14 @@ class MultiTurnRollout:
         tasks: Sequence[dict],
         generate: Callable[[list[list[int]], int], list[list[int]]],
         sync: Callable[[bool], bool] | None = None,
-        guide: Callable[[int, str], str | None] | None = None,
+        guide: Callable[[int, str, Callable[[str], list[int]]], list[int] | None] | None = None,
     ) -> list[Episode]:
         """Play one episode per task. `generate(contexts, max_new_tokens)` returns each context's new tokens, or a
         pair (new tokens, their sampling log-probs) that then lands in `Episode.logprobs` (None on tokens the model did
         not generate). `sync(has_active_episodes)` returns whether any rank still has one (collective; None for one
-        process). `guide(index, first_observation)` returns experience text to put before the first observation of
-        episode `index` (None: unguided); the episode is then sampled on that prompt, and `plain_prompt_ids` keeps
-        the prompt without it."""
+        process). `guide(index, first_observation, render)` returns the prompt episode `index` is sampled on with
+        experience: `render(text)` (its prompt with `text` before the first observation) for the text it puts there
+        (None: unguided); `plain_prompt_ids` then keeps the prompt without it."""
         episodes = [Episode(task=dict(task)) for task in tasks]
         taken = [self._take_env() for _ in episodes]
         envs = [env for env, _ in taken]
@@ -277,8 +278,7 @@ class MultiTurnRollout:
             [(lambda env=env: _close_quietly(env)) for env in envs if env is not None],
         )
         resets = iter(resets)
-        episode_guides: list[str | None] = []
-        for episode, (env, factory_error) in zip(episodes, taken):
+        for index, (episode, (env, factory_error)) in enumerate(zip(episodes, taken)):
             system = episode.task.get(self.system_prompt_column)
             observation, error, _ = (None, factory_error, 0.0) if env is None else next(resets)
             if error is None:
@@ -292,11 +292,12 @@ class MultiTurnRollout:
                 observation = ""
             episode.observation = observation
             episode.prompt_ids = self.turns.prompt_ids(episode.observation, system)
-            text = guide(len(episode_guides), episode.observation) if guide is not None and error is None else None
-            episode_guides.append(text)
-            if text:
-                episode.plain_prompt_ids = episode.prompt_ids
-                episode.prompt_ids = self.turns.prompt_ids(insert_experience(episode.observation, text), system)
+            guided = None
+            if guide is not None and error is None:
+                render = functools.partial(self._guided_prompt_ids, episode.observation, system)
+                guided = guide(index, episode.observation, render)
+            if guided:
+                episode.plain_prompt_ids, episode.prompt_ids = episode.prompt_ids, guided
 
         for turn in range(self.max_turns):
             active = [i for i, e in enumerate(episodes) if not e.finished]
@@ -393,6 +394,9 @@ class MultiTurnRollout:
                 "max_position_embeddings, or vllm_max_model_length)"
             )
         return text
+
+    def _guided_prompt_ids(self, observation: str, system: str | None, text: str) -> list[int]:
+        return self.turns.prompt_ids(insert_experience(observation, text), system)
 
     def _env_turn_ids(self, observation, episode: Episode) -> list[int]:
         """An environment turn's tokens, its observation tokenized only as far as the episode's budget can keep (and

@@ -2,7 +2,7 @@
 
 * **Start by capability** (``replay_start="solved"``): replay, and the pool's collection with it, start at the first
   generation batch whose fresh rollouts succeed more often than ``replay_start_solved_fraction`` (`starts_replay`),
-  and stay on. The design documents' rule (``"steps"``: at ``replay_start_ratio`` of the steps) needs no state.
+  and stay on. The library's default rule (``"steps"``: at ``replay_start_ratio`` of the steps) needs no state.
 * **Retired questions** (``replay_retire_solved``): a task in the skip set (every fresh rollout of it succeeded) is
   retired: a group whose task is retired takes another dataset row instead, drawn from the rows whose task is not
   (`redirect_retired_groups`), so no fresh rollout goes to a question that is already solved, and every batch keeps

@@ -315,8 +315,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     def _tokenize_prompts(self, prompts: list):
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
-        if self._generation is not None:  # experience-guided rows are sampled on their guided prompt
-            GuidedRollouts.tokenize_guided(self._generation, prompts, prompt_ids, super()._tokenize_prompts)
+        if self._generation is not None and self._guidance is not None:  # guided rows: sampled on their guided prompt
+            self._guidance.tokenize_guided(self._generation, prompts, prompt_ids, super()._tokenize_prompts)
         return prompt_ids, images, multimodal_fields
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

@@ -58,7 +58,7 @@ def test_rank_0_alone_holds_the_pools_files(tmp_path):
 
 def check_guided_allocations(ranks: list[dict]) -> None:
     """Experience-guided rollouts over 2 ranks: the same allocation drawn on both for every generation batch (3 groups
-    of G=4 over 12 rows, group 1 spanning both ranks), with the seeds' counts; the same store on both."""
+    of G=4 over 12 rows, group 1 spanning both ranks), with AgentEvolver's counts; the same store on both."""
     rank0, rank1 = ranks
     assert rank0["allocations"] == rank1["allocations"]
     training = [a for a in rank0["allocations"] if len(a["guided"]) == 12]

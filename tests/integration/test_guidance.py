@@ -1,5 +1,6 @@
-"""Experience-guided rollouts (seed 003) through the trainer: the allocation, the prompts trained token for token,
-`exp_mask` and the behaviour log-probs of discarded rows, the pool's records, failures, and the feature off."""
+"""Experience-guided rollouts (AgentEvolver's Self-Navigating, arXiv 2511.10395) through the trainer: the allocation,
+the prompts trained token for token, `exp_mask` and the behaviour log-probs of discarded rows, the pool's records,
+failures, and the feature off."""
 
 from __future__ import annotations
 
@@ -8,14 +9,19 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import RecordingTrainer, losses, make_trainer
-from test_multiturn import make_multi_turn_trainer
+from helpers import TRAINER_DEFAULTS, RecordingTrainer, losses, make_trainer
+from test_multiturn import MULTI_TURN, make_multi_turn_trainer
 
+from trl_exreplay import ExReplayGRPOConfig
+from trl_exreplay.envs import KeyDoorEnv
+from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
+from trl_exreplay.examples import VOCABULARY
 from trl_exreplay.guidance import ExperienceRecord
 from trl_exreplay.guidance.allocation import allocate_guidance, rollout_add_exp, train_sample_modes
-from trl_exreplay.guidance.template import format_experience, insert_experience, strip_experience
+from trl_exreplay.guidance.template import fit_experience, format_experience, insert_experience, strip_experience
 from trl_exreplay.rollout import ChatTurns
 from trl_exreplay.selection import policy_forward
+from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
 TEMPLATE = "please {} ok "  # words of the tiny vocabulary, so every token is a real one
 EXPERIENCE = "say the word red"
@@ -450,3 +456,116 @@ def test_retrieved_text_never_becomes_special_tokens_and_is_bounded(tmp_path):
         retrievals = len(provider.queries)
         assert last["guide/special_tokens_removed"] == (5 * retrievals if text == forged else 0)
         assert last["guide/experience_truncated"] == (retrievals if text == long_record else 0)
+
+
+# ----------------------------------------------------------------------------------- the model's context
+LONG_EXPERIENCE = " ".join(["red"] * 1000)  # 1,000 words: 1,000 tokens of the word-level tokenizer
+PLAIN_PROMPT_TOKENS = 7  # a say-the-word prompt: <user> say the word <colour> <end> <assistant>
+TEMPLATE_TOKENS = 2  # "please", "ok"
+
+
+def test_fit_experience_cuts_the_experience_by_the_tokens_too_many():
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    prompt = [{"role": "user", "content": "say the word red"}]
+    render = lambda text: _chat_ids(tokenizer, insert_experience(prompt, text))  # noqa: E731
+    text = format_experience(TEMPLATE, ["red green blue cat"])  # 7 + 2 + 4 = 13 tokens
+    assert fit_experience(text, TEMPLATE, render, 13, tokenizer) == (text, render(text))  # fits: unchanged
+    cut = format_experience(TEMPLATE, ["red green"])
+    assert fit_experience(text, TEMPLATE, render, 11, tokenizer) == (cut, render(cut))  # 2 too many: 2 words less
+    assert len(render(cut)) == 11
+    assert fit_experience(text, TEMPLATE, render, PLAIN_PROMPT_TOKENS + TEMPLATE_TOKENS, tokenizer) is None
+    assert fit_experience(text, TEMPLATE, render, 5, tokenizer) is None  # not even the plain prompt fits
+
+
+def _small_context_trainer(tmp_path, text, context):
+    tokenizer = build_tiny_tokenizer(VOCABULARY)
+    return make_trainer(
+        tmp_path, trainer_cls=GuidedRecordingTrainer, max_steps=1,
+        model=build_tiny_model(tokenizer, seed=0, max_position_embeddings=context),
+        trainer_kwargs={"experience_provider": FixedProvider(text=text)},
+        **{**GUIDED, "guidance_trained_prompt": "guided"},
+    )  # fmt: skip
+
+
+def _guide_totals(trainer) -> dict:
+    return [e for e in trainer.state.log_history if "guide/experience_truncated" in e][-1]
+
+
+@pytest.mark.parametrize("text", [LONG_EXPERIENCE, EXPERIENCE], ids=["1000_words", "fits"])
+def test_a_guided_prompt_leaves_max_completion_length_of_the_models_context(tmp_path, text):
+    """A model of 64 positions, max_completion_length 4: a guided prompt has at most 60 tokens. 1,000 words of
+    experience are cut to guidance_max_tokens (512), then to what the context leaves: 60 - 7 (the prompt) - 2 (the
+    template's words) = 51 words. A short experience, which fits, is not touched."""
+    context, completion = 64, TRAINER_DEFAULTS["max_completion_length"]
+    trainer = _small_context_trainer(tmp_path, text, context)
+    trainer.train()
+    tokenizer, provider = trainer.processing_class, trainer._guidance.experience
+    ((output, step),) = trainer.steps
+    guided = [i for i in range(len(step.rows)) if step.guidance.guided[i] and i not in step.replayed_local]
+    assert guided and set(step.guided_prompt_ids) == set(guided)
+    long = text == LONG_EXPERIENCE
+    words = context - completion - PLAIN_PROMPT_TOKENS - TEMPLATE_TOKENS if long else len(text.split())
+    assert words == (51 if long else 4)
+    for i in guided:
+        prompt = step.rows[i]["prompt"]
+        assert len(_chat_ids(tokenizer, prompt)) == PLAIN_PROMPT_TOKENS
+        kept = " ".join(["red"] * 51) if long else text  # the first 51 of the 1,000 words
+        expected = _chat_ids(tokenizer, insert_experience(prompt, format_experience(TEMPLATE, [kept])))
+        trained = output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist()
+        assert trained == step.guided_prompt_ids[i] == expected
+        assert len(trained) == PLAIN_PROMPT_TOKENS + TEMPLATE_TOKENS + words
+        assert len(trained) + completion <= context
+    totals = _guide_totals(trainer)
+    assert totals["guide/experience_truncated"] == (len(provider.queries) if long else 0)  # 1,000 > 512 tokens
+    assert totals["guide/experience_cut_to_context"] == (len(guided) if long else 0)
+    assert totals["guide/unguided_for_context"] == 0
+
+
+@pytest.mark.parametrize("context", [13, 10])
+def test_a_row_whose_prompt_leaves_no_room_for_experience_goes_unguided(tmp_path, context):
+    """13 positions: the prompt (7), the template (2) and the completion (4) fill them, with no room for one word of
+    experience; 10: not even the prompt and the completion fit. Either way the rows allocated to guidance are
+    ordinary rows, counted, rather than prompts longer than the model's context."""
+    trainer = _small_context_trainer(tmp_path, LONG_EXPERIENCE, context)
+    trainer.train()
+    tokenizer = trainer.processing_class
+    ((output, step),) = trainer.steps
+    allocated = [i for i in range(len(step.rows)) if step.guidance.guided[i] and i not in step.replayed_local]
+    assert allocated and not step.guided_text and not step.guided_prompt_ids
+    for i in allocated:
+        trained = output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist()
+        assert trained == _chat_ids(tokenizer, step.rows[i]["prompt"])
+    totals = _guide_totals(trainer)
+    assert totals["guide/unguided_for_context"] == len(allocated) and totals["guide/experience_cut_to_context"] == 0
+    assert totals["guide/guided_fraction"] == 0
+
+
+def test_a_multi_turn_guided_prompt_leaves_max_completion_length_of_the_models_context(tmp_path):
+    """The first observation is bounded by the model's context; the guided prompt too: 128 positions, less
+    max_completion_length 48, leave 80 tokens for the observation's prompt, the template's 3 words and the
+    experience."""
+    context, completion = 128, MULTI_TURN["max_completion_length"]
+    tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
+    provider = FixedProvider(text=" ".join(["take the key"] * 334))  # 1,002 words
+    args = ExReplayGRPOConfig(**{
+        **TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path / "out"), "max_steps": 1,
+        "guidance_train": "all", "guidance_trained_prompt": "guided", "guidance_template": "you have {} and ",
+    })  # fmt: skip
+    trainer = GuidedRecordingTrainer(
+        model=build_tiny_model(tokenizer, seed=0, max_position_embeddings=context), args=args,
+        train_dataset=key_door_dataset(num_tasks=2, repeats=40), processing_class=tokenizer,
+        text_env_factory=KeyDoorEnv, experience_provider=provider,
+    )  # fmt: skip
+    trainer.train()
+    turns = ChatTurns(tokenizer)
+    ((output, step),) = trainer.steps
+    assert step.guided_prompt_ids
+    for i, guided in step.guided_prompt_ids.items():
+        observation = step.rows[i]["prompt"][-1]["content"]
+        plain = turns.prompt_ids(observation)
+        words = context - completion - len(plain) - 3
+        assert words > 0 and len(guided) == context - completion
+        experience = " ".join((["take", "the", "key"] * 334)[:words])
+        assert guided == turns.prompt_ids(f"you have {experience} and {observation}")
+        assert output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist() == guided
+    assert _guide_totals(trainer)["guide/experience_cut_to_context"] == len(step.guided_prompt_ids)

@@ -415,7 +415,7 @@ class OutcomeRecordingTrainer(RecordingTrainer):
 
 
 def test_a_task_in_several_groups_has_one_outcome_per_group(tmp_path):
-    """One task fills the batch's four groups of 4: four outcomes of at most 4 rollouts each (the design counts a
+    """One task fills the batch's four groups of 4: four outcomes of at most 4 rollouts each (the library counts a
     task's difficulty per group), never one of 16, which would sit in a bucket above G and never be stored."""
     trainer = make_trainer(tmp_path, trainer_cls=OutcomeRecordingTrainer, num_tasks=1, max_steps=4)
     trainer.train()

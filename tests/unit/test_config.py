@@ -82,7 +82,7 @@ def make(tmp_path, config_cls=ExReplayGRPOConfig, **kwargs):
     return config_cls(**{**base, **kwargs})
 
 
-# Every field ExReplayGRPOConfig adds to GRPOConfig, with its default (the design documents' values where they give one).
+# Every field ExReplayGRPOConfig adds to GRPOConfig, with its default (the library's defaults).
 DEFAULTS = {
     "enable_experience_replay": True,
     "replay_profile": None,
@@ -158,11 +158,11 @@ def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_pa
     }
     assert (c.replay_ratio, c.replay_trajectories_per_group, c.replay_select_mode) == (0.5, 1, "argmin")
     assert (c.replay_start_solved_fraction, c.replay_shaping_beta) == (0.35, 0.1)
-    # a field set wins, whatever its value, the design documents' included
+    # a field set wins, whatever its value, the library's defaults included
     mine = make(tmp_path, replay_profile="exgrpo", replay_retire_solved=False, replay_bucket_weighting="uniform")
     assert (mine.replay_retire_solved, mine.replay_bucket_weighting) == (False, "uniform")
     assert mine.replay_start == "solved" and mine.replay_shaping == "exgrpo"
-    # no profile: the design documents' values, also for a plain GRPOConfig
+    # no profile: the library's defaults, also for a plain GRPOConfig
     assert {name: getattr(make(tmp_path), name) for name in PROFILE_FIELDS} == PROFILE_FIELDS
     assert {name: replay_options(make(tmp_path, config_cls=GRPOConfig))[name] for name in PROFILE_FIELDS} == (
         PROFILE_FIELDS
@@ -403,9 +403,9 @@ def test_the_naming_rule_one_prefix_per_part():
 
 
 def test_the_design_documents_names_are_not_fields(tmp_path):
-    """One vocabulary: the design documents' names (`exp_ratio`, `exp_is_correct`, ...) are the reference's column,
-    not fields, so no value set under one can silently lose to, or beat, the field's own value: a YAML file or a
-    command line that uses one fails, naming it."""
+    """One vocabulary: the names ExGRPO's code uses (`exp_is_correct`, `exp_ratio`, ...) are not fields (docs/config.md
+    gives each field's counterpart there), so no value set under one can silently lose to, or beat, the field's own
+    value: a YAML file or a command line that uses one fails, naming it."""
     from trl import TrlParser
 
     config = tmp_path / "config.yaml"

@@ -1,5 +1,6 @@
-"""The ExGRPO replay rules (`trl_exreplay.pool.rules`) by hand, apart from any pool: each case is a decision the
-design documents state (seed 000, section 3.1; seed 001, section 2.11)."""
+"""The ExGRPO replay rules (`trl_exreplay.pool.rules`) by hand, apart from any pool: each case is a decision of
+ExGRPO's code (skip set, bounds, entropy ranking; the module's docstring names its files) or of this library's design
+(per-task capacity, eviction, policy age)."""
 
 import numpy as np
 import pytest

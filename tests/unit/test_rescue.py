@@ -29,7 +29,7 @@ def test_a_task_solved_with_nothing_stored_keeps_one_of_this_outcomes_successes(
     pool = ExperiencePool(experience_rbound=4)
     pool.record_outcome(TaskOutcome("t", 4, 4, [traj("t", 0.875), traj("t", 0.25), traj("t", 0.5)]), keep_solved=1)
     assert [t.entropy for t in pool.candidates("t")] == [0.25] and pool.num_tasks == 1
-    plain = ExperiencePool(experience_rbound=4)  # without rescue: a solved task leaves the store (the design's rule)
+    plain = ExperiencePool(experience_rbound=4)  # without rescue: a solved task leaves the store (ExGRPO's rule)
     plain.record_outcome(TaskOutcome("t", 4, 4, [traj("t", 0.9)]))
     assert plain.num_trajectories == 0
 

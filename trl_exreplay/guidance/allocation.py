@@ -1,6 +1,7 @@
 """Which rollouts are guided and which tasks keep the guidance in training: pure functions of the batch's layout and
-a seed, as AgentEvolver's `ExperienceManager` allocates them (seed 003), so that every process draws the same
-allocation for the same global batch and a resumed run draws the same ones again.
+a seed, as AgentEvolver's `ExperienceManager` allocates them (`allocate_train_mode` and `allocate_add_exp` in
+`agentevolver/module/exp_manager/exp_manager.py`, github.com/modelscope/AgentEvolver), so that every process draws the
+same allocation for the same global batch and a resumed run draws the same ones again.
 
 * Task level (`train_sample_modes`): `keep_count = int(num_tasks * keep_ratio)` of a batch's tasks keep the
   experience in their training samples, the rest discard it; the list `['keep'] * keep_count + ['discard'] * ...`
@@ -52,7 +53,7 @@ def guided_count(num_generations: int, rollout_mode: str, rollout_ratio: float) 
     if rollout_mode == "all":
         return num_generations
     if rollout_mode == "mixed":
-        return round(num_generations * rollout_ratio)  # Python's round: half to even, as the seed's code rounds
+        return round(num_generations * rollout_ratio)  # Python's round: half to even, as AgentEvolver's rounds
     return 0
 
 

@@ -1,7 +1,13 @@
 """The ExGRPO / AgentEvolver replay rules as pure functions: what a task's outcome does, what is kept, what is picked.
 
-Seed 000 (section 3.1) and seed 001 (section 2.11) define them; `ExperiencePool` applies them to its index. Each
-function takes plain numbers and sequences and returns a decision, so it can be tested by hand
+ExGRPO's code (arXiv 2510.02245; github.com/ElliottYan/LUFFY, folder ExGRPO, under `exgrpo/verl/verl/mix_src/`) has
+the skip set (`mix_trainer_experience.py`: a question every rollout solved joins `skip_uid_set`;
+`cleanup_experience_buckets` in `experience/experience_trainer_ops.py` drops its stored successes), the success bounds
+and the buckets (`collect_experience_entries`, same file; its upper bound is inclusive, ours exclusive: its 7 of 8 is
+our 8) and the entropy ranking (`select_best_experiences` in `experience/experience_helpers.py`). The per-task
+capacity, its eviction and the `"best"` store mode are this library's design (ExGRPO keeps every distinct success).
+`ExperiencePool` applies the rules to its index. Each function takes plain numbers and sequences and returns a
+decision, so it can be tested by hand
 (`tests/unit/test_pool_rules.py`), as `loss.py` and `planner.py` are.
 
 * **Skip set and buckets** (`is_solved`, `stores_successes`): a task's difficulty is its number of successes among
