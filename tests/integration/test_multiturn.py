@@ -133,7 +133,7 @@ def test_environment_faults_are_counted_and_training_completes(tmp_path):
     trainer = make_multi_turn_trainer(tmp_path, text_env_factory=FaultyKeyDoorEnv, max_steps=3, env_step_timeout=0.5)
     outcomes = []
     record = trainer.pool.record_outcome
-    trainer.pool.record_outcome = lambda outcome: (outcomes.append(outcome), record(outcome))[1]
+    trainer.pool.record_outcome = lambda outcome, **kw: (outcomes.append(outcome), record(outcome, **kw))[1]
     start = time.perf_counter()
     trainer.train()
     assert time.perf_counter() - start < 60
