@@ -48,7 +48,7 @@ class ExReplayGRPOConfig(GRPOConfig):
         output_dir="out",
         use_cpu=not torch.cuda.is_available(),  # TRL's default bf16 needs a GPU
         num_generations=8,
-        steps_per_generation=4,  # 4 groups of 8 per generation batch: replay_ratio 0.5 replays 2 in each
+        gradient_accumulation_steps=4,  # 4 groups of 8 per generation batch, on-policy: replay_ratio 0.5 replays 2
         replay_ratio=0.5,
         replay_start_ratio=0.35,
         replay_trajectories_per_group=1,
