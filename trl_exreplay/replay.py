@@ -440,7 +440,8 @@ class ReplayController:
         `replay_rescue` successes of, gets its last rows replaced by them (`planner.plan_rescue`; chosen by
         `replay_select_mode` on their saved entropies). Returns the rewards TRL computes advantages from, the rescued
         rows' being their recorded ones; `rewards_per_func` itself is left as scored (the outcomes count those rows
-        as the failures they were). The rows' tokens are put into TRL's output after it (`step.splice_rescued`).
+        as the failures they were). The rows' tokens are put into TRL's output after it
+        (`trl_exreplay.step.splice_rescued`).
         Rescue needs only a stored success, so it acts from the first step the pool holds one, whatever
         `replay_start`. Collective: the decision is global, the trajectories are read on rank 0."""
         G, k = self.num_generations, self.rescue_rows
