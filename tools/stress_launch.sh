@@ -10,6 +10,7 @@
 # ddp-tools zero3-tools (TRL's tool loop with replay, tests/scripts/tool_replay_multiprocess.py) ddp-guided
 # (experience-guided rollouts; zero3 guides too, as tests/distributed/test_multiprocess.py launches them) ddp-exgrpo
 # zero3-exgrpo (replay_profile="exgrpo": start by capability, retired questions; a whole run, then its resume)
+# ddp-teach zero3-teach (replay_profile="teach": rescue and revisits, saving the model after training; the same)
 # (default: these, in turn; a resume first runs the whole run it resumes from, and both count as launches), or
 # exit-race, exit-race-destroy, exit-race-plain: tests/scripts/gloo_exit.py's "natural" exit race (DDP, 3 s a launch)
 # ended by exit_distributed(), by barrier + destroy_process_group(), or not at all; name them to compare the endings
@@ -27,7 +28,7 @@ N=$1
 OUT=${2:-stress-launch-$(date +%Y%m%d-%H%M%S)}
 shift $(( $# >= 2 ? 2 : 1 ))
 SUITE_KINDS=(ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume ddp-tools
-  zero3-tools ddp-guided ddp-exgrpo zero3-exgrpo)
+  zero3-tools ddp-guided ddp-exgrpo zero3-exgrpo ddp-teach zero3-teach)
 ALL_KINDS=("${SUITE_KINDS[@]}" exit-race exit-race-destroy exit-race-plain)
 KINDS=("${@:-${SUITE_KINDS[@]}}")
 for kind in "${KINDS[@]}"; do
@@ -133,12 +134,13 @@ while ((launches < N)); do
         launches=$((launches + 1))
       fi
       ;;
-    *-exgrpo)
-      if launch "$dir/whole" "$config" "$SCRIPT" "$dir/whole/out" exgrpo; then status=0; else status=$?; fi
+    *-exgrpo | *-teach)
+      profile=${kind#*-}
+      if launch "$dir/whole" "$config" "$SCRIPT" "$dir/whole/out" "$profile"; then status=0; else status=$?; fi
       launches=$((launches + 1))
       if ((status == 0 && launches < N)); then
         checkpoint="$dir/whole/out/run/checkpoint-6"
-        if launch "$dir/resumed" "$config" "$SCRIPT" "$dir/resumed/out" exgrpo "resume=$checkpoint"; then
+        if launch "$dir/resumed" "$config" "$SCRIPT" "$dir/resumed/out" "$profile" "resume=$checkpoint"; then
           status=0
         else
           status=$?

@@ -447,9 +447,7 @@ class ReplayController:
         G, k = self.num_generations, self.rescue_rows
         if not k:
             return rewards_per_func
-        totals = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-        success = (totals >= self.options["replay_success_threshold"]).cpu().tolist()
-        missing = torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
+        totals, success, missing = self._scored(rewards_per_func, reward_weights)
         if self._multi_turn:  # an episode the environment failed is no failure of the policy: it is not rescued
             step.faulted_global = gather_row_flags(self._accelerator, step.faulted_rows, len(step.task_rows))
             missing = [m or f for m, f in zip(missing, step.faulted_global)]
@@ -482,11 +480,18 @@ class ReplayController:
                     step.rescued[row] = trajectory
         metrics["replay/rescued_groups"].append(float(len({row // G for row in step.rescued})))
         if counted:
-            rescued_totals = (rescued * reward_weights.to(rescued.device).unsqueeze(0)).nansum(dim=1)
-            metrics["replay/zero_std_rescued"].append(zero_spread_share(rescued_totals, counted, G))
+            metrics["replay/zero_std_rescued"].append(zero_spread_share(self._scored(rescued, reward_weights)[0],
+                                                                        counted, G))  # fmt: skip
         local = range(step.offset, step.offset + len(step.task_rows))
         step.rescued_local = {row - step.offset: t for row, t in step.rescued.items() if row in local}
         return rescued
+
+    def _scored(self, rewards_per_func: torch.Tensor, reward_weights) -> tuple[torch.Tensor, list, list]:
+        """Per global row: the total reward (the weighted sum over reward functions), whether it is a success, and
+        whether it has no reward at all (every function returned None, NaN or inf: it says nothing about its task)."""
+        totals = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        success = (totals >= self.options["replay_success_threshold"]).cpu().tolist()
+        return totals, success, torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
 
     # ------------------------------------------------------------------------------------------- outcomes
     def queue_outcomes(self, output: dict, step: GenerationStep, *, reward_weights, global_step: int, metrics):
@@ -495,10 +500,7 @@ class ReplayController:
         that count, the records by global row) for guided rollouts. Collective in multi-turn runs."""
         rewards_per_func, row_tasks, offset = step.rewards, step.row_tasks, step.offset
         num_local = len(step.task_rows)
-        totals = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-        success = (totals >= self.options["replay_success_threshold"]).cpu().tolist()
-        # A row with no reward at all (every function returned None, NaN or inf) says nothing about its task.
-        missing = torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
+        totals, success, missing = self._scored(rewards_per_func, reward_weights)
         fresh_rows = [r for r in range(len(row_tasks)) if not step.plan.is_replayed(r) and not missing[r]]
         if self._multi_turn:  # an episode the environment failed says nothing about the task
             faulted = step.faulted_global  # gathered by `rescue` when it ran, else now
