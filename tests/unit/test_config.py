@@ -171,7 +171,7 @@ def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_pa
 
 def test_the_teach_profile_rescues_and_retires_with_revisits(tmp_path):
     c = make(tmp_path, replay_profile="teach")
-    assert (c.replay_rescue, c.replay_retire_solved, c.replay_revisit_ratio) == (1, True, 0.25)
+    assert (c.replay_rescue, c.replay_retire_solved, c.replay_revisit_ratio) == (1, True, 0.5)
     # the rest is the library's defaults
     assert (c.replay_start, c.replay_shaping, c.replay_bucket_weighting) == ("steps", "clip", "uniform")
     assert make(tmp_path, replay_profile="teach", replay_rescue=0).replay_rescue == 0
