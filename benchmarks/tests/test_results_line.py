@@ -118,6 +118,7 @@ def test_no_user_page_gives_the_ratio_read_off_mean_curves_as_a_figure():
     """The mean-curve ratio ("fresh rollouts to GRPO's final", 0.38x on the doors game) appears only in the labelled
     appendix of the results page."""
     results = (REPO / "docs" / "results.md").read_text()
+    results = results[: results.index("## Every group teaches")]  # its per-seed tables may hold a 0.38x of their own
     appendix = results.index("#### Appendix: the ratio read off curves averaged over seeds")
     for page in (REPO / "README.md", REPO / "docs" / "trainer.md", REPO / "docs" / "index.md"):
         assert "0.38x" not in page.read_text()
@@ -142,3 +143,45 @@ def test_the_verdict_is_one_paragraph_of_readme_and_the_docs_home_with_the_per_s
         f"(McNemar p = {doors['collapse_test']['p']:.2f})" in verdict
     )
     assert "5-13% more time per step" in verdict and "5-13%" in (REPO / "docs" / "results.md").read_text()
+
+
+def test_the_results_line_leads_with_the_every_group_teaches_test(harness):
+    """The newest pre-registered test (docs/results.md, "Every group teaches"): its per-seed figures, recomputed from
+    docs/results/teach/report/, lead the results line and the verdict, and the registered decision rule is applied as
+    written (the profile's runs are named `teach-revisit50`, the values the tuning grid chose)."""
+    line = results_line(REPO / "README.md")
+    (verdict,) = VERDICT.findall((REPO / "README.md").read_text())
+    verdict = " ".join(verdict.split())
+    teach = "teach-revisit50"
+
+    def rows(testbed, baseline):
+        (found,) = harness.load_results(REPO / "docs" / "results" / "teach" / "report" / testbed)["testbeds"].values()
+        assert {len(m["runs"]) for m in found["methods"].values()} == {20}  # every registered run, every method
+        levels = harness.TESTBEDS[testbed].target_levels
+        return {row["method"]: row for row in harness.summarize(found, baseline, levels)}
+
+    def auc(row):
+        p = row["auc"]["rollouts"]["paired"]
+        return f"{interval(p)} ({p['sign']['wins']} seeds above, {p['sign']['losses']} below)"
+
+    def to_final(row):
+        return f"{row['to_final']['ratio']['median']:.2f}x (never on {row['to_final']['never']})"
+
+    single, doors = (rows(t, "grpo") for t in ("single-turn", "multi-turn"))
+    single_x, doors_x = (rows(t, "exreplay") for t in ("single-turn", "multi-turn"))
+    assert (
+        f"replay's defaults, {auc(single['exreplay'])} on single-turn and {auc(doors['exreplay'])} on the doors"
+        in line
+    )
+    assert f"at 0.5), {auc(single[teach])} and {auc(doors[teach])};" in line
+    assert f"the defaults, {auc(single_x[teach])} and {auc(doors_x[teach])}." in line
+    assert f"a median {to_final(single['exreplay'])} and {to_final(doors['exreplay'])} of GRPO's" in line
+    assert f"`teach` {to_final(single[teach])} and {to_final(doors[teach])}." in line
+    assert f"in a median {doors[teach]['to_final']['ratio']['median']:.2f}x GRPO's fresh rollouts" in verdict
+    # The registered rule: the profile becomes the default if its interval against the defaults is above 0 on one
+    # testbed and below 0 on none.
+    low = [x[teach]["auc"]["rollouts"]["paired"]["interval"]["low"] for x in (single_x, doors_x)]
+    high = [x[teach]["auc"]["rollouts"]["paired"]["interval"]["high"] for x in (single_x, doors_x)]
+    rule = any(v > 0 for v in low) and not any(v < 0 for v in high)
+    assert ("`teach` is to become the default" in line) == rule
+    assert ("`teach` does not become the default" in line) == (not rule)
