@@ -118,11 +118,16 @@ def test_no_user_page_gives_the_ratio_read_off_mean_curves_as_a_figure():
     """The mean-curve ratio ("fresh rollouts to GRPO's final", 0.38x on the doors game) appears only in the labelled
     appendix of the results page."""
     results = (REPO / "docs" / "results.md").read_text()
-    results = results[: results.index("## Every group teaches")]  # its per-seed tables may hold a 0.38x of their own
     appendix = results.index("#### Appendix: the ratio read off curves averaged over seeds")
     for page in (REPO / "README.md", REPO / "docs" / "trainer.md", REPO / "docs" / "index.md"):
         assert "0.38x" not in page.read_text()
-    assert results.count("0.38x") == 1 and results.index("0.38x") > appendix
+    # the appendix's figure once, after its heading; elsewhere 0.38x only as one seed's own ratio in a per-seed row
+    offsets, at = [], 0
+    for row in results.splitlines(keepends=True):
+        if "0.38x" in row and not re.match(r"\| \d+ \|", row):
+            offsets.append(at)
+        at += len(row)
+    assert len(offsets) == 1 and offsets[0] > appendix
 
 
 VERDICT = re.compile(r"<!-- verdict:.*?-->\n(.*?)<!-- /verdict -->", re.DOTALL)
@@ -183,5 +188,7 @@ def test_the_results_line_leads_with_the_every_group_teaches_test(harness):
     low = [x[teach]["auc"]["rollouts"]["paired"]["interval"]["low"] for x in (single_x, doors_x)]
     high = [x[teach]["auc"]["rollouts"]["paired"]["interval"]["high"] for x in (single_x, doors_x)]
     rule = any(v > 0 for v in low) and not any(v < 0 for v in high)
+    # the bounds the rule turns on, to the precision that shows which side of 0 they fall (+0.000 would not)
+    assert f"its lower bound {low[1]:+.4f}, and below 0 on neither, single-turn's upper bound {high[0]:+.4f})" in line
     assert ("`teach` is to become the default" in line) == rule
     assert ("`teach` does not become the default" in line) == (not rule)
