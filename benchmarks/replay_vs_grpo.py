@@ -98,40 +98,69 @@ GUIDED = {
     "guidance_update_freq": 1,
 }
 # Named presets: the ExReplayGRPOConfig fields a method sets on top of the testbed's training settings.
+# The library's defaults before every group taught (issue 55): no rescue, no retired questions. `exreplay` and its
+# variants are the arms of the earlier tests, run before the switch with `{}` for these, so they set them here.
+REPLAY_ONLY = {"replay_rescue": 0, "replay_retire_solved": False}  # replay alone: no rescue, no retired questions
 PRESETS: dict[str, dict] = {
     "grpo": {"enable_experience_replay": False},
-    "exreplay": {},
-    "exreplay-exgrpo": {"replay_shaping": "exgrpo"},  # the shaping alone (before replay_profile existed)
+    "exreplay": REPLAY_ONLY,
+    "exreplay-exgrpo": {**REPLAY_ONLY, "replay_shaping": "exgrpo"},  # the shaping alone (before replay_profile)
     # ExGRPO's published recipe (replay_profile, docs/config.md "Profiles"), and the same without retired questions
     "exgrpo": {"replay_profile": "exgrpo"},
     "exgrpo-noretire": {"replay_profile": "exgrpo", "replay_retire_solved": False},
-    # Every group teaches (`replay_profile="teach"`): rescue of all-fail groups, retired questions revisited
-    "teach": {"replay_profile": "teach"},
+    # Every group teaches, today's defaults: rescue of all-fail groups, retired questions revisited (run before the
+    # switch as `replay_profile="teach"`, the same values).
+    "teach": {},
     # Its pre-registered test's grid on the tuning seeds (50-54), which chose revisits at 0.5 (the grid's and the report
     # runs' `teach-revisit50`, today's `teach`): revisits at 0.25 (the grid's `teach`), rescue alone
-    "teach-revisit25": {"replay_profile": "teach", "replay_revisit_ratio": 0.25},
-    "teach-rescue-only": {"replay_profile": "teach", "replay_retire_solved": False, "replay_revisit_ratio": 0.0},
+    "teach-revisit25": {"replay_revisit_ratio": 0.25},
+    "teach-rescue-only": {"replay_retire_solved": False},
     # Candidates tried on the tuning seeds (0-4); see docs/results.md for what they showed.
-    "exreplay-k4": {"replay_trajectories_per_group": 4},  # half of a replayed task's group is replayed
-    "exreplay-early": {"replay_start_ratio": 0.1},
-    "exreplay-k4-early-r75": {"replay_trajectories_per_group": 4, "replay_start_ratio": 0.1, "replay_ratio": 0.75},
-    "exreplay-normal": {"replay_bucket_weighting": "normal"},  # ExGRPO's Gaussian over buckets (medium tasks)
-    "exreplay-linear": {"replay_bucket_weighting": "linear"},  # harder tasks (fewer successes) drawn more
-    "exreplay-random": {"replay_select_mode": "random"},  # random replay, FIFO eviction (not lowest entropy)
-    "exreplay-tight-clip": {"replay_clip_high": 0.2},  # replayed ratios clipped as fresh ones are (1 + 0.2)
-    "exreplay-saved-entropy": {"replay_select_by_current_entropy": False},  # rank by stored entropy: no extra forward
+    "exreplay-k4": {**REPLAY_ONLY, "replay_trajectories_per_group": 4},  # half of a replayed task's group is replayed
+    "exreplay-early": {**REPLAY_ONLY, "replay_start_ratio": 0.1},
+    "exreplay-k4-early-r75": {
+        **REPLAY_ONLY,
+        "replay_trajectories_per_group": 4,
+        "replay_start_ratio": 0.1,
+        "replay_ratio": 0.75,
+    },
+    "exreplay-normal": {
+        **REPLAY_ONLY,
+        "replay_bucket_weighting": "normal",
+    },  # ExGRPO's Gaussian over buckets (medium tasks)
+    "exreplay-linear": {
+        **REPLAY_ONLY,
+        "replay_bucket_weighting": "linear",
+    },  # harder tasks (fewer successes) drawn more
+    "exreplay-random": {
+        **REPLAY_ONLY,
+        "replay_select_mode": "random",
+    },  # random replay, FIFO eviction (not lowest entropy)
+    "exreplay-tight-clip": {
+        **REPLAY_ONLY,
+        "replay_clip_high": 0.2,
+    },  # replayed ratios clipped as fresh ones are (1 + 0.2)
+    "exreplay-saved-entropy": {
+        **REPLAY_ONLY,
+        "replay_select_by_current_entropy": False,
+    },  # rank by stored entropy: no extra forward
     # Experience-guided rollouts, as AgentEvolver's recommended configuration sets them (docs/guidelines/exp_manager.md
     # in github.com/modelscope/AgentEvolver): half of each task's rollouts get retrieved experience, every training
     # sample has it stripped (trained off-policy); the offline provider summarises each step's successes (AgentEvolver's
     # `updated_freq: 0` relies on a prebuilt store, which these runs lack).
-    "exreplay-guided": GUIDED,
+    "exreplay-guided": {**REPLAY_ONLY, **GUIDED},
     "grpo-guided": {"enable_experience_replay": False, **GUIDED},  # guidance alone: its effect without replay
     # The same, with the testbed's experience (`Testbed.experience_settings` and `.experience_provider()`): e.g. the
     # environment's own summariser hook and a template the tiny model's vocabulary can spell.
-    "exreplay-guided-env": {**GUIDED, "experience_from_testbed": True},
+    "exreplay-guided-env": {**REPLAY_ONLY, **GUIDED, "experience_from_testbed": True},
     "grpo-guided-env": {"enable_experience_replay": False, **GUIDED, "experience_from_testbed": True},
     # Tried on the tuning seeds: guided rows trained on their guided prompt (on-policy), so the policy learns to read it.
-    "exreplay-guided-env-keep": {**GUIDED, "guidance_trained_prompt": "guided", "experience_from_testbed": True},
+    "exreplay-guided-env-keep": {
+        **REPLAY_ONLY,
+        **GUIDED,
+        "guidance_trained_prompt": "guided",
+        "experience_from_testbed": True,
+    },
 }
 COMMON = dict(use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
 

@@ -47,6 +47,9 @@ TRAINER_DEFAULTS = dict(
     beta=0.0,
     disable_tqdm=True,
 )
+# Replay alone, without rescue or retired questions (the library's defaults before issue 55): for tests of replay's own
+# mechanics whose exact figures those two would change, from the first step on.
+REPLAY_ONLY = dict(replay_rescue=0, replay_retire_solved=False)
 
 
 def make_args(tmp_path, config_cls=ExReplayGRPOConfig, **overrides):

@@ -142,20 +142,21 @@ def profiles() -> list[str]:
         "## Profiles",
         "",
         "`replay_profile` gives the fields below that are left unset (None) a published recipe's values; a field "
-        "set by hand, in code, YAML or a flag, keeps its value. Without a profile they take the library's defaults "
-        '(the AgentEvolver-style pipeline it was designed from); `replay_profile="exgrpo"` is ExGRPO\'s code as published (arXiv '
-        "2510.02245), whose start threshold 0.35 is `replay_start_solved_fraction`'s default; "
-        '`replay_profile="teach"` makes every group teach: a fresh group whose rollouts all failed is rescued by a '
-        "stored success of its task (AR3PO's response reuse, arXiv 2509.25808), and a solved question leaves the "
-        "fresh stream but is revisited, returning when it fails (unlike ExGRPO's retired questions, never seen "
-        "again). Which one to use: [results](results.md) compares them.",
+        "set by hand, in code, YAML or a flag, keeps its value. Without a profile they take the library's defaults: "
+        "every group teaches (a fresh group whose rollouts all failed is rescued by a stored success of its task, "
+        "AR3PO's response reuse, arXiv 2509.25808; a solved question leaves the fresh stream but is revisited, "
+        "returning when it fails, unlike ExGRPO's retired questions, never seen again), on top of the AgentEvolver-style "
+        'pipeline the library was designed from; `replay_profile="exgrpo"` is ExGRPO\'s code as published (arXiv '
+        "2510.02245), whose start threshold 0.35 is `replay_start_solved_fraction`'s default. The library's defaults "
+        "before every group taught (the `exreplay` arm of the earlier tests) are `replay_rescue=0, "
+        "replay_retire_solved=False`. Which one to use: [results](results.md) compares them.",
         "",
-        "| field | default | `exgrpo` | `teach` | in ExGRPO's code |",
-        "|---|---|---|---|---|",
+        "| field | default | `exgrpo` | in ExGRPO's code |",
+        "|---|---|---|---|",
     ]
     for name, default in PROFILE_FIELDS.items():
-        exgrpo, teach = (REPLAY_PROFILES[p].get(name, default) for p in ("exgrpo", "teach"))
-        lines.append(f"| `{name}` | `{default!r}` | `{exgrpo!r}` | `{teach!r}` | {EXGRPO_SOURCES[name]} |")
+        exgrpo = REPLAY_PROFILES["exgrpo"].get(name, default)
+        lines.append(f"| `{name}` | `{default!r}` | `{exgrpo!r}` | {EXGRPO_SOURCES[name]} |")
     lines += [
         "",
         "Shared by both: a replay ratio of 0.5 of the batch's questions, k = 1 replayed trajectory in a group of G, "

@@ -543,7 +543,8 @@ class ReplayController:
         if self.exhausted:  # every question retired: the run's last batch, of retired tasks, leaves them retired
             outcomes = []
         elif self.options["replay_start"] == "solved" and self.schedule.started_at is None:
-            # ExGRPO before replay starts: solved tasks enter the skip set, nothing enters the pool or a bucket. The
+            # ExGRPO before replay starts: solved tasks enter the skip set, nothing enters a bucket, and the pool only
+            # the successes a solved task keeps for rescue (replay_rescue; none in ExGRPO's profile). The
             # first batch that succeeds often enough starts replay (`success` is gathered: every rank decides alike);
             # the next batch is the first one collected, and the one after it the first that can replay.
             # A retired task failed on a revisit leaves the skip set all the same, with nothing stored.

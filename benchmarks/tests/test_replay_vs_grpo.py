@@ -47,7 +47,7 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     assert replay["replay"]["rows_fraction"][0] == 0.0  # before replay's start every row is fresh
     assert max(replay["replay"]["rows_fraction"]) > 0  # and after it some rows are replayed, not generated
     assert replay["points"][-1]["fresh_rollouts"] == per_run[2] < 4 * rows
-    assert entry["methods"]["exreplay"]["preset"] == {} and replay["settings"]["seed"] == 3
+    assert entry["methods"]["exreplay"]["preset"] == harness.REPLAY_ONLY and replay["settings"]["seed"] == 3
     # TRL's GRPOTrainer on the first seed: every loss and held-out point identical to `grpo`.
     assert entry["trl_check"]["identical"] is True, entry["trl_check"]
     assert entry["trl_check"]["max_loss_diff"] == 0.0
@@ -105,7 +105,7 @@ def test_the_guided_preset_records_what_guidance_did(harness, tmp_path, capsys):
                   "--out", str(out), "--no-progress"])  # fmt: skip
     entry = harness.load_results(out)["testbeds"]["single-turn"]
     run = entry["methods"]["exreplay-guided"]["runs"]["3"]
-    assert entry["methods"]["exreplay-guided"]["preset"] == harness.GUIDED
+    assert entry["methods"]["exreplay-guided"]["preset"] == {**harness.REPLAY_ONLY, **harness.GUIDED}
     assert run["settings"]["guidance_train"] == "mixed"
     guidance = run["guidance"]
     assert set(guidance) == set(harness.GUIDE_SERIES) and all(len(v) == 3 for v in guidance.values())

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import load_script
 
+from trl_exreplay.config import PROFILE_FIELDS
+
 pytestmark = pytest.mark.fast  # in the fast lane: no training
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,11 +177,11 @@ def test_the_results_line_leads_with_the_every_group_teaches_test(harness):
     single, doors = (rows(t, "grpo") for t in ("single-turn", "multi-turn"))
     single_x, doors_x = (rows(t, "exreplay") for t in ("single-turn", "multi-turn"))
     assert (
-        f"replay's defaults, {auc(single['exreplay'])} on single-turn and {auc(doors['exreplay'])} on the doors"
+        f"replay's former defaults (`exreplay`), {auc(single['exreplay'])} on single-turn and {auc(doors['exreplay'])} on the doors"
         in line
     )
     assert f"at 0.5), {auc(single[teach])} and {auc(doors[teach])};" in line
-    assert f"the defaults, {auc(single_x[teach])} and {auc(doors_x[teach])}." in line
+    assert f"the former defaults, {auc(single_x[teach])} and {auc(doors_x[teach])}." in line
     assert f"a median {to_final(single['exreplay'])} and {to_final(doors['exreplay'])} of GRPO's" in line
     assert f"`teach` {to_final(single[teach])} and {to_final(doors[teach])}." in line
     assert f"in a median {doors[teach]['to_final']['ratio']['median']:.2f}x GRPO's fresh rollouts" in verdict
@@ -190,5 +192,11 @@ def test_the_results_line_leads_with_the_every_group_teaches_test(harness):
     rule = any(v > 0 for v in low) and not any(v < 0 for v in high)
     # the bounds the rule turns on, to the precision that shows which side of 0 they fall (+0.000 would not)
     assert f"its lower bound {low[1]:+.4f}, and below 0 on neither, single-turn's upper bound {high[0]:+.4f})" in line
-    assert ("`teach` is to become the default" in line) == rule
+    assert ("`teach` became the default" in line) == rule
     assert ("`teach` does not become the default" in line) == (not rule)
+    # and the library's defaults are what the rule chose: the report runs' values, with nothing else set
+    assert harness.PRESETS["teach"] == {} and (harness.PRESETS["exreplay"] == {"replay_rescue": 0,
+                                                                                "replay_retire_solved": False})
+    assert {f: PROFILE_FIELDS[f] for f in ("replay_rescue", "replay_retire_solved", "replay_revisit_ratio")} == (
+        {"replay_rescue": 1, "replay_retire_solved": True, "replay_revisit_ratio": 0.5} if rule else
+        {"replay_rescue": 0, "replay_retire_solved": False, "replay_revisit_ratio": 0.0})

@@ -1,11 +1,12 @@
 """ExGRPO's recipe in the trainer, option by option (`replay_start="solved"`, `replay_retire_solved`,
 `replay_count_replayed_successes`, `replay_unclipped_fresh`), on the say-the-word task with a tiny model.
-Multi-process runs of the whole profile (DDP and ZeRO-3, resumed) are in test_multiprocess.py."""
+Multi-process runs of the whole profile (DDP and ZeRO-3, resumed) are in test_multiprocess.py. ExGRPO has no rescue and
+never revisits a retired question: the tests turn the library's defaults for those off."""
 
 from __future__ import annotations
 
 import torch
-from helpers import RecordingTrainer, losses, make_args, make_trainer
+from helpers import REPLAY_ONLY, RecordingTrainer, losses, make_args, make_trainer
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_exreplay import ExReplayGRPOTrainer
@@ -19,7 +20,7 @@ def fresh_rewards(trainer) -> list[float]:
 def test_replay_starts_after_the_first_batch_that_succeeds_often_enough(tmp_path):
     """ExGRPO's timing: batch s (the first whose fresh rollouts succeed > 35%) starts replay; batch s + 1 is the first
     whose successes enter the pool; batch s + 2 is the first that can replay. Before, only the skip set fills."""
-    trainer = make_trainer(tmp_path, trainer_cls=RecordingTrainer, max_steps=12, replay_start="solved")
+    trainer = make_trainer(tmp_path, trainer_cls=RecordingTrainer, max_steps=12, replay_start="solved", **REPLAY_ONLY)
     trainer.train()
     rates = fresh_rewards(trainer)
     start = next(step for step, rate in enumerate(rates) if rate > 0.35)
@@ -39,7 +40,8 @@ def test_replay_starts_after_the_first_batch_that_succeeds_often_enough(tmp_path
 
 def test_before_the_start_only_solved_tasks_are_recorded(tmp_path):
     """A threshold no batch reaches: the run never replays nor stores, but its solved tasks fill the skip set."""
-    trainer = make_trainer(tmp_path, max_steps=8, replay_start="solved", replay_start_solved_fraction=0.999)
+    options = dict(replay_start="solved", replay_start_solved_fraction=0.999, **REPLAY_ONLY)
+    trainer = make_trainer(tmp_path, max_steps=8, **options)
     trainer.train()
     assert trainer._replay.schedule.started_at is None
     assert trainer.pool.num_trajectories == 0 and trainer.pool.buckets() == {}
@@ -67,8 +69,9 @@ def test_retired_questions_leave_the_fresh_stream(tmp_path):
     """From the batch after a task entered the skip set, no group holds it; every batch keeps its 16 rows; a retired
     task never comes back (the dataset repeats its 4 tasks 8 times an epoch, as the evidence harness's datasets do)."""
     trainer = make_trainer(
-        tmp_path, trainer_cls=RetirementTrainer, num_tasks=4, max_steps=24, replay_retire_solved=True
-    )
+        tmp_path, trainer_cls=RetirementTrainer, num_tasks=4, max_steps=24, replay_retire_solved=True,
+        replay_revisit_ratio=0.0, replay_rescue=0,
+    )  # fmt: skip
     trainer.train()
     assert len(trainer.seen) == trainer.state.global_step > 12  # (it may stop early: every question retired)
     for step, (retired, group_keys, rows) in enumerate(trainer.seen):
@@ -86,7 +89,7 @@ def test_retired_questions_leave_the_fresh_stream(tmp_path):
 
 
 def test_when_every_question_is_retired_the_run_says_so_and_stops(tmp_path, caplog):
-    trainer = make_trainer(tmp_path, num_tasks=1, max_steps=60, replay_retire_solved=True, learning_rate=5e-2)
+    trainer = make_trainer(tmp_path, num_tasks=1, max_steps=60, replay_revisit_ratio=0.0, learning_rate=5e-2)
     trainer.train()
     assert trainer.pool.skip_set == ["task-0"]
     assert trainer.state.global_step < 60
@@ -133,7 +136,7 @@ def test_unclipped_fresh_tokens_are_trls_loss_without_its_clip(tmp_path):
     is TRL's loss with an infinite clip range: the same losses and weights as GRPOTrainer at epsilon 1e9, bit for bit,
     where two iterations per generation move the ratio off 1 (and the clipped run differs)."""
     common = dict(max_steps=4, num_iterations=2, learning_rate=5e-2)
-    replay = dict(replay_ratio=0.0, replay_start_ratio=0.0)
+    replay = dict(replay_ratio=0.0, replay_start_ratio=0.0, **REPLAY_ONLY)
     unclipped = make_trainer(tmp_path / "ours", replay_unclipped_fresh=True, **replay, **common)
     unclipped.train()
     clipped = make_trainer(tmp_path / "clipped", **replay, **common)

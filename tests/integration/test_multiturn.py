@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import TRAINER_DEFAULTS
+from helpers import REPLAY_ONLY, TRAINER_DEFAULTS
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 from trl_exreplay.envs import KeyDoorEnv
@@ -53,7 +53,9 @@ def make_multi_turn_trainer(
 
 
 def test_multi_turn_replay_groups(tmp_path):
-    trainer = make_multi_turn_trainer(tmp_path, max_steps=8, replay_trajectories_per_group=2, replay_start_ratio=0.25)
+    trainer = make_multi_turn_trainer(
+        tmp_path, max_steps=8, replay_trajectories_per_group=2, replay_start_ratio=0.25, **REPLAY_ONLY
+    )  # a rescued group's layout: test_every_group_teaches.py
     trainer.train()
     num_generations, k = 4, 2
     replay_steps = 0

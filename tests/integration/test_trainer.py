@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import RecordingTrainer, losses, make_args, make_trainer
+from helpers import REPLAY_ONLY, RecordingTrainer, losses, make_args, make_trainer
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -41,7 +41,9 @@ def test_disabled_replay_is_grpo_trainer(tmp_path):
 
 @pytest.mark.fast  # in the fast lane: the drop-in promise, a replaying step, a resume
 def test_replay_group_layout_and_generated_rows(tmp_path):
-    trainer = make_trainer(tmp_path, trainer_cls=RecordingTrainer, max_steps=8, replay_trajectories_per_group=2)
+    trainer = make_trainer(
+        tmp_path, trainer_cls=RecordingTrainer, max_steps=8, replay_trajectories_per_group=2, **REPLAY_ONLY
+    )  # rescued groups have their own layout (test_every_group_teaches.py)
     trainer.train()
     num_generations, k = 4, 2
     tokenizer = trainer.processing_class
@@ -325,7 +327,7 @@ def test_one_group_a_generation_batch_replays_on_alternate_batches(tmp_path, cap
     a replayed task on every second batch (the odd ones), its last row replayed, and the run says so once."""
     trainer = make_trainer(
         tmp_path, trainer_cls=RecordingTrainer, num_tasks=1, per_device_train_batch_size=4, max_steps=12,
-        replay_start_ratio=0.0, learning_rate=1e-2,
+        replay_start_ratio=0.0, learning_rate=1e-2, **REPLAY_ONLY,
     )  # fmt: skip
     assert "holds 1 task group(s), so replay_ratio=0.5 replays a group in only about one generation batch of 2" in (
         caplog.text
@@ -417,7 +419,8 @@ class OutcomeRecordingTrainer(RecordingTrainer):
 def test_a_task_in_several_groups_has_one_outcome_per_group(tmp_path):
     """One task fills the batch's four groups of 4: four outcomes of at most 4 rollouts each (the library counts a
     task's difficulty per group), never one of 16, which would sit in a bucket above G and never be stored."""
-    trainer = make_trainer(tmp_path, trainer_cls=OutcomeRecordingTrainer, num_tasks=1, max_steps=4)
+    # without rescue, whose rows count as the failures they were (test_every_group_teaches.py), not as replayed rows
+    trainer = make_trainer(tmp_path, trainer_cls=OutcomeRecordingTrainer, num_tasks=1, max_steps=4, **REPLAY_ONLY)
     trainer.train()
     tokenizer = trainer.processing_class
     for (output, _), outcomes in zip(trainer.batches, trainer.outcomes):

@@ -1,7 +1,7 @@
 """ExReplayGRPOTrainer against TRL's GRPOTrainer over a grid of TRL options (issue 25, point 2).
 
 With replay off, and with replay on before anything is replayed (``replay_start_ratio=1.0``: the pool fills, nothing
-is drawn from it), the trainer must train exactly as TRL does from the same model, data and seed: the same losses,
+is drawn from it; rescue and retired questions off, `REPLAY_ONLY`: by design they act from the first step), the trainer must train exactly as TRL does from the same model, data and seed: the same losses,
 the same weights after the steps (so the same gradients), and every metric TRL logs, under the same name, with the
 same value (bit-equal on CPU). Replay adds only its own ``replay/*`` metrics.
 """
@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_args, make_trainer
+from helpers import REPLAY_ONLY, make_args, make_trainer
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
@@ -89,6 +89,6 @@ def test_equal_to_trl_with_replay_off_and_before_replay_starts(tmp_path, model_d
     theirs = _trained(tmp_path / "trl", model_dir, GRPOTrainer, **options)
     off = _trained(tmp_path / "off", model_dir, enable_experience_replay=False, **options)
     _assert_same_as_trl(off, theirs)
-    on = _trained(tmp_path / "on", model_dir, replay_start_ratio=1.0, **options)
+    on = _trained(tmp_path / "on", model_dir, replay_start_ratio=1.0, **REPLAY_ONLY, **options)
     _assert_same_as_trl(on, theirs)
     assert any("replay/fresh_reward" in entry for entry in _logged(on))  # the pool was fed meanwhile

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import TRAINER_DEFAULTS, ids
+from helpers import REPLAY_ONLY, TRAINER_DEFAULTS, ids
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
 from trl_exreplay.envs import KeyDoorEnv
@@ -141,8 +141,8 @@ def record_episodes(trainer, engine: FakeVLLMGeneration) -> list[tuple[list, int
 def test_multi_turn_rollouts_through_vllm_carry_sampling_logprobs(tmp_path):
     max_steps = 3
     trainer = make_trainer(
-        tmp_path, max_steps=max_steps, replay_ratio=0.5, replay_start_ratio=0.0, temperature=TEMPERATURE
-    )
+        tmp_path, max_steps=max_steps, replay_ratio=0.5, replay_start_ratio=0.0, temperature=TEMPERATURE, **REPLAY_ONLY
+    )  # replayed rows only: a rescued row holds its recorded log-probs as its sampling ones (step.splice_rescued)
     engine = FakeVLLMGeneration(
         trainer.model, trainer.processing_class, trainer.temperature, trainer.max_completion_length
     )

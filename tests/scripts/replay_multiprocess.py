@@ -8,8 +8,9 @@ optimizer, RNG) of an earlier run with the same settings. `trl-options` trains w
 makes collective calls of its own (TRL's entropy selection gathers every rank's entropies) or is not the default
 clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`. `scratch=DIR`: the
 live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared. `small-shards`: the
-trainer gets a pool whose shards hold 2 rows, so that files are written during training. `ratio=R`: `replay_ratio` (default 1). `exgrpo` or `teach`: that `replay_profile` for 12 steps on a dataset of 6
-rows (an epoch of 2 steps, so questions retire during the run). `guided`: experience-guided rollouts too (mixed, half
+trainer gets a pool whose shards hold 2 rows, so that files are written during training. `ratio=R`: `replay_ratio` (default 1). `exgrpo` (that `replay_profile`) or `teach` (the library's defaults:
+rescue, retired questions revisited) for 12 steps on a dataset of 6 rows (an epoch of 2 steps, so questions retire
+during the run); without either, the former defaults (no rescue, no retirement), which the other tests' figures assume. `guided`: experience-guided rollouts too (mixed, half
 the tasks keep, the offline provider updated every step; evaluation guided every 3 steps, one group spanning both
 ranks); each rank records every allocation it draws.
 
@@ -102,7 +103,12 @@ class CountingTrainer(ExReplayGRPOTrainer):
             self._multi_turn.engine.run = recording_run
 
 
-PROFILE = next((o for o in options if o in ("exgrpo", "teach")), None)  # replay_profile, 12 steps on 6 rows
+PROFILE = next((o for o in options if o in ("exgrpo", "teach")), None)  # 12 steps on 6 rows
+PROFILE_SETTINGS = {
+    "exgrpo": {"replay_profile": "exgrpo"},
+    "teach": {},
+    None: {"replay_rescue": 0, "replay_retire_solved": False},
+}
 TRL_OPTIONS = dict(loss_type="cispo", top_entropy_quantile=0.5, entropy_coef=0.01, off_policy_mask_threshold=0.5)
 episodes = []
 tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY if multi_turn else VOCABULARY)
@@ -138,7 +144,7 @@ config = ExReplayGRPOConfig(
     **(multi_turn_settings if multi_turn else single_turn_settings),
     **(TRL_OPTIONS if "trl-options" in options else {}),
     **(GUIDED if "guided" in options else {}),
-    **({"replay_profile": PROFILE} if PROFILE in options else {}),
+    **PROFILE_SETTINGS[PROFILE],
 )
 if multi_turn:
     task_setup = dict(text_env_factory=KeyDoorEnv, train_dataset=key_door_dataset(num_tasks=1, repeats=40))

@@ -90,9 +90,9 @@ DEFAULTS = {
     "replay_start": "steps",
     "replay_start_ratio": 0.35,
     "replay_start_solved_fraction": 0.35,
-    "replay_retire_solved": False,
-    "replay_revisit_ratio": 0.0,
-    "replay_rescue": 0,
+    "replay_retire_solved": True,
+    "replay_revisit_ratio": 0.5,
+    "replay_rescue": 1,
     "replay_count_replayed_successes": False,
     "replay_unclipped_fresh": False,
     "replay_trajectories_per_group": 1,
@@ -151,6 +151,8 @@ def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_pa
     assert {name: getattr(c, name) for name in REPLAY_PROFILES["exgrpo"]} == {
         "replay_start": "solved",
         "replay_retire_solved": True,
+        "replay_revisit_ratio": 0.0,
+        "replay_rescue": 0,
         "replay_count_replayed_successes": True,
         "replay_unclipped_fresh": True,
         "replay_bucket_weighting": "normal",
@@ -169,15 +171,16 @@ def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_pa
     )
 
 
-def test_the_teach_profile_rescues_and_retires_with_revisits(tmp_path):
-    c = make(tmp_path, replay_profile="teach")
+def test_the_defaults_rescue_and_retire_with_revisits(tmp_path):
+    c = make(tmp_path)
     assert (c.replay_rescue, c.replay_retire_solved, c.replay_revisit_ratio) == (1, True, 0.5)
-    # the rest is the library's defaults
-    assert (c.replay_start, c.replay_shaping, c.replay_bucket_weighting) == ("steps", "clip", "uniform")
-    assert make(tmp_path, replay_profile="teach", replay_rescue=0).replay_rescue == 0
-    # turning its retirement off turns its revisits off with it (they revisit retired questions)
-    mine = make(tmp_path, replay_profile="teach", replay_retire_solved=False)
+    assert make(tmp_path, replay_rescue=0).replay_rescue == 0
+    # turning retirement off turns its revisits off with it (they revisit retired questions), unless they are set
+    mine = make(tmp_path, replay_retire_solved=False)
     assert (mine.replay_retire_solved, mine.replay_revisit_ratio, mine.replay_rescue) == (False, 0.0, 1)
+    # the defaults before every group taught (the `exreplay` arm of the earlier tests)
+    before = make(tmp_path, replay_retire_solved=False, replay_rescue=0)
+    assert (before.replay_retire_solved, before.replay_revisit_ratio, before.replay_rescue) == (False, 0.0, 0)
 
 
 def test_the_profile_is_read_from_yaml_and_flags_as_it_is_from_code(tmp_path):
@@ -306,7 +309,11 @@ INVALID = [
     ("max_tokens_per_turn", dict(max_tokens_per_turn=True), "None or integers >= 1"),
     ("env_workers", dict(env_workers=True), "integers >= 1"),
     ("replay_revisit_ratio", dict(replay_revisit_ratio=1.5), "numbers in [0, 1]"),
-    ("replay_revisit_ratio", dict(replay_revisit_ratio=0.5), "set replay_retire_solved=True"),
+    (
+        "replay_revisit_ratio",
+        dict(replay_revisit_ratio=0.5, replay_retire_solved=False),
+        "set replay_retire_solved=True",
+    ),
     ("replay_rescue", dict(replay_rescue=4), "integers 0 .. num_generations - 1 = 3"),
     ("replay_rescue", dict(replay_rescue=-1), "integers 0 .. num_generations - 1 = 3"),
     ("guidance_train", dict(guidance_train="some"), "'off', 'mixed', 'all'"),
