@@ -17,6 +17,7 @@ from trl.models import unwrap_model_for_generation
 
 from .distributed import any_rank_active, generation_is_collective
 from .envs import env_reward
+from .envs.settings import MultiTurnSettings
 from .pool import task_key
 from .rollout import MultiTurnRollout, generate_batch
 
@@ -24,18 +25,23 @@ logger = logging.getLogger(__name__)
 
 
 class MultiTurnRollouts:
-    """The `text_env_factory` games of a run (`options`: the config's replay fields), played by the policy of the
+    """The `text_env_factory` games of a run (`settings`: its `MultiTurnSettings`; `task_id_column` and
+    `success_threshold`: the config's `task_id_column`, `replay_success_threshold`), played by the policy of the
     `GRPOTrainer` each call is given. Build it with `for_trainer`, after TRL's `__init__`."""
 
-    def __init__(self, engine: MultiTurnRollout, options: dict, reward_funcs: list):
+    def __init__(self, engine: MultiTurnRollout, settings: MultiTurnSettings, reward_funcs: list, *,
+                 task_id_column: str, success_threshold: float):  # fmt: skip
         self.engine = engine
-        self.options = options
+        self.settings = settings
+        self._task_id_column = task_id_column
+        self._success_threshold = success_threshold
         self._env_index = next((j for j, f in enumerate(reward_funcs) if f is env_reward), None)
 
     @classmethod
-    def for_trainer(cls, text_env_factory, trainer, options: dict) -> MultiTurnRollouts:
-        """The games of `trainer` (a `GRPOTrainer` whose `__init__` ran), checked against its settings."""
-        column, args = options["task_id_column"], trainer.args
+    def for_trainer(cls, text_env_factory, trainer, settings: MultiTurnSettings, replay) -> MultiTurnRollouts:
+        """The games of `trainer` (a `GRPOTrainer` whose `__init__` ran; `replay`: its `ReplaySettings`), checked
+        against its settings."""
+        column, args = replay.task_id_column, trainer.args
         names = getattr(trainer.train_dataset, "column_names", None)
         if names is not None and column not in names:
             raise ValueError(
@@ -55,24 +61,25 @@ class MultiTurnRollouts:
         engine = MultiTurnRollout(
             text_env_factory,
             trainer.processing_class,
-            max_turns=options["max_turns"],
+            max_turns=settings.max_turns,
             max_completion_length=trainer.max_completion_length,
-            max_tokens_per_turn=options["max_tokens_per_turn"],
-            step_timeout=options["env_step_timeout"],
-            workers=options["env_workers"],
-            system_prompt_column=options["system_prompt_column"],
+            max_tokens_per_turn=settings.max_tokens_per_turn,
+            step_timeout=settings.env_step_timeout,
+            workers=settings.env_workers,
+            system_prompt_column=settings.system_prompt_column,
             chat_template_kwargs=trainer.chat_template_kwargs,
             max_prompt_tokens=model_context(trainer.model, args if trainer.use_vllm else None),
-            special_tokens=options["env_special_tokens"],
+            special_tokens=settings.env_special_tokens,
         )
-        return cls(engine, options, trainer.reward_funcs)
+        return cls(engine, settings, trainer.reward_funcs, task_id_column=column,
+                   success_threshold=replay.replay_success_threshold)  # fmt: skip
 
     def with_prompt(self, row: dict) -> dict:
         """A copy of the row with a placeholder prompt (TRL requires one); the rollout replaces it in place with the
         real one, the environment's first observation, which is what reward functions and logs then see."""
         return {
             **row,
-            "prompt": [{"role": "user", "content": f"task {task_key(row, self.options['task_id_column'])}"}],
+            "prompt": [{"role": "user", "content": f"task {task_key(row, self._task_id_column)}"}],
         }
 
     def rollout(self, step, trainer, *, fit_completion, guidance=None) -> dict:
@@ -106,10 +113,10 @@ class MultiTurnRollouts:
             episodes = self._generate_episodes_hf(trainer, tasks, sync, guiding)
         by_row = dict(zip(fresh, episodes))
         step.faulted_rows = {i for i, episode in by_row.items() if episode.error is not None}
-        column = self.options["task_id_column"]
+        column = self._task_id_column
         real_prompts = {}
         for i, episode in by_row.items():
-            system = episode.task.get(self.options["system_prompt_column"])
+            system = episode.task.get(self.settings.system_prompt_column)
             messages = [{"role": "system", "content": system}] if system else []
             real_prompts[i] = messages + [{"role": "user", "content": episode.observation}]
             real_prompts.setdefault(task_key(rows[i], column), real_prompts[i])
@@ -172,7 +179,7 @@ class MultiTurnRollouts:
             return self.engine.run(tasks, generate, sync, **guiding)
 
     def _log_env_metrics(self, episodes, accelerator, metrics) -> None:
-        threshold = self.options["replay_success_threshold"]
+        threshold = self._success_threshold
         steps = [s for e in episodes for s in e.step_seconds]
         local = torch.tensor(
             [

@@ -17,16 +17,16 @@ from .pool import Trajectory
 
 
 def select_trajectories(
-    pool, plan: ReplayPlan, options: dict, step: int, seed, accelerator, policy_forward: Callable, on_main: Callable
+    pool, plan: ReplayPlan, settings, step: int, seed, accelerator, policy_forward: Callable, on_main: Callable
 ) -> dict[str, list[Trajectory]]:
     """The trajectories of each task `plan` replays (identical on every rank), read where the pool's rows are:
     `on_main(read)` runs `read` on rank 0 and sends its result to every rank. Collective when `plan` replays."""
     if not plan.replay_groups:
         return {}
-    k, age, window = plan.num_replayed, options["replay_max_policy_age"], options["replay_window"]
+    k, age, window = plan.num_replayed, settings.replay_max_policy_age, None  # `settings`: the run's ReplaySettings
     rng = np.random.default_rng([*seed, 1])
     tasks = list(plan.replay_groups.values())
-    if not options["replay_select_by_current_entropy"] or options["replay_select_mode"] == "random":
+    if not settings.replay_select_by_current_entropy:  # None under replay_select_mode="random"
         # By saved entropy (or at random): chosen on the pool's index; only the chosen trajectories are read.
         return on_main(lambda: pool.choose(tasks, k, step, age, window, rng))
     # By entropy under the current policy: every candidate of a task with more than k is scored.

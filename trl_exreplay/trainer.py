@@ -15,16 +15,16 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
-from .config import replay_options, validate_replay_options
+from .config import ReplaySettings, replay_settings
 from .custom_rollouts import replaying_rollout
 from .distributed import any_rank_active, generation_is_collective, uses_gloo_group
 from .envs import env_reward
-from .guidance import ExperienceProvider
+from .guidance import ExperienceProvider, GuidanceSettings
 from .guided_rollouts import EXPERIENCE_DIR, GuidedRollouts, guided_rollouts
 from .hub import CITATIONS
 from .loss import OffPolicyOptions, off_policy_loss, reduce_as_trl
 from .metrics import FaultCounts, log_off_policy
-from .multiturn import MultiTurnRollouts, check_multi_turn_vllm
+from .multiturn import MultiTurnRollouts, MultiTurnSettings, check_multi_turn_vllm
 from .pool import ExperiencePool
 from .replay import POOL_DIR, POOL_WORK_DIR, ReplayController
 from .schedule import EpochSeededSampler
@@ -39,10 +39,11 @@ __all__ = ["EXPERIENCE_DIR", "POOL_DIR", "POOL_WORK_DIR", "ExReplayGRPOTrainer"]
 class ExReplayGRPOTrainer(GRPOTrainer):
     r"""
     `GRPOTrainer` with experience replay (ExGRPO / AgentEvolver). Same arguments as [`trl.GRPOTrainer`], plus
-    `experience_pool` to start from an existing pool, `text_env_factory` for multi-turn games and
-    `experience_provider` for experience-guided rollouts (`trl_exreplay.guidance`; off unless the config's
-    `guidance_train` or `guidance_eval` guides). Replay is configured by [`ExReplayGRPOConfig`]; a plain
-    `GRPOConfig` replays with the default settings, and `enable_experience_replay=False` gives `GRPOTrainer` exactly.
+    `experience_pool` to start from an existing pool, `text_env_factory` (with `multi_turn`, its
+    `MultiTurnSettings`) for multi-turn games, and `guidance` (`GuidanceSettings`, with `experience_provider`) for
+    experience-guided rollouts (`trl_exreplay.guidance`; off unless a rollout mode guides). Replay is configured by
+    [`ExReplayGRPOConfig`]; a plain `GRPOConfig` replays with the default settings, and
+    `enable_experience_replay=False` gives `GRPOTrainer` exactly.
 
     TRL methods it overrides, each calling `super()` (no TRL method body is copied), and why:
 
@@ -139,6 +140,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         *,
         experience_pool: ExperiencePool | None = None,
         text_env_factory: Callable[[], object] | None = None,
+        multi_turn: MultiTurnSettings | None = None,
+        guidance: GuidanceSettings | None = None,
         experience_provider: ExperienceProvider | None = None,
     ):
         """`GRPOTrainer`'s parameters (see [`trl.GRPOTrainer`]), then ours."""
@@ -154,10 +157,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )  # fmt: skip
-        self.replay = replay_options(self.args)
-        validate_replay_options(self.replay, self.num_generations)
-        self._replay_enabled = bool(self.replay["enable_experience_replay"])
-        if self.replay["tool_special_tokens"] == "remove" and (self.tools or self.environment_factories is not None):
+        self.settings: ReplaySettings = replay_settings(self.args)  # made and checked once, read as attributes
+        self._replay_enabled = self.settings.enable_experience_replay
+        if self.settings.tool_special_tokens == "remove" and (self.tools or self.environment_factories is not None):
             self._tool_text = SpecialTokenFilter(self._tokenizer, "remove")
             if self.environment_factories is not None:
                 self._clean_environment_resets()
@@ -165,16 +167,18 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             self.rollout_func = replaying_rollout(self.rollout_func, self)  # asked for the fresh rows only
         self.text_env_factory = text_env_factory
         if text_env_factory is not None:
-            self._multi_turn = MultiTurnRollouts.for_trainer(text_env_factory, self, self.replay)
+            self._multi_turn = MultiTurnRollouts.for_trainer(
+                text_env_factory, self, multi_turn or MultiTurnSettings(), self.settings
+            )
             self.rollout_func = self._multi_turn_rollout
         self._faults = FaultCounts()  # faults and mismatches, logged once per kind
-        self._replay = ReplayController.for_trainer(self, experience_pool, self._faults)
+        self._replay = ReplayController.for_trainer(self, experience_pool, self._faults, guidance)
         unsupported = {
             "tools or environment_factory (TRL's tool loop)": bool(tools) or environment_factory is not None,
             "a custom rollout_func": rollout_func is not None,
             "vision-language models": self._is_vlm,
         }
-        self._guidance = guided_rollouts(self, experience_provider, self._faults, unsupported)
+        self._guidance = guided_rollouts(self, guidance, experience_provider, self._faults, unsupported)
         self._guide_train = self._guidance is not None and self._guidance.train
         self._guide_eval = self._guidance is not None and self._guidance.eval
         if self._replay_enabled or text_env_factory is not None or self._guidance is not None:
@@ -436,7 +440,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         # TRL's loss makes one policy forward; the hook keeps its log-probs and entropies (the pool's records too).
         self._loss_forward = forward = LossForward(inputs)
         clip = self.epsilon_low, self.epsilon_high
-        if self.replay["replay_unclipped_fresh"] and self._replay_started() and self.model.training:
+        if self.settings.replay_unclipped_fresh and self._replay_started() and self.model.training:
             # ExGRPO's loss_remove_clip: TRL's loss reads its clip range when it runs; an infinite one clips nothing
             self.epsilon_low = self.epsilon_high = float("inf")
         try:
@@ -456,9 +460,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             )
         training, logps = self.model.training, forward.logps
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-        behaviour = inputs["recorded_per_token_logps"] if self.replay["replay_importance_sampling"] else logps.detach()
+        behaviour = inputs["recorded_per_token_logps"] if self.settings.replay_importance_sampling else logps.detach()
         options = OffPolicyOptions.from_config(
-            self.args, self.replay, loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+            self.args, self.settings, loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
             epsilon_low=self.epsilon_low, off_policy_mask_threshold=self.off_policy_mask_threshold,
         )  # fmt: skip
         per_token_loss, metrics = off_policy_loss(

@@ -231,13 +231,11 @@ def replay_log(tmp_path, **overrides):
     ]
 
 
-def test_max_policy_age_and_replay_window_limit_what_is_replayed(tmp_path):
+def test_max_policy_age_limits_what_is_replayed(tmp_path):
     tasks, ages = replay_log(tmp_path / "free")
     assert max(tasks) == 2 and max(ages) > 1  # unconstrained: two replay groups, some trajectories older than 1
     tasks, ages = replay_log(tmp_path / "age", replay_max_policy_age=1)
     assert max(tasks) >= 1 and max(ages) <= 1
-    tasks, _ = replay_log(tmp_path / "window", replay_window=1)  # only the last stored trajectory: one task
-    assert max(tasks) == 1
 
 
 def _stored_trajectories(trainer, task_id, completions, saved_entropies):
@@ -270,7 +268,7 @@ def test_selection_by_current_or_saved_entropy(tmp_path, use_current):
     for trajectory in _stored_trajectories(trainer, "task-0", completions, saved):
         trainer.pool.add(trajectory)
     plan = ReplayPlan(num_generations=4, num_replayed=1, replay_groups={0: "task-0"})
-    chosen = select_trajectories(trainer.pool, plan, trainer.replay, 0, [0, 0], trainer.accelerator,
+    chosen = select_trajectories(trainer.pool, plan, trainer.settings, 0, [0, 0], trainer.accelerator,
                                  functools.partial(policy_forward, trainer), lambda read: read())["task-0"][0]  # fmt: skip
     expected = int(np.argmin(current)) if use_current else int(np.argmin(saved))
     assert chosen.completion_ids == trainer.pool.candidates("task-0")[expected].completion_ids
@@ -352,7 +350,7 @@ def test_one_group_a_generation_batch_replays_on_alternate_batches(tmp_path, cap
 def test_plain_grpo_config_replays_with_defaults(tmp_path):
     args = make_args(tmp_path, GRPOConfig, max_steps=6)
     trainer = make_trainer(tmp_path, args=args)
-    assert trainer.replay["replay_ratio"] == 0.5 and trainer.replay["enable_experience_replay"]
+    assert trainer.settings.replay_ratio == 0.5 and trainer.settings.enable_experience_replay
     trainer.train()
     assert max(e.get("replay/tasks", 0) for e in trainer.state.log_history) > 0
 
