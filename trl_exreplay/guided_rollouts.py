@@ -37,7 +37,6 @@ from .guidance.allocation import allocate_guidance
 from .guidance.summarizer import BackgroundSummarizer
 from .guidance.template import fit_experience, format_experience, insert_experience, task_text
 from .multiturn import model_context
-from .selection import policy_forward
 from .untrusted_text import added_token_strings, remove_token_strings, token_prefix
 
 logger = logging.getLogger(__name__)
@@ -61,6 +60,8 @@ def guided_rollouts(
     provider: ExperienceProvider | None,
     faults,
     unsupported: dict[str, bool],
+    *,
+    policy_forward,
 ) -> GuidedRollouts | None:
     """The `GuidedRollouts` of `trainer` (a `GRPOTrainer` whose `__init__` ran) under `settings`, or None when neither
     training nor evaluation is guided (`guidance_train`, `guidance_eval`). Without a `provider`, the in-process
@@ -85,7 +86,7 @@ def guided_rollouts(
         multi_turn=trainer.text_env_factory is not None,
         context=model_context(trainer.model, trainer.args if trainer.use_vllm else None),
         max_completion_length=trainer.max_completion_length,
-        policy_forward=functools.partial(policy_forward, trainer),
+        policy_forward=policy_forward,
         faults=faults,
         unsupported=unsupported,
     )

@@ -1,82 +1,61 @@
 """The replay side of a training step, as one object the trainer's hooks call: `ReplayController`.
 
-It holds the experience pool (made from the config, bound to the tokenizer and the model's vocabulary, shared
-between ranks, saved and resumed with checkpoints), ExGRPO's start rule and retired questions, and the outcomes of the
-last generation step until the pool records them. Per step it draws the plan (`planner.plan_replay`) and the replayed
-trajectories (`selection`), splices them into generation, and queues the fresh rollouts' outcomes.
+Per step it draws the plan (`planner.plan_replay`, ExGRPO's start rule and retired questions) and the replayed
+trajectories (`selection`), splices them into generation (and rescued successes into scoring), and queues the fresh
+rollouts' outcomes until the pool records them at the next step. The pool itself, made once, shared, saved and
+resumed, is `trl_exreplay.keeper.PoolKeeper`'s; the controller reads it through the keeper.
 
-What it needs from the trainer is given to it: settings and a few functions at construction (`for_trainer` reads them
-off the trainer once), the step's figures in each call; no method reads a trainer attribute. The methods marked
-collective must be called by every rank at the same point of the step (they gather or reduce).
+What it needs from the trainer is given to it: settings, values and functions at construction (`for_trainer` reads
+them off the trainer once), the step's figures in each call; it keeps no trainer. The methods marked collective must
+be called by every rank at the same point of the step (they gather or reduce).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import logging
-import os
-import warnings
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from accelerate.utils import gather_object
 
-from .distributed import from_main_process, gather_row_flags
+from .distributed import gather_row_flags
+from .keeper import PoolKeeper
 from .metrics import FaultCounts, log_generation
 from .outcomes import PendingOutcomes, task_outcomes, trajectory_records, zero_spread_share
 from .planner import ReplayPlan, plan_replay, plan_rescue, replay_groups_due
-from .pool import ExperiencePool, task_key, tokenizer_fingerprint
+from .pool import task_key
 from .pool.rules import is_solved
-from .schedule import ReplaySchedule, redirect_retired_groups, revisited_groups, starts_replay
-from .selection import policy_forward, select_trajectories
+from .schedule import redirect_retired_groups, revisited_groups, starts_replay
+from .selection import select_trajectories
 from .step import GenerationStep
 
 logger = logging.getLogger(__name__)
 
-POOL_DIR = "exreplay_pool"
-# The live pool's shards, under output_dir (same disk as the checkpoints, so saves hard-link instead of copying); the
-# leading underscore keeps it out of `Trainer.push_to_hub` uploads.
-POOL_WORK_DIR = "_exreplay_pool_work"
-
-# `ExperiencePool`'s keyword arguments keep ExGRPO's key names where it has them (`experience_lbound`,
-# `experience_rbound`, `exp_select_mode`: its `verl/mix_src/config/mix_ppo_trainer.yaml`); the config field of each,
-# for the warning that names what a given pool had set otherwise.
-_POOL_SETTING_FIELDS = {
-    "max_trajectories_per_task": "replay_max_trajectories_per_task",
-    "experience_lbound": "replay_store_lbound",
-    "experience_rbound": "replay_store_rbound",
-    "exp_select_mode": "replay_select_mode",
-    "pool_store_mode": "replay_store_mode",
-    "max_policy_age": "replay_max_policy_age",
-}
-
 
 class ReplayController:
-    """The pool, the plan and the outcomes of `ExReplayGRPOTrainer`'s steps (`settings`: the config's
-    `ReplaySettings`). With replay off it still runs: the plan replays nothing, and the outcomes only feed guided
-    rollouts' summariser (`reads_pool`: guided rollouts start from the pool's trajectories)."""
+    """The plan, the splice and the outcomes of `ExReplayGRPOTrainer`'s steps (`settings`: the config's
+    `ReplaySettings`), over the pool `keeper` holds. With replay off it still runs: the plan replays nothing, and the
+    outcomes only feed guided rollouts' summariser (`guided_training`: they are guided)."""
 
     def __init__(
         self,
         settings,
+        keeper: PoolKeeper,
         *,
         args,
         accelerator,
         num_generations: int,
-        processing_class,
-        model,
         train_dataset,
-        experience_pool: ExperiencePool | None,
         policy_forward: Callable,
         faults: FaultCounts,
         multi_turn: bool = False,
         max_completion_length: int | None = None,
         guided_training: bool = False,
-        reads_pool: bool = False,
     ):
         self.settings = settings
+        self.keeper = keeper
         self.enabled = settings.enable_experience_replay
         self.num_generations = num_generations
         self._args = args
@@ -85,7 +64,6 @@ class ReplayController:
         self._faults = faults
         self._multi_turn = multi_turn
         self._max_completion_length = max_completion_length
-        self.schedule = ReplaySchedule()  # ExGRPO's start step, saved with checkpoints
         self._train_dataset = train_dataset
         self.retiring = self.enabled and settings.replay_retire_solved
         if self.retiring and not hasattr(train_dataset, "__getitem__"):
@@ -110,14 +88,13 @@ class ReplayController:
         self.pending: PendingOutcomes | None = None  # the last step's outcomes, not yet in the pool
         self._said_task_ids = not (self.enabled or guided_training)  # said once, where ids matter
         self._said_all_solved = False
-        self._setup_pool(processing_class, model, experience_pool, reads_pool)
 
     @classmethod
-    def for_trainer(cls, trainer, experience_pool: ExperiencePool | None, faults: FaultCounts,
-                    guidance=None) -> ReplayController:  # fmt: skip
+    def for_trainer(cls, trainer, keeper: PoolKeeper, faults: FaultCounts, *, policy_forward: Callable,
+                    guided_training: bool) -> ReplayController:  # fmt: skip
         """The replay side of `trainer` (a `GRPOTrainer` whose `__init__` ran; `trainer.settings`: its
-        `ReplaySettings`; `guidance`: the run's `GuidanceSettings`, if any). Refuses what replay cannot train and warns
-        where it can do little (docs/support.md says why)."""
+        `ReplaySettings`), read off it once. Refuses what replay cannot train and warns where it can do little
+        (docs/support.md says why)."""
         settings, args = trainer.settings, trainer.args
         if settings.enable_experience_replay:
             if trainer._is_vlm:
@@ -139,125 +116,31 @@ class ReplayController:
                 )  # fmt: skip
         return cls(
             settings,
+            keeper,
             args=args,
             accelerator=trainer.accelerator,
             num_generations=trainer.num_generations,
-            processing_class=trainer.processing_class,
-            model=trainer.model,
             train_dataset=trainer.train_dataset,
-            experience_pool=experience_pool,
-            policy_forward=functools.partial(policy_forward, trainer),
+            policy_forward=policy_forward,
             faults=faults,
             multi_turn=trainer.text_env_factory is not None,
             max_completion_length=trainer.max_completion_length,
-            guided_training=guidance is not None and guidance.guidance_train != "off",
-            reads_pool=guidance is not None and guidance.guidance_init_from_pool,
+            guided_training=guided_training,
         )
 
-    # ------------------------------------------------------------------------------------------------- pool
-    def _setup_pool(self, processing_class, model, experience_pool: ExperiencePool | None, reads_pool: bool) -> None:
-        s = self.settings
-        self._pool_settings = dict(
-            max_trajectories_per_task=s.replay_max_trajectories_per_task,
-            experience_lbound=s.replay_store_lbound,
-            experience_rbound=self.num_generations if s.replay_store_rbound is None else s.replay_store_rbound,
-            exp_select_mode=s.replay_select_mode,
-            pool_store_mode=s.replay_store_mode,
-            max_policy_age=s.replay_max_policy_age,
-            seed=self._args.seed,
-        )
-        # The pool's token ids must be this tokenizer's wherever they are read: replay, and the experience of guided
-        # rollouts when it starts from the pool.
-        reads_pool = self.enabled or reads_pool
-        self._tokenizer_fingerprint = tokenizer_fingerprint(processing_class) if reads_pool else None
-        self._vocab_size = _vocab_size(model)
+    @property
+    def pool(self):
+        """The run's `ExperiencePool` (the keeper's: it is replaced on resume)."""
+        return self.keeper.pool
 
-        def make() -> ExperiencePool:
-            if experience_pool is not None:
-                return self._adopt_pool(experience_pool, "the given experience_pool")
-            pool = ExperiencePool(**self._pool_settings, work_dir=self._pool_work_dir())
-            if self._vocab_size is not None:
-                pool.set_vocab_size(self._vocab_size)
-            if self._tokenizer_fingerprint is not None:
-                pool.bind_tokenizer(self._tokenizer_fingerprint)
-            return pool
-
-        self._take_pool(make)
-
-    def _take_pool(self, make: Callable[[], ExperiencePool]) -> None:
-        """Rank 0 takes the pool `make()` returns and alone holds its rows, which it reads for every rank
-        (`_on_main`); the other ranks hold its index (`ExperiencePool.from_index_snapshot`), so that their plans and
-        pools' decisions stay the same as rank 0's. One copy of the pool's files per run. Collective."""
-
-        def take() -> dict | None:
-            self.pool = make()
-            return self.pool.index_snapshot() if self._accelerator.num_processes > 1 else None
-
-        snapshot = self._on_main(take)
-        if not self._accelerator.is_main_process:
-            self.pool = ExperiencePool.from_index_snapshot(snapshot)
+    @property
+    def schedule(self):
+        """ExGRPO's start step (the keeper's: saved and resumed with the pool)."""
+        return self.keeper.schedule
 
     def _on_main(self, read: Callable):
         """`read()` on rank 0, its result sent to every rank. Collective."""
-        return from_main_process(self._accelerator, read)
-
-    def _pool_work_dir(self) -> str:
-        return self.settings.replay_scratch_dir or os.path.join(self._args.output_dir, POOL_WORK_DIR)
-
-    def _adopt_pool(self, pool: ExperiencePool, source: str) -> ExperiencePool:
-        """Use `pool` under this run's configuration (the config wins over the settings the pool was saved with).
-
-        A pool recorded with another tokenizer is refused: its token ids would mean other tokens here; so is one holding
-        trajectories but no tokenizer fingerprint, unless the caller bound it (`pool.bind_tokenizer`). Trajectories
-        with token ids outside the model's vocabulary are removed and counted."""
-        if self._tokenizer_fingerprint is not None:
-            if pool.tokenizer_fingerprint is None and pool.num_trajectories:
-                raise ValueError(
-                    f"The experience pool from {source} holds {pool.num_trajectories} trajectories but records no "
-                    "tokenizer fingerprint, so nothing says its token ids are this tokenizer's. If they are, bind it "
-                    "first: pool.bind_tokenizer(trl_exreplay.pool.tokenizer_fingerprint(tokenizer))."
-                )
-            pool.bind_tokenizer(self._tokenizer_fingerprint, source)
-        if self._vocab_size is not None and pool.vocab_size != self._vocab_size:
-            pool.set_vocab_size(self._vocab_size)
-        changed = pool.configure(**self._pool_settings)
-        if changed:
-            # The pool's own settings keep ExGRPO's key names; the run sets them under the config's names.
-            fields = [_POOL_SETTING_FIELDS.get(name, name) for name in changed]
-            logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, fields)
-        return pool
-
-    def save(self, output_dir: str, should_save: bool) -> None:
-        """Save the pool (and ExGRPO's start step) in `output_dir`. Call on every rank, the saving one with
-        `should_save`."""
-        if should_save:
-            if self.pool.holds_rows:  # rank 0: with `save_on_each_node`, another machine's checkpoint has no pool
-                self.pool.save(os.path.join(output_dir, POOL_DIR))
-            if self.schedule != ReplaySchedule():
-                self.schedule.save(output_dir)
-
-    def resume(self, checkpoint: str) -> None:
-        """Take the pool saved in `checkpoint` (or, where there is none, say loudly that the run resumes empty) and
-        ExGRPO's start step. Collective: rank 0 loads the pool (`_take_pool`)."""
-        self.schedule = ReplaySchedule.load(checkpoint)  # the step replay started at, if it did
-        path = os.path.join(checkpoint, POOL_DIR)
-
-        def load() -> ExperiencePool:
-            if os.path.lexists(path):
-                pool = ExperiencePool.load(path, vocab_size=self._vocab_size, work_dir=self._pool_work_dir())
-                return self._adopt_pool(pool, checkpoint)
-            if not self.settings.replay_resume_without_pool:
-                message = (
-                    f"trl_exreplay: the checkpoint {checkpoint} holds no experience pool ({POOL_DIR}/): training "
-                    "resumes with an EMPTY pool, so nothing is replayed until it fills again. If the pool was lost, "
-                    "stop and restore it; to start empty on purpose, set replay_resume_without_pool=True."
-                )
-                logger.warning(message)
-                warnings.warn(message, stacklevel=4)
-            return self.pool
-
-        self._take_pool(load)
-        self.pending = None
+        return self.keeper.on_main(read)
 
     # ------------------------------------------------------------------------------------------- the plan
     def started(self, global_step: int, max_steps: int) -> bool:
@@ -610,12 +493,3 @@ def say_task_id_source(rows: list[dict], column: str) -> None:
             "trl_exreplay: %d of the first batch's %d rows have no %r value (None or absent): their task id is a hash "
             "of their prompt, the others' their %r value.", missing, len(rows), column, column,
         )  # fmt: skip
-
-
-def _vocab_size(model) -> int | None:
-    """The number of token ids the model embeds (its config's, after any resize), None when it does not say."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    size = getattr(config, "vocab_size", None)
-    return size if isinstance(size, int) and size > 0 else None

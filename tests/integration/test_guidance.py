@@ -19,7 +19,6 @@ from trl_exreplay.guidance import ExperienceRecord
 from trl_exreplay.guidance.allocation import allocate_guidance, rollout_add_exp, train_sample_modes
 from trl_exreplay.guidance.template import fit_experience, format_experience, insert_experience, strip_experience
 from trl_exreplay.rollout import ChatTurns
-from trl_exreplay.selection import policy_forward
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
 TEMPLATE = "please {} ok "  # words of the tiny vocabulary, so every token is a real one
@@ -80,7 +79,7 @@ KEEP_ALL = {**{k: v for k, v in GUIDED.items() if k != "guidance_keep_ratio"}, "
 
 
 # ------------------------------------------------------------------------------------------------ allocation
-def test_allocation_follows_the_seeds_rules():
+def test_allocation_follows_agentevolvers_rules():
     rng = np.random.default_rng(0)
     # keep_count = int(tasks * ratio): 7 tasks at 0.5 -> 3 keep
     assert sorted(train_sample_modes(7, "hybrid", 0.5, rng)) == ["discard"] * 4 + ["keep"] * 3
@@ -167,7 +166,7 @@ def test_guided_rows_train_on_the_prompt_their_task_keeps_with_exp_mask_on_repla
             n = int(completion_mask[i].sum())
             completion = output["completion_ids"][i, :n].tolist()
             with_guidance, without = (
-                policy_forward(trainer, [ids], [completion], [[1] * n])[0][0, :n]
+                trainer._policy_forward([ids], [completion], [[1] * n])[0][0, :n]
                 for ids in (step.guided_prompt_ids[i], step.plain_prompt_ids[i])
             )
             recorded = output["recorded_per_token_logps"][i, :n]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
@@ -17,7 +16,7 @@ from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.planner import ReplayPlan
 from trl_exreplay.pool import tokenizer_fingerprint
 from trl_exreplay.pool.folder import read_state, state_files
-from trl_exreplay.selection import current_policy_entropies, policy_forward, select_trajectories
+from trl_exreplay.selection import current_policy_entropies, select_trajectories
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 from trl_exreplay.trainer import POOL_DIR, POOL_WORK_DIR
 
@@ -269,7 +268,7 @@ def test_selection_by_current_or_saved_entropy(tmp_path, use_current):
         trainer.pool.add(trajectory)
     plan = ReplayPlan(num_generations=4, num_replayed=1, replay_groups={0: "task-0"})
     chosen = select_trajectories(trainer.pool, plan, trainer.settings, 0, [0, 0], trainer.accelerator,
-                                 functools.partial(policy_forward, trainer), lambda read: read())["task-0"][0]  # fmt: skip
+                                 trainer._policy_forward, lambda read: read())["task-0"][0]  # fmt: skip
     expected = int(np.argmin(current)) if use_current else int(np.argmin(saved))
     assert chosen.completion_ids == trainer.pool.candidates("task-0")[expected].completion_ids
     assert int(np.argmin(current)) != int(np.argmin(saved))
@@ -279,7 +278,7 @@ def test_selection_by_current_or_saved_entropy(tmp_path, use_current):
 def test_sharded_entropy_forward_matches_unpadded(tmp_path):
     trainer = make_trainer(tmp_path)
     trajectories = _stored_trajectories(trainer, "t", ["red", "cat dog sun moon", "blue green", "a"], [0] * 4)
-    batched = current_policy_entropies(trajectories, trainer.accelerator, functools.partial(policy_forward, trainer))
+    batched = current_policy_entropies(trajectories, trainer.accelerator, trainer._policy_forward)
     alone = [_entropy_alone(trainer, t) for t in trajectories]
     assert batched == pytest.approx(alone, abs=1e-5)
 
