@@ -228,8 +228,8 @@ def main(argv=None) -> dict:
     def successes(model, tasks=eval_tasks, **generate_kwargs) -> int:
         result = evaluate_policy(
             model, tokenizer, tasks, env_pool,
-            max_turns=training_args.max_turns, max_completion_length=training_args.max_completion_length,
-            max_tokens_per_turn=training_args.max_tokens_per_turn, workers=training_args.env_workers,
+            max_turns=script_args.max_turns, max_completion_length=training_args.max_completion_length,
+            max_tokens_per_turn=script_args.max_tokens_per_turn, workers=script_args.env_workers,
             **generate_kwargs,
         )  # fmt: skip
         return result.successes

@@ -18,7 +18,7 @@ Families (each case names what it sends):
 * ``retrieved``: texts spelling special tokens (whole, nested so that removing one joins another), 20,000 words;
 * ``env``: a `reset` or `step` returning None, bytes, an int, a lone surrogate, an object whose `str()` raises,
   200,000 words, a NaN or infinite reward, raising, or never returning;
-* ``config``: `guidance_timeout`, `guidance_max_tokens`, `env_step_timeout` set to values out of range.
+* ``config``: the ReMe provider's `timeout`, `guidance_max_tokens`, `env_step_timeout` set to values out of range.
 
     OMP_NUM_THREADS=1 python benchmarks/guidance_probe.py            # prints "cases N, crashes C, hangs H, silent S"
     OMP_NUM_THREADS=1 python benchmarks/guidance_probe.py --quick    # one case of each kind (the test runs this)
@@ -145,7 +145,9 @@ def reme_case(reply: bytes | None, interval: float, call: str) -> None:
 def reme_surrogate_case(_, __, call) -> None:
     """A lone surrogate in valid JSON reaches `retrieve`'s caller as text: the trainer must count it as a failure
     (tests/integration/test_guidance.py runs that path); here the client must at least hand it over or fail clearly."""
-    server = RawServer(http_reply("200 OK", b'{"success": true, "metadata": {"memory_list": [{"content": "\\ud800"}]}}'))
+    server = RawServer(
+        http_reply("200 OK", b'{"success": true, "metadata": {"memory_list": [{"content": "\\ud800"}]}}')
+    )
     try:
         provider = ReMeExperienceProvider(server.url, timeout=REQUEST_TIMEOUT)
         try:
@@ -234,7 +236,9 @@ def env_case(tokenizer, where: str, behaviour) -> None:
 
     (episode,) = engine.run([{"task_id": "t"}], generate)
     observation = behaviour[0] if isinstance(behaviour, tuple) else behaviour
-    if where == "step" and isinstance(observation, str) and len(observation) > 100_000:  # a long observation is no fault: it is cut to the completion budget
+    if (
+        where == "step" and isinstance(observation, str) and len(observation) > 100_000
+    ):  # a long observation is no fault: it is cut to the completion budget
         if len(episode.completion_ids) > 32 or not episode.truncated:
             raise Silent("a huge observation was not cut to the budget")
         return
@@ -250,11 +254,11 @@ def env_step_tuple(observation):
 
 # ------------------------------------------------------------------------------------------------- config
 CONFIG_CASES = {
-    "guidance_timeout=1e10": {"guidance_timeout": 1e10},
-    "guidance_timeout=inf": {"guidance_timeout": math.inf},
-    "guidance_timeout=nan": {"guidance_timeout": math.nan},
-    "guidance_timeout=0": {"guidance_timeout": 0},
-    "guidance_timeout='10'": {"guidance_timeout": "10"},
+    "timeout=1e10": {"timeout": 1e10},
+    "timeout=inf": {"timeout": math.inf},
+    "timeout=nan": {"timeout": math.nan},
+    "timeout=0": {"timeout": 0},
+    "timeout='10'": {"timeout": "10"},
     "guidance_max_tokens=0": {"guidance_max_tokens": 0},
     "guidance_max_tokens=1.5": {"guidance_max_tokens": 1.5},
     "env_step_timeout=-1": {"env_step_timeout": -1},
@@ -262,11 +266,18 @@ CONFIG_CASES = {
 
 
 def config_case(output_dir: str, settings: dict) -> None:
-    from trl_exreplay import ExReplayGRPOConfig
+    """A setting out of range where it is given: the ReMe provider's `timeout`, `GuidanceSettings`,
+    `MultiTurnSettings`."""
+    from trl_exreplay import GuidanceSettings, MultiTurnSettings
 
     name = next(iter(settings))
     try:
-        ExReplayGRPOConfig(output_dir=output_dir, use_cpu=True, report_to="none", **settings)
+        if name == "timeout":
+            ReMeExperienceProvider("http://127.0.0.1:8001", **settings)
+        elif name.startswith("guidance_"):
+            GuidanceSettings(**settings)
+        else:
+            MultiTurnSettings(**settings)
     except ValueError as error:
         if name not in str(error):
             raise Silent(f"the error does not name {name}: {error}") from None

@@ -77,7 +77,7 @@ def train_key_door(output_dir: str, fault: str = "none", episodes_per_task: int 
     """Sampled success before and after ExReplay GRPO on the key-and-door game, and how many steps replayed rows."""
     import torch
 
-    from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
+    from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, MultiTurnSettings
     from trl_exreplay.envs import KeyDoorEnv
     from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
     from trl_exreplay.evaluation import evaluate_policy
@@ -97,13 +97,14 @@ def train_key_door(output_dir: str, fault: str = "none", episodes_per_task: int 
         return result.success_rate
 
     before = sampled_success()
-    args = ExReplayGRPOConfig(output_dir=output_dir, **TRAINING, **LIMITS)
+    args = ExReplayGRPOConfig(output_dir=output_dir, **TRAINING, max_completion_length=LIMITS["max_completion_length"])
     trainer = ExReplayGRPOTrainer(
         model=model,
         args=args,
         train_dataset=key_door_dataset(num_tasks=6, repeats=400),
         processing_class=tokenizer,
         text_env_factory=KeyDoorEnv,
+        multi_turn=MultiTurnSettings(max_turns=LIMITS["max_turns"], max_tokens_per_turn=LIMITS["max_tokens_per_turn"]),
     )
     with fault_in_loss(fault):
         trainer.train()

@@ -297,7 +297,7 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
+    from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, GuidanceSettings, MultiTurnSettings
 
     model, tokenizer = copy.deepcopy(initial[0]), initial[1]
     preset = dict(PRESETS[method])
@@ -312,11 +312,18 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
             known = GRPOConfig.__dataclass_fields__
             args = GRPOConfig(output_dir=output_dir, **{k: v for k, v in settings.items() if k in known})
             trainer_cls = GRPOTrainer
-        else:
-            args = ExReplayGRPOConfig(output_dir=output_dir, **settings)
+        # the optional parts' settings go to the trainer with the part, the rest to the config
+        episodes = {k: v for k, v in settings.items() if k in MultiTurnSettings.__dataclass_fields__}
+        guidance = {k: v for k, v in settings.items() if k in GuidanceSettings.__dataclass_fields__}
+        kwargs = {}
+        if not trl:
+            config = {k: v for k, v in settings.items() if k not in episodes and k not in guidance}
+            args = ExReplayGRPOConfig(output_dir=output_dir, **config)
             trainer_cls = ExReplayGRPOTrainer
+            kwargs.update({"guidance": GuidanceSettings(**guidance)} if guidance else {})
         text_env_factory = testbed.text_env_factory()
-        kwargs = {"text_env_factory": text_env_factory} if text_env_factory is not None else {}
+        if text_env_factory is not None:
+            kwargs.update(text_env_factory=text_env_factory, multi_turn=MultiTurnSettings(**episodes))
         provider = testbed.experience_provider() if from_testbed else None
         if provider is not None:
             kwargs["experience_provider"] = provider

@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
 
     from transformers import TrainerCallback
 
-    from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
+    from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, MultiTurnSettings
     from trl_exreplay.envs import KeyDoorEnv
     from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
     from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
             logging_steps=args.every,
             beta=0.0,
             disable_tqdm=True,
-            **LIMITS,
+            max_completion_length=LIMITS["max_completion_length"],
         )
         trainer = ExReplayGRPOTrainer(
             model=build_tiny_model(tokenizer, seed=0),
@@ -153,6 +153,9 @@ def main(argv=None) -> dict:
             train_dataset=key_door_dataset(num_tasks=24, repeats=args.steps),
             processing_class=tokenizer,
             text_env_factory=KeyDoorEnv,
+            multi_turn=MultiTurnSettings(
+                max_turns=LIMITS["max_turns"], max_tokens_per_turn=LIMITS["max_tokens_per_turn"]
+            ),
             callbacks=[Sample()],
         )
         trainer.train()

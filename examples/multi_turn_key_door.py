@@ -10,7 +10,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer  # noqa: E402
+from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, MultiTurnSettings  # noqa: E402
 from trl_exreplay.distributed import exit_distributed  # noqa: E402
 from trl_exreplay.envs import KeyDoorEnv  # noqa: E402
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset  # noqa: E402
@@ -30,11 +30,7 @@ config = ExReplayGRPOConfig(
     logging_steps=5,
     save_strategy="no",
     report_to="none",
-    # episodes
-    max_completion_length=48,
-    max_turns=5,
-    max_tokens_per_turn=4,
-    env_step_timeout=30.0,
+    max_completion_length=48,  # the whole episode's tokens at most
     # experience replay
     replay_ratio=0.5,
     replay_start_ratio=0.2,
@@ -49,6 +45,7 @@ trainer = ExReplayGRPOTrainer(
     train_dataset=key_door_dataset(num_tasks=4, repeats=200),
     processing_class=tokenizer,
     text_env_factory=KeyDoorEnv,  # reward: the environment's (trl_exreplay.envs.env_reward)
+    multi_turn=MultiTurnSettings(max_turns=5, max_tokens_per_turn=4, env_step_timeout=30.0),  # the episodes
 )
 trainer.train()
 

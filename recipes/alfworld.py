@@ -16,6 +16,7 @@ continues a stopped run from the newest checkpoint in `output_dir`, its experien
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -136,11 +137,11 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
                     tokenizer,
                     mine,
                     env_processes,
-                    max_turns=training_args.max_turns,
+                    max_turns=script_args.max_turns,
                     max_completion_length=training_args.max_completion_length,
-                    max_tokens_per_turn=training_args.max_tokens_per_turn,
-                    step_timeout=training_args.env_step_timeout,
-                    workers=training_args.env_workers,
+                    max_tokens_per_turn=script_args.max_tokens_per_turn,
+                    step_timeout=script_args.env_step_timeout,
+                    workers=script_args.env_workers,
                     chat_template_kwargs=training_args.chat_template_kwargs,
                     success_threshold=training_args.replay_success_threshold,
                     progress=state.is_main_process,
@@ -168,6 +169,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
         processing_class=tokenizer,
         train_dataset=rl_tasks,
         text_env_factory=env_processes,  # reward: the environment's (1 on a win, less invalid_action_penalty)
+        multi_turn=script_args,  # its episode settings (an `AlfWorldArguments` is a `MultiTurnSettings`)
         peft_config=get_peft_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # with its pool
@@ -242,7 +244,7 @@ def push(script_args, training_args, model_args, base_model, splits, results) ->
     from huggingface_hub import HfApi
 
     from trl_exreplay import __version__
-    from trl_exreplay.config import replay_options
+    from trl_exreplay.config import replay_settings
     from trl_exreplay.envs.alfworld import alfworld_version
     from trl_exreplay.hub import model_card, push_model
     from trl_exreplay.models import merge_adapter
@@ -264,7 +266,7 @@ def push(script_args, training_args, model_args, base_model, splits, results) ->
         base_model=base_model,
         environment=f"ALFWorld (text engine, alfworld {alfworld_version()}), games from {script_args.data_dir}",
         splits=splits,
-        replay_config=replay_options(training_args),
+        replay_config=dataclasses.asdict(replay_settings(training_args)),
         results=results,
         versions={
             "trl_exreplay": __version__,

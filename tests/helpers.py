@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, Trajectory
+from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, GuidanceSettings, MultiTurnSettings, Trajectory
 from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -53,9 +53,37 @@ REPLAY_ONLY = dict(replay_rescue=0, replay_retire_solved=False)
 
 
 def make_args(tmp_path, config_cls=ExReplayGRPOConfig, **overrides):
+    """`config_cls` with the tests' defaults and `overrides` (the names it has; the optional parts' settings go to
+    `part_settings`). The default `replay_start_ratio` is left out where replay starts by capability."""
     kwargs = {**TRAINER_DEFAULTS, "output_dir": str(tmp_path / "out"), **overrides}
+    solved = kwargs.get("replay_start") == "solved" or (
+        kwargs.get("replay_start") is None and kwargs.get("replay_profile") == "exgrpo"
+    )
+    if solved and "replay_start_ratio" not in overrides:
+        del kwargs["replay_start_ratio"]
     known = config_cls.__dataclass_fields__
     return config_cls(**{name: value for name, value in kwargs.items() if name in known})
+
+
+def config_and_parts(config_cls=ExReplayGRPOConfig, **kwargs) -> tuple:
+    """`config_cls(**kwargs)` without the optional parts' settings, and the trainer's keyword arguments for those
+    (`part_settings`)."""
+    parts = part_settings(kwargs)
+    skip = {*MultiTurnSettings.__dataclass_fields__, *GuidanceSettings.__dataclass_fields__}
+    return config_cls(**{k: v for k, v in kwargs.items() if k not in skip}), parts
+
+
+def part_settings(overrides: dict) -> dict:
+    """The trainer's keyword arguments for the optional parts' settings among `overrides` (`multi_turn`,
+    `guidance`), as `make_trainer` passes them."""
+    multi_turn = {k: v for k, v in overrides.items() if k in MultiTurnSettings.__dataclass_fields__}
+    guidance = {k: v for k, v in overrides.items() if k in GuidanceSettings.__dataclass_fields__}
+    parts = {}
+    if multi_turn:
+        parts["multi_turn"] = MultiTurnSettings(**multi_turn)
+    if guidance:
+        parts["guidance"] = GuidanceSettings(**guidance)
+    return parts
 
 
 def make_trainer(
@@ -79,7 +107,7 @@ def make_trainer(
         args=args,
         train_dataset=say_word_dataset(num_tasks=num_tasks, repeats=8),
         processing_class=tokenizer,
-        **(trainer_kwargs or {}),
+        **{**part_settings(overrides), **(trainer_kwargs or {})},
     )
 
 

@@ -66,7 +66,7 @@ class CheckingTrainer(ExReplayGRPOTrainer):
         # The option mapping is the trainer's (that each option reaches `loss.py` as it should is checked by hand in
         # tests/integration/test_replayed_loss.py); this check is of the composition: the rows, the selection, the normaliser.
         options = OffPolicyOptions.from_config(
-            args, self.replay, loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+            args, self.settings, loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
             epsilon_low=self.epsilon_low, off_policy_mask_threshold=self.off_policy_mask_threshold,
         )  # fmt: skip
         per_token, _ = off_policy_loss(

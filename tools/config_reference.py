@@ -1,10 +1,11 @@
-"""Write docs/config.md, the reference of `ExReplayGRPOConfig`'s own fields, from the dataclass itself.
+"""Write docs/config.md, the reference of `ExReplayGRPOConfig`'s own fields and of the optional parts' settings
+(`MultiTurnSettings`, `GuidanceSettings`), from their grouped `Parameters:` docstrings (`trl_exreplay.parameters`).
 
     python tools/config_reference.py            # rewrite docs/config.md
     python tools/config_reference.py --check    # exit 1 if docs/config.md is not what the config says
 
-`tests/unit/test_config.py` runs the check, so the page cannot drift from the code: every field with its default, its
-help text and its counterpart in ExGRPO's or AgentEvolver's published code, so that readers of that code find their
+`tests/unit/test_config.py` runs the check, so the page cannot drift from the code: every field, in its docstring's
+group, with its default, its help text (the docstring's, which is also the field's `help`) and its counterpart in ExGRPO's or AgentEvolver's published code, so that readers of that code find their
 way.
 """
 
@@ -18,9 +19,10 @@ from pathlib import Path
 REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
 
-from trl import GRPOConfig  # noqa: E402
-
-from trl_exreplay.config import PROFILE_FIELDS, REPLAY_PROFILES, ExReplayGRPOConfig  # noqa: E402
+from trl_exreplay.config import OWN_FIELDS, PROFILE_FIELDS, REPLAY_PROFILES, ExReplayGRPOConfig  # noqa: E402
+from trl_exreplay.guidance import GuidanceSettings  # noqa: E402
+from trl_exreplay.multiturn import MultiTurnSettings  # noqa: E402
+from trl_exreplay.parameters import parameters  # noqa: E402
 
 OUTPUT = REPOSITORY / "docs" / "config.md"
 
@@ -49,36 +51,14 @@ CODE_NAMES = {
     "guidance_top_k": "AgentEvolver `exp_manager.reme.retrieve_top_k`",
     "guidance_update_freq": "AgentEvolver `exp_manager.reme.updated_freq`",
     "guidance_init_from_pool": "AgentEvolver `exp_manager.init_exp_before_training`",
-    "guidance_base_url": "AgentEvolver `exp_manager.reme.base_url`",
-    "guidance_workspace_id": "AgentEvolver `exp_manager.reme.workspace_id`",
 }
 
-GROUPS = (
-    ("Replay: when and how much", ("enable_experience_replay", "replay_profile", "replay_ratio", "replay_start",
-                                   "replay_start_ratio", "replay_start_solved_fraction", "replay_retire_solved",
-                                   "replay_revisit_ratio", "replay_rescue", "replay_trajectories_per_group",
-                                   "replay_bucket_weighting", "replay_count_replayed_successes")),
-    ("The pool: what is stored and kept", ("replay_success_threshold", "replay_store_lbound", "replay_store_rbound",
-                                           "replay_max_trajectories_per_task", "replay_store_mode",
-                                           "replay_max_policy_age", "replay_window", "replay_resume_without_pool",
-                                           "replay_scratch_dir")),
-    ("Selection: which stored trajectory", ("replay_select_mode", "replay_select_by_current_entropy")),
-    ("The loss", ("replay_importance_sampling", "replay_clip_high", "replay_dual_clip_c", "replay_shaping",
-                  "replay_shaping_beta", "replay_unclipped_fresh")),
-    ("Data columns", ("task_id_column", "system_prompt_column")),
-    ("Multi-turn episodes (games given as `text_env_factory`)", ("max_turns", "max_tokens_per_turn",
-                                                                 "env_step_timeout", "env_workers",
-                                                                 "env_special_tokens")),
-    ("TRL's tool loop (`tools`, `environment_factory`)", ("tool_special_tokens",)),
-    ("Experience-guided rollouts (AgentEvolver's Self-Navigating; off by default)", ("guidance_train", "guidance_eval",
-                                                              "guidance_ratio", "guidance_trained_prompt",
-                                                              "guidance_keep_ratio", "guidance_template",
-                                                              "guidance_top_k", "guidance_max_tokens",
-                                                              "guidance_update_freq",
-                                                              "guidance_init_from_pool")),
-    ("Experience providers", ("guidance_provider", "guidance_base_url", "guidance_timeout",
-                              "guidance_workspace_id")),
-)  # fmt: skip
+# What each documented class is, as the page introduces its groups.
+SOURCES = (
+    (ExReplayGRPOConfig, "`ExReplayGRPOConfig`"),
+    (MultiTurnSettings, "`MultiTurnSettings` (the trainer's `multi_turn`, with `text_env_factory`)"),
+    (GuidanceSettings, "`GuidanceSettings` (the trainer's `guidance`, with `experience_provider`)"),
+)
 
 
 def _cell(text: str) -> str:
@@ -86,11 +66,6 @@ def _cell(text: str) -> str:
 
 
 def render() -> str:
-    own = {f.name: f for f in fields(ExReplayGRPOConfig) if f.name not in {g.name for g in fields(GRPOConfig)}}
-    listed = [name for _, names in GROUPS for name in names]
-    missing = sorted(set(own) - set(listed))
-    if missing or len(listed) != len(set(listed)) or set(listed) - set(own):
-        raise SystemExit(f"tools/config_reference.py: GROUPS must list each field once; not listed: {missing}")
     lines = [
         "---",
         "hide: [toc]  # the site's page without its table of contents: room for the four columns",
@@ -98,27 +73,37 @@ def render() -> str:
         "",
         "# Configuration reference",
         "",
-        "<!-- Written by `python tools/config_reference.py` from `ExReplayGRPOConfig`; tests/unit/test_config.py checks "
-        "it. Do not edit by hand. -->",
+        "<!-- Written by `python tools/config_reference.py` from the `Parameters:` docstrings of `ExReplayGRPOConfig`, "
+        "`MultiTurnSettings` and `GuidanceSettings`; tests/unit/test_config.py checks it. Do not edit by hand. -->",
         "",
-        "`ExReplayGRPOConfig` is TRL's `GRPOConfig` (every field of it works as in TRL) plus the fields below. "
-        "**The naming rule:** every field of experience replay is `replay_<what>`, except the one switch "
-        "`enable_experience_replay`; dataset columns end in `_column`, as TRL's do; the multi-turn episode fields "
-        "(and the tool loop's) describe episodes, not replay, and keep plain names; every field of experience-guided rollouts (their "
-        "providers' included) is `guidance_<what>`.",
+        f"`ExReplayGRPOConfig` is TRL's `GRPOConfig` (every field of it works as in TRL) plus {len(OWN_FIELDS)} fields "
+        "of experience replay. The optional parts have settings of their own, given to the trainer with the part: "
+        "`MultiTurnSettings` with `text_env_factory` (as `multi_turn=`), `GuidanceSettings` with "
+        "`experience_provider` (as `guidance=`; a ReMe service is `ReMeExperienceProvider(base_url, workspace_id=..., "
+        "timeout=...)`). A recipe parses them beside the config: `TrlParser((ExReplayGRPOConfig, MultiTurnSettings, "
+        "GuidanceSettings))` reads one YAML file or command line into the three. **The naming rule:** every field of "
+        "experience replay is `replay_<what>`, except the one switch `enable_experience_replay`; dataset columns end in "
+        "`_column`, as TRL's do; the multi-turn episode fields (and the tool loop's) describe episodes, not replay, and "
+        "keep plain names; every field of experience-guided rollouts is `guidance_<what>`. A field that only one mode "
+        "reads defaults to None (the value it then takes follows 'None:'), and set under another mode is an error "
+        "naming both fields.",
         "",
         "The **in the published code** column gives each field's counterpart in ExGRPO's code "
         "([github.com/ElliottYan/LUFFY](https://github.com/ElliottYan/LUFFY), folder `ExGRPO`; arXiv 2510.02245) or "
         "AgentEvolver's ([github.com/modelscope/AgentEvolver](https://github.com/modelscope/AgentEvolver); arXiv "
         "2511.10395), as their configuration files spell it, where there is one.",
     ]
-    for title, names in GROUPS:
-        lines += ["", f"## {title}", "", "| field | default | in the published code | what it does |",
-                  "|---|---|---|---|"]  # fmt: skip
-        for name in names:
-            f = own[name]
-            default = f.default if f.default is not MISSING else f.default_factory()
-            lines.append(f"| `{name}` | `{default!r}` | {CODE_NAMES.get(name, '')} | {_cell(f.metadata['help'])} |")
+    for cls, what in SOURCES:
+        defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(cls)}
+        group = None
+        for p in parameters(cls.__doc__):
+            if p.group != group:
+                group = p.group
+                lines += ["", f"## {group}", "", f"Fields of {what}.", "",
+                          "| field | default | in the published code | what it does |", "|---|---|---|---|"]  # fmt: skip
+            lines.append(
+                f"| `{p.name}` | `{_cell(repr(defaults[p.name]))}` | {CODE_NAMES.get(p.name, '')} | {_cell(p.help)} |"
+            )
     return "\n".join(lines + profiles()) + "\n"
 
 

@@ -15,6 +15,8 @@ _LAZY = {
     "ExReplayGRPOConfig": "config",
     "ExReplayGRPOTrainer": "trainer",
     "ExperiencePool": "pool",
+    "GuidanceSettings": "guidance",
+    "MultiTurnSettings": "multiturn",
     "TaskOutcome": "pool",
     "Trajectory": "pool",
     "off_policy_loss": "loss",
@@ -24,6 +26,8 @@ __all__ = [
     "ExReplayGRPOConfig",
     "ExReplayGRPOTrainer",
     "ExperiencePool",
+    "GuidanceSettings",
+    "MultiTurnSettings",
     "TaskOutcome",
     "Trajectory",
     "off_policy_loss",
@@ -31,7 +35,9 @@ __all__ = [
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from .config import ExReplayGRPOConfig
+    from .guidance import GuidanceSettings
     from .loss import off_policy_loss
+    from .multiturn import MultiTurnSettings
     from .pool import ExperiencePool, TaskOutcome, Trajectory
     from .trainer import ExReplayGRPOTrainer
 

@@ -13,37 +13,30 @@ wrong length, and the error says so.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
-def replaying_rollout(rollout_func: Callable, trainer) -> Callable:
-    """`rollout_func`, asked only for the fresh rows of a replaying step of `trainer` (an `ExReplayGRPOTrainer`)."""
-
-    @functools.wraps(rollout_func)
-    def rollout(prompts: list, rollout_trainer) -> dict:
-        step = trainer._generation
-        replayed = step.take_replay() if step is not None else None
-        if replayed is None:
-            return rollout_func(prompts, rollout_trainer)
-        fresh = [i for i in range(len(prompts)) if i not in replayed]
-        asked = [prompts[i] for i in fresh] + [prompts[0]] * trainer._replay.padding_rows(
-            step, len(fresh), trainer._vllm_equal_shares()
+def fresh_rows_rollout(
+    rollout_func: Callable, prompts: list, rollout_trainer, replayed: dict, num_padding: int, fit: Callable
+) -> dict:
+    """`rollout_func`'s output for all rows of `prompts` in a step that replays: the function is asked for the fresh
+    rows only (and `num_padding` copies of the first prompt, generated and discarded so that every rank makes the
+    same calls), with TRL's second argument `rollout_trainer` passed through untouched (TRL's contract with it); the replayed rows (`replayed`: row -> `Trajectory`)
+    are put back in place (`splice_replayed`, `fit` cutting a completion to `max_completion_length`)."""
+    fresh = [i for i in range(len(prompts)) if i not in replayed]
+    asked = [prompts[i] for i in fresh] + [prompts[0]] * num_padding
+    output = rollout_func(asked, rollout_trainer) if asked else {key: [] for key in ROLLOUT_KEYS}
+    if len(output.get("completion_ids") or []) != len(asked):
+        raise ValueError(
+            f"rollout_func returned {len(output.get('completion_ids') or [])} completions for {len(asked)} prompts. "
+            "With experience replay it is called with the fresh rows' prompts only (fewer than num_generations "
+            "per prompt in a replayed group) and must return one completion per prompt it is given; a "
+            "rollout_func that generates num_generations completions per unique prompt cannot replay: set "
+            "`enable_experience_replay=False`."
         )
-        output = rollout_func(asked, rollout_trainer) if asked else {key: [] for key in ROLLOUT_KEYS}
-        if len(output.get("completion_ids") or []) != len(asked):
-            raise ValueError(
-                f"rollout_func returned {len(output.get('completion_ids') or [])} completions for {len(asked)} prompts. "
-                "With experience replay it is called with the fresh rows' prompts only (fewer than num_generations "
-                "per prompt in a replayed group) and must return one completion per prompt it is given; a "
-                "rollout_func that generates num_generations completions per unique prompt cannot replay: set "
-                "`enable_experience_replay=False`."
-            )
-        return splice_replayed(output, len(prompts), fresh, replayed, trainer._replay.fit_completion)
-
-    return rollout
+    return splice_replayed(output, len(prompts), fresh, replayed, fit)
 
 
 def splice_replayed(output: dict, num_rows: int, fresh: list[int], replayed: dict, fit: Callable) -> dict:

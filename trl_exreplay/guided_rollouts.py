@@ -32,12 +32,11 @@ import xxhash
 from accelerate.utils import broadcast_object_list
 
 from .distributed import gather_row_flags
-from .guidance import ExperienceProvider, SummaryInput
+from .guidance import ExperienceProvider, GuidanceSettings, OfflineExperienceProvider, SummaryInput
 from .guidance.allocation import allocate_guidance
 from .guidance.summarizer import BackgroundSummarizer
 from .guidance.template import fit_experience, format_experience, insert_experience, task_text
 from .multiturn import model_context
-from .selection import policy_forward
 from .untrusted_text import added_token_strings, remove_token_strings, token_prefix
 
 logger = logging.getLogger(__name__)
@@ -55,26 +54,19 @@ _RUNNING_TOTALS = (
 )
 
 
-def make_provider(options: dict) -> ExperienceProvider:
-    """The provider a configuration names (`experience_provider`)."""
-    if options["guidance_provider"] == "reme":
-        from .guidance.reme import ReMeExperienceProvider
-
-        return ReMeExperienceProvider(
-            options["guidance_base_url"], options["guidance_workspace_id"], timeout=options["guidance_timeout"]
-        )
-    from .guidance.offline import OfflineExperienceProvider
-
-    return OfflineExperienceProvider()
-
-
 def guided_rollouts(
-    trainer, provider: ExperienceProvider | None, faults, unsupported: dict[str, bool]
+    trainer,
+    settings: GuidanceSettings | None,
+    provider: ExperienceProvider | None,
+    faults,
+    unsupported: dict[str, bool],
+    *,
+    policy_forward,
 ) -> GuidedRollouts | None:
-    """The `GuidedRollouts` of `trainer` (a `GRPOTrainer` whose `__init__` ran; `trainer.replay`: the config's fields),
-    or None when neither training nor evaluation is guided (`guidance_train`, `guidance_eval`)."""
-    options = trainer.replay
-    if options["guidance_train"] == options["guidance_eval"] == "off":
+    """The `GuidedRollouts` of `trainer` (a `GRPOTrainer` whose `__init__` ran) under `settings`, or None when neither
+    training nor evaluation is guided (`guidance_train`, `guidance_eval`). Without a `provider`, the in-process
+    `OfflineExperienceProvider`."""
+    if settings is None or not settings.on:
         if provider is not None:
             warnings.warn(
                 "An experience_provider was given but guidance_train and guidance_eval are 'off': "
@@ -82,8 +74,9 @@ def guided_rollouts(
                 stacklevel=3,
             )
         return None
+    settings.check_groups(trainer.num_generations)
     return GuidedRollouts(
-        options,
+        settings,
         provider,
         accelerator=trainer.accelerator,
         processing_class=trainer.processing_class,
@@ -93,7 +86,7 @@ def guided_rollouts(
         multi_turn=trainer.text_env_factory is not None,
         context=model_context(trainer.model, trainer.args if trainer.use_vllm else None),
         max_completion_length=trainer.max_completion_length,
-        policy_forward=functools.partial(policy_forward, trainer),
+        policy_forward=policy_forward,
         faults=faults,
         unsupported=unsupported,
     )
@@ -110,7 +103,7 @@ class GuidedRollouts:
 
     def __init__(
         self,
-        options: dict,
+        settings: GuidanceSettings,
         provider: ExperienceProvider | None,
         *,
         accelerator,
@@ -125,9 +118,9 @@ class GuidedRollouts:
         context: int | None = None,
         max_completion_length: int = 0,
     ):
-        o = self.options = options
-        self.train = o["guidance_train"] != "off"
-        self.eval = o["guidance_eval"] != "off"
+        o = self.settings = settings
+        self.train = o.guidance_train != "off"
+        self.eval = o.guidance_eval != "off"
         self._accelerator = accelerator
         self._processing_class = processing_class
         self._num_generations = num_generations
@@ -144,12 +137,12 @@ class GuidedRollouts:
                     f"Experience-guided rollouts with {what} are not supported yet; set guidance_train and "
                     "guidance_eval to 'off'."
                 )
-        self.experience = provider if provider is not None else make_provider(o)
+        self.experience = provider if provider is not None else OfflineExperienceProvider()
         # The main process alone summarises (once, not once per process: a summary may come from a model, and differ
         # between calls); an in-process store then gets its records broadcast to every process at the same step.
         self._summarizes = accelerator.is_main_process
         self.summarizer = BackgroundSummarizer(self.experience)
-        can_grow = o["guidance_update_freq"] > 0 or o["guidance_init_from_pool"]
+        can_grow = o.guidance_update_freq > 0 or o.guidance_init_from_pool
         if not can_grow and not self.experience.records() and not getattr(self.experience, "shared", False):
             logger.warning(
                 "trl_exreplay: experience-guided rollouts are on, but guidance_update_freq=0 and "
@@ -167,7 +160,7 @@ class GuidedRollouts:
         """At a step boundary: the main process collects a finished summarisation (never waiting for one), and every
         process adds its records at this same step; every `guidance_update_freq` steps the main process hands the
         backlog to the background thread. Collective (one broadcast) for an in-process store."""
-        init, freq = self.options["guidance_init_from_pool"], self.options["guidance_update_freq"]
+        init, freq = self.settings.guidance_init_from_pool, self.settings.guidance_update_freq
         if not init and not freq:  # nothing is ever summarised: no collective to make (the config is every rank's)
             return
         step = global_step
@@ -249,24 +242,20 @@ class GuidedRollouts:
 
     def _allocate(self, num_rows: int, seed: list[int], replayed_rows=(), training: bool = True):
         """The allocation of a batch of `num_rows` rows (groups of num_generations consecutive rows)."""
-        o = self.options
+        o = self.settings
         if training:
-            generations, mode, sample_mode = (
-                self._num_generations,
-                o["guidance_train"],
-                o["guidance_trained_prompt"],
-            )
+            generations, mode, sample_mode = self._num_generations, o.guidance_train, o.guidance_trained_prompt
         else:  # evaluation trains nothing: a guided row keeps its guidance
-            generations, mode, sample_mode = self._num_generations_eval, o["guidance_eval"], "guided"
+            generations, mode, sample_mode = self._num_generations_eval, o.guidance_eval, "guided"
         if mode == "off":
             return None
         return allocate_guidance(
             generations,
             num_rows // generations,
             mode,
-            o["guidance_ratio"],
+            o.guidance_ratio,
             sample_mode,
-            o["guidance_keep_ratio"],
+            o.guidance_keep_ratio,
             seed,
             replayed_rows,
         )
@@ -279,7 +268,7 @@ class GuidedRollouts:
             return step.retrieved[query]
         result: tuple[str | None, int] = (None, 0)
         if not step.retrieval_down:
-            k = self.options["guidance_top_k"]
+            k = self.settings.guidance_top_k
             try:
                 contents = self.experience.retrieve(query, k)
                 if not isinstance(contents, (list, tuple)):
@@ -288,7 +277,7 @@ class GuidedRollouts:
                 for text in contents:
                     text.encode("utf-8")  # a lone surrogate cannot be tokenized: the provider failed
                 if contents:
-                    template = self.options["guidance_template"]
+                    template = self.settings.guidance_template
                     result = (format_experience(template, [self._bounded(contents)]), len(contents))
             except Exception as error:  # noqa: BLE001 - a failing provider is counted; the rollout goes unguided
                 step.retrieval_down = True
@@ -304,7 +293,7 @@ class GuidedRollouts:
         if self._token_strings is None:  # the tokenizer's added tokens do not change during a run
             self._token_strings = added_token_strings(self._processing_class)
         text, removed = remove_token_strings("\n".join(contents), self._token_strings)
-        text, cut = token_prefix(text, self._processing_class, self.options["guidance_max_tokens"])
+        text, cut = token_prefix(text, self._processing_class, self.settings.guidance_max_tokens)
         self._guide_counts["special_tokens_removed"] += removed
         self._guide_counts["experience_truncated"] += int(cut)
         return text
@@ -344,7 +333,7 @@ class GuidedRollouts:
         text = step.guided_text[i]
         if self._room is None:
             return render(text) if ids is None else ids
-        template = self.options["guidance_template"]
+        template = self.settings.guidance_template
         fitted = fit_experience(text, template, render, self._room, self._processing_class, ids)
         if fitted is None:
             del step.guided_text[i]
@@ -455,7 +444,7 @@ class GuidedRollouts:
     def offer_summaries(self, summaries: list[dict]) -> None:
         """Every rank's summary inputs of the last step (in row order, `ReplayController.flush`) into the backlog."""
         inputs = [SummaryInput(**summary) for summary in summaries]
-        if inputs and self._summarizes and self.options["guidance_update_freq"] > 0:  # 0: nothing will take them
+        if inputs and self._summarizes and self.settings.guidance_update_freq > 0:  # 0: nothing will take them
             self.summarizer.offer(inputs)
 
     def log(self, step, success: list[bool], fresh_rows: list[int], metrics) -> None:

@@ -152,13 +152,15 @@ class OffPolicyOptions:
     off_policy_mask_threshold: float | None = None  # TRL's OPSM threshold; None: off
 
     @classmethod
-    def from_config(cls, args, replay: dict, **trainer_values) -> OffPolicyOptions:
-        """The options of a run: TRL's config fields from `args`, ours from `replay` (`config.replay_options`, the
-        profile applied), and `trainer_values`, the fields TRL's trainer derives from its config (`loss_type`,
-        `importance_sampling_level`, `epsilon_low`, `off_policy_mask_threshold`)."""
+    def from_config(cls, args, settings, **trainer_values) -> OffPolicyOptions:
+        """The options of a run: TRL's config fields from `args`, ours from `settings` (`config.ReplaySettings`: a
+        field the run's shaping does not read is None there, and keeps its default here), and `trainer_values`, the
+        fields TRL's trainer derives from its config (`loss_type`, `importance_sampling_level`, `epsilon_low`,
+        `off_policy_mask_threshold`)."""
         ours = ("replay_clip_high", "replay_dual_clip_c", "replay_shaping", "replay_shaping_beta")
         trl = [f.name for f in fields(cls) if f.name not in ours and f.name not in trainer_values]
-        return cls(**{n: getattr(args, n) for n in trl}, **{n: replay[n] for n in ours}, **trainer_values)
+        read = {n: getattr(settings, n) for n in ours if getattr(settings, n) is not None}
+        return cls(**{n: getattr(args, n) for n in trl}, **read, **trainer_values)
 
 
 # A formula: (ratio, advantages, per_token_logps, raw_log_ratio, replayed_f, options) -> (per-token loss, clipped

@@ -2,9 +2,10 @@
 
 `MultiTurnRollouts` plays a generation step's rows: fresh rows are played by `rollout.MultiTurnRollout` in lockstep
 over ranks (so sharded models' collective forwards stay aligned), replayed rows return their stored trajectories, and
-the environment's metrics are logged under ``env/``. Its model is TRL's: each call is given the `GRPOTrainer` whose
-policy plays (its accelerator, model, generation settings and vLLM engine, read when the call runs), as TRL gives it to
-a `rollout_func`; what replay and guidance add (the step, the stored completions' cut, the retrieval) is given too.
+the environment's metrics are logged under ``env/``. Its model is TRL's: each call is given `play`, the episodes
+played by the policy (`policy_episodes` with the values the trainer reads when the call runs: the model TRL wrapped,
+vLLM's engine, the generation settings), whether generation is collective, and the metrics to log to; what replay
+and guidance add (the step, the stored completions' cut, the retrieval) is given too. Nothing keeps the trainer.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import logging
 import torch
 from trl.models import unwrap_model_for_generation
 
-from .distributed import any_rank_active, generation_is_collective
+from .distributed import any_rank_active
 from .envs import env_reward
+from .envs.settings import MultiTurnSettings
 from .pool import task_key
 from .rollout import MultiTurnRollout, generate_batch
 
@@ -24,18 +26,25 @@ logger = logging.getLogger(__name__)
 
 
 class MultiTurnRollouts:
-    """The `text_env_factory` games of a run (`options`: the config's replay fields), played by the policy of the
-    `GRPOTrainer` each call is given. Build it with `for_trainer`, after TRL's `__init__`."""
+    """The `text_env_factory` games of a run (`settings`: its `MultiTurnSettings`; `task_id_column` and
+    `success_threshold`: the config's `task_id_column`, `replay_success_threshold`), played by the policy `play` of
+    each call. Build it with `for_trainer`, after TRL's `__init__`: it reads the trainer once, and
+    keeps none of it but its accelerator."""
 
-    def __init__(self, engine: MultiTurnRollout, options: dict, reward_funcs: list):
+    def __init__(self, engine: MultiTurnRollout, settings: MultiTurnSettings, reward_funcs: list, *, accelerator,
+                 task_id_column: str, success_threshold: float):  # fmt: skip
         self.engine = engine
-        self.options = options
+        self._accelerator = accelerator
+        self.settings = settings
+        self._task_id_column = task_id_column
+        self._success_threshold = success_threshold
         self._env_index = next((j for j, f in enumerate(reward_funcs) if f is env_reward), None)
 
     @classmethod
-    def for_trainer(cls, text_env_factory, trainer, options: dict) -> MultiTurnRollouts:
-        """The games of `trainer` (a `GRPOTrainer` whose `__init__` ran), checked against its settings."""
-        column, args = options["task_id_column"], trainer.args
+    def for_trainer(cls, text_env_factory, trainer, settings: MultiTurnSettings, replay) -> MultiTurnRollouts:
+        """The games of `trainer` (a `GRPOTrainer` whose `__init__` ran; `replay`: its `ReplaySettings`), checked
+        against its settings."""
+        column, args = replay.task_id_column, trainer.args
         names = getattr(trainer.train_dataset, "column_names", None)
         if names is not None and column not in names:
             raise ValueError(
@@ -55,38 +64,40 @@ class MultiTurnRollouts:
         engine = MultiTurnRollout(
             text_env_factory,
             trainer.processing_class,
-            max_turns=options["max_turns"],
+            max_turns=settings.max_turns,
             max_completion_length=trainer.max_completion_length,
-            max_tokens_per_turn=options["max_tokens_per_turn"],
-            step_timeout=options["env_step_timeout"],
-            workers=options["env_workers"],
-            system_prompt_column=options["system_prompt_column"],
+            max_tokens_per_turn=settings.max_tokens_per_turn,
+            step_timeout=settings.env_step_timeout,
+            workers=settings.env_workers,
+            system_prompt_column=settings.system_prompt_column,
             chat_template_kwargs=trainer.chat_template_kwargs,
             max_prompt_tokens=model_context(trainer.model, args if trainer.use_vllm else None),
-            special_tokens=options["env_special_tokens"],
+            special_tokens=settings.env_special_tokens,
         )
-        return cls(engine, options, trainer.reward_funcs)
+        return cls(engine, settings, trainer.reward_funcs, accelerator=trainer.accelerator, task_id_column=column,
+                   success_threshold=replay.replay_success_threshold)  # fmt: skip
 
     def with_prompt(self, row: dict) -> dict:
         """A copy of the row with a placeholder prompt (TRL requires one); the rollout replaces it in place with the
         real one, the environment's first observation, which is what reward functions and logs then see."""
         return {
             **row,
-            "prompt": [{"role": "user", "content": f"task {task_key(row, self.options['task_id_column'])}"}],
+            "prompt": [{"role": "user", "content": f"task {task_key(row, self._task_id_column)}"}],
         }
 
-    def rollout(self, step, trainer, *, fit_completion, guidance=None) -> dict:
-        """TRL `rollout_func`'s output for `step` (a `GenerationStep`): episodes for the fresh rows, stored
-        trajectories (cut by `fit_completion`) for the replayed ones; `guidance` (a `GuidedRollouts`) retrieves for
-        the guided rows by their first observation. Collective: ranks play in lockstep where generation is."""
+    def rollout(self, step, play, *, collective: bool, metrics, fit_completion, guidance=None) -> dict:
+        """TRL `rollout_func`'s output for `step` (a `GenerationStep`): episodes for the fresh rows, played by
+        `play(run, tasks, sync, guiding)` (`policy_episodes`, bound to the policy), stored trajectories (cut by
+        `fit_completion`) for the replayed ones; `guidance` (a `GuidedRollouts`) retrieves for the guided rows by
+        their first observation; the `env/*` figures go to `metrics`. Collective: ranks play in lockstep where
+        generation is (`collective`)."""
         rows = step.rows
         replayed = step.take_replay() or {}
         fresh = [i for i in range(len(rows)) if i not in replayed]
         # One gather context for all turns (entered and left once by every rank). Inside it, a forward of a sharded
         # model is still collective (ZeRO-3's start-of-forward hook; FSDP), so ranks agree on the number of turns
         # (`sync`) and a rank with nothing left to play generates a dummy row: every rank calls generate as often.
-        accelerator = trainer.accelerator
-        collective = generation_is_collective(accelerator, trainer._dist)
+        accelerator = self._accelerator
         sync = functools.partial(any_rank_active, accelerator) if collective else None
         tasks = [rows[i] for i in fresh]
         guide = None
@@ -99,17 +110,13 @@ class MultiTurnRollouts:
                 return guidance.fit_prompt(step, fresh[j], render)  # within the model's context, as observations are
 
         guiding = {"guide": guide} if guide is not None else {}
-        if trainer.use_vllm:  # TRL synced vLLM's weights for this step before calling us
-            generate = functools.partial(_generate_turn_vllm, trainer.vllm_generation)
-            episodes = self.engine.run(tasks, generate, sync, **guiding)
-        else:
-            episodes = self._generate_episodes_hf(trainer, tasks, sync, guiding)
+        episodes, sampled_logprobs = play(self.engine.run, tasks, sync, guiding)
         by_row = dict(zip(fresh, episodes))
         step.faulted_rows = {i for i, episode in by_row.items() if episode.error is not None}
-        column = self.options["task_id_column"]
+        column = self._task_id_column
         real_prompts = {}
         for i, episode in by_row.items():
-            system = episode.task.get(self.options["system_prompt_column"])
+            system = episode.task.get(self.settings.system_prompt_column)
             messages = [{"role": "system", "content": system}] if system else []
             real_prompts[i] = messages + [{"role": "user", "content": episode.observation}]
             real_prompts.setdefault(task_key(rows[i], column), real_prompts[i])
@@ -142,37 +149,13 @@ class MultiTurnRollouts:
                 output["env_mask"].append(episode.env_mask)
                 output["logprobs"].append(episode.logprobs)
                 output["env_reward"].append(episode.reward)
-        if not trainer.use_vllm:
+        if not sampled_logprobs:
             output["logprobs"] = None  # TRL computes the behaviour log-probs itself
-        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
         self._log_env_metrics(episodes, accelerator, metrics)
         return output
 
-    def _generate_episodes_hf(self, trainer, tasks: list[dict], sync, guiding: dict) -> list:
-        """Episodes generated by the training model itself (transformers `generate`)."""
-        args, model = trainer.args, trainer.model_wrapped
-        with (
-            unwrap_model_for_generation(
-                model,
-                trainer.accelerator,
-                gather_deepspeed3_params=args.ds3_gather_for_generation,
-                generation_kwargs=trainer.generation_kwargs,
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
-            ) as unwrapped_model,
-            torch.no_grad(),
-            trainer._dist.summon_full_params(model, recurse=False),
-        ):
-            generate = functools.partial(
-                generate_batch,
-                unwrapped_model,
-                pad_token_id=trainer.processing_class.pad_token_id,
-                eos_token_ids=trainer.eos_token_ids,
-                generation_config=trainer.generation_config,
-            )  # one batched generation over the active episodes; each result stops after its first eos
-            return self.engine.run(tasks, generate, sync, **guiding)
-
     def _log_env_metrics(self, episodes, accelerator, metrics) -> None:
-        threshold = self.options["replay_success_threshold"]
+        threshold = self._success_threshold
         steps = [s for e in episodes for s in e.step_seconds]
         local = torch.tensor(
             [
@@ -202,6 +185,50 @@ class MultiTurnRollouts:
         metrics["env/errors"] = [errors]  # a running total: the latest value, not a mean over the logging window
         metrics["env/nonfinite_rewards"] = [nonfinite]  # among the errors, also a running total
         metrics["env/special_tokens_removed"] = [spelled]  # from observations, before tokenizing: a running total
+
+
+def policy_episodes(
+    run,
+    tasks: list[dict],
+    sync,
+    guiding: dict,
+    *,
+    vllm_engine,
+    model,
+    accelerator,
+    dist,
+    ds3_gather: bool,
+    generation_kwargs,
+    gradient_checkpointing_kwargs,
+    pad_token_id: int,
+    eos_token_ids,
+    generation_config,
+) -> tuple[list, bool]:
+    """The episodes of `tasks` played by the policy through `run` (`MultiTurnRollout.run`), and whether they carry
+    sampling log-probs: through TRL's colocated vLLM engine (`vllm_engine`, whose weights TRL synced for this step
+    before calling the rollout), or by the training `model` itself (TRL's wrapped model, transformers `generate`,
+    parameters gathered as TRL gathers them: `ds3_gather`, `dist`)."""
+    if vllm_engine is not None:
+        return run(tasks, functools.partial(_generate_turn_vllm, vllm_engine), sync, **guiding), True
+    with (
+        unwrap_model_for_generation(
+            model,
+            accelerator,
+            gather_deepspeed3_params=ds3_gather,
+            generation_kwargs=generation_kwargs,
+            gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
+        ) as unwrapped_model,
+        torch.no_grad(),
+        dist.summon_full_params(model, recurse=False),
+    ):
+        generate = functools.partial(
+            generate_batch,
+            unwrapped_model,
+            pad_token_id=pad_token_id,
+            eos_token_ids=eos_token_ids,
+            generation_config=generation_config,
+        )  # one batched generation over the active episodes; each result stops after its first eos
+        return run(tasks, generate, sync, **guiding), False
 
 
 def _generate_turn_vllm(engine, contexts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:

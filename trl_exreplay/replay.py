@@ -1,81 +1,62 @@
 """The replay side of a training step, as one object the trainer's hooks call: `ReplayController`.
 
-It holds the experience pool (made from the config, bound to the tokenizer and the model's vocabulary, shared
-between ranks, saved and resumed with checkpoints), ExGRPO's start rule and retired questions, and the outcomes of the
-last generation step until the pool records them. Per step it draws the plan (`planner.plan_replay`) and the replayed
-trajectories (`selection`), splices them into generation, and queues the fresh rollouts' outcomes.
+Per step it draws the plan (`planner.plan_replay`, ExGRPO's start rule and retired questions) and the replayed
+trajectories (`selection`), splices them into generation (and rescued successes into scoring), and queues the fresh
+rollouts' outcomes until the pool records them at the next step. The pool itself, made once, shared, saved and
+resumed, is `trl_exreplay.keeper.PoolKeeper`'s; the controller reads it through the keeper.
 
-What it needs from the trainer is given to it: settings and a few functions at construction (`for_trainer` reads them
-off the trainer once), the step's figures in each call; no method reads a trainer attribute. The methods marked
-collective must be called by every rank at the same point of the step (they gather or reduce).
+What it needs from the trainer is given to it: settings, values and functions at construction (`for_trainer` reads
+them off the trainer once), the step's figures in each call; it keeps no trainer. The methods marked collective must
+be called by every rank at the same point of the step (they gather or reduce).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import logging
-import os
-import warnings
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from accelerate.utils import gather_object
 
-from .distributed import from_main_process, gather_row_flags
+from .distributed import gather_row_flags
+from .keeper import PoolKeeper
 from .metrics import FaultCounts, log_generation
 from .outcomes import PendingOutcomes, task_outcomes, trajectory_records, zero_spread_share
 from .planner import ReplayPlan, plan_replay, plan_rescue, replay_groups_due
-from .pool import ExperiencePool, task_key, tokenizer_fingerprint
+from .pool import task_key
 from .pool.rules import is_solved
-from .schedule import ReplaySchedule, redirect_retired_groups, revisited_groups, starts_replay
-from .selection import policy_forward, select_trajectories
+from .schedule import redirect_retired_groups, revisited_groups, starts_replay
+from .selection import select_trajectories
 from .step import GenerationStep
 
 logger = logging.getLogger(__name__)
 
-POOL_DIR = "exreplay_pool"
-# The live pool's shards, under output_dir (same disk as the checkpoints, so saves hard-link instead of copying); the
-# leading underscore keeps it out of `Trainer.push_to_hub` uploads.
-POOL_WORK_DIR = "_exreplay_pool_work"
-
-# `ExperiencePool`'s settings keep ExGRPO's key names where it has them (`experience_lbound`, `experience_rbound`,
-# `exp_select_mode`: its `verl/mix_src/config/mix_ppo_trainer.yaml`); the config field each comes from.
-_POOL_SETTING_FIELDS = {
-    "max_trajectories_per_task": "replay_max_trajectories_per_task",
-    "experience_lbound": "replay_store_lbound",
-    "experience_rbound": "replay_store_rbound",
-    "exp_select_mode": "replay_select_mode",
-    "pool_store_mode": "replay_store_mode",
-    "max_policy_age": "replay_max_policy_age",
-    "replay_window": "replay_window",
-}
-
 
 class ReplayController:
-    """The pool, the plan and the outcomes of `ExReplayGRPOTrainer`'s steps (`options`: the config's replay fields,
-    `config.replay_options`). With replay off it still runs: the plan replays nothing, and the outcomes only feed
-    guided rollouts' summariser."""
+    """The plan, the splice and the outcomes of `ExReplayGRPOTrainer`'s steps (`settings`: the config's
+    `ReplaySettings`), over the pool `keeper` holds. With replay off it still runs: the plan replays nothing, and the
+    outcomes only feed guided rollouts' summariser (`guided_training`: they are guided)."""
 
     def __init__(
         self,
-        options: dict,
+        settings,
+        keeper: PoolKeeper,
         *,
         args,
         accelerator,
         num_generations: int,
-        processing_class,
-        model,
         train_dataset,
-        experience_pool: ExperiencePool | None,
         policy_forward: Callable,
         faults: FaultCounts,
         multi_turn: bool = False,
         max_completion_length: int | None = None,
+        guided_training: bool = False,
     ):
-        self.options = options
-        self.enabled = bool(options["enable_experience_replay"])
+        self.settings = settings
+        self.keeper = keeper
+        self.enabled = settings.enable_experience_replay
         self.num_generations = num_generations
         self._args = args
         self._accelerator = accelerator
@@ -83,9 +64,8 @@ class ReplayController:
         self._faults = faults
         self._multi_turn = multi_turn
         self._max_completion_length = max_completion_length
-        self.schedule = ReplaySchedule()  # ExGRPO's start step, saved with checkpoints
         self._train_dataset = train_dataset
-        self.retiring = self.enabled and options["replay_retire_solved"]
+        self.retiring = self.enabled and settings.replay_retire_solved
         if self.retiring and not hasattr(train_dataset, "__getitem__"):
             self.retiring = False
             logger.warning(
@@ -93,36 +73,37 @@ class ReplayController:
                 "`datasets.Dataset`); with this %s, solved questions stay in the fresh stream.",
                 type(train_dataset).__name__,
             )
-        self.rescue_rows = options["replay_rescue"] if self.enabled else 0
+        self.rescue_rows = settings.replay_rescue if self.enabled else 0
         if self.rescue_rows and args.beta != 0.0:
             self.rescue_rows = 0
             logger.warning(
                 "trl_exreplay: replay_rescue=%d is off: with beta=%g TRL's KL term would compare a rescued row's "
                 "tokens with the reference log-probs of the failed rollout it replaces (computed before scoring). "
-                "Rescue needs beta=0 (TRL's default).", options["replay_rescue"], args.beta,
+                "Rescue needs beta=0 (TRL's default).", settings.replay_rescue, args.beta,
             )  # fmt: skip
         self._retired: set[str] | None = None  # the retired tasks, as of the last generation batch
         self._dataset_keys: list[str] | None = None  # the task of each training dataset row
         self._active_rows: tuple[list[int], list[str]] = ([], [])
         self.exhausted = False  # every training question is retired
         self.pending: PendingOutcomes | None = None  # the last step's outcomes, not yet in the pool
-        self._said_task_ids = not (self.enabled or options["guidance_train"] != "off")  # said once, where ids matter
+        self._said_task_ids = not (self.enabled or guided_training)  # said once, where ids matter
         self._said_all_solved = False
-        self._setup_pool(processing_class, model, experience_pool)
 
     @classmethod
-    def for_trainer(cls, trainer, experience_pool: ExperiencePool | None, faults: FaultCounts) -> ReplayController:
-        """The replay side of `trainer` (a `GRPOTrainer` whose `__init__` ran; `trainer.replay`: the config's replay
-        fields). Refuses what replay cannot train and warns where it can do little (docs/support.md says why)."""
-        options, args = trainer.replay, trainer.args
-        if options["enable_experience_replay"]:
+    def for_trainer(cls, trainer, keeper: PoolKeeper, faults: FaultCounts, *, policy_forward: Callable,
+                    guided_training: bool) -> ReplayController:  # fmt: skip
+        """The replay side of `trainer` (a `GRPOTrainer` whose `__init__` ran; `trainer.settings`: its
+        `ReplaySettings`), read off it once. Refuses what replay cannot train and warns where it can do little
+        (docs/support.md says why)."""
+        settings, args = trainer.settings, trainer.args
+        if settings.enable_experience_replay:
             if trainer._is_vlm:
                 raise ValueError(
                     "Experience replay with vision-language models is not supported yet; set "
                     "`enable_experience_replay=False`."
                 )
             groups = args.generation_batch_size // trainer.num_generations
-            if 0 < options["replay_ratio"] * groups < 1:
+            if 0 < settings.replay_ratio * groups < 1:
                 logger.warning(
                     "trl_exreplay: a generation batch holds %d task group(s), so replay_ratio=%g replays a group in "
                     "only about one generation batch of %.3g (replay/tasks is 0 in the others). To replay in every "
@@ -131,130 +112,44 @@ class ReplayController:
                     "steps_per_generation above gradient_accumulation_steps gives more groups too, but then all "
                     "but one of the optimizer steps of a generation batch train on rollouts of an older policy, "
                     "in GRPO itself.",
-                    groups, options["replay_ratio"], 1 / (options["replay_ratio"] * groups),
+                    groups, settings.replay_ratio, 1 / (settings.replay_ratio * groups),
                 )  # fmt: skip
         return cls(
-            options,
+            settings,
+            keeper,
             args=args,
             accelerator=trainer.accelerator,
             num_generations=trainer.num_generations,
-            processing_class=trainer.processing_class,
-            model=trainer.model,
             train_dataset=trainer.train_dataset,
-            experience_pool=experience_pool,
-            policy_forward=functools.partial(policy_forward, trainer),
+            policy_forward=policy_forward,
             faults=faults,
             multi_turn=trainer.text_env_factory is not None,
             max_completion_length=trainer.max_completion_length,
+            guided_training=guided_training,
         )
 
-    # ------------------------------------------------------------------------------------------------- pool
-    def _setup_pool(self, processing_class, model, experience_pool: ExperiencePool | None) -> None:
-        rbound = self.options["replay_store_rbound"]
-        values = {**self.options, "replay_store_rbound": self.num_generations if rbound is None else rbound}
-        self._pool_settings = {name: values[field] for name, field in _POOL_SETTING_FIELDS.items()}
-        self._pool_settings["seed"] = self._args.seed
-        # The pool's token ids must be this tokenizer's wherever they are read: replay, and the experience of guided
-        # rollouts when it starts from the pool.
-        reads_pool = self.enabled or self.options["guidance_init_from_pool"]
-        self._tokenizer_fingerprint = tokenizer_fingerprint(processing_class) if reads_pool else None
-        self._vocab_size = _vocab_size(model)
+    @property
+    def pool(self):
+        """The run's `ExperiencePool` (the keeper's: it is replaced on resume)."""
+        return self.keeper.pool
 
-        def make() -> ExperiencePool:
-            if experience_pool is not None:
-                return self._adopt_pool(experience_pool, "the given experience_pool")
-            pool = ExperiencePool(**self._pool_settings, work_dir=self._pool_work_dir())
-            if self._vocab_size is not None:
-                pool.set_vocab_size(self._vocab_size)
-            if self._tokenizer_fingerprint is not None:
-                pool.bind_tokenizer(self._tokenizer_fingerprint)
-            return pool
-
-        self._take_pool(make)
-
-    def _take_pool(self, make: Callable[[], ExperiencePool]) -> None:
-        """Rank 0 takes the pool `make()` returns and alone holds its rows, which it reads for every rank
-        (`_on_main`); the other ranks hold its index (`ExperiencePool.from_index_snapshot`), so that their plans and
-        pools' decisions stay the same as rank 0's. One copy of the pool's files per run. Collective."""
-
-        def take() -> dict | None:
-            self.pool = make()
-            return self.pool.index_snapshot() if self._accelerator.num_processes > 1 else None
-
-        snapshot = self._on_main(take)
-        if not self._accelerator.is_main_process:
-            self.pool = ExperiencePool.from_index_snapshot(snapshot)
+    @property
+    def schedule(self):
+        """ExGRPO's start step (the keeper's: saved and resumed with the pool)."""
+        return self.keeper.schedule
 
     def _on_main(self, read: Callable):
         """`read()` on rank 0, its result sent to every rank. Collective."""
-        return from_main_process(self._accelerator, read)
-
-    def _pool_work_dir(self) -> str:
-        return self.options["replay_scratch_dir"] or os.path.join(self._args.output_dir, POOL_WORK_DIR)
-
-    def _adopt_pool(self, pool: ExperiencePool, source: str) -> ExperiencePool:
-        """Use `pool` under this run's configuration (the config wins over the settings the pool was saved with).
-
-        A pool recorded with another tokenizer is refused: its token ids would mean other tokens here; so is one holding
-        trajectories but no tokenizer fingerprint, unless the caller bound it (`pool.bind_tokenizer`). Trajectories
-        with token ids outside the model's vocabulary are removed and counted."""
-        if self._tokenizer_fingerprint is not None:
-            if pool.tokenizer_fingerprint is None and pool.num_trajectories:
-                raise ValueError(
-                    f"The experience pool from {source} holds {pool.num_trajectories} trajectories but records no "
-                    "tokenizer fingerprint, so nothing says its token ids are this tokenizer's. If they are, bind it "
-                    "first: pool.bind_tokenizer(trl_exreplay.pool.tokenizer_fingerprint(tokenizer))."
-                )
-            pool.bind_tokenizer(self._tokenizer_fingerprint, source)
-        if self._vocab_size is not None and pool.vocab_size != self._vocab_size:
-            pool.set_vocab_size(self._vocab_size)
-        changed = pool.configure(**self._pool_settings)
-        if changed:
-            # The pool's own settings keep ExGRPO's key names; the run sets them under the config's names.
-            fields = [_POOL_SETTING_FIELDS.get(name, name) for name in changed]
-            logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, fields)
-        return pool
-
-    def save(self, output_dir: str, should_save: bool) -> None:
-        """Save the pool (and ExGRPO's start step) in `output_dir`. Call on every rank, the saving one with
-        `should_save`."""
-        if should_save:
-            if self.pool.holds_rows:  # rank 0: with `save_on_each_node`, another machine's checkpoint has no pool
-                self.pool.save(os.path.join(output_dir, POOL_DIR))
-            if self.schedule != ReplaySchedule():
-                self.schedule.save(output_dir)
-
-    def resume(self, checkpoint: str) -> None:
-        """Take the pool saved in `checkpoint` (or, where there is none, say loudly that the run resumes empty) and
-        ExGRPO's start step. Collective: rank 0 loads the pool (`_take_pool`)."""
-        self.schedule = ReplaySchedule.load(checkpoint)  # the step replay started at, if it did
-        path = os.path.join(checkpoint, POOL_DIR)
-
-        def load() -> ExperiencePool:
-            if os.path.lexists(path):
-                pool = ExperiencePool.load(path, vocab_size=self._vocab_size, work_dir=self._pool_work_dir())
-                return self._adopt_pool(pool, checkpoint)
-            if not self.options["replay_resume_without_pool"]:
-                message = (
-                    f"trl_exreplay: the checkpoint {checkpoint} holds no experience pool ({POOL_DIR}/): training "
-                    "resumes with an EMPTY pool, so nothing is replayed until it fills again. If the pool was lost, "
-                    "stop and restore it; to start empty on purpose, set replay_resume_without_pool=True."
-                )
-                logger.warning(message)
-                warnings.warn(message, stacklevel=4)
-            return self.pool
-
-        self._take_pool(load)
-        self.pending = None
+        return self.keeper.on_main(read)
 
     # ------------------------------------------------------------------------------------------- the plan
     def started(self, global_step: int, max_steps: int) -> bool:
         """Whether replay runs at this step: from `replay_start_ratio` of `max_steps`, or (ExGRPO's rule) from the step
         after the one whose batch succeeded often enough."""
-        if self.options["replay_start"] == "solved":
+        if self.settings.replay_start == "solved":
             started = self.schedule.started_at
             return started is not None and global_step > started
-        return global_step / max(max_steps, 1) >= self.options["replay_start_ratio"]
+        return global_step / max(max_steps, 1) >= self.settings.replay_start_ratio
 
     def plan(
         self, inputs: list[dict], *, global_step: int, max_steps: int, micro_step: int, metrics
@@ -267,8 +162,8 @@ class ReplayController:
         offset = rank * local_rows
         if not self._said_task_ids:
             self._said_task_ids = True
-            say_task_id_source(inputs, self.options["task_id_column"])
-        row_keys = gather_object([task_key(x, self.options["task_id_column"]) for x in inputs])
+            say_task_id_source(inputs, self.settings.task_id_column)
+        row_keys = gather_object([task_key(x, self.settings.task_id_column) for x in inputs])
         draw_seed = [args.seed, global_step, micro_step]
         revisits = []
         if self.retiring:
@@ -276,7 +171,7 @@ class ReplayController:
                                                                 global_step)  # fmt: skip
         group_keys = row_keys[::G]
 
-        plan = ReplayPlan(G, self.options["replay_trajectories_per_group"], {})
+        plan = ReplayPlan(G, self.settings.replay_trajectories_per_group, {})
         if self.enabled and self.started(global_step, max_steps):
             # replay_ratio is a long-run share: a batch of fewer than 1 / replay_ratio groups replays on some batches
             batch_index = (global_step * args.gradient_accumulation_steps + micro_step) // (
@@ -285,21 +180,18 @@ class ReplayController:
             plan = plan_replay(
                 group_keys,
                 self.pool.replay_buckets(  # drawn from in O(batch), whatever the pool's size
-                    plan.num_replayed,
-                    global_step,
-                    self.options["replay_max_policy_age"],
-                    self.options["replay_window"],
+                    plan.num_replayed, global_step, self.settings.replay_max_policy_age, None
                 ),
-                num_tasks=replay_groups_due(self.options["replay_ratio"], len(group_keys), batch_index),
+                num_tasks=replay_groups_due(self.settings.replay_ratio, len(group_keys), batch_index),
                 num_generations=G,
                 num_replayed=plan.num_replayed,
-                weighting=self.options["replay_bucket_weighting"],
+                weighting=self.settings.replay_bucket_weighting,
                 seed=draw_seed,
             )
         selected = select_trajectories(
             self.pool,
             plan,
-            self.options,
+            self.settings,
             global_step,
             draw_seed,
             self._accelerator,
@@ -323,7 +215,7 @@ class ReplayController:
             seed=draw_seed,
             revisited=set(revisits) - set(plan.replay_groups),
         )
-        if self.retiring and self.options["replay_revisit_ratio"]:
+        if self.retiring and self.settings.replay_revisit_ratio:
             metrics["replay/revisited_groups"].append(float(len(step.revisited)))
         return step
 
@@ -338,11 +230,11 @@ class ReplayController:
         if retired != self._retired:
             self._retired = retired
             if self._dataset_keys is None:
-                column = self.options["task_id_column"]
+                column = self.settings.task_id_column
                 self._dataset_keys = [task_key(row, column) for row in self._train_dataset]
             active = [i for i, key in enumerate(self._dataset_keys) if key not in retired]
             self._active_rows = (active, [self._dataset_keys[i] for i in active])
-            if not active and not self.options["replay_revisit_ratio"]:
+            if not active and not self.settings.replay_revisit_ratio:
                 self.exhausted = True  # this last batch is of retired tasks: its outcomes stay out of the pool
                 logger.warning(
                     "trl_exreplay: every training question is retired (solved by all its fresh rollouts: %d tasks, "
@@ -350,7 +242,7 @@ class ReplayController:
                     len(retired), global_step + 1,
                 )  # fmt: skip
         group_keys = row_keys[::G]
-        revisits = revisited_groups(group_keys, self._retired, self.options["replay_revisit_ratio"], [*seed, 3])
+        revisits = revisited_groups(group_keys, self._retired, self.settings.replay_revisit_ratio, [*seed, 3])
         if not self._active_rows[0]:  # every question retired (with revisits on): each retired group is a revisit
             revisits = [g for g, key in enumerate(group_keys) if key in self._retired]
         if revisits:  # a revisited group keeps its retired task (a key no task has is never redirected)
@@ -454,15 +346,15 @@ class ReplayController:
         row_success = [None if missing[r] or step.plan.is_replayed(r) else success[r] for r in range(len(success))]
         group_keys = step.row_tasks[::G]
         guided = set() if step.guidance is None else {r // G for r, flag in enumerate(step.guidance.guided) if flag}
-        age, window = self.options["replay_max_policy_age"], self.options["replay_window"]
-        has = [self.pool.num_candidates(task, global_step, age, window) >= k for task in group_keys]
+        age = self.settings.replay_max_policy_age
+        has = [self.pool.num_candidates(task, global_step, age, None) >= k for task in group_keys]
         groups = plan_rescue(row_success, group_keys, G, k, has, skip_groups=[*step.plan.replay_groups, *guided])
         counted = [r for r, flag in enumerate(row_success) if flag is not None]
         rescued = rewards_per_func
         if groups:
             tasks = sorted(set(groups.values()))
             rng = np.random.default_rng([*step.seed, 4])  # replay_select_mode="random": a draw of this step's
-            chosen = self._on_main(lambda: self.pool.choose(tasks, k, global_step, age, window, rng=rng))
+            chosen = self._on_main(lambda: self.pool.choose(tasks, k, global_step, age, None, rng=rng))
             rescued = rewards_per_func.clone()
             limit = self._max_completion_length
             for group, task in groups.items():
@@ -490,7 +382,7 @@ class ReplayController:
         """Per global row: the total reward (the weighted sum over reward functions), whether it is a success, and
         whether it has no reward at all (every function returned None, NaN or inf: it says nothing about its task)."""
         totals = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-        success = (totals >= self.options["replay_success_threshold"]).cpu().tolist()
+        success = (totals >= self.settings.replay_success_threshold).cpu().tolist()
         return totals, success, torch.isnan(rewards_per_func).all(dim=1).cpu().tolist()
 
     # ------------------------------------------------------------------------------------------- outcomes
@@ -517,14 +409,14 @@ class ReplayController:
                     "here it ranged %g-%g), so every task goes to the skip set and nothing is stored or replayed. If "
                     "a reward function gives every rollout something (a format reward), set replay_success_threshold "
                     "to the total a solved rollout gets.",
-                    self.options["replay_success_threshold"], rewards_per_func.size(1), fresh_totals.min().item(),
+                    self.settings.replay_success_threshold, rewards_per_func.size(1), fresh_totals.min().item(),
                     fresh_totals.max().item(),
                 )  # fmt: skip
         if fresh_rows:
             metrics["replay/fresh_reward"].append(totals[fresh_rows].nanmean().item())
             metrics["replay/zero_std_fresh"].append(zero_spread_share(totals, fresh_rows, self.num_generations))
         replayed_rows = []
-        if self.options["replay_count_replayed_successes"]:  # ExGRPO: a replayed task's bucket is (s + k) of G
+        if self.settings.replay_count_replayed_successes:  # ExGRPO: a replayed task's bucket is (s + k) of G
             replayed_rows = [r for r in range(len(row_tasks)) if step.plan.is_replayed(r) and not missing[r]]
         outcomes = task_outcomes(row_tasks, fresh_rows, success, self.num_generations, replayed_rows)
         local_winners = sorted(r - offset for *_, rows in outcomes for r in rows if 0 <= r - offset < num_local)
@@ -542,7 +434,7 @@ class ReplayController:
         )
         if self.exhausted:  # every question retired: the run's last batch, of retired tasks, leaves them retired
             outcomes = []
-        elif self.options["replay_start"] == "solved" and self.schedule.started_at is None:
+        elif self.settings.replay_start == "solved" and self.schedule.started_at is None:
             # ExGRPO before replay starts: solved tasks enter the skip set, nothing enters a bucket, and the pool only
             # the successes a solved task keeps for rescue (replay_rescue; none in ExGRPO's profile). The
             # first batch that succeeds often enough starts replay (`success` is gathered: every rank decides alike);
@@ -551,7 +443,7 @@ class ReplayController:
             retired = self._retired or set()
             outcomes = [o if is_solved(o[1], o[2]) else (*o[:3], []) for o in outcomes
                         if is_solved(o[1], o[2]) or o[0] in retired]  # fmt: skip
-            if starts_replay(success, fresh_rows, self.options["replay_start_solved_fraction"]):
+            if starts_replay(success, fresh_rows, self.settings.replay_start_solved_fraction):
                 self.schedule.started_at = global_step
         if step.revisited:  # retired tasks revisited: those a fresh rollout failed return to the fresh stream
             G = self.num_generations
@@ -602,12 +494,3 @@ def say_task_id_source(rows: list[dict], column: str) -> None:
             "trl_exreplay: %d of the first batch's %d rows have no %r value (None or absent): their task id is a hash "
             "of their prompt, the others' their %r value.", missing, len(rows), column, column,
         )  # fmt: skip
-
-
-def _vocab_size(model) -> int | None:
-    """The number of token ids the model embeds (its config's, after any resize), None when it does not say."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    size = getattr(config, "vocab_size", None)
-    return size if isinstance(size, int) and size > 0 else None

@@ -17,16 +17,16 @@ from .pool import Trajectory
 
 
 def select_trajectories(
-    pool, plan: ReplayPlan, options: dict, step: int, seed, accelerator, policy_forward: Callable, on_main: Callable
+    pool, plan: ReplayPlan, settings, step: int, seed, accelerator, policy_forward: Callable, on_main: Callable
 ) -> dict[str, list[Trajectory]]:
     """The trajectories of each task `plan` replays (identical on every rank), read where the pool's rows are:
     `on_main(read)` runs `read` on rank 0 and sends its result to every rank. Collective when `plan` replays."""
     if not plan.replay_groups:
         return {}
-    k, age, window = plan.num_replayed, options["replay_max_policy_age"], options["replay_window"]
+    k, age, window = plan.num_replayed, settings.replay_max_policy_age, None  # `settings`: the run's ReplaySettings
     rng = np.random.default_rng([*seed, 1])
     tasks = list(plan.replay_groups.values())
-    if not options["replay_select_by_current_entropy"] or options["replay_select_mode"] == "random":
+    if not settings.replay_select_by_current_entropy:  # None under replay_select_mode="random"
         # By saved entropy (or at random): chosen on the pool's index; only the chosen trajectories are read.
         return on_main(lambda: pool.choose(tasks, k, step, age, window, rng))
     # By entropy under the current policy: every candidate of a task with more than k is scored.
@@ -65,13 +65,23 @@ def current_policy_entropies(trajectories: list[Trajectory], accelerator, policy
 
 
 @torch.no_grad()
-def policy_forward(trainer, prompts: list, completions: list, model_masks: list, compute_entropy: bool = False):
-    """One no-grad forward of `trainer`'s current policy over (prompt, completion) token lists, batched as TRL batches
-    its own (`_get_per_token_logps_and_entropies`): per-token log-probs and entropies (None unless `compute_entropy`)
-    over the completions, (rows, tokens), and the model-token mask padded alike. Every process must make the same
-    number of calls (ZeRO-3, FSDP)."""
-    device = trainer.accelerator.device
-    pad_id = getattr(trainer.processing_class, "pad_token_id", 0)
+def policy_forward(
+    forward: Callable,
+    model,
+    prompts: list,
+    completions: list,
+    model_masks: list,
+    compute_entropy: bool = False,
+    *,
+    device,
+    pad_token_id: int,
+    batch_size: int,
+):
+    """One no-grad forward of the current policy `model` over (prompt, completion) token lists through `forward`
+    (TRL's `GRPOTrainer._get_per_token_logps_and_entropies`, bound), batched as TRL batches its own: per-token
+    log-probs and entropies (None unless `compute_entropy`) over the completions, (rows, tokens), and the model-token
+    mask padded alike. Every process must make the same number of calls (ZeRO-3, FSDP)."""
+    pad_id = pad_token_id
     prompts = [torch.tensor(list(p), dtype=torch.long) for p in prompts]
     completions = [torch.tensor(list(c), dtype=torch.long) for c in completions]
     prompt_ids = pad(prompts, padding_value=pad_id, padding_side="left").to(device)
@@ -80,12 +90,12 @@ def policy_forward(trainer, prompts: list, completions: list, model_masks: list,
     completion_mask = pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right")
     model_mask = pad([torch.tensor(list(m)) for m in model_masks], padding_value=0, padding_side="right")
     model_mask = (model_mask * completion_mask).to(device)
-    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
-        trainer.model,
+    logps, entropies, _ = forward(
+        model,
         torch.cat([prompt_ids, completion_ids], dim=1),
         torch.cat([prompt_mask, completion_mask.to(device)], dim=1),
         completion_ids.size(1),
-        batch_size=trainer.args.per_device_train_batch_size,
+        batch_size=batch_size,
         compute_entropy=compute_entropy,
     )
     return logps, entropies, model_mask

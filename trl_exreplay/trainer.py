@@ -15,19 +15,21 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
-from .config import replay_options, validate_replay_options
-from .custom_rollouts import replaying_rollout
+from .config import ReplaySettings, replay_settings
+from .custom_rollouts import fresh_rows_rollout
 from .distributed import any_rank_active, generation_is_collective, uses_gloo_group
 from .envs import env_reward
-from .guidance import ExperienceProvider
+from .guidance import ExperienceProvider, GuidanceSettings
 from .guided_rollouts import EXPERIENCE_DIR, GuidedRollouts, guided_rollouts
 from .hub import CITATIONS
+from .keeper import POOL_DIR, POOL_WORK_DIR, PoolKeeper
 from .loss import OffPolicyOptions, off_policy_loss, reduce_as_trl
 from .metrics import FaultCounts, log_off_policy
-from .multiturn import MultiTurnRollouts, check_multi_turn_vllm
+from .multiturn import MultiTurnRollouts, MultiTurnSettings, check_multi_turn_vllm, policy_episodes
 from .pool import ExperiencePool
-from .replay import POOL_DIR, POOL_WORK_DIR, ReplayController
+from .replay import ReplayController
 from .schedule import EpochSeededSampler
+from .selection import policy_forward
 from .step import GenerationStep, LossForward, attach_replay_tensors, splice_rescued
 from .untrusted_text import SpecialTokenFilter
 
@@ -39,10 +41,11 @@ __all__ = ["EXPERIENCE_DIR", "POOL_DIR", "POOL_WORK_DIR", "ExReplayGRPOTrainer"]
 class ExReplayGRPOTrainer(GRPOTrainer):
     r"""
     `GRPOTrainer` with experience replay (ExGRPO / AgentEvolver). Same arguments as [`trl.GRPOTrainer`], plus
-    `experience_pool` to start from an existing pool, `text_env_factory` for multi-turn games and
-    `experience_provider` for experience-guided rollouts (`trl_exreplay.guidance`; off unless the config's
-    `guidance_train` or `guidance_eval` guides). Replay is configured by [`ExReplayGRPOConfig`]; a plain
-    `GRPOConfig` replays with the default settings, and `enable_experience_replay=False` gives `GRPOTrainer` exactly.
+    `experience_pool` to start from an existing pool, `text_env_factory` (with `multi_turn`, its
+    `MultiTurnSettings`) for multi-turn games, and `guidance` (`GuidanceSettings`, with `experience_provider`) for
+    experience-guided rollouts (`trl_exreplay.guidance`; off unless a rollout mode guides). Replay is configured by
+    [`ExReplayGRPOConfig`]; a plain `GRPOConfig` replays with the default settings, and
+    `enable_experience_replay=False` gives `GRPOTrainer` exactly.
 
     TRL methods it overrides, each calling `super()` (no TRL method body is copied), and why:
 
@@ -110,7 +113,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     # Our state, as it is before `__init__` sets it: an override called on a trainer that never ran our `__init__`
     # (TRL's tests build `GRPOTrainer`s with `object.__new__`) reads these and does what TRL's method does.
-    _replay: ReplayController | None = None  # the pool, the plan, the outcomes (`trl_exreplay.replay`)
+    _pool_keeper: PoolKeeper | None = None  # the run's pool: made, shared, saved, resumed (`trl_exreplay.keeper`)
+    _replay: ReplayController | None = None  # each step's plan, splice and outcomes (`trl_exreplay.replay`)
+    _user_rollout_func = None  # a user's `rollout_func`, asked for the fresh rows only while replay runs
     _replay_enabled = False
     _guidance: GuidedRollouts | None = None  # experience-guided rollouts, when on (`trl_exreplay.guided_rollouts`)
     _guide_train = _guide_eval = False
@@ -139,6 +144,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         *,
         experience_pool: ExperiencePool | None = None,
         text_env_factory: Callable[[], object] | None = None,
+        multi_turn: MultiTurnSettings | None = None,
+        guidance: GuidanceSettings | None = None,
         experience_provider: ExperienceProvider | None = None,
     ):
         """`GRPOTrainer`'s parameters (see [`trl.GRPOTrainer`]), then ours."""
@@ -154,27 +161,39 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )  # fmt: skip
-        self.replay = replay_options(self.args)
-        validate_replay_options(self.replay, self.num_generations)
-        self._replay_enabled = bool(self.replay["enable_experience_replay"])
-        if self.replay["tool_special_tokens"] == "remove" and (self.tools or self.environment_factories is not None):
+        self.settings: ReplaySettings = replay_settings(self.args)  # made and checked once, read as attributes
+        self._replay_enabled = self.settings.enable_experience_replay
+        if self.settings.tool_special_tokens == "remove" and (self.tools or self.environment_factories is not None):
             self._tool_text = SpecialTokenFilter(self._tokenizer, "remove")
             if self.environment_factories is not None:
                 self._clean_environment_resets()
         if self._replay_enabled and self.rollout_func is not None:
-            self.rollout_func = replaying_rollout(self.rollout_func, self)  # asked for the fresh rows only
+            self._user_rollout_func, self.rollout_func = self.rollout_func, self._replaying_rollout
         self.text_env_factory = text_env_factory
         if text_env_factory is not None:
-            self._multi_turn = MultiTurnRollouts.for_trainer(text_env_factory, self, self.replay)
+            self._multi_turn = MultiTurnRollouts.for_trainer(
+                text_env_factory, self, multi_turn or MultiTurnSettings(), self.settings
+            )
             self.rollout_func = self._multi_turn_rollout
         self._faults = FaultCounts()  # faults and mismatches, logged once per kind
-        self._replay = ReplayController.for_trainer(self, experience_pool, self._faults)
+        guided = guidance is not None and guidance.on
+        self._pool_keeper = PoolKeeper(
+            self.settings, accelerator=self.accelerator, num_generations=self.num_generations, seed=self.args.seed,
+            output_dir=self.args.output_dir, processing_class=self.processing_class, model=self.model,
+            experience_pool=experience_pool, reads_pool=guidance is not None and guidance.guidance_init_from_pool,
+        )  # fmt: skip
+        self._replay = ReplayController.for_trainer(
+            self, self._pool_keeper, self._faults, policy_forward=self._policy_forward,
+            guided_training=guided and guidance.guidance_train != "off",
+        )  # fmt: skip
         unsupported = {
             "tools or environment_factory (TRL's tool loop)": bool(tools) or environment_factory is not None,
             "a custom rollout_func": rollout_func is not None,
             "vision-language models": self._is_vlm,
         }
-        self._guidance = guided_rollouts(self, experience_provider, self._faults, unsupported)
+        self._guidance = guided_rollouts(
+            self, guidance, experience_provider, self._faults, unsupported, policy_forward=self._policy_forward
+        )
         self._guide_train = self._guidance is not None and self._guidance.train
         self._guide_eval = self._guidance is not None and self._guidance.eval
         if self._replay_enabled or text_env_factory is not None or self._guidance is not None:
@@ -183,7 +202,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     @property
     def pool(self) -> ExperiencePool:
         """The experience pool: what this run stored (and, once replay starts, replays)."""
-        return self._replay.pool
+        return self._pool_keeper.pool
 
     # -------------------------------------------------------------------------------------------- generation
     def _get_train_sampler(self, dataset=None):
@@ -305,10 +324,42 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         return self.use_vllm and (self.vllm_mode == "server" or self.vllm_tensor_parallel_size > 1)
 
     def _multi_turn_rollout(self, prompts, trainer) -> dict:
-        """TRL's `rollout_func` in a multi-turn run: the step's games (`multiturn.MultiTurnRollouts`)."""
+        """TRL's `rollout_func` in a multi-turn run: the step's games (`multiturn.MultiTurnRollouts`), played by this
+        policy (`multiturn.policy_episodes`, given the values it reads now: the model TRL wrapped, vLLM's engine)."""
+        play = functools.partial(
+            policy_episodes, vllm_engine=self.vllm_generation if self.use_vllm else None, model=self.model_wrapped,
+            accelerator=self.accelerator, dist=self._dist, ds3_gather=self.args.ds3_gather_for_generation,
+            generation_kwargs=self.generation_kwargs,
+            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            pad_token_id=self.processing_class.pad_token_id, eos_token_ids=self.eos_token_ids,
+            generation_config=self.generation_config,
+        )  # fmt: skip
         return self._multi_turn.rollout(
-            self._generation, trainer, fit_completion=self._replay.fit_completion, guidance=self._guidance
+            self._generation, play, collective=generation_is_collective(self.accelerator, self._dist),
+            metrics=self._metrics["train" if self.model.training else "eval"],
+            fit_completion=self._replay.fit_completion, guidance=self._guidance,
+        )  # fmt: skip
+
+    def _replaying_rollout(self, prompts, trainer) -> dict:
+        """TRL's `rollout_func` with replay: the user's, asked for the fresh rows only (`custom_rollouts`)."""
+        step = self._generation
+        replayed = step.take_replay() if step is not None else None
+        if replayed is None:
+            return self._user_rollout_func(prompts, trainer)
+        padding = self._replay.padding_rows(step, len(prompts) - len(replayed), self._vllm_equal_shares())
+        return fresh_rows_rollout(
+            self._user_rollout_func, prompts, trainer, replayed, padding, self._replay.fit_completion
         )
+
+    def _policy_forward(self, prompts: list, completions: list, model_masks: list, compute_entropy: bool = False):
+        """One no-grad forward of the current policy (`selection.policy_forward`), through TRL's own forward (not this
+        class's override, which keeps the loss's and the generation's forwards): the pool's selection by current
+        entropy and guided rollouts' discarded rows take it."""
+        return policy_forward(
+            super()._get_per_token_logps_and_entropies, self.model, prompts, completions, model_masks, compute_entropy,
+            device=self.accelerator.device, pad_token_id=getattr(self.processing_class, "pad_token_id", 0),
+            batch_size=self.args.per_device_train_batch_size,
+        )  # fmt: skip
 
     def _with_prompt(self, row: dict) -> dict:
         return row if self._multi_turn is None else self._multi_turn.with_prompt(row)
@@ -436,7 +487,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         # TRL's loss makes one policy forward; the hook keeps its log-probs and entropies (the pool's records too).
         self._loss_forward = forward = LossForward(inputs)
         clip = self.epsilon_low, self.epsilon_high
-        if self.replay["replay_unclipped_fresh"] and self._replay_started() and self.model.training:
+        if self.settings.replay_unclipped_fresh and self._replay_started() and self.model.training:
             # ExGRPO's loss_remove_clip: TRL's loss reads its clip range when it runs; an infinite one clips nothing
             self.epsilon_low = self.epsilon_high = float("inf")
         try:
@@ -456,9 +507,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             )
         training, logps = self.model.training, forward.logps
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-        behaviour = inputs["recorded_per_token_logps"] if self.replay["replay_importance_sampling"] else logps.detach()
+        behaviour = inputs["recorded_per_token_logps"] if self.settings.replay_importance_sampling else logps.detach()
         options = OffPolicyOptions.from_config(
-            self.args, self.replay, loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+            self.args, self.settings, loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
             epsilon_low=self.epsilon_low, off_policy_mask_threshold=self.off_policy_mask_threshold,
         )  # fmt: skip
         per_token_loss, metrics = off_policy_loss(
@@ -502,12 +553,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if self._guidance is not None:
             self._guidance.save(output_dir or self.args.output_dir, self.args.should_save)
         if self._replay_enabled:
-            self._replay.save(output_dir or self.args.output_dir, self.args.should_save)
+            self._pool_keeper.save(output_dir or self.args.output_dir, self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._replay_enabled and checkpoint is not None:
-            self._replay.resume(checkpoint)
+            self._pool_keeper.resume(checkpoint)
+            self._replay.pending = None  # outcomes of the steps before the checkpoint's: recorded there already
         if self._guidance is not None and checkpoint is not None:
             self._guidance.resume(checkpoint)
 

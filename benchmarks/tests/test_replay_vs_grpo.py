@@ -121,7 +121,7 @@ def test_the_doors_testbed_gives_guidance_its_vocabulary_can_spell(harness):
     own (the `-env` presets) spell every token."""
     from replay_testbeds.multi_turn import VOCABULARY, MultiTurn
 
-    from trl_exreplay import ExReplayGRPOConfig
+    from trl_exreplay import GuidanceSettings
     from trl_exreplay.guidance import SummaryInput
     from trl_exreplay.guidance.offline import default_summary
     from trl_exreplay.guidance.template import format_experience
@@ -136,7 +136,7 @@ def test_the_doors_testbed_gives_guidance_its_vocabulary_can_spell(harness):
         ids = tokenizer(format_experience(template, [summary]), add_special_tokens=False)["input_ids"]
         return sum(i == tokenizer.unk_token_id for i in ids), len(ids)
 
-    default_template = ExReplayGRPOConfig.__dataclass_fields__["guidance_template"].default
+    default_template = GuidanceSettings.__dataclass_fields__["guidance_template"].default
     assert unknown(default_template, default_summary(won)) == (18, 24)
     testbed = MultiTurn()
     provider = testbed.experience_provider()

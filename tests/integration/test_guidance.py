@@ -9,10 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import TRAINER_DEFAULTS, RecordingTrainer, losses, make_trainer
+from helpers import TRAINER_DEFAULTS, RecordingTrainer, config_and_parts, losses, make_trainer
 from test_multiturn import MULTI_TURN, make_multi_turn_trainer
 
-from trl_exreplay import ExReplayGRPOConfig
 from trl_exreplay.envs import KeyDoorEnv
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
 from trl_exreplay.examples import VOCABULARY
@@ -20,7 +19,6 @@ from trl_exreplay.guidance import ExperienceRecord
 from trl_exreplay.guidance.allocation import allocate_guidance, rollout_add_exp, train_sample_modes
 from trl_exreplay.guidance.template import fit_experience, format_experience, insert_experience, strip_experience
 from trl_exreplay.rollout import ChatTurns
-from trl_exreplay.selection import policy_forward
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
 TEMPLATE = "please {} ok "  # words of the tiny vocabulary, so every token is a real one
@@ -76,10 +74,12 @@ GUIDED = dict(
     guidance_keep_ratio=0.5,
     guidance_template=TEMPLATE,
 )
+# every task keeps its guidance (no keep ratio: read under 'hybrid' only)
+KEEP_ALL = {**{k: v for k, v in GUIDED.items() if k != "guidance_keep_ratio"}, "guidance_trained_prompt": "guided"}
 
 
 # ------------------------------------------------------------------------------------------------ allocation
-def test_allocation_follows_the_seeds_rules():
+def test_allocation_follows_agentevolvers_rules():
     rng = np.random.default_rng(0)
     # keep_count = int(tasks * ratio): 7 tasks at 0.5 -> 3 keep
     assert sorted(train_sample_modes(7, "hybrid", 0.5, rng)) == ["discard"] * 4 + ["keep"] * 3
@@ -166,7 +166,7 @@ def test_guided_rows_train_on_the_prompt_their_task_keeps_with_exp_mask_on_repla
             n = int(completion_mask[i].sum())
             completion = output["completion_ids"][i, :n].tolist()
             with_guidance, without = (
-                policy_forward(trainer, [ids], [completion], [[1] * n])[0][0, :n]
+                trainer._policy_forward([ids], [completion], [[1] * n])[0][0, :n]
                 for ids in (step.guided_prompt_ids[i], step.plain_prompt_ids[i])
             )
             recorded = output["recorded_per_token_logps"][i, :n]
@@ -436,7 +436,7 @@ def test_retrieved_text_never_becomes_special_tokens_and_is_bounded(tmp_path):
         (long_record, 7, "red " * 6 + "red"),
     ):
         provider = FixedProvider(text=text)
-        keep_all = {**GUIDED, "guidance_trained_prompt": "guided", "guidance_max_tokens": budget}
+        keep_all = {**KEEP_ALL, "guidance_max_tokens": budget}
         trainer = make_trainer(
             tmp_path / str(budget), trainer_cls=GuidedRecordingTrainer, max_steps=1,
             trainer_kwargs={"experience_provider": provider}, **keep_all,
@@ -483,7 +483,7 @@ def _small_context_trainer(tmp_path, text, context):
         tmp_path, trainer_cls=GuidedRecordingTrainer, max_steps=1,
         model=build_tiny_model(tokenizer, seed=0, max_position_embeddings=context),
         trainer_kwargs={"experience_provider": FixedProvider(text=text)},
-        **{**GUIDED, "guidance_trained_prompt": "guided"},
+        **KEEP_ALL,
     )  # fmt: skip
 
 
@@ -547,14 +547,14 @@ def test_a_multi_turn_guided_prompt_leaves_max_completion_length_of_the_models_c
     context, completion = 128, MULTI_TURN["max_completion_length"]
     tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
     provider = FixedProvider(text=" ".join(["take the key"] * 334))  # 1,002 words
-    args = ExReplayGRPOConfig(**{
+    args, parts = config_and_parts(**{
         **TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path / "out"), "max_steps": 1,
         "guidance_train": "all", "guidance_trained_prompt": "guided", "guidance_template": "you have {} and ",
     })  # fmt: skip
     trainer = GuidedRecordingTrainer(
         model=build_tiny_model(tokenizer, seed=0, max_position_embeddings=context), args=args,
         train_dataset=key_door_dataset(num_tasks=2, repeats=40), processing_class=tokenizer,
-        text_env_factory=KeyDoorEnv, experience_provider=provider,
+        text_env_factory=KeyDoorEnv, experience_provider=provider, **parts,
     )  # fmt: skip
     trainer.train()
     turns = ChatTurns(tokenizer)

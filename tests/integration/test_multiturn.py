@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
-from helpers import REPLAY_ONLY, TRAINER_DEFAULTS
+from helpers import REPLAY_ONLY, TRAINER_DEFAULTS, config_and_parts
 
-from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
+from trl_exreplay import ExReplayGRPOTrainer
 from trl_exreplay.envs import KeyDoorEnv
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
 from trl_exreplay.loss import aggregate_loss, off_policy_loss
@@ -42,13 +42,14 @@ def make_multi_turn_trainer(
 ):
     tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
     kwargs = {**TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path / "out"), **overrides}
+    args, parts = config_and_parts(**kwargs)
     return trainer_cls(
         model=build_tiny_model(tokenizer, seed=0),
-        args=ExReplayGRPOConfig(**kwargs),
+        args=args,
         train_dataset=key_door_dataset(num_tasks=2, repeats=40),
         processing_class=tokenizer,
         text_env_factory=text_env_factory,
-        **(trainer_kwargs or {}),
+        **{**parts, **(trainer_kwargs or {})},
     )
 
 
@@ -230,18 +231,18 @@ def test_reward_functions_see_the_real_prompt_and_rows_need_a_task_id(tmp_path):
         return [float(r) for r in env_reward]
 
     tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
-    args = ExReplayGRPOConfig(**{**TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path), "max_steps": 1})
+    args, parts = config_and_parts(**{**TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path), "max_steps": 1})
     dataset = key_door_dataset(num_tasks=2, repeats=8)
     trainer = ExReplayGRPOTrainer(
         model=build_tiny_model(tokenizer), reward_funcs=spy, args=args, train_dataset=dataset,
-        processing_class=tokenizer, text_env_factory=KeyDoorEnv,
+        processing_class=tokenizer, text_env_factory=KeyDoorEnv, **parts,
     )  # fmt: skip
     trainer.train()
     assert len(seen) == 16 and all(text.startswith("you see a ") and text.endswith(" door and a key") for text in seen)
     with pytest.raises(ValueError, match="task_id_column"):
         ExReplayGRPOTrainer(
             model=build_tiny_model(tokenizer), args=args, train_dataset=dataset.remove_columns("task_id"),
-            processing_class=tokenizer, text_env_factory=KeyDoorEnv,
+            processing_class=tokenizer, text_env_factory=KeyDoorEnv, **parts,
         )  # fmt: skip
 
 
@@ -251,12 +252,14 @@ def test_trainer_loss_with_kl_and_entropy_ignores_environment_tokens(tmp_path):
     tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
     kwargs = {**TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path / "out"), "max_steps": 4}
     kwargs.update(replay_start_ratio=0.25, beta=0.1, entropy_coef=0.01)
+    args, parts = config_and_parts(**kwargs)
     trainer = RecordingMultiTurnTrainer(
         model=str(tmp_path / "model"),
-        args=ExReplayGRPOConfig(**kwargs),
+        args=args,
         train_dataset=key_door_dataset(num_tasks=2, repeats=40),
         processing_class=tokenizer,
         text_env_factory=KeyDoorEnv,
+        **parts,
     )
     trainer.train()
     batch = next(b for b in trainer.batches if b["exp_mask"].any())

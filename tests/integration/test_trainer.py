@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
@@ -17,7 +16,7 @@ from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.planner import ReplayPlan
 from trl_exreplay.pool import tokenizer_fingerprint
 from trl_exreplay.pool.folder import read_state, state_files
-from trl_exreplay.selection import current_policy_entropies, policy_forward, select_trajectories
+from trl_exreplay.selection import current_policy_entropies, select_trajectories
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 from trl_exreplay.trainer import POOL_DIR, POOL_WORK_DIR
 
@@ -233,13 +232,11 @@ def replay_log(tmp_path, **overrides):
     ]
 
 
-def test_max_policy_age_and_replay_window_limit_what_is_replayed(tmp_path):
+def test_max_policy_age_limits_what_is_replayed(tmp_path):
     tasks, ages = replay_log(tmp_path / "free")
     assert max(tasks) == 2 and max(ages) > 1  # unconstrained: two replay groups, some trajectories older than 1
     tasks, ages = replay_log(tmp_path / "age", replay_max_policy_age=1)
     assert max(tasks) >= 1 and max(ages) <= 1
-    tasks, _ = replay_log(tmp_path / "window", replay_window=1)  # only the last stored trajectory: one task
-    assert max(tasks) == 1
 
 
 def _stored_trajectories(trainer, task_id, completions, saved_entropies):
@@ -272,8 +269,8 @@ def test_selection_by_current_or_saved_entropy(tmp_path, use_current):
     for trajectory in _stored_trajectories(trainer, "task-0", completions, saved):
         trainer.pool.add(trajectory)
     plan = ReplayPlan(num_generations=4, num_replayed=1, replay_groups={0: "task-0"})
-    chosen = select_trajectories(trainer.pool, plan, trainer.replay, 0, [0, 0], trainer.accelerator,
-                                 functools.partial(policy_forward, trainer), lambda read: read())["task-0"][0]  # fmt: skip
+    chosen = select_trajectories(trainer.pool, plan, trainer.settings, 0, [0, 0], trainer.accelerator,
+                                 trainer._policy_forward, lambda read: read())["task-0"][0]  # fmt: skip
     expected = int(np.argmin(current)) if use_current else int(np.argmin(saved))
     assert chosen.completion_ids == trainer.pool.candidates("task-0")[expected].completion_ids
     assert int(np.argmin(current)) != int(np.argmin(saved))
@@ -283,7 +280,7 @@ def test_selection_by_current_or_saved_entropy(tmp_path, use_current):
 def test_sharded_entropy_forward_matches_unpadded(tmp_path):
     trainer = make_trainer(tmp_path)
     trajectories = _stored_trajectories(trainer, "t", ["red", "cat dog sun moon", "blue green", "a"], [0] * 4)
-    batched = current_policy_entropies(trajectories, trainer.accelerator, functools.partial(policy_forward, trainer))
+    batched = current_policy_entropies(trajectories, trainer.accelerator, trainer._policy_forward)
     alone = [_entropy_alone(trainer, t) for t in trajectories]
     assert batched == pytest.approx(alone, abs=1e-5)
 
@@ -354,7 +351,7 @@ def test_one_group_a_generation_batch_replays_on_alternate_batches(tmp_path, cap
 def test_plain_grpo_config_replays_with_defaults(tmp_path):
     args = make_args(tmp_path, GRPOConfig, max_steps=6)
     trainer = make_trainer(tmp_path, args=args)
-    assert trainer.replay["replay_ratio"] == 0.5 and trainer.replay["enable_experience_replay"]
+    assert trainer.settings.replay_ratio == 0.5 and trainer.settings.enable_experience_replay
     trainer.train()
     assert max(e.get("replay/tasks", 0) for e in trainer.state.log_history) > 0
 

@@ -75,15 +75,15 @@ def test_every_trl_attribute_the_trainer_reads_exists(tmp_path):
     themselves must be an attribute of TRL's trainer (a TRL that renames one fails here)."""
     from helpers import make_trainer
 
-    import trl_exreplay.custom_rollouts
+    import trl_exreplay.guided_rollouts
     import trl_exreplay.multiturn
-    import trl_exreplay.selection
+    import trl_exreplay.replay
 
     ours = [cls for cls in ExReplayGRPOTrainer.__mro__ if cls.__module__.startswith("trl_exreplay")]
     read, assigned = _attributes(ours, "self")
     defined = assigned | {name for cls in ours for name in vars(cls)}
-    # The parts that are handed the trainer (as TRL hands it to a `rollout_func`) read TRL's attributes from it.
-    handed = (trl_exreplay.multiturn, trl_exreplay.selection, trl_exreplay.custom_rollouts)
+    # The parts' factories (`for_trainer`, `guided_rollouts`) read TRL's attributes off the trainer once, when built.
+    handed = (trl_exreplay.multiturn, trl_exreplay.replay, trl_exreplay.guided_rollouts)
     read_by_parts, _ = _attributes(handed, "trainer")
     from_trl = (read - defined) | {name for name in read_by_parts if name not in defined}
     trainer = make_trainer(tmp_path, max_steps=1)
@@ -108,7 +108,13 @@ def test_the_constructor_takes_trls_parameters_as_trl_does():
     ours = list(inspect.signature(ExReplayGRPOTrainer.__init__).parameters.values())
     assert [(p.name, p.kind, p.default) for p in ours[: len(trl)]] == [(p.name, p.kind, p.default) for p in trl]
     extra = ours[len(trl) :]
-    assert [p.name for p in extra] == ["experience_pool", "text_env_factory", "experience_provider"]
+    assert [p.name for p in extra] == [
+        "experience_pool",
+        "text_env_factory",
+        "multi_turn",
+        "guidance",
+        "experience_provider",
+    ]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None for p in extra)
 
 

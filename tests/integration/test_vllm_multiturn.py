@@ -13,12 +13,12 @@ import math
 
 import pytest
 import torch
-from helpers import REPLAY_ONLY, TRAINER_DEFAULTS, ids
+from helpers import REPLAY_ONLY, TRAINER_DEFAULTS, config_and_parts, ids
 
-from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
+from trl_exreplay import ExReplayGRPOTrainer
 from trl_exreplay.envs import KeyDoorEnv
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
-from trl_exreplay.multiturn import MultiTurnRollouts
+from trl_exreplay.multiturn import MultiTurnRollouts, MultiTurnSettings
 from trl_exreplay.rollout import MultiTurnRollout
 from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -87,12 +87,14 @@ class FakeVLLMGeneration:
 def make_trainer(tmp_path, **overrides) -> ExReplayGRPOTrainer:
     tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
     kwargs = {**TRAINER_DEFAULTS, **MULTI_TURN, "output_dir": str(tmp_path / "out"), **overrides}
+    args, parts = config_and_parts(**kwargs)
     return ExReplayGRPOTrainer(
         model=build_tiny_model(tokenizer, seed=0),
-        args=ExReplayGRPOConfig(**kwargs),
+        args=args,
         train_dataset=key_door_dataset(num_tasks=2, repeats=40),
         processing_class=tokenizer,
         text_env_factory=KeyDoorEnv,
+        **parts,
     )
 
 
@@ -233,7 +235,7 @@ def test_vllm_server_mode_and_tensor_parallelism_are_rejected(tmp_path, mode, te
     trainer.use_vllm, trainer.vllm_mode = True, mode
     trainer.vllm_tensor_parallel_size = trainer.args.vllm_tensor_parallel_size = tensor_parallel
     with pytest.raises(NotImplementedError, match="vllm_mode") as error:
-        MultiTurnRollouts.for_trainer(KeyDoorEnv, trainer, trainer.replay)
+        MultiTurnRollouts.for_trainer(KeyDoorEnv, trainer, MultiTurnSettings(), trainer.settings)
     message = str(error.value)
     assert "vllm_tensor_parallel_size" in message
     assert f"vllm_mode={mode!r}" in message and f"vllm_tensor_parallel_size={tensor_parallel}" in message
@@ -242,7 +244,9 @@ def test_vllm_server_mode_and_tensor_parallelism_are_rejected(tmp_path, mode, te
 def test_vllm_colocate_without_tensor_parallelism_is_accepted(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=1)
     trainer.use_vllm, trainer.vllm_mode = True, "colocate"
-    assert isinstance(MultiTurnRollouts.for_trainer(KeyDoorEnv, trainer, trainer.replay), MultiTurnRollouts)
+    assert isinstance(
+        MultiTurnRollouts.for_trainer(KeyDoorEnv, trainer, MultiTurnSettings(), trainer.settings), MultiTurnRollouts
+    )
 
 
 # ------------------------------------------------------------------------------------------ the rollout engine

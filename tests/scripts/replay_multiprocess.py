@@ -26,7 +26,7 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import trl_exreplay.replay as replay_module  # noqa: E402
-from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer  # noqa: E402
+from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, GuidanceSettings, MultiTurnSettings  # noqa: E402
 from trl_exreplay.distributed import exit_distributed  # noqa: E402
 from trl_exreplay.envs import KeyDoorEnv  # noqa: E402
 from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset  # noqa: E402
@@ -121,9 +121,8 @@ multi_turn_settings = dict(
     replay_trajectories_per_group=2,
     max_steps=10,
     max_completion_length=48,
-    max_tokens_per_turn=4,
-    max_turns=5,
 )
+EPISODES = MultiTurnSettings(max_tokens_per_turn=4, max_turns=5)
 config = ExReplayGRPOConfig(
     output_dir=os.path.join(out_dir, "run"),
     use_cpu=True,
@@ -138,16 +137,21 @@ config = ExReplayGRPOConfig(
     report_to="none",
     disable_tqdm=True,
     replay_ratio=float(next((o.split("=", 1)[1] for o in options if o.startswith("ratio=")), 1.0)),
-    replay_start_ratio=0.3,
+    **({} if PROFILE == "exgrpo" else {"replay_start_ratio": 0.3}),  # ExGRPO's profile starts by capability
     ds3_gather_for_generation=os.environ.get("EXREPLAY_TEST_DS3_GATHER", "1") == "1",
     replay_scratch_dir=next((option.split("=", 1)[1] for option in options if option.startswith("scratch=")), None),
     **(multi_turn_settings if multi_turn else single_turn_settings),
     **(TRL_OPTIONS if "trl-options" in options else {}),
-    **(GUIDED if "guided" in options else {}),
+    **({k: v for k, v in GUIDED.items() if not k.startswith("guidance_")} if "guided" in options else {}),
     **PROFILE_SETTINGS[PROFILE],
 )
+guidance = {}
+if "guided" in options:
+    guidance["guidance"] = GuidanceSettings(**{k: v for k, v in GUIDED.items() if k.startswith("guidance_")})
 if multi_turn:
-    task_setup = dict(text_env_factory=KeyDoorEnv, train_dataset=key_door_dataset(num_tasks=1, repeats=40))
+    task_setup = dict(
+        text_env_factory=KeyDoorEnv, multi_turn=EPISODES, train_dataset=key_door_dataset(num_tasks=1, repeats=40)
+    )
 else:
     repeats = 2 if PROFILE in options else 20
     task_setup = dict(reward_funcs=said_target, train_dataset=say_word_dataset(num_tasks=3, repeats=repeats))
@@ -158,7 +162,7 @@ if "small-shards" in options:
 
     task_setup["experience_pool"] = ExperiencePool(shard_rows=2, work_dir=config.replay_scratch_dir)
 trainer = CountingTrainer(
-    model=build_tiny_model(tokenizer, seed=0), args=config, processing_class=tokenizer, **task_setup
+    model=build_tiny_model(tokenizer, seed=0), args=config, processing_class=tokenizer, **task_setup, **guidance
 )
 trainer.train(resume_from_checkpoint=resume_from)
 

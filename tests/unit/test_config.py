@@ -1,4 +1,5 @@
-"""Tests for `trl_exreplay.config`: validation of every replay field, and `replay_options`."""
+"""Tests for `trl_exreplay.config`: validation of every replay field, `ReplaySettings`, and the settings of the optional
+parts (`MultiTurnSettings`, `GuidanceSettings`)."""
 
 from __future__ import annotations
 
@@ -8,66 +9,15 @@ import pytest
 from trl import GRPOConfig
 
 from trl_exreplay.config import (
+    OWN_FIELDS,
     PROFILE_FIELDS,
     REPLAY_PROFILES,
     ExReplayGRPOConfig,
-    replay_options,
-    validate_replay_options,
+    ReplaySettings,
+    replay_settings,
 )
-
-REPLAY_FIELDS = {
-    "enable_experience_replay",
-    "replay_profile",
-    "replay_ratio",
-    "replay_start",
-    "replay_start_ratio",
-    "replay_start_solved_fraction",
-    "replay_retire_solved",
-    "replay_revisit_ratio",
-    "replay_rescue",
-    "replay_count_replayed_successes",
-    "replay_unclipped_fresh",
-    "replay_trajectories_per_group",
-    "replay_max_trajectories_per_task",
-    "replay_store_lbound",
-    "replay_store_rbound",
-    "replay_success_threshold",
-    "replay_select_mode",
-    "replay_select_by_current_entropy",
-    "replay_importance_sampling",
-    "replay_clip_high",
-    "replay_dual_clip_c",
-    "replay_shaping",
-    "replay_shaping_beta",
-    "replay_bucket_weighting",
-    "replay_max_policy_age",
-    "replay_window",
-    "task_id_column",
-    "replay_store_mode",
-    "max_turns",
-    "max_tokens_per_turn",
-    "env_step_timeout",
-    "env_workers",
-    "env_special_tokens",
-    "tool_special_tokens",
-    "replay_resume_without_pool",
-    "replay_scratch_dir",
-    "system_prompt_column",
-    "guidance_train",
-    "guidance_eval",
-    "guidance_ratio",
-    "guidance_trained_prompt",
-    "guidance_keep_ratio",
-    "guidance_template",
-    "guidance_top_k",
-    "guidance_max_tokens",
-    "guidance_update_freq",
-    "guidance_init_from_pool",
-    "guidance_provider",
-    "guidance_base_url",
-    "guidance_timeout",
-    "guidance_workspace_id",
-}
+from trl_exreplay.guidance import GuidanceSettings
+from trl_exreplay.multiturn import MultiTurnSettings
 
 
 def make(tmp_path, config_cls=ExReplayGRPOConfig, **kwargs):
@@ -82,14 +32,14 @@ def make(tmp_path, config_cls=ExReplayGRPOConfig, **kwargs):
     return config_cls(**{**base, **kwargs})
 
 
-# Every field ExReplayGRPOConfig adds to GRPOConfig, with its default (the library's defaults).
+# Every field ExReplayGRPOConfig adds to GRPOConfig, with its value once made (the library's defaults).
 DEFAULTS = {
     "enable_experience_replay": True,
     "replay_profile": None,
     "replay_ratio": 0.5,
     "replay_start": "steps",
     "replay_start_ratio": 0.35,
-    "replay_start_solved_fraction": 0.35,
+    "replay_start_solved_fraction": None,  # read under replay_start="solved" only
     "replay_retire_solved": True,
     "replay_revisit_ratio": 0.5,
     "replay_rescue": 1,
@@ -106,21 +56,24 @@ DEFAULTS = {
     "replay_clip_high": 1.0,
     "replay_dual_clip_c": 3.0,
     "replay_shaping": "clip",
-    "replay_shaping_beta": 0.1,
+    "replay_shaping_beta": None,  # read under replay_shaping="exgrpo" only
     "replay_bucket_weighting": "uniform",
     "replay_max_policy_age": None,
-    "replay_window": None,
     "task_id_column": "task_id",
     "replay_store_mode": "all",
+    "tool_special_tokens": "keep",
+    "replay_resume_without_pool": False,
+    "replay_scratch_dir": None,
+}
+MULTI_TURN_DEFAULTS = {
     "max_turns": 10,
     "max_tokens_per_turn": None,
     "env_step_timeout": 60.0,
     "env_workers": 16,
     "env_special_tokens": "remove",
-    "tool_special_tokens": "keep",
-    "replay_resume_without_pool": False,
-    "replay_scratch_dir": None,
     "system_prompt_column": "system_prompt",
+}
+GUIDANCE_DEFAULTS = {
     "guidance_train": "off",
     "guidance_eval": "off",
     "guidance_ratio": 0.0,
@@ -131,19 +84,22 @@ DEFAULTS = {
     "guidance_max_tokens": 512,
     "guidance_update_freq": 0,
     "guidance_init_from_pool": False,
-    "guidance_provider": "offline",
-    "guidance_base_url": None,
-    "guidance_timeout": 10.0,
-    "guidance_workspace_id": "default",
 }
 
 
 def test_defaults(tmp_path):
     c = make(tmp_path)
     added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)}
-    assert added == set(DEFAULTS), "a field was added or removed: give its default here"
+    assert added == set(DEFAULTS) == set(OWN_FIELDS), "a field was added or removed: give its default here"
     assert {name: getattr(c, name) for name in DEFAULTS} == DEFAULTS
     assert isinstance(c, GRPOConfig)
+    assert {f.name: f.default for f in fields(MultiTurnSettings)} == MULTI_TURN_DEFAULTS
+    assert {f.name: f.default for f in fields(GuidanceSettings)} == GUIDANCE_DEFAULTS
+
+
+def test_our_fields_are_at_most_30():
+    """The config's own fields (issue 57: 51 before, the optional parts' settings then moved to the parts)."""
+    assert len(OWN_FIELDS) <= 30
 
 
 def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_path):
@@ -166,9 +122,8 @@ def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_pa
     assert mine.replay_start == "solved" and mine.replay_shaping == "exgrpo"
     # no profile: the library's defaults, also for a plain GRPOConfig
     assert {name: getattr(make(tmp_path), name) for name in PROFILE_FIELDS} == PROFILE_FIELDS
-    assert {name: replay_options(make(tmp_path, config_cls=GRPOConfig))[name] for name in PROFILE_FIELDS} == (
-        PROFILE_FIELDS
-    )
+    settings = replay_settings(make(tmp_path, config_cls=GRPOConfig))
+    assert {name: getattr(settings, name) for name in PROFILE_FIELDS} == PROFILE_FIELDS
 
 
 def test_the_defaults_rescue_and_retire_with_revisits(tmp_path):
@@ -207,17 +162,15 @@ def test_boundary_values_are_valid(tmp_path):
             replay_trajectories_per_group=3,  # G - 1
             replay_max_trajectories_per_task=3,  # == k
             replay_store_lbound=2,  # rbound None = G = 4: s = 3 stores
-            replay_clip_high=0.0,
-            replay_dual_clip_c=1.0,
             replay_shaping_beta=1e-6,
             replay_max_policy_age=0,
-            replay_window=1,
             replay_select_mode="random",
             replay_shaping="exgrpo",
             replay_bucket_weighting="linear",
             replay_store_mode="best",
         ),
         dict(replay_ratio=0.0, replay_start_ratio=1.0, replay_store_lbound=1, replay_store_rbound=3),  # s = 2 stores
+        dict(replay_clip_high=0.0, replay_dual_clip_c=1.0, replay_start="solved", replay_start_solved_fraction=0.0),
         dict(replay_select_mode="argmax", replay_bucket_weighting="normal", task_id_column="id"),
     ]
     for values in boundaries:
@@ -228,8 +181,16 @@ def test_boundary_values_are_valid(tmp_path):
 INVALID = [
     ("replay_profile", dict(replay_profile="ExGRPO"), "None, 'exgrpo'"),
     ("replay_start", dict(replay_start="capability"), "'steps', 'solved'"),
-    ("replay_start_solved_fraction", dict(replay_start_solved_fraction=1.0), "numbers in [0, 1)"),
-    ("replay_start_solved_fraction", dict(replay_start_solved_fraction="0.35"), "numbers in [0, 1)"),
+    (
+        "replay_start_solved_fraction",
+        dict(replay_start="solved", replay_start_solved_fraction=1.0),
+        "numbers in [0, 1)",
+    ),
+    (
+        "replay_start_solved_fraction",
+        dict(replay_start="solved", replay_start_solved_fraction="0.35"),
+        "numbers in [0, 1)",
+    ),
     ("replay_retire_solved", dict(replay_retire_solved="true"), "True or False"),
     ("replay_count_replayed_successes", dict(replay_count_replayed_successes=1), "True or False"),
     ("replay_unclipped_fresh", dict(replay_unclipped_fresh="yes"), "True or False"),
@@ -270,19 +231,10 @@ INVALID = [
     ("replay_store_mode", dict(replay_store_mode="worst"), "'all', 'best'"),
     ("replay_clip_high", dict(replay_clip_high=-0.1), "numbers >= 0"),
     ("replay_dual_clip_c", dict(replay_dual_clip_c=0.5), "numbers >= 1"),
-    ("replay_shaping_beta", dict(replay_shaping_beta=0.0), "numbers > 0"),
-    ("replay_shaping_beta", dict(replay_shaping_beta=-1.0), "numbers > 0"),
+    ("replay_shaping_beta", dict(replay_shaping="exgrpo", replay_shaping_beta=0.0), "numbers > 0"),
+    ("replay_shaping_beta", dict(replay_shaping="exgrpo", replay_shaping_beta=-1.0), "numbers > 0"),
     ("replay_max_policy_age", dict(replay_max_policy_age=-1), "None or integers >= 0"),
-    ("replay_window", dict(replay_window=0), "None or integers >= 1"),
-    ("replay_window", dict(replay_window=2.5), "None or integers >= 1"),
-    ("replay_window", dict(replay_window=True), "None or integers >= 1"),
     ("task_id_column", dict(task_id_column=""), "a non-empty column name"),
-    ("max_turns", dict(max_turns=0), "integers >= 1"),
-    ("max_tokens_per_turn", dict(max_tokens_per_turn=0), "None or integers >= 1"),
-    ("env_step_timeout", dict(env_step_timeout=0.0), "None or numbers > 0"),
-    ("env_workers", dict(env_workers=0), "integers >= 1"),
-    ("env_special_tokens", dict(env_special_tokens="strip"), "'remove', 'refuse', 'keep'"),
-    ("env_special_tokens", dict(env_special_tokens=None), "'remove', 'refuse', 'keep'"),
     ("tool_special_tokens", dict(tool_special_tokens="refuse"), "'keep', 'remove'"),
     # values that parse but cannot work (issue 24, point 4)
     ("replay_success_threshold", dict(replay_success_threshold=float("nan")), "finite numbers"),
@@ -305,9 +257,6 @@ INVALID = [
     ),
     ("replay_store_lbound", dict(replay_store_lbound=False), "integers >= 0"),
     ("replay_max_policy_age", dict(replay_max_policy_age=True), "None or integers >= 0"),
-    ("max_turns", dict(max_turns=True), "integers >= 1"),
-    ("max_tokens_per_turn", dict(max_tokens_per_turn=True), "None or integers >= 1"),
-    ("env_workers", dict(env_workers=True), "integers >= 1"),
     ("replay_revisit_ratio", dict(replay_revisit_ratio=1.5), "numbers in [0, 1]"),
     (
         "replay_revisit_ratio",
@@ -316,31 +265,86 @@ INVALID = [
     ),
     ("replay_rescue", dict(replay_rescue=4), "integers 0 .. num_generations - 1 = 3"),
     ("replay_rescue", dict(replay_rescue=-1), "integers 0 .. num_generations - 1 = 3"),
+]
+
+INVALID_PARTS = [
+    ("max_turns", dict(max_turns=0), "integers >= 1"),
+    ("max_tokens_per_turn", dict(max_tokens_per_turn=0), "None or integers >= 1"),
+    ("env_step_timeout", dict(env_step_timeout=0.0), "None or numbers > 0"),
+    ("env_workers", dict(env_workers=0), "integers >= 1"),
+    ("env_special_tokens", dict(env_special_tokens="strip"), "'remove', 'refuse', 'keep'"),
+    ("env_special_tokens", dict(env_special_tokens=None), "'remove', 'refuse', 'keep'"),
+    ("max_turns", dict(max_turns=True), "integers >= 1"),
+    ("max_tokens_per_turn", dict(max_tokens_per_turn=True), "None or integers >= 1"),
+    ("env_workers", dict(env_workers=True), "integers >= 1"),
     ("guidance_train", dict(guidance_train="some"), "'off', 'mixed', 'all'"),
     ("guidance_eval", dict(guidance_eval=None), "'off', 'mixed', 'all'"),
     ("guidance_trained_prompt", dict(guidance_trained_prompt="keep"), "'guided', 'plain', 'hybrid'"),
     ("guidance_ratio", dict(guidance_ratio=1.5), "numbers in [0, 1]"),
     ("guidance_keep_ratio", dict(guidance_keep_ratio=-0.1), "numbers in [0, 1]"),
-    # G = 4 in these tests: round(4 * 0.1) = 0 guided rollouts
-    ("guidance_ratio", dict(guidance_train="mixed", guidance_ratio=0.1), "guidance_ratio > 0.125"),
     ("guidance_template", dict(guidance_template="no slot"), "contain `{}` exactly once"),
     ("guidance_template", dict(guidance_template="{} and {}"), "contain `{}` exactly once"),
     ("guidance_top_k", dict(guidance_top_k=0), "integers >= 1"),
     ("guidance_max_tokens", dict(guidance_max_tokens=0), "integers >= 1"),
     ("guidance_update_freq", dict(guidance_update_freq=-1), "integers >= 0 (0: no updates)"),
     ("guidance_init_from_pool", dict(guidance_init_from_pool="yes"), "True or False"),
-    ("guidance_provider", dict(guidance_provider="remote"), "'offline', 'reme'"),
-    ("guidance_base_url", dict(guidance_base_url="ftp://x"), "None or an http:// or https:// URL"),
-    (
-        "guidance_base_url",
-        dict(guidance_train="all", guidance_provider="reme", guidance_base_url=None),
-        "URL",
-    ),
-    ("guidance_timeout", dict(guidance_timeout=0), "numbers of seconds in (0, 86400]"),
-    ("guidance_timeout", dict(guidance_timeout=1e10), "numbers of seconds in (0, 86400]"),
-    ("guidance_timeout", dict(guidance_timeout=float("inf")), "numbers of seconds in (0, 86400]"),
-    ("guidance_workspace_id", dict(guidance_workspace_id=""), "non-empty strings"),
+    ("system_prompt_column", dict(system_prompt_column=""), "a non-empty column name"),
 ]
+
+
+@pytest.mark.parametrize(
+    "field, kwargs, allowed", INVALID_PARTS, ids=[f"{f}={list(kw.values())[-1]!r}" for f, kw, _ in INVALID_PARTS]
+)
+def test_invalid_part_settings_raise_naming_field_and_allowed_values(field, kwargs, allowed):
+    cls = GuidanceSettings if field.startswith("guidance_") else MultiTurnSettings
+    with pytest.raises(ValueError) as info:
+        cls(**kwargs)
+    message = str(info.value)
+    assert f"`{field}`" in message and allowed in message and repr(kwargs[field]) in message
+
+
+def test_a_mixed_mode_must_guide_a_rollout_of_the_trainers_groups():
+    # G = 4: round(4 * 0.1) = 0 guided rollouts
+    with pytest.raises(ValueError, match=r"`guidance_ratio`: .*guidance_ratio > 0.125"):
+        GuidanceSettings(guidance_train="mixed", guidance_ratio=0.1).check_groups(4)
+    GuidanceSettings(guidance_train="mixed", guidance_ratio=0.5).check_groups(4)
+
+
+IGNORED = [
+    ("replay_clip_high", dict(replay_shaping="exgrpo", replay_clip_high=2.0), "replay_shaping='exgrpo'"),
+    ("replay_dual_clip_c", dict(replay_profile="exgrpo", replay_dual_clip_c=3.0), "replay_shaping='exgrpo'"),
+    ("replay_shaping_beta", dict(replay_shaping_beta=0.2), "replay_shaping='clip'"),
+    ("replay_start_ratio", dict(replay_start="solved", replay_start_ratio=0.5), "replay_start='solved'"),
+    ("replay_start_solved_fraction", dict(replay_start_solved_fraction=0.5), "replay_start='steps'"),
+    (
+        "replay_select_by_current_entropy",
+        dict(replay_select_mode="random", replay_select_by_current_entropy=True),
+        "replay_select_mode='random'",
+    ),
+]
+
+
+@pytest.mark.parametrize("field, kwargs, mode", IGNORED, ids=[f for f, _, _ in IGNORED])
+def test_a_field_the_chosen_mode_ignores_is_an_error_naming_both(tmp_path, field, kwargs, mode):
+    with pytest.raises(ValueError) as info:
+        make(tmp_path, **kwargs)
+    assert f"`{field}`" in str(info.value) and mode in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, mode",
+    [(dict(guidance_ratio=0.5), "guidance_train='off'"), (dict(guidance_keep_ratio=0.5), "'plain'")],
+)
+def test_a_guidance_field_its_mode_ignores_is_an_error_naming_both(kwargs, mode):
+    with pytest.raises(ValueError) as info:
+        GuidanceSettings(**kwargs)
+    assert f"`{next(iter(kwargs))}`" in str(info.value) and mode in str(info.value)
+
+
+def test_trls_clip_set_under_unclipped_fresh_is_one_warning_naming_both(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="trl_exreplay.config"):
+        make(tmp_path, replay_unclipped_fresh=True, epsilon=0.3)
+    assert sum("replay_unclipped_fresh" in r.message and "epsilon" in r.message for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize(
@@ -355,61 +359,58 @@ def test_invalid_value_raises_naming_field_and_allowed_values(tmp_path, field, k
     assert repr(kwargs[field]) in message  # the offending value is shown
 
 
-def test_replay_options_of_replay_config(tmp_path):
-    c = make(tmp_path, replay_ratio=0.25, replay_select_mode="argmax", replay_max_policy_age=3, replay_window=1000,
+def test_replay_settings_of_replay_config_are_its_fields_frozen(tmp_path):
+    c = make(tmp_path, replay_ratio=0.25, replay_select_mode="argmax", replay_max_policy_age=3,
              per_device_train_batch_size=16)  # fmt: skip
-    options = replay_options(c)
-    assert set(options) == REPLAY_FIELDS
-    assert options["replay_ratio"] == 0.25
-    assert options["replay_select_mode"] == "argmax"
-    assert options["replay_max_policy_age"] == 3
-    assert options["replay_window"] == 1000
-    assert options["task_id_column"] == "task_id"
+    settings = replay_settings(c)
+    assert isinstance(settings, ReplaySettings)
+    assert {f.name for f in fields(settings)} == set(OWN_FIELDS)
+    assert (settings.replay_ratio, settings.replay_select_mode, settings.replay_max_policy_age) == (0.25, "argmax", 3)
+    with pytest.raises(AttributeError):
+        settings.replay_ratio = 0.5  # frozen
+    assert replay_settings(c) is settings  # made once, with the config
+    c.replay_ratio = 0.75  # a field changed since: made (and checked) again
+    assert replay_settings(c).replay_ratio == 0.75
+    c.replay_ratio = 2.0
+    with pytest.raises(ValueError, match="`replay_ratio`"):
+        replay_settings(c)
 
 
-def test_replay_options_of_plain_grpo_config_are_the_defaults(tmp_path):
-    c = make(tmp_path, config_cls=GRPOConfig)
-    options = replay_options(c)
-    assert set(options) == REPLAY_FIELDS
-    defaults = replay_options(make(tmp_path))
-    assert options == defaults
-    validate_replay_options(options, c.num_generations)  # the defaults are valid
+def test_replay_settings_of_plain_grpo_config_are_the_defaults(tmp_path):
+    settings = replay_settings(make(tmp_path, config_cls=GRPOConfig))
+    assert settings == replay_settings(make(tmp_path))
 
 
-def test_validate_without_num_generations(tmp_path):
-    options = replay_options(make(tmp_path))
-    # without G, k and lbound have no upper bound to check against (rbound None)
-    validate_replay_options(
-        {**options, "replay_trajectories_per_group": 9, "replay_max_trajectories_per_task": 9}, None
-    )
-    validate_replay_options({**options, "replay_store_lbound": 50}, None)
-    with pytest.raises(ValueError, match="`replay_trajectories_per_group`"):
-        validate_replay_options({**options, "replay_trajectories_per_group": 0}, None)
-    with pytest.raises(ValueError, match="`replay_store_lbound`"):
-        validate_replay_options({**options, "replay_store_lbound": 5, "replay_store_rbound": 5}, None)
+def test_validation_runs_once_per_config(tmp_path, monkeypatch):
+    import trl_exreplay.config as config
+
+    calls = []
+    original = config._validate
+    monkeypatch.setattr(config, "_validate", lambda *a: (calls.append(1), original(*a)))
+    c = make(tmp_path)
+    replay_settings(c)
+    replay_settings(c)
+    assert len(calls) == 1
 
 
-def test_validate_reports_num_generations_bound(tmp_path):
-    options = replay_options(make(tmp_path))
+def test_validation_reports_num_generations_bound(tmp_path):
     with pytest.raises(ValueError, match=r"integers 1 \.\. num_generations - 1 = 7"):
-        validate_replay_options({**options, "replay_trajectories_per_group": 8}, 8)
-    validate_replay_options({**options, "replay_trajectories_per_group": 7, "replay_max_trajectories_per_task": 7}, 8)
+        make(tmp_path, num_generations=8, replay_trajectories_per_group=8)
+    make(tmp_path, num_generations=8, replay_trajectories_per_group=7, replay_max_trajectories_per_task=7)
 
 
 def test_the_naming_rule_one_prefix_per_part():
     """The rule docs/config.md states: replay fields are `replay_<what>` (but the switch), guided rollouts' fields
     `guidance_<what>`, the games' fields name the episode, and the data columns end in `_column`."""
-    added = {f.name for f in fields(ExReplayGRPOConfig)} - {f.name for f in fields(GRPOConfig)}
-    episode = {"max_turns", "max_tokens_per_turn", "env_step_timeout", "env_workers", "env_special_tokens",
-               "tool_special_tokens"}  # fmt: skip
-    columns = {name for name in added if name.endswith("_column")}
-    assert columns == {"task_id_column", "system_prompt_column"}
-    prefixed = {name for name in added if name.startswith(("replay_", "guidance_"))}
-    assert added - prefixed - episode - columns == {"enable_experience_replay"}
-    assert len({name for name in prefixed if name.startswith("guidance_")}) == 14
+    added = set(OWN_FIELDS)
+    assert {name for name in added if name.endswith("_column")} == {"task_id_column"}
+    assert added - {name for name in added if name.startswith("replay_")} == {
+        "enable_experience_replay", "task_id_column", "tool_special_tokens"}  # fmt: skip
+    assert all(f.name.startswith("guidance_") for f in fields(GuidanceSettings))
+    assert not any(f.name.startswith(("replay_", "guidance_")) for f in fields(MultiTurnSettings))
 
 
-def test_the_design_documents_names_are_not_fields(tmp_path):
+def test_exgrpos_code_names_are_not_fields(tmp_path):
     """One vocabulary: the names ExGRPO's code uses (`exp_is_correct`, `exp_ratio`, ...) are not fields (docs/config.md
     gives each field's counterpart there), so no value set under one can silently lose to, or beat, the field's own
     value: a YAML file or a command line that uses one fails, naming it."""

@@ -335,7 +335,7 @@ def test_no_server_raises():
      "http://h:99999", "http://h:8001/?q=1", 8001, None],
 )  # fmt: skip
 def test_bad_base_url_is_refused(url):
-    with pytest.raises(ValueError, match="guidance_base_url"):
+    with pytest.raises(ValueError, match="base_url"):
         ReMeExperienceProvider(url)
 
 

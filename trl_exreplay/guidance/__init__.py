@@ -13,6 +13,7 @@ BM25 retrieval, Arrow persistence), `offline` and `reme` (the two providers), `s
 from .offline import OfflineExperienceProvider
 from .provider import ExperienceProvider, ExperienceRecord, PartialSummaryError, SummaryInput
 from .reme import ReMeError, ReMeExperienceProvider
+from .settings import GuidanceSettings
 from .store import ExperienceFormatError, ExperienceStore, load_experience, save_experience
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "ExperienceProvider",
     "ExperienceRecord",
     "ExperienceStore",
+    "GuidanceSettings",
     "OfflineExperienceProvider",
     "PartialSummaryError",
     "ReMeError",

@@ -70,19 +70,18 @@ def trajectory_payload(trajectory: SummaryInput) -> dict:
 
 def _validate_base_url(base_url: Any) -> str:
     if not isinstance(base_url, str):
-        raise ValueError(f"guidance_base_url must be a string like 'http://127.0.0.1:8001', got {base_url!r}")
+        raise ValueError(f"base_url must be a string like 'http://127.0.0.1:8001', got {base_url!r}")
     parts = urllib.parse.urlsplit(base_url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(
-            f"guidance_base_url must be an http:// or https:// URL with a host, like 'http://127.0.0.1:8001'; "
-            f"got {base_url!r}"
+            f"base_url must be an http:// or https:// URL with a host, like 'http://127.0.0.1:8001'; got {base_url!r}"
         )
     if parts.query or parts.fragment:
-        raise ValueError(f"guidance_base_url must not have a query or a fragment; got {base_url!r}")
+        raise ValueError(f"base_url must not have a query or a fragment; got {base_url!r}")
     try:
         _ = parts.port  # raises on a port that is not a number in range
     except ValueError as error:
-        raise ValueError(f"guidance_base_url has an invalid port: {base_url!r}") from error
+        raise ValueError(f"base_url has an invalid port: {base_url!r}") from error
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
 
 
@@ -116,7 +115,7 @@ class ReMeExperienceProvider:
     def __init__(self, base_url: str, workspace_id: str = "default", timeout: float = 30.0):
         self.base_url = _validate_base_url(base_url)
         if not isinstance(workspace_id, str) or not workspace_id.strip():
-            raise ValueError(f"guidance_workspace_id must be a non-empty string, got {workspace_id!r}")
+            raise ValueError(f"workspace_id must be a non-empty string, got {workspace_id!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout <= MAX_TIMEOUT):
             raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {timeout!r}")
         self.workspace_id = workspace_id

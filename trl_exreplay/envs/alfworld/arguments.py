@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..settings import MultiTurnSettings
+
 PROMPT_STYLES = ("plain", "react", "none")
 ENV_BACKENDS = ("processes", "ray")
 
 
 @dataclass
-class AlfWorldArguments:
+class AlfWorldArguments(MultiTurnSettings):
     """The ALFWorld recipe's options that are not training (`ExReplayGRPOConfig`) or model (`trl.ModelConfig`) options:
-    the games, the evaluation, the environment, the tiny model built when no `model_name_or_path` is given, the warm
-    start and the pool's upload. Misspelt objects, bad evaluation settings and penalties fail at parse time.
+    the episodes (`MultiTurnSettings`, which it extends: the recipe gives it to the trainer as `multi_turn`), the
+    games, the evaluation, the environment, the tiny model built when no `model_name_or_path` is given, the warm start
+    and the pool's upload. Misspelt objects, bad evaluation settings and penalties fail at parse time.
 
     Example:
 
@@ -150,6 +153,7 @@ class AlfWorldArguments:
     )
 
     def __post_init__(self):
+        super().__post_init__()
         if self.target_objects:  # a misspelt object fails here, not after minutes of game generation
             from .generate import normalize_target_objects
 
@@ -187,7 +191,7 @@ ENV_BACKENDS = ("processes", "ray")
 def check_reward_settings(script_args: AlfWorldArguments, training_args) -> None:
     """With `invalid_action_penalty` P a won episode's reward stays above 1 - max_turns * P and a lost one's is at most
     0: `replay_success_threshold`, what counts as a win for the pool, the metrics and the evaluation, must lie between."""
-    penalty, max_turns = script_args.invalid_action_penalty, training_args.max_turns
+    penalty, max_turns = script_args.invalid_action_penalty, script_args.max_turns
     if not penalty:
         return
     if penalty * max_turns >= 1:

@@ -39,7 +39,7 @@ def system_prompt_of(prompt_style: str) -> str | None:
 def env_options(script_args: AlfWorldArguments, training_args) -> dict:
     """`AlfWorldEnv` options: the same for training, evaluation and the expert's episodes."""
     return {
-        "max_steps": training_args.max_turns,
+        "max_steps": script_args.max_turns,
         "show_admissible": script_args.show_admissible,
         "restate_goal": script_args.restate_goal,
         "invalid_action_penalty": script_args.invalid_action_penalty,

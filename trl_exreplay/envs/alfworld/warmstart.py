@@ -179,8 +179,8 @@ def expert_sft_dataset(script_args, training_args, tokenizer, train_tasks, env_k
         episodes[: script_args.warm_start_max_episodes],
         tokenizer,
         max_completion_length=training_args.max_completion_length,
-        max_turns=training_args.max_turns,
-        max_tokens_per_turn=training_args.max_tokens_per_turn,
+        max_turns=script_args.max_turns,
+        max_tokens_per_turn=script_args.max_tokens_per_turn,
         chat_template_kwargs=training_args.chat_template_kwargs,
     )
     print(f"warm start: {len(dataset)} expert episodes won of {len(episodes)} games")
@@ -223,7 +223,7 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
         "games": sorted(train_tasks["game_file"]),
         "system_prompt": train_tasks[0]["system_prompt"] if len(train_tasks) else None,
         "env": {k: v for k, v in env_kwargs.items() if k != "invalid_action_penalty"},  # rewards only: not SFT's
-        "limits": [training_args.max_turns, training_args.max_completion_length, training_args.max_tokens_per_turn],
+        "limits": [script_args.max_turns, training_args.max_completion_length, script_args.max_tokens_per_turn],
         "sft": [
             script_args.warm_start_epochs,
             script_args.warm_start_learning_rate,
@@ -253,7 +253,7 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
     won = broadcast_object_list(won) if state.num_processes > 1 else won
     if won[0] == 0:  # every rank knows, so every rank stops here
         raise ValueError(
-            f"Warm start: the expert won no train game within max_turns={training_args.max_turns} and "
+            f"Warm start: the expert won no train game within max_turns={script_args.max_turns} and "
             f"max_completion_length={training_args.max_completion_length}; raise them, or set warm_start false."
         )
     state.wait_for_everyone()
