@@ -171,7 +171,7 @@ def rows_per_step(settings: dict) -> int:
 
 
 REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "skip_set", "importance_ratio_mean", "policy_age")
-# What `replay_profile="teach"` logs (rescue, retired questions and their revisits), per step, in runs that log them
+# What every group teaching (the defaults) logs (rescue, retired questions and their revisits), per step, in runs that log them
 # (None where a step does not: `returned_tasks` only in steps with a revisit).
 TEACH_SERIES = ("rescued_groups", "zero_std_rescued", "retired_tasks", "revisited_groups", "returned_tasks")
 # The `guide/` metrics of experience-guided runs, per step (None where a step has no value, e.g. no guided row).

@@ -195,8 +195,11 @@ def test_the_results_line_leads_with_the_every_group_teaches_test(harness):
     assert ("`teach` became the default" in line) == rule
     assert ("`teach` does not become the default" in line) == (not rule)
     # and the library's defaults are what the rule chose: the report runs' values, with nothing else set
-    assert harness.PRESETS["teach"] == {} and (harness.PRESETS["exreplay"] == {"replay_rescue": 0,
-                                                                                "replay_retire_solved": False})
+    assert harness.PRESETS["teach"] == {} and (
+        harness.PRESETS["exreplay"] == {"replay_rescue": 0, "replay_retire_solved": False}
+    )
     assert {f: PROFILE_FIELDS[f] for f in ("replay_rescue", "replay_retire_solved", "replay_revisit_ratio")} == (
-        {"replay_rescue": 1, "replay_retire_solved": True, "replay_revisit_ratio": 0.5} if rule else
-        {"replay_rescue": 0, "replay_retire_solved": False, "replay_revisit_ratio": 0.0})
+        {"replay_rescue": 1, "replay_retire_solved": True, "replay_revisit_ratio": 0.5}
+        if rule
+        else {"replay_rescue": 0, "replay_retire_solved": False, "replay_revisit_ratio": 0.0}
+    )

@@ -133,7 +133,7 @@ def test_the_exgrpo_profile_is_rank_identical_and_resumes_exactly(tmp_path, conf
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp_cpu", "zero3_cpu"])
 def test_the_teach_profile_is_rank_identical_and_resumes_exactly(tmp_path, config):
-    """replay_profile="teach" on 2 ranks: rescued groups (their stored success read on rank 0 and sent to the rank
+    """The defaults (every group teaching) on 2 ranks: rescued groups (their stored success read on rank 0 and sent to the rank
     that holds the row; the loss's token count gathered again), retired questions and their revisits are decided
     alike on both ranks, and a run resumed from its step-6 checkpoint makes the plans, losses, pool and metrics of
     the run that was not stopped."""

@@ -1,6 +1,6 @@
-"""`replay_profile="teach"` in the trainer, part by part, on the say-the-word task with a tiny model: rescue
+"""Every group teaching (the library's defaults) in the trainer, part by part, on the say-the-word task with a tiny model: rescue
 (`replay_rescue`: an all-fail fresh group gets a stored success, and TRL's advantages are computed over the group
-that results) and retired questions with revisits (`replay_revisit_ratio`). Two-process runs of the profile (DDP and
+that results) and retired questions with revisits (`replay_revisit_ratio`). Two-process runs of the defaults (DDP and
 ZeRO-3, resumed) are in tests/distributed/test_multiprocess.py."""
 
 from __future__ import annotations
