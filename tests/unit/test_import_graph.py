@@ -10,7 +10,6 @@ import ast
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -119,14 +118,63 @@ def test_the_pool_package_depends_on_nothing_of_the_trainer():
     assert imports_of("trl_exreplay.pool.rules", rules, module_names()) == set()  # pure: numpy only
 
 
+# Imported once by the process that forks each module's import (below): third-party packages only, never ours, so that
+# every module of ours still imports alone; they are what makes a fresh interpreter's import of one module take seconds.
+THIRD_PARTY = (
+    "numpy",
+    "pyarrow",
+    "torch",
+    "transformers",
+    "datasets",
+    "accelerate",
+    "trl",
+    "trl.trainer.grpo_trainer",
+)
+IMPORT_EACH = """
+import importlib, os, sys
+for name in {third_party!r}:
+    importlib.import_module(name)
+failed = []
+for name in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:  # the child: the module alone, on top of the third-party packages; its exit code says how it went
+        try:
+            importlib.import_module(name)
+        except BaseException as error:
+            print(f"{{name}}: {{type(error).__name__}}: {{error}}", file=sys.stderr, flush=True)
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        failed.append(name)
+print(" ".join(failed))
+"""
+
+
 @pytest.mark.slow
 def test_every_module_imports_alone_in_a_fresh_interpreter():
+    """One process imports the third-party packages, then forks one child per module of ours, which imports that
+    module alone: a module that imports only after another of ours has been imported fails here (a fresh interpreter
+    per module found the same in 40 s on 2 cores; this takes a few)."""
+    if not hasattr(os, "fork"):
+        pytest.skip("needs os.fork")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PACKAGE.parent)}
+    script = IMPORT_EACH.format(third_party=THIRD_PARTY)
+    run = subprocess.run([sys.executable, "-c", script, *sorted(module_names())], capture_output=True, text=True,
+                         env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.split() == [], run.stderr[-4000:]
 
-    def import_alone(name):
-        run = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True, env=env)
-        return name, run.returncode, run.stderr[-2000:]
 
-    with ThreadPoolExecutor(max_workers=4) as workers:
-        failed = [(n, err) for n, code, err in workers.map(import_alone, sorted(module_names())) if code != 0]
-    assert failed == []
+def test_the_import_check_fails_a_module_that_needs_another_imported_first(tmp_path):
+    """The forked check sees an order dependency: `b` works only once `a` has put a name into the package."""
+    package = tmp_path / "planted"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("import planted\nplanted.value = 1\n")
+    (package / "b.py").write_text("import planted\nprint(planted.value)\n")
+    script = IMPORT_EACH.format(third_party=())
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script, "planted.a", "planted.b"], capture_output=True, text=True,
+                         env=env)  # fmt: skip
+    assert run.stdout.split() == ["planted.b"] and "AttributeError" in run.stderr
