@@ -54,8 +54,9 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     assert (out / "single-turn.png").stat().st_size > 0
     table = capsys.readouterr().out
     assert "| `grpo` | " in table and "identical to `grpo`: **True**" in table
-    # `--set replay_start_ratio=0.25` is a replay setting of the testbed's: the replay method is named by it.
-    assert "| `exreplay` (the testbed's replay settings) | " in table and "replay_start_ratio=0.25" in table
+    # `--set replay_start_ratio=0.25` is a replay setting of the testbed's: the replay method is named by it ("over" them:
+    # its preset, replay alone, sets fields on top).
+    assert "| `exreplay` (over the testbed's replay settings) | " in table and "replay_start_ratio=0.25" in table
     # One value per step of the fresh rollouts' own zero-spread share (logged by replay runs; None where not logged).
     assert len(replay["zero_std_fresh"]) == 4 == len(grpo["zero_std_fresh"]) == len(replay["zero_std_groups"])
 
