@@ -10,7 +10,8 @@
 # ddp-tools zero3-tools (TRL's tool loop with replay, tests/scripts/tool_replay_multiprocess.py) ddp-guided
 # (experience-guided rollouts; zero3 guides too, as tests/distributed/test_multiprocess.py launches them) ddp-exgrpo
 # zero3-exgrpo (replay_profile="exgrpo": start by capability, retired questions; a whole run, then its resume)
-# ddp-teach zero3-teach (replay_profile="teach": rescue and revisits, saving the model after training; the same)
+# ddp-teach zero3-teach (the defaults, every group teaching: rescue and revisits, saving the model after training; the
+# same)
 # (default: these, in turn; a resume first runs the whole run it resumes from, and both count as launches), or
 # exit-race, exit-race-destroy, exit-race-plain: tests/scripts/gloo_exit.py's "natural" exit race (DDP, 3 s a launch)
 # ended by exit_distributed(), by barrier + destroy_process_group(), or not at all; name them to compare the endings
