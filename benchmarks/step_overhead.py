@@ -139,14 +139,16 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
     """Per-step seconds of each part, over the steps from replay's start to the end."""
     from transformers import PrinterCallback, TrainerCallback
 
-    from trl_exreplay import ExReplayGRPOConfig
+    from trl_exreplay import ExReplayGRPOConfig, MultiTurnSettings
 
     clock = {"on": False, "seconds": defaultdict(float), "steps": 0, "step_seconds": 0.0, "durations": []}
     settings = {**testbed.training, **testbed.trainer_kwargs(), "max_steps": max_steps}
+    episodes = {k: v for k, v in settings.items() if k in MultiTurnSettings.__dataclass_fields__}  # the games' part
     output_dir = tempfile.mkdtemp(prefix="step_overhead-")
     args = ExReplayGRPOConfig(
         output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=0, enable_experience_replay=replay, **settings,
+        disable_tqdm=True, seed=0, enable_experience_replay=replay,
+        **{k: v for k, v in settings.items() if k not in episodes},
     )  # fmt: skip
     first_timed = int(args.replay_start_ratio * max_steps) + 1  # the first step at which replay may replay
 
@@ -166,7 +168,12 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
     text_env_factory = testbed.text_env_factory()
     try:
         kwargs = (
-            {"text_env_factory": timed_env_factory(text_env_factory, clock)} if text_env_factory is not None else {}
+            {
+                "text_env_factory": timed_env_factory(text_env_factory, clock),
+                "multi_turn": MultiTurnSettings(**episodes),
+            }
+            if text_env_factory is not None
+            else {}
         )
         trainer = timed_trainer_class(clock)(
             model=model,
