@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -83,7 +84,8 @@ class ReplayController:
             )  # fmt: skip
         self._retired: set[str] | None = None  # the retired tasks, as of the last generation batch
         self._dataset_keys: list[str] | None = None  # the task of each training dataset row
-        self._active_rows: tuple[list[int], list[str]] = ([], [])
+        self._rows_per_task: Counter[str] = Counter()  # the dataset's rows of each task
+        self._active_count = 0  # the dataset's rows whose task is not retired
         self.exhausted = False  # every training question is retired
         self.pending: PendingOutcomes | None = None  # the last step's outcomes, not yet in the pool
         self._said_task_ids = not (self.enabled or guided_training)  # said once, where ids matter
@@ -231,10 +233,11 @@ class ReplayController:
             self._retired = retired
             if self._dataset_keys is None:
                 column = self.settings.task_id_column
-                self._dataset_keys = [task_key(row, column) for row in self._train_dataset]
-            active = [i for i, key in enumerate(self._dataset_keys) if key not in retired]
-            self._active_rows = (active, [self._dataset_keys[i] for i in active])
-            if not active and not self.settings.replay_revisit_ratio:
+                self._dataset_keys = dataset_task_keys(self._train_dataset, column)
+                self._rows_per_task = Counter(self._dataset_keys)
+            # rows left to the fresh stream, counted over the retired tasks (not the dataset's rows: O(retired))
+            self._active_count = len(self._dataset_keys) - sum(self._rows_per_task[key] for key in retired)
+            if not self._active_count and not self.settings.replay_revisit_ratio:
                 self.exhausted = True  # this last batch is of retired tasks: its outcomes stay out of the pool
                 logger.warning(
                     "trl_exreplay: every training question is retired (solved by all its fresh rollouts: %d tasks, "
@@ -243,11 +246,11 @@ class ReplayController:
                 )  # fmt: skip
         group_keys = row_keys[::G]
         revisits = revisited_groups(group_keys, self._retired, self.settings.replay_revisit_ratio, [*seed, 3])
-        if not self._active_rows[0]:  # every question retired (with revisits on): each retired group is a revisit
+        if not self._active_count:  # every question retired (with revisits on): each retired group is a revisit
             revisits = [g for g, key in enumerate(group_keys) if key in self._retired]
         if revisits:  # a revisited group keeps its retired task (a key no task has is never redirected)
             group_keys = [None if g in revisits else key for g, key in enumerate(group_keys)]
-        redirect = redirect_retired_groups(group_keys, self._retired, *self._active_rows, seed=[*seed, 2])
+        redirect = redirect_retired_groups(group_keys, self._retired, self._dataset_keys, seed=[*seed, 2])
         metrics["replay/retired_tasks"].append(float(len(self._retired)))
         metrics["replay/redirected_groups"].append(float(len(redirect)))
         if not redirect:
@@ -474,6 +477,16 @@ class ReplayController:
         metrics["replay/started"].append(float(self.started(global_step, max_steps)))
         ages = [global_step - t.policy_version for ts in step.selected.values() for t in ts]
         log_generation(metrics, step.plan, len(step.row_tasks), ages, self.pool.stats(), self._faults.totals)
+
+
+def dataset_task_keys(dataset, column: str) -> list[str]:
+    """Each dataset row's task (`task_key`), read as one column where every row has the id (an Arrow read, not a walk
+    of the rows, which takes seconds a hundred thousand rows)."""
+    if column in (getattr(dataset, "column_names", None) or ()):
+        ids = dataset[column]
+        if all(value is not None for value in ids):
+            return [str(value) for value in ids]
+    return [task_key(row, column) for row in dataset]
 
 
 def say_task_id_source(rows: list[dict], column: str) -> None:

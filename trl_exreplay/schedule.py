@@ -53,25 +53,40 @@ def starts_replay(success: Sequence[bool], fresh_rows: Sequence[int], threshold:
 def redirect_retired_groups(
     group_keys: Sequence[str],
     retired: Collection[str],
-    active_rows: Sequence[int],
-    active_keys: Sequence[str],
+    dataset_keys: Sequence[str],
     seed: int | Sequence[int],
+    attempts: int = 64,
 ) -> dict[int, int]:
-    """For each group whose task is `retired`, the dataset row (one of `active_rows`, whose tasks are `active_keys`)
-    that replaces it: drawn uniformly without replacement among the active rows whose task is not in the batch, then,
-    when those run out, among the others (a small dataset repeats a task rather than replay a retired one). Empty
-    when no group is retired or no row is active."""
+    """For each group whose task is `retired`, the dataset row (an index into `dataset_keys`, each row's task) that
+    replaces it: drawn uniformly among the rows whose task is neither retired nor in the batch, each row once; when
+    too few are left, among the rows whose task is not retired, repeats allowed (a small dataset repeats a task rather
+    than replay a retired one). Empty when no group is retired or every row's task is.
+
+    The draw costs O(groups) while such rows are common: rows are drawn at random and the ones that do not qualify
+    are drawn again (at most `attempts` draws a group); only a dataset almost all retired is scanned, so a step over a
+    dataset of a million rows does not walk it."""
     groups = [g for g, key in enumerate(group_keys) if key in retired]
-    if not groups or not active_rows:
+    if not groups or not dataset_keys:
         return {}
     rng = np.random.default_rng(seed)
     in_batch = set(group_keys)
-    order = rng.permutation(len(active_rows))
-    preferred = [i for i in order.tolist() if active_keys[i] not in in_batch]
-    chosen = preferred[: len(groups)]
-    while len(chosen) < len(groups):  # fewer active tasks than retired groups: any active row, repeats allowed
-        chosen.append(int(rng.integers(len(active_rows))))
-    return {g: int(active_rows[i]) for g, i in zip(groups, chosen)}
+    chosen: list[int] = []
+    for _ in range(attempts * len(groups)):
+        if len(chosen) == len(groups):
+            break
+        row = int(rng.integers(len(dataset_keys)))
+        if row not in chosen and dataset_keys[row] not in retired and dataset_keys[row] not in in_batch:
+            chosen.append(row)
+    if len(chosen) < len(groups):  # few rows qualify: every one of them, in random order
+        order = rng.permutation(len(dataset_keys)).tolist()
+        chosen += [row for row in order if row not in chosen and dataset_keys[row] not in retired
+                   and dataset_keys[row] not in in_batch][: len(groups) - len(chosen)]  # fmt: skip
+    if len(chosen) < len(groups):  # fewer tasks left than retired groups: any row whose task is not retired
+        active = [row for row, key in enumerate(dataset_keys) if key not in retired]
+        if not active:
+            return {}
+        chosen += [active[int(i)] for i in rng.integers(len(active), size=len(groups) - len(chosen))]
+    return dict(zip(groups, chosen))
 
 
 def revisited_groups(group_keys: Sequence[str], retired: Collection[str], revisit_ratio: float, seed) -> list[int]:

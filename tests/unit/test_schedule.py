@@ -27,28 +27,40 @@ def test_replay_starts_strictly_above_the_solved_fraction():
 
 def test_retired_groups_take_active_rows_not_in_the_batch():
     keys = ["a", "b", "a", "c"]  # groups 0 and 2 hold retired task "a"
-    active_rows, active_keys = [10, 11, 12, 13], ["b", "d", "e", "c"]
-    redirect = redirect_retired_groups(keys, {"a"}, active_rows, active_keys, seed=[0, 5])
+    dataset = ["a", "a", "b", "d", "e", "c", "a"]  # rows 3 and 4 are active and not in the batch
+    redirect = redirect_retired_groups(keys, {"a"}, dataset, seed=[0, 5])
     assert sorted(redirect) == [0, 2]
-    assert sorted(redirect.values()) == [11, 12]  # the active rows whose task is not in the batch, each once
-    assert redirect == redirect_retired_groups(keys, {"a"}, active_rows, active_keys, seed=[0, 5])  # seeded
-    draws = {
-        tuple(redirect_retired_groups(keys, {"a"}, active_rows, active_keys, seed=[s]).items()) for s in range(20)
-    }
-    assert len(draws) == 2  # both orders of rows 11, 12 occur
+    assert sorted(redirect.values()) == [3, 4]  # the active rows whose task is not in the batch, each once
+    assert redirect == redirect_retired_groups(keys, {"a"}, dataset, seed=[0, 5])  # seeded
+    draws = {tuple(redirect_retired_groups(keys, {"a"}, dataset, seed=[s]).items()) for s in range(20)}
+    assert len(draws) == 2  # both orders of rows 3, 4 occur
+
+
+def test_retired_groups_are_drawn_uniformly_without_walking_the_dataset():
+    """A million rows, a third of them retired: every draw is an active row outside the batch, the rows are drawn
+    uniformly (each of 4 tasks' rows about a quarter of the time), and no step builds a list of the rows."""
+    dataset = [f"t{i % 6}" for i in range(1_000_000)]  # t0, t1 retired; t2 in the batch; t3-t5 drawn
+    counts = {}
+    for s in range(300):
+        redirect = redirect_retired_groups(["t0", "t2", "t1", "t0"], {"t0", "t1"}, dataset, seed=[s])
+        assert sorted(redirect) == [0, 2, 3] and len(set(redirect.values())) == 3
+        for row in redirect.values():
+            assert dataset[row] in ("t3", "t4", "t5")
+            counts[dataset[row]] = counts.get(dataset[row], 0) + 1
+    assert all(250 <= n <= 350 for n in counts.values()), counts  # 900 draws over 3 tasks
 
 
 def test_retired_groups_repeat_active_tasks_when_too_few_are_left():
-    redirect = redirect_retired_groups(["a", "a", "a"], {"a"}, [7], ["b"], seed=0)
-    assert redirect == {0: 7, 1: 7, 2: 7}
-    redirect = redirect_retired_groups(["a", "x", "a"], {"a"}, [7, 8], ["x", "y"], seed=1)
-    assert redirect[0] == 8 or redirect[2] == 8  # row 8 ("y", not in the batch) goes first
-    assert set(redirect.values()) <= {7, 8} and sorted(redirect) == [0, 2]
+    redirect = redirect_retired_groups(["a", "a", "a"], {"a"}, ["a", "b", "a"], seed=0)
+    assert redirect == {0: 1, 1: 1, 2: 1}
+    redirect = redirect_retired_groups(["a", "x", "a"], {"a"}, ["x", "y", "a"], seed=1)
+    assert redirect[0] == 1 or redirect[2] == 1  # row 1 ("y", not in the batch) goes first
+    assert set(redirect.values()) <= {0, 1} and sorted(redirect) == [0, 2]
 
 
 def test_nothing_to_redirect():
-    assert redirect_retired_groups(["a", "b"], set(), [1], ["c"], seed=0) == {}
-    assert redirect_retired_groups(["a", "b"], {"a", "b"}, [], [], seed=0) == {}  # everything retired: said elsewhere
+    assert redirect_retired_groups(["a", "b"], set(), ["c"], seed=0) == {}
+    assert redirect_retired_groups(["a", "b"], {"a", "b"}, ["a", "b"], seed=0) == {}  # all retired: said elsewhere
 
 
 def test_schedule_round_trip_and_absent_file(tmp_path):
