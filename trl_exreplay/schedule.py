@@ -26,8 +26,8 @@ Example:
 from trl_exreplay.schedule import redirect_retired_groups, starts_replay
 
 assert starts_replay([True, False, True, False], fresh_rows=[0, 1, 2, 3], threshold=0.35)  # 0.5 > 0.35
-# group 1's task "b" is retired: it takes active row 5 (row 6 holds "a", a task the batch has already)
-assert redirect_retired_groups(["a", "b"], {"b"}, [5, 6], ["d", "a"], seed=0) == {1: 5}
+# group 1's task "b" is retired: it takes dataset row 2 ("d"; rows 0 and 3 hold "a", a task the batch has already)
+assert redirect_retired_groups(["a", "b"], {"b"}, ["a", "b", "d", "a"], seed=0) == {1: 2}
 ```
 """
 
