@@ -30,7 +30,7 @@ import threading
 import time
 from importlib.metadata import version
 
-from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks, generate_games, install_game_cache, random_agent
+from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks, generate_games, install_game_cache, random_agent
 from trl_exreplay.envs.process import EnvProcessPool
 
 _ADMISSIBLE = re.compile(r"\nAdmissible actions: (.*)\.$", re.DOTALL)

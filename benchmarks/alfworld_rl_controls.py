@@ -46,8 +46,8 @@ import sys
 import time
 from importlib.metadata import version
 
-from trl_exreplay.envs.alfworld.tasks import env_options, load_tasks, system_prompt_of
-from trl_exreplay.envs.alfworld.warmstart import expert_sft_dataset
+from trl_exreplay.alfworld.tasks import env_options, load_tasks, system_prompt_of
+from trl_exreplay.alfworld.warmstart import expert_sft_dataset
 
 RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "alfworld.py")
 
@@ -91,7 +91,7 @@ def sft_update(recipe, recipe_args, warm_start: str, tokenizer, env_kwargs: dict
 
 def rl_on_fresh_games(recipe, recipe_args, warm_start: str, tokenizer, env_pool, options, work: str):
     """The warm start after the recipe's ExReplay GRPO on `options.fresh_games` games it never saw."""
-    from trl_exreplay.envs.alfworld import alfworld_tasks, generate_games
+    from trl_exreplay.alfworld import alfworld_tasks, generate_games
 
     script_args, _, _ = recipe_args
     games_dir = os.path.join(work, "games")
@@ -203,11 +203,11 @@ def main(argv=None) -> dict:
 
     from transformers import AutoModelForCausalLM
 
+    from trl_exreplay.alfworld import AlfWorldEnv
+    from trl_exreplay.alfworld.engine import ENGINE_MODULES
+    from trl_exreplay.alfworld.warmstart import alfworld_tokenizer
     from trl_exreplay.envs import EnvProcessPool
-    from trl_exreplay.envs.alfworld import AlfWorldEnv
-    from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES
-    from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer
-    from trl_exreplay.evaluation import evaluate_policy
+    from trl_exreplay.envs.evaluation import evaluate_policy
 
     started = time.time()
     work = os.path.join(options.work, options.control)

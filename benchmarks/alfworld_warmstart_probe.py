@@ -54,9 +54,9 @@ DEFAULTS = {
 
 def expert_rows(work: str, split: str, num_games: int, seed: int, args, tokenizer) -> list[dict]:
     """SFT rows of the expert's won episodes of `num_games` generated games, each with the kind of every turn."""
-    from trl_exreplay.envs.alfworld import INSTRUCTIONS, alfworld_tasks, generate_games
-    from trl_exreplay.envs.alfworld.expert import ExpertEpisode
-    from trl_exreplay.envs.alfworld.warmstart import expert_episodes, sft_dataset
+    from trl_exreplay.alfworld import INSTRUCTIONS, alfworld_tasks, generate_games
+    from trl_exreplay.alfworld.expert import ExpertEpisode
+    from trl_exreplay.alfworld.warmstart import expert_episodes, sft_dataset
 
     what = "_".join([*(args.target_objects or ["any"]), *args.task_types])
     cache = os.path.join(work, f"{split}-{num_games}-{seed}-{what}.json")
@@ -123,7 +123,7 @@ def probe(model, rows: list[dict], device) -> dict[str, float]:
 
 
 def train(variant: dict, rows: list[dict], heldout: list[dict], tokenizer, device) -> dict:
-    from trl_exreplay.tiny import build_tiny_model
+    from trl_exreplay.demo.tiny import build_tiny_model
 
     rows = rows[: variant["rows"]]
     model = build_tiny_model(tokenizer, hidden_size=variant["hidden"], num_layers=variant["layers"],
@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=None, help="name:key=value,... (repeatable)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
-    from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer
+    from trl_exreplay.alfworld.warmstart import alfworld_tokenizer
 
     os.makedirs(args.work, exist_ok=True)
     variants = [parse_variant(text) for text in args.variant or ["base:"]]

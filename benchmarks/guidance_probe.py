@@ -42,10 +42,10 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trl_exreplay.demo.tiny import build_tiny_tokenizer  # noqa: E402
+from trl_exreplay.envs.rollout import MultiTurnRollout  # noqa: E402
 from trl_exreplay.guidance import SummaryInput  # noqa: E402
 from trl_exreplay.guidance.reme import ReMeError, ReMeExperienceProvider  # noqa: E402
-from trl_exreplay.rollout import MultiTurnRollout  # noqa: E402
-from trl_exreplay.tiny import build_tiny_tokenizer  # noqa: E402
 from trl_exreplay.untrusted_text import added_token_strings, remove_token_strings, token_prefix  # noqa: E402
 
 REQUEST_TIMEOUT = 0.5
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> Counter:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few cases of each family (what the test runs)")
     options = parser.parse_args(argv)
-    from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY
+    from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY
 
     tokenizer = build_tiny_tokenizer([*KEY_DOOR_VOCABULARY, "red", "green", "say", "always"])
     counts: Counter = Counter()

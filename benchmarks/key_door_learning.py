@@ -1,5 +1,5 @@
 """Does ExReplay GRPO learn where learning is easy? A randomly initialised tiny model trains on the key-and-door game
-(`trl_exreplay.envs.toy`) with replay on; its success is measured on sampled episodes played apart from training,
+(`trl_exreplay.demo.toy`) with replay on; its success is measured on sampled episodes played apart from training,
 before and after, with the same draws. `--fault` breaks one input of the loss, to show that the measure sees it:
 
     OMP_NUM_THREADS=1 python benchmarks/key_door_learning.py
@@ -78,10 +78,10 @@ def train_key_door(output_dir: str, fault: str = "none", episodes_per_task: int 
     import torch
 
     from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, MultiTurnSettings
-    from trl_exreplay.envs import KeyDoorEnv
-    from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
-    from trl_exreplay.evaluation import evaluate_policy
-    from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+    from trl_exreplay.demo import KeyDoorEnv
+    from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
+    from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, key_door_dataset
+    from trl_exreplay.envs.evaluation import evaluate_policy
 
     tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY)
     model = build_tiny_model(tokenizer, seed=0)

@@ -41,10 +41,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
+from trl_exreplay.demo.tiny import build_tiny_tokenizer  # noqa: E402
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory  # noqa: E402
 from trl_exreplay.pool.check import PoolFormatError, file_checksum, state_checksum  # noqa: E402
 from trl_exreplay.pool.shards import TRAJECTORY_SCHEMA, read_arrow  # noqa: E402
-from trl_exreplay.tiny import build_tiny_tokenizer  # noqa: E402
 
 OUTCOMES = (
     "signals",

@@ -1181,7 +1181,7 @@ def parse_args(argv=None):
     parser.add_argument("--set", action="append", metavar="FIELD=JSON",
                         help="Override a training field of the testbed for every method (tuning), e.g. learning_rate=1e-4.")  # fmt: skip
     parser.add_argument("--model", action="append", metavar="FIELD=JSON",
-                        help="Override a field of the testbed's tiny model (`trl_exreplay.tiny.build_tiny_model`), e.g. "
+                        help="Override a field of the testbed's tiny model (`trl_exreplay.demo.tiny.build_tiny_model`), e.g. "
                              "hidden_size=256; with `--set use_cpu=false` the runs train on the GPU.")  # fmt: skip
     parser.add_argument("--no-trl-check", dest="trl_check", action="store_false",
                         help="Skip the run of TRL's GRPOTrainer on the first seed.")  # fmt: skip

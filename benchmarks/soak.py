@@ -1,6 +1,6 @@
 """Soak: a long run with replay, checkpointing, that must not grow in memory, descriptors or disk.
 
-Trains a tiny model on the key-and-door game (`trl_exreplay.envs.toy`, 24 tasks, so the pool fills within the first
+Trains a tiny model on the key-and-door game (`trl_exreplay.demo.toy`, 24 tasks, so the pool fills within the first
 few hundred steps and then only turns over: evictions, tombstones, compactions) with replay on for ``--steps`` steps,
 saving a checkpoint (model, optimizer and pool) every ``--save-steps`` and keeping ``--keep`` of them. Every
 ``--every`` steps it prints the process's RSS, its open file descriptors, the bytes of the live pool's scratch folder,
@@ -80,9 +80,9 @@ def main(argv=None) -> dict:
     from transformers import TrainerCallback
 
     from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, MultiTurnSettings
-    from trl_exreplay.envs import KeyDoorEnv
-    from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
-    from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+    from trl_exreplay.demo import KeyDoorEnv
+    from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
+    from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, key_door_dataset
     from trl_exreplay.trainer import POOL_DIR, POOL_WORK_DIR
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -62,7 +62,7 @@ TIMED_METHODS = {
 }
 # Functions the trainer's parts call by their module's name for them: (module, name) -> part.
 TIMED_FUNCTIONS = {
-    ("trl_exreplay.multiturn", "generate_batch"): "generation",
+    ("trl_exreplay.envs.multiturn", "generate_batch"): "generation",
     ("trl_exreplay.replay", "select_trajectories"): "pool select",
     ("trl_exreplay.selection", "current_policy_entropies"): "entropy forward",
 }

@@ -72,9 +72,9 @@ def rollout(tokenizer, tasks, group: int, seed: int) -> dict:
     """One generation batch of the recipe played by the engine: `group` episodes of each task."""
     import torch
 
-    from trl_exreplay.envs.alfworld import AlfWorldEnv
-    from trl_exreplay.rollout import MultiTurnRollout, generate_batch
-    from trl_exreplay.tiny import build_tiny_model
+    from trl_exreplay.alfworld import AlfWorldEnv
+    from trl_exreplay.demo.tiny import build_tiny_model
+    from trl_exreplay.envs.rollout import MultiTurnRollout, generate_batch
 
     torch.manual_seed(seed)
     model = build_tiny_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4, seed=seed,
@@ -123,8 +123,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from trl_exreplay.envs.alfworld import alfworld_tasks, generate_games
-    from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer
+    from trl_exreplay.alfworld import alfworld_tasks, generate_games
+    from trl_exreplay.alfworld.warmstart import alfworld_tokenizer
     from trl_exreplay.untrusted_text import SpecialTokenFilter
 
     tokenizer = alfworld_tokenizer()

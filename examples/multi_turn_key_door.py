@@ -11,10 +11,10 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, MultiTurnSettings  # noqa: E402
+from trl_exreplay.demo import KeyDoorEnv  # noqa: E402
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, key_door_dataset  # noqa: E402
 from trl_exreplay.distributed import exit_distributed  # noqa: E402
-from trl_exreplay.envs import KeyDoorEnv  # noqa: E402
-from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset  # noqa: E402
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 # ---- configuration -----------------------------------------------------------------------------------------
 config = ExReplayGRPOConfig(

@@ -11,7 +11,7 @@ Qwen2.5-0.5B-GRPO/, in the current folder.
 # ruff: noqa: I001 - the imports stay in the README's order, so that the two scripts compare line by line
 from trl_exreplay import ExReplayGRPOConfig as GRPOConfig, ExReplayGRPOTrainer as GRPOTrainer
 from trl_exreplay.distributed import exit_distributed
-from trl_exreplay.examples import save_sums_model, sums_dataset
+from trl_exreplay.demo.examples import save_sums_model, sums_dataset
 from trl.rewards import accuracy_reward
 
 dataset = sums_dataset(repeats=4)  # a few optimizer steps per epoch

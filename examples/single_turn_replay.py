@@ -12,9 +12,9 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer  # noqa: E402
+from trl_exreplay.demo.examples import VOCABULARY, said_target, say_word_dataset  # noqa: E402
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from trl_exreplay.distributed import exit_distributed  # noqa: E402
-from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset  # noqa: E402
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 # ---- configuration (everything visible here) -------------------------------------------------------------
 config = ExReplayGRPOConfig(

@@ -4,7 +4,7 @@
     accelerate launch --config_file recipes/accelerate/zero3_gpu.yaml recipes/alfworld.py \
         --config recipes/configs/alfworld_qwen2.5-1.5b.yaml --push_to_hub --hub_model_id you/alfworld-exreplay
 
-Every option is a field of `AlfWorldArguments` (`trl_exreplay/envs/alfworld/arguments.py`), of `ExReplayGRPOConfig` or
+Every option is a field of `AlfWorldArguments` (`trl_exreplay/alfworld/arguments.py`), of `ExReplayGRPOConfig` or
 of `trl.ModelConfig`; a YAML config sets them and the command line overrides it. Games come from `data_dir` (official
 ALFWorld `json_2.1.1` data or games generated offline when missing); with no `model_name_or_path` the model is a tiny
 causal LM with a word-level tokenizer over the ALFWorld vocabulary, built locally. The warm start (SFT on the searching expert's episodes) is
@@ -25,8 +25,8 @@ import sys
 import time
 
 # Named like the `alfworld` package, this script would shadow it (Python puts the script's folder first on sys.path):
-# importing `trl_exreplay.envs.alfworld` makes `import alfworld` find the installed package.
-from trl_exreplay.envs.alfworld.arguments import AlfWorldArguments, check_reward_settings
+# importing `trl_exreplay.alfworld` makes `import alfworld` find the installed package.
+from trl_exreplay.alfworld.arguments import AlfWorldArguments, check_reward_settings
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "alfworld_tiny_cpu.yaml")
 # The tiny model's summary says what it cannot show: its held-out figures do not rise with RL (measured in
@@ -45,10 +45,10 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     from trl import get_peft_config
 
     from trl_exreplay import ExReplayGRPOTrainer
-    from trl_exreplay.envs.alfworld.tasks import ensure_games, env_options, env_workers, load_tasks, system_prompt_of
-    from trl_exreplay.envs.alfworld.warmstart import build_tiny, warm_start
-    from trl_exreplay.evaluation import binomial_interval, evaluate_policy, print_summary, replay_participation
-    from trl_exreplay.models import load_policy, model_init_kwargs
+    from trl_exreplay.alfworld.tasks import ensure_games, env_options, env_workers, load_tasks, system_prompt_of
+    from trl_exreplay.alfworld.warmstart import build_tiny, warm_start
+    from trl_exreplay.envs.evaluation import binomial_interval, evaluate_policy, print_summary, replay_participation
+    from trl_exreplay.runs.models import load_policy, model_init_kwargs
 
     check_reward_settings(script_args, training_args)  # also when main() is called without parse_args()
     state = PartialState()
@@ -85,7 +85,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     # ---- model ------------------------------------------------------------------------------------------------
     base_model = model_args.model_name_or_path
     if base_model is None:  # the embedded default: a tiny model built here, no download
-        from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer
+        from trl_exreplay.alfworld.warmstart import alfworld_tokenizer
 
         tokenizer = alfworld_tokenizer(entity_tokens=script_args.tiny_entity_tokens)
     else:
@@ -244,11 +244,11 @@ def push(script_args, training_args, model_args, base_model, splits, results) ->
     from huggingface_hub import HfApi
 
     from trl_exreplay import __version__
+    from trl_exreplay.alfworld import alfworld_version
     from trl_exreplay.config import replay_settings
-    from trl_exreplay.envs.alfworld import alfworld_version
     from trl_exreplay.hub import model_card, push_model
-    from trl_exreplay.models import merge_adapter
     from trl_exreplay.pool import push_pool
+    from trl_exreplay.runs.models import merge_adapter
     from trl_exreplay.trainer import POOL_DIR
 
     private, token, revision = training_args.hub_private_repo, training_args.hub_token, training_args.hub_revision
@@ -288,7 +288,7 @@ def parse_args(argv=None):
     from trl import ModelConfig, TrlParser
 
     from trl_exreplay import ExReplayGRPOConfig
-    from trl_exreplay.checkpoints import checkpoint_to_resume
+    from trl_exreplay.runs.checkpoints import checkpoint_to_resume
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # The tiny CPU default applies when the command names neither a config nor a model: its values (use_cpu, the

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, GuidanceSettings, MultiTurnSettings, Trajectory
-from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+from trl_exreplay.demo.examples import VOCABULARY, said_target, say_word_dataset
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -242,7 +242,7 @@ def spelling_episodes(factory) -> tuple[list[tuple], int]:
 
     from process_envs import SPELLING_VOCABULARY
 
-    from trl_exreplay.rollout import MultiTurnRollout
+    from trl_exreplay.envs.rollout import MultiTurnRollout
 
     tokenizer = build_tiny_tokenizer(SPELLING_VOCABULARY)
     tasks = [{"task_id": f"door-{i}", "door": door} for i, door in enumerate(["red", "blue", "red", "blue"])]

@@ -103,8 +103,8 @@ def build_filled_pool(folder):
     from 4 steps of training that fill it and replay nothing: `folder/model`, `folder/pool`."""
     from helpers import make_trainer
 
-    from trl_exreplay.examples import VOCABULARY
-    from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+    from trl_exreplay.demo.examples import VOCABULARY
+    from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(VOCABULARY)
     build_tiny_model(tokenizer, seed=0).save_pretrained(folder / "model")

@@ -18,7 +18,7 @@ QWEN3_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_resp
 def build_tool_tokenizer():
     from trl.chat_template_utils import qwen3_chat_template
 
-    from trl_exreplay.tiny import build_tiny_tokenizer
+    from trl_exreplay.demo.tiny import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(WORDS)
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN3_TOKENS})
@@ -29,7 +29,7 @@ def build_tool_tokenizer():
 
 
 def build_tool_model(tokenizer, seed: int = 0):
-    from trl_exreplay.tiny import build_tiny_model
+    from trl_exreplay.demo.tiny import build_tiny_model
 
     model = build_tiny_model(tokenizer, seed=seed)
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", CALL)]

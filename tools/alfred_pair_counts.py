@@ -1,7 +1,7 @@
 """Derive the (object, receptacle) pair counts the offline ALFWorld generator weights its tasks with.
 
 Reads ALFRED's split file `data/splits/oct21.json` (github.com/askforalfred/alfred, MIT license) and writes
-`trl_exreplay/envs/alfworld/alfred_pairs.json`::
+`trl_exreplay/alfworld/alfred_pairs.json`::
 
     {"source": "...", "counts": {task_type: {"Object|Parent": number of trials}}}
 
@@ -15,7 +15,7 @@ the lamp (DeskLamp or FloorLamp), so its pairs are "Object|Lamp".
 Usage (the split file is a git object in a clone of askforalfred/alfred)::
 
     git -C alfred show HEAD:data/splits/oct21.json > /tmp/oct21.json
-    python tools/alfred_pair_counts.py /tmp/oct21.json [--out trl_exreplay/envs/alfworld/alfred_pairs.json]
+    python tools/alfred_pair_counts.py /tmp/oct21.json [--out trl_exreplay/alfworld/alfred_pairs.json]
 
 The output has sorted keys and a fixed layout, so the same split file always gives the same bytes.
 """
@@ -28,7 +28,7 @@ import os
 import sys
 from collections import Counter
 
-from trl_exreplay.envs.alfworld.splits import ALL_TASK_TYPES
+from trl_exreplay.alfworld.splits import ALL_TASK_TYPES
 
 TASK_TYPES = ALL_TASK_TYPES
 SOURCE = (

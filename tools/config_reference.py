@@ -20,8 +20,8 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
 
 from trl_exreplay.config import OWN_FIELDS, PROFILE_FIELDS, REPLAY_PROFILES, ExReplayGRPOConfig  # noqa: E402
+from trl_exreplay.envs.multiturn import MultiTurnSettings  # noqa: E402
 from trl_exreplay.guidance import GuidanceSettings  # noqa: E402
-from trl_exreplay.multiturn import MultiTurnSettings  # noqa: E402
 from trl_exreplay.parameters import parameters  # noqa: E402
 
 OUTPUT = REPOSITORY / "docs" / "config.md"

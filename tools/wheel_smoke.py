@@ -29,15 +29,15 @@ def assert_installed() -> None:
     assert REPOSITORY not in location.parents, f"trl_exreplay was imported from the checkout: {location}"
     assert "site-packages" in location.parts, f"trl_exreplay is not an installed package: {location}"
     # the wheel must ship the package data that the ALFWorld generator reads through importlib.resources
-    table = Path(str(resources.files("trl_exreplay.envs.alfworld").joinpath("alfred_pairs.json")))
+    table = Path(str(resources.files("trl_exreplay.alfworld").joinpath("alfred_pairs.json")))
     assert table.is_file() and table.resolve().parent == location.parent / "envs" / "alfworld", table
 
 
 def train_with_replay(folder: Path) -> None:
     """Two steps of the say-the-word task: the first fills the pool, the second replays from it."""
     from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
-    from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
-    from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+    from trl_exreplay.demo.examples import VOCABULARY, said_target, say_word_dataset
+    from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 
     config = ExReplayGRPOConfig(
         output_dir=str(folder / "replay"),
@@ -71,7 +71,7 @@ def train_with_replay(folder: Path) -> None:
 
 def generate_alfworld(folder: Path) -> None:
     """Two verified ALFWorld games; the (object, receptacle) weights come from the installed json."""
-    from trl_exreplay.envs.alfworld import generate_games
+    from trl_exreplay.alfworld import generate_games
 
     report = generate_games(folder / "alfworld", "train", num_games=2, seed=0, workers=1)
     assert report.written == 2 and report.failed == 0 and report.verified, report.summary()

@@ -16,7 +16,7 @@ _LAZY = {
     "ExReplayGRPOTrainer": "trainer",
     "ExperiencePool": "pool",
     "GuidanceSettings": "guidance",
-    "MultiTurnSettings": "multiturn",
+    "MultiTurnSettings": "envs.settings",
     "TaskOutcome": "pool",
     "Trajectory": "pool",
     "off_policy_loss": "loss",
@@ -35,9 +35,9 @@ __all__ = [
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from .config import ExReplayGRPOConfig
+    from .envs.settings import MultiTurnSettings
     from .guidance import GuidanceSettings
     from .loss import off_policy_loss
-    from .multiturn import MultiTurnSettings
     from .pool import ExperiencePool, TaskOutcome, Trajectory
     from .trainer import ExReplayGRPOTrainer
 

@@ -1,7 +1,7 @@
 """`ExReplayGRPOConfig`: TRL's `GRPOConfig` plus the experience-replay fields, and `ReplaySettings`, those fields
 resolved (profile and mode defaults), checked and frozen once: what the trainer and its parts read.
 
-The multi-turn engine's settings (`trl_exreplay.multiturn.MultiTurnSettings`) and experience-guided rollouts'
+The multi-turn engine's settings (`trl_exreplay.envs.multiturn.MultiTurnSettings`) and experience-guided rollouts'
 (`trl_exreplay.guidance.GuidanceSettings`) belong to those optional parts, given to the trainer with them.
 """
 

@@ -41,7 +41,7 @@ class GenerationStep:
     rewards: Any = None  # rewards per function, the replayed rows' being their recorded ones
     faulted_rows: set[int] = field(default_factory=set)  # this rank's rows whose episode the environment failed
     tool_loop_lockstep: bool = False  # inside TRL's tool loop, each generation call is agreed on by every rank
-    # experience-guided rollouts (see `trl_exreplay.guided_rollouts`)
+    # experience-guided rollouts (see `trl_exreplay.guidance.rollouts`)
     guidance: Any = None  # the batch's `GuidanceAllocation` (global rows); None: nothing is guided
     offset: int = 0  # this rank's first global row
     seed: list[int] = field(default_factory=list)  # the step's draws are seeded by this (run seed, step, micro-step)

@@ -19,13 +19,13 @@ from .config import ReplaySettings, replay_settings
 from .custom_rollouts import fresh_rows_rollout
 from .distributed import any_rank_active, generation_is_collective, uses_gloo_group
 from .envs import env_reward
+from .envs.multiturn import MultiTurnRollouts, MultiTurnSettings, check_multi_turn_vllm, policy_episodes
 from .guidance import ExperienceProvider, GuidanceSettings
-from .guided_rollouts import EXPERIENCE_DIR, GuidedRollouts, guided_rollouts
+from .guidance.rollouts import EXPERIENCE_DIR, GuidedRollouts, guided_rollouts
 from .hub import CITATIONS
 from .keeper import POOL_DIR, POOL_WORK_DIR, PoolKeeper
 from .loss import OffPolicyOptions, off_policy_loss, reduce_as_trl
 from .metrics import FaultCounts, log_off_policy
-from .multiturn import MultiTurnRollouts, MultiTurnSettings, check_multi_turn_vllm, policy_episodes
 from .pool import ExperiencePool
 from .replay import ReplayController
 from .schedule import EpochSeededSampler
@@ -79,7 +79,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     ```python
     from datasets import Dataset
     from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
-    from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+    from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(["say", "yes", "no", "maybe"])
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "say yes"}]] * 8, "task_id": list("ab") * 4})
@@ -117,11 +117,11 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     _replay: ReplayController | None = None  # each step's plan, splice and outcomes (`trl_exreplay.replay`)
     _user_rollout_func = None  # a user's `rollout_func`, asked for the fresh rows only while replay runs
     _replay_enabled = False
-    _guidance: GuidedRollouts | None = None  # experience-guided rollouts, when on (`trl_exreplay.guided_rollouts`)
+    _guidance: GuidedRollouts | None = None  # experience-guided rollouts, when on (`trl_exreplay.guidance.rollouts`)
     _guide_train = _guide_eval = False
     _generation: GenerationStep | None = None  # the generation step in progress (see `trl_exreplay.step`)
     _loss_forward: LossForward | None = None  # TRL's loss forward in progress (see `_compute_loss`)
-    _multi_turn: MultiTurnRollouts | None = None  # the `text_env_factory` games (`trl_exreplay.multiturn`)
+    _multi_turn: MultiTurnRollouts | None = None  # the `text_env_factory` games (`trl_exreplay.envs.multiturn`)
     _tool_text: SpecialTokenFilter | None = None  # TRL's tool results and resets, with tool_special_tokens='remove'
     text_env_factory = None
 

@@ -14,7 +14,7 @@ Two rules, as pure functions of a tokenizer and a string:
 Example:
 
 ```python
-from trl_exreplay.tiny import build_tiny_tokenizer
+from trl_exreplay.demo.tiny import build_tiny_tokenizer
 from trl_exreplay.untrusted_text import added_token_strings, remove_token_strings, token_prefix
 
 tokenizer = build_tiny_tokenizer(["a", "b", "c", "d", "e", "f", "say", "red"])

@@ -65,11 +65,11 @@ class AlfWorld(Testbed):
         from accelerate import PartialState
         from alfworld_rl_controls import load_recipe  # benchmarks/, on the path the harness set
 
+        from trl_exreplay.alfworld import AlfWorldEnv
+        from trl_exreplay.alfworld.engine import ENGINE_MODULES
+        from trl_exreplay.alfworld.tasks import ensure_games, env_options, load_tasks, system_prompt_of
+        from trl_exreplay.alfworld.warmstart import alfworld_tokenizer, warm_start
         from trl_exreplay.envs import EnvProcessPool
-        from trl_exreplay.envs.alfworld import AlfWorldEnv
-        from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES
-        from trl_exreplay.envs.alfworld.tasks import ensure_games, env_options, load_tasks, system_prompt_of
-        from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, warm_start
 
         recipe = load_recipe()
         work = os.path.join(self.data_dir, "testbed")
@@ -111,7 +111,7 @@ class AlfWorld(Testbed):
         return self.tasks[self.train_split]
 
     def _play(self, model, tokenizer, rows, **generate_kwargs):
-        from trl_exreplay.evaluation import evaluate_policy
+        from trl_exreplay.envs.evaluation import evaluate_policy
 
         t = self.training
         return evaluate_policy(

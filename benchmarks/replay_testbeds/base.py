@@ -31,7 +31,7 @@ class Testbed:
 
     def build(self, seed: int):
         """The initial (model, tokenizer) of `seed`: identical for every method."""
-        from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+        from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 
         tokenizer = build_tiny_tokenizer(self.vocabulary)
         model = build_tiny_model(tokenizer, seed=seed, **self.model_kwargs)
@@ -86,7 +86,7 @@ def sampled_answers(model, tokenizer, prompts, max_new_tokens: int, seed: int = 
     """One answer per prompt, sampled at temperature 1 with draws fixed by `seed`; the caller's RNG is untouched."""
     import torch
 
-    from trl_exreplay.rollout import generate_batch
+    from trl_exreplay.envs.rollout import generate_batch
 
     was_training = model.training
     model.eval()

@@ -124,7 +124,7 @@ class MultiTurn(Testbed):
     def heldout_success(self, model, tokenizer, seed: int = 0) -> float:
         import torch
 
-        from trl_exreplay.evaluation import evaluate_policy
+        from trl_exreplay.envs.evaluation import evaluate_policy
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import load_script
 
-from trl_exreplay.tiny import save_tiny_model
+from trl_exreplay.demo.tiny import save_tiny_model
 
 WORDS = ["go", "to", "desk", "take", "book", "from", "put", "in/on", "shelf", "1", "2"]
 

@@ -123,10 +123,10 @@ def test_the_doors_testbed_gives_guidance_its_vocabulary_can_spell(harness):
     from replay_testbeds.multi_turn import VOCABULARY, MultiTurn
 
     from trl_exreplay import GuidanceSettings
+    from trl_exreplay.demo.tiny import build_tiny_tokenizer
     from trl_exreplay.guidance import SummaryInput
     from trl_exreplay.guidance.offline import default_summary
     from trl_exreplay.guidance.template import format_experience
-    from trl_exreplay.tiny import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(VOCABULARY)
     won = SummaryInput(

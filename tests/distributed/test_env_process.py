@@ -26,10 +26,11 @@ from process_envs import (
     broken_factory,
 )
 
-from trl_exreplay.envs import EnvProcessPool, KeyDoorEnv, RemoteEnv, RemoteEnvError
-from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY
-from trl_exreplay.rollout import MultiTurnRollout, run_concurrently
-from trl_exreplay.tiny import build_tiny_tokenizer
+from trl_exreplay.demo import KeyDoorEnv
+from trl_exreplay.demo.tiny import build_tiny_tokenizer
+from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY
+from trl_exreplay.envs import EnvProcessPool, RemoteEnv, RemoteEnvError
+from trl_exreplay.envs.rollout import MultiTurnRollout, run_concurrently
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="checks worker processes by pid with POSIX signals")
 

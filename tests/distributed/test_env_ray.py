@@ -21,10 +21,11 @@ from process_envs import (
     broken_factory,
 )
 
-from trl_exreplay.envs import KeyDoorEnv, RemoteEnv, RemoteEnvError
-from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY
-from trl_exreplay.rollout import MultiTurnRollout
-from trl_exreplay.tiny import build_tiny_tokenizer
+from trl_exreplay.demo import KeyDoorEnv
+from trl_exreplay.demo.tiny import build_tiny_tokenizer
+from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY
+from trl_exreplay.envs import RemoteEnv, RemoteEnvError
+from trl_exreplay.envs.rollout import MultiTurnRollout
 
 ray = pytest.importorskip("ray")
 from trl_exreplay.envs.ray_pool import RayEnvPool  # noqa: E402

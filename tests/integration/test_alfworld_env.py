@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trl_exreplay.envs.alfworld.textenv import parse_action, strip_welcome
+from trl_exreplay.alfworld.textenv import parse_action, strip_welcome
 
 pytest.importorskip("alfworld", reason="needs the [alfworld] extra")
 
@@ -29,7 +29,7 @@ def test_strip_welcome():
 
 @pytest.fixture(scope="module")
 def games(tmp_path_factory):
-    from trl_exreplay.envs.alfworld import generate_games
+    from trl_exreplay.alfworld import generate_games
 
     root = tmp_path_factory.mktemp("alfworld")
     report = generate_games(str(root), split="valid_unseen", num_games=2, seed=3, task_types=["pick_and_place_simple"])
@@ -38,7 +38,7 @@ def games(tmp_path_factory):
 
 
 def test_tasks_dataset_reads_the_json_2_1_1_layout(games):
-    from trl_exreplay.envs.alfworld import alfworld_tasks
+    from trl_exreplay.alfworld import alfworld_tasks
 
     tasks = alfworld_tasks(str(games))
     assert len(tasks) == 2
@@ -52,7 +52,7 @@ def test_tasks_dataset_reads_the_json_2_1_1_layout(games):
 
 
 def test_adapter_opening_valid_invalid_and_win(games):
-    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+    from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks
 
     row = alfworld_tasks(str(games))[0]
     walkthrough = json.loads(open(row["game_file"]).read())["walkthrough"]
@@ -87,7 +87,7 @@ def test_adapter_opening_valid_invalid_and_win(games):
 
 
 def test_max_steps_ends_the_episode(games):
-    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+    from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks
 
     env = AlfWorldEnv(max_steps=2, show_admissible=False)
     opening = env.reset(alfworld_tasks(str(games))[1])
@@ -98,7 +98,7 @@ def test_max_steps_ends_the_episode(games):
 
 
 def test_invalid_action_penalty_is_taken_off_refused_steps_only(games):
-    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+    from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks
 
     row = alfworld_tasks(str(games))[0]
     walkthrough = json.loads(open(row["game_file"]).read())["walkthrough"]
@@ -114,8 +114,8 @@ def test_invalid_action_penalty_is_taken_off_refused_steps_only(games):
 
 
 def test_evaluation_walkthrough_scores_100_and_random_is_a_seeded_baseline(games):
-    from trl_exreplay.envs.alfworld import random_agent, score_agent
-    from trl_exreplay.envs.alfworld.generate import alfworld_version
+    from trl_exreplay.alfworld import random_agent, score_agent
+    from trl_exreplay.alfworld.generate import alfworld_version
 
     expert = score_agent(str(games), None, max_steps=50)
     assert (expert.won, expert.games) == (2, 2)
@@ -131,7 +131,7 @@ def test_evaluation_walkthrough_scores_100_and_random_is_a_seeded_baseline(games
 
 
 def test_prompt_history_is_bounded(games):
-    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+    from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks
 
     row = alfworld_tasks(str(games))[0]
     env = AlfWorldEnv(history_length=2, show_admissible=False)
@@ -157,7 +157,7 @@ def test_prompt_history_is_bounded(games):
 
 
 def test_translation_memo_is_bounded_and_keyed_on_inputs():
-    from trl_exreplay.envs.alfworld.engine import _TranslationMemo
+    from trl_exreplay.alfworld.engine import _TranslationMemo
 
     calls = []
 
@@ -174,7 +174,7 @@ def test_translation_memo_is_bounded_and_keyed_on_inputs():
 
 
 def test_text_parse_memo_is_bounded_and_keyed_on_text_and_arguments():
-    from trl_exreplay.envs.alfworld.engine import _TextParseMemo
+    from trl_exreplay.alfworld.engine import _TextParseMemo
 
     class Parser:
         calls = []
@@ -205,8 +205,8 @@ def test_text_parse_memo_changes_nothing_the_engine_says(games, monkeypatch):
     import textworld.logic
     from textworld.envs.pddl import textgen
 
-    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks, engine
-    from trl_exreplay.envs.alfworld.engine import _TextParseMemo, install_text_parse_cache
+    from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks, engine
+    from trl_exreplay.alfworld.engine import _TextParseMemo, install_text_parse_cache
 
     rows = [dict(row) for row in alfworld_tasks(str(games))]
 
@@ -234,7 +234,7 @@ def test_text_parse_memo_changes_nothing_the_engine_says(games, monkeypatch):
 
 
 def test_engines_sharing_a_cached_game_play_independently(games):
-    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+    from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks
 
     row = alfworld_tasks(str(games))[0]
     walkthrough = json.loads(open(row["game_file"]).read())["walkthrough"]
@@ -257,7 +257,7 @@ def test_engines_in_threads_of_one_process_take_turns(games):
     games at once fail with IndexError inside tatsu (as `MultiTurnRollout` with several env workers did)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+    from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks
 
     rows = [dict(row) for row in alfworld_tasks(str(games))]
     alone = [AlfWorldEnv(game_cache=0).reset(row) for row in rows]
@@ -279,7 +279,7 @@ def _libdownward_copies() -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_closed_engines_are_reused_without_leaking_their_game(games):
-    from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks, random_agent, score_agent
+    from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks, random_agent, score_agent
 
     rows = [dict(row) for row in alfworld_tasks(str(games))]
     walkthrough = json.loads(open(rows[0]["game_file"]).read())["walkthrough"]
@@ -311,8 +311,8 @@ SHADOWING_SCRIPT = """
 import alfworld
 import alfworld.gen.constants as C
 
-from trl_exreplay.envs.alfworld.engine import map_in_pool
-from trl_exreplay.envs.alfworld.warmstart import alfworld_entities
+from trl_exreplay.alfworld.engine import map_in_pool
+from trl_exreplay.alfworld.warmstart import alfworld_entities
 
 if __name__ == "__main__":
     print("main:", alfworld.__file__, len(C.OBJECTS))
@@ -323,17 +323,17 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("ours_first", [True, False])
 def test_a_script_named_alfworld_does_not_shadow_the_package_in_itself_or_its_workers(tmp_path, ours_first):
     """Python puts a script's folder first on sys.path, so `recipes/alfworld.py` would be imported as the `alfworld`
-    package, in the script and in its worker processes (which inherit the path). Once `trl_exreplay.envs.alfworld` is
+    package, in the script and in its worker processes (which inherit the path). Once `trl_exreplay.alfworld` is
     imported, `import alfworld` finds the installed package everywhere; before it, the shadow wins (the control)."""
     import subprocess
 
     import alfworld
     import alfworld.gen.constants as C
 
-    from trl_exreplay.envs.alfworld.warmstart import alfworld_entities
+    from trl_exreplay.alfworld.warmstart import alfworld_entities
 
     script = tmp_path / "alfworld.py"
-    script.write_text(SHADOWING_SCRIPT.format(first="import trl_exreplay.envs.alfworld" if ours_first else ""))
+    script.write_text(SHADOWING_SCRIPT.format(first="import trl_exreplay.alfworld" if ours_first else ""))
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     if ours_first:
         assert result.returncode == 0, result.stderr[-3000:]

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("alfworld")
 pytest.importorskip("fast_downward")
 
-from trl_exreplay.envs.alfworld import (  # noqa: E402
+from trl_exreplay.alfworld import (  # noqa: E402
     ALL_TASK_TYPES,
     SPLIT_SCENES,
     TRAIN_SCENES,
@@ -20,8 +20,8 @@ from trl_exreplay.envs.alfworld import (  # noqa: E402
     generate_games,
     play_walkthroughs,
 )
-from trl_exreplay.envs.alfworld.__main__ import main  # noqa: E402
-from trl_exreplay.envs.alfworld.textenv import goal_of  # noqa: E402
+from trl_exreplay.alfworld.__main__ import main  # noqa: E402
+from trl_exreplay.alfworld.textenv import goal_of  # noqa: E402
 
 SEED = 3
 WORKERS = 2
@@ -153,7 +153,7 @@ def test_bad_arguments(tmp_path):
 # ------------------------------------------------------------------------------------------------------------------
 def _alfred_table():
     """The package's pair table, read here directly (not through the code under test)."""
-    from trl_exreplay.envs.alfworld import generate
+    from trl_exreplay.alfworld import generate
 
     with open(os.path.join(os.path.dirname(generate.__file__), "alfred_pairs.json"), encoding="utf-8") as f:
         return json.load(f)
@@ -180,7 +180,7 @@ def test_alfred_pair_table_is_well_formed():
 def test_pair_weights_are_alfred_counts_plus_prior():
     import alfworld.gen.constants as C
 
-    from trl_exreplay.envs.alfworld.generate import pair_weights
+    from trl_exreplay.alfworld.generate import pair_weights
 
     counts = _alfred_table()["counts"]
     for task_type in ALL_TASK_TYPES:
@@ -211,7 +211,7 @@ def _sampled_pairs(task_type, scenes, seeds):
     import random
     from collections import Counter
 
-    from trl_exreplay.envs.alfworld import generate
+    from trl_exreplay.alfworld import generate
 
     drawn = Counter()
     for scene_num in scenes:
@@ -225,8 +225,8 @@ def _sampled_pairs(task_type, scenes, seeds):
 def test_sampled_pairs_follow_alfred_counts(monkeypatch):
     import alfworld.gen.constants as C
 
-    from trl_exreplay.envs.alfworld import generate
-    from trl_exreplay.envs.alfworld.splits import room_type
+    from trl_exreplay.alfworld import generate
+    from trl_exreplay.alfworld.splits import room_type
 
     counts = _alfred_table()["counts"]
     lamp_scenes = {s for s in TRAIN_SCENES if {"DeskLamp", "FloorLamp"} & generate._layout(s)[1]}
@@ -263,7 +263,7 @@ def test_sampled_pairs_follow_alfred_counts(monkeypatch):
 
 
 def test_scenes_restrict_the_floor_plans(tmp_path):
-    from trl_exreplay.envs.alfworld.splits import room_type
+    from trl_exreplay.alfworld.splits import room_type
 
     bedrooms = [s for s in TRAIN_SCENES if room_type(s) == "Bedroom"][:2]
     report = generate_games(tmp_path, "train", 8, 0, ["pick_and_place_simple"], verify=False, scenes=bedrooms)
@@ -275,7 +275,7 @@ def test_scenes_restrict_the_floor_plans(tmp_path):
 
 
 def test_target_objects_restrict_what_tasks_ask_for(tmp_path):
-    from trl_exreplay.envs.alfworld.splits import room_type
+    from trl_exreplay.alfworld.splits import room_type
 
     bedrooms = [s for s in TRAIN_SCENES if room_type(s) == "Bedroom"][:2]
     free = generate_games(tmp_path / "any", "train", 12, 0, [1, 2], verify=False, scenes=bedrooms)

@@ -7,12 +7,12 @@ import pytest
 
 pytest.importorskip("alfworld", reason="needs the [alfworld] extra")
 
-from trl_exreplay.envs.alfworld import ALL_TASK_TYPES  # noqa: E402
+from trl_exreplay.alfworld import ALL_TASK_TYPES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory):
-    from trl_exreplay.envs.alfworld import alfworld_tasks, generate_games
+    from trl_exreplay.alfworld import alfworld_tasks, generate_games
 
     root = tmp_path_factory.mktemp("alfworld")
     for task_type in ALL_TASK_TYPES:
@@ -24,7 +24,7 @@ def tasks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def episodes(tasks):
-    from trl_exreplay.envs.alfworld.warmstart import expert_episodes
+    from trl_exreplay.alfworld.warmstart import expert_episodes
 
     return expert_episodes(tasks, workers=2, max_steps=50, show_admissible=False)
 
@@ -50,14 +50,14 @@ def test_vocabulary_covers_the_games(tasks, episodes):
     import subprocess
     import sys
 
-    from trl_exreplay.envs.alfworld import AlfWorldEnv
-    from trl_exreplay.envs.alfworld.textenv import INSTRUCTIONS
-    from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, alfworld_vocabulary
+    from trl_exreplay.alfworld import AlfWorldEnv
+    from trl_exreplay.alfworld.textenv import INSTRUCTIONS
+    from trl_exreplay.alfworld.warmstart import alfworld_tokenizer, alfworld_vocabulary
 
     vocabulary = alfworld_vocabulary()
     assert vocabulary == sorted(set(vocabulary))
     # another interpreter, with other string hashes (so other set orders), builds the same list, as tokenizers need
-    code = "import json, trl_exreplay.envs.alfworld.warmstart as w; print(json.dumps(w.alfworld_vocabulary()))"
+    code = "import json, trl_exreplay.alfworld.warmstart as w; print(json.dumps(w.alfworld_vocabulary()))"
     fresh = subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": "12345"}, capture_output=True, check=True
     )
@@ -77,7 +77,7 @@ def test_vocabulary_covers_the_games(tasks, episodes):
 
 
 def test_entity_tokens_make_each_object_name_one_token(episodes):
-    from trl_exreplay.envs.alfworld.warmstart import ENTITY_MAX_NUMBER, alfworld_entities, alfworld_tokenizer
+    from trl_exreplay.alfworld.warmstart import ENTITY_MAX_NUMBER, alfworld_entities, alfworld_tokenizer
 
     words, entities = alfworld_tokenizer(), alfworld_tokenizer(entity_tokens=True)
     assert len(entities) == len(words) + len(alfworld_entities())
@@ -100,10 +100,10 @@ def test_entity_tokens_make_each_object_name_one_token(episodes):
 def test_play_expert_on_an_alfworld_env_in_a_process_pool(tasks, episodes):
     import functools
 
+    from trl_exreplay.alfworld import AlfWorldEnv
+    from trl_exreplay.alfworld.engine import ENGINE_MODULES
+    from trl_exreplay.alfworld.expert import play_expert
     from trl_exreplay.envs import EnvProcessPool
-    from trl_exreplay.envs.alfworld import AlfWorldEnv
-    from trl_exreplay.envs.alfworld.engine import ENGINE_MODULES
-    from trl_exreplay.envs.alfworld.expert import play_expert
 
     factory = functools.partial(AlfWorldEnv, max_steps=50, show_admissible=False)  # as `episodes` were played
     with EnvProcessPool(factory, workers=1, preload=ENGINE_MODULES) as pool:
@@ -115,9 +115,9 @@ def test_play_expert_on_an_alfworld_env_in_a_process_pool(tasks, episodes):
 
 
 def test_sft_rows_are_the_rollout_layout(tasks, episodes):
-    from trl_exreplay.envs.alfworld import AlfWorldEnv
-    from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, sft_dataset
-    from trl_exreplay.rollout import MultiTurnRollout
+    from trl_exreplay.alfworld import AlfWorldEnv
+    from trl_exreplay.alfworld.warmstart import alfworld_tokenizer, sft_dataset
+    from trl_exreplay.envs.rollout import MultiTurnRollout
 
     tokenizer = alfworld_tokenizer()
     limits = dict(max_completion_length=4096, max_turns=50, max_tokens_per_turn=16)
@@ -147,7 +147,7 @@ def test_sft_rows_are_the_rollout_layout(tasks, episodes):
 def test_sft_rows_leave_out_lost_and_oversized_episodes(episodes):
     import dataclasses
 
-    from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, sft_dataset
+    from trl_exreplay.alfworld.warmstart import alfworld_tokenizer, sft_dataset
 
     tokenizer = alfworld_tokenizer()
     lost = dataclasses.replace(episodes[0], won=False)
@@ -160,9 +160,9 @@ def test_sft_rows_leave_out_lost_and_oversized_episodes(episodes):
 
 
 def test_score_agent_plays_the_expert(tasks, episodes):
-    from trl_exreplay.envs.alfworld import score_agent
-    from trl_exreplay.envs.alfworld.__main__ import main
-    from trl_exreplay.envs.alfworld.agents import EXPERT
+    from trl_exreplay.alfworld import score_agent
+    from trl_exreplay.alfworld.__main__ import main
+    from trl_exreplay.alfworld.agents import EXPERT
 
     result = score_agent(list(tasks["game_file"]), EXPERT, max_steps=50, workers=1)
     assert (result.agent, result.won, result.games) == ("expert", 6, 6)

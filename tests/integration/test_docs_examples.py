@@ -31,7 +31,7 @@ DOCSTRINGS = [
     "trl_exreplay.pool.shards:",
     "trl_exreplay.envs.base:TextEnv",
     "trl_exreplay.envs.process:EnvProcessPool",
-    "trl_exreplay.envs.alfworld.arguments:AlfWorldArguments",
+    "trl_exreplay.alfworld.arguments:AlfWorldArguments",
     "trl_exreplay.guidance.provider:",
     "trl_exreplay.guidance.allocation:",
     "trl_exreplay.guidance.template:",

@@ -21,8 +21,8 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from trl_exreplay import ExReplayGRPOConfig as GRPOConfig  # the swap, exactly as the README writes it
 from trl_exreplay import ExReplayGRPOTrainer as GRPOTrainer
-from trl_exreplay.examples import VOCABULARY, WORDS, said_target
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+from trl_exreplay.demo.examples import VOCABULARY, WORDS, said_target
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 def prompt_only(conversational: bool, num_tasks: int = 2, repeats: int = 16) -> Dataset:

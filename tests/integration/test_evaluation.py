@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_exreplay.envs import KeyDoorEnv
-from trl_exreplay.envs.toy import COLOURS, KEY_DOOR_VOCABULARY
-from trl_exreplay.evaluation import evaluate_policy
-from trl_exreplay.tiny import build_tiny_tokenizer
+from trl_exreplay.demo import KeyDoorEnv
+from trl_exreplay.demo.tiny import build_tiny_tokenizer
+from trl_exreplay.demo.toy import COLOURS, KEY_DOOR_VOCABULARY
+from trl_exreplay.envs.evaluation import evaluate_policy
 
 
 class ScriptedPolicy(torch.nn.Module):
@@ -73,7 +73,7 @@ def test_success_threshold_counts_partial_rewards_as_failures():
 
 
 def test_binomial_interval_is_wilsons():
-    from trl_exreplay.evaluation import binomial_interval
+    from trl_exreplay.envs.evaluation import binomial_interval
 
     # Reference values of the Wilson score interval (z = 1.959964).
     assert binomial_interval(14, 40) == pytest.approx((0.221345, 0.504941), abs=1e-6)

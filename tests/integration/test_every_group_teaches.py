@@ -12,8 +12,8 @@ import torch
 from helpers import make_trainer
 
 from trl_exreplay import ExReplayGRPOTrainer
-from trl_exreplay.examples import VOCABULARY, said_target
-from trl_exreplay.tiny import save_tiny_model
+from trl_exreplay.demo.examples import VOCABULARY, said_target
+from trl_exreplay.demo.tiny import save_tiny_model
 
 G = 4
 

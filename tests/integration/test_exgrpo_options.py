@@ -10,7 +10,7 @@ from helpers import REPLAY_ONLY, RecordingTrainer, losses, make_args, make_train
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_exreplay import ExReplayGRPOTrainer
-from trl_exreplay.examples import said_target
+from trl_exreplay.demo.examples import said_target
 
 
 def fresh_rewards(trainer) -> list[float]:

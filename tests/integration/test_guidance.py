@@ -12,14 +12,14 @@ import torch
 from helpers import TRAINER_DEFAULTS, RecordingTrainer, config_and_parts, losses, make_trainer
 from test_multiturn import MULTI_TURN, make_multi_turn_trainer
 
-from trl_exreplay.envs import KeyDoorEnv
-from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
-from trl_exreplay.examples import VOCABULARY
+from trl_exreplay.demo import KeyDoorEnv
+from trl_exreplay.demo.examples import VOCABULARY
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
+from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, key_door_dataset
+from trl_exreplay.envs.rollout import ChatTurns
 from trl_exreplay.guidance import ExperienceRecord
 from trl_exreplay.guidance.allocation import allocate_guidance, rollout_add_exp, train_sample_modes
 from trl_exreplay.guidance.template import fit_experience, format_experience, insert_experience, strip_experience
-from trl_exreplay.rollout import ChatTurns
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
 TEMPLATE = "please {} ok "  # words of the tiny vocabulary, so every token is a real one
 EXPERIENCE = "say the word red"

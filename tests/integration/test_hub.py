@@ -21,11 +21,11 @@ import pytest
 from huggingface_hub import ModelCard
 from trl import GRPOTrainer
 
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 from trl_exreplay.hub import CITATIONS, MODEL_FILE_PATTERNS, model_card, model_files, push_model
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, pool_from_hub, push_pool, tokenizer_fingerprint
 from trl_exreplay.pool.folder import STATE_FILE, TRAJECTORIES_DIR
 from trl_exreplay.pool.shards import TRAJECTORY_FEATURES
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
 ARXIV_IDS = ("2510.02245", "2511.10395", "2010.03768", "2402.03300")
 REPLAY_CONFIG = {

@@ -10,10 +10,10 @@ import torch
 from helpers import REPLAY_ONLY, TRAINER_DEFAULTS, config_and_parts
 
 from trl_exreplay import ExReplayGRPOTrainer
-from trl_exreplay.envs import KeyDoorEnv
-from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
+from trl_exreplay.demo import KeyDoorEnv
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model
+from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, key_door_dataset
 from trl_exreplay.loss import aggregate_loss, off_policy_loss
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model
 
 MULTI_TURN = dict(max_completion_length=48, max_tokens_per_turn=4, max_turns=5, learning_rate=5e-2)
 

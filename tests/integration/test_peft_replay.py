@@ -10,8 +10,8 @@ from helpers import make_args
 from loss_check import CheckingTrainer, assert_replaying_losses_compose
 
 from trl_exreplay import ExperiencePool, ExReplayGRPOTrainer
-from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+from trl_exreplay.demo.examples import VOCABULARY, said_target, say_word_dataset
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 from trl_exreplay.trainer import POOL_DIR
 
 peft = pytest.importorskip("peft")

@@ -33,7 +33,7 @@ def load_recipe():
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from trl_exreplay.envs.alfworld import generate_games
+    from trl_exreplay.alfworld import generate_games
 
     root = tmp_path_factory.mktemp("alfworld_recipe")
     for split, count in (("train", 4), ("valid_seen", 2), ("valid_unseen", 2)):
@@ -127,7 +127,7 @@ def test_recipe_end_to_end_with_tensorboard_and_hub_push(data_dir, tmp_path, mon
         "train": 4, "warm_start": True, "rl": 2, "rl_steps": 2, "rl_task_ids": games["rl_task_ids"],
         "train_evaluation": own, "held_out": ["valid_seen", "valid_unseen"],
     }  # fmt: skip
-    from trl_exreplay.envs.alfworld import alfworld_tasks
+    from trl_exreplay.alfworld import alfworld_tasks
     from trl_exreplay.pool import ExperiencePool
 
     all_games = set(alfworld_tasks(str(data_dir / "json_2.1.1" / "train"))["task_id"])
@@ -140,7 +140,7 @@ def test_recipe_end_to_end_with_tensorboard_and_hub_push(data_dir, tmp_path, mon
     assert "train: the games RL trains on, sampled as RL plays them" in text
     assert "valid_seen, valid_unseen: held-out games RL never plays, greedy" in text
     # each rate with its 95% binomial interval and the episodes behind it; replay's share and the pool over the run
-    from trl_exreplay.evaluation import binomial_interval
+    from trl_exreplay.envs.evaluation import binomial_interval
 
     for split, rates in summary["results"].items():
         episodes = summary["intervals"][split]["episodes"]
@@ -183,7 +183,7 @@ def test_recipe_end_to_end_with_tensorboard_and_hub_push(data_dir, tmp_path, mon
     ]  # fmt: skip
     assert {"training_args.bin", "alfworld_results.json", "exreplay_pool", "runs"} <= {p.name for p in out.iterdir()}
     card = model_commit["files"]["README.md"].decode()
-    from trl_exreplay.envs.alfworld import alfworld_version
+    from trl_exreplay.alfworld import alfworld_version
 
     for text in ("trl", "grpo", "exreplay", "alfworld", alfworld_version(), "2510.02245", "2511.10395",
                  "2010.03768", "2402.03300", "replay_ratio", "valid_seen", "valid_unseen"):  # fmt: skip
@@ -201,7 +201,7 @@ def test_recipe_generates_games_then_reuses_them_and_the_warm_start(tmp_path, mo
     a second run with the same settings generates nothing and trains no SFT step, and starts from the same policy."""
     from trl import SFTTrainer
 
-    from trl_exreplay.envs.alfworld import generate
+    from trl_exreplay.alfworld import generate
 
     data = tmp_path / "data"
     settings = ["--num_train_games", "3", "--num_eval_games", "1", "--scenes", "309", "310", "--max_steps", "1",
@@ -249,7 +249,7 @@ def pretrained_style_model(path: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    from trl_exreplay.envs.alfworld.warmstart import alfworld_vocabulary
+    from trl_exreplay.alfworld.warmstart import alfworld_vocabulary
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -349,7 +349,7 @@ def test_an_invalid_action_penalty_needs_a_success_threshold_every_win_reaches(t
     ):
         recipe.parse_args(penalised)  # the default threshold, 1.0, would count a win with a refused action as lost
     script_args, training_args, _ = recipe.parse_args([*penalised, "--replay_success_threshold", "0.5"])
-    from trl_exreplay.envs.alfworld.tasks import env_options
+    from trl_exreplay.alfworld.tasks import env_options
 
     assert env_options(script_args, training_args)["invalid_action_penalty"] == 0.02
     with pytest.raises(ValueError, match="invalid_action_penalty.*allowed values are finite numbers >= 0"):
@@ -473,9 +473,9 @@ def test_recipe_under_a_multi_process_accelerate_config(data_dir, tmp_path, conf
 
 def test_target_objects_filter_loaded_games(tmp_path):
     """Games already in data_dir (official data, or generated earlier) are loaded only for the wanted objects."""
-    from trl_exreplay.envs.alfworld import INSTRUCTIONS, alfworld_tasks, generate_games
-    from trl_exreplay.envs.alfworld.expert import task_params
-    from trl_exreplay.envs.alfworld.tasks import load_tasks
+    from trl_exreplay.alfworld import INSTRUCTIONS, alfworld_tasks, generate_games
+    from trl_exreplay.alfworld.expert import task_params
+    from trl_exreplay.alfworld.tasks import load_tasks
 
     recipe = load_recipe()
     generate_games(tmp_path, "train", 8, 0, ["pick_and_place_simple"], verify=False, scenes=[309, 310])

@@ -75,15 +75,15 @@ def test_every_trl_attribute_the_trainer_reads_exists(tmp_path):
     themselves must be an attribute of TRL's trainer (a TRL that renames one fails here)."""
     from helpers import make_trainer
 
-    import trl_exreplay.guided_rollouts
-    import trl_exreplay.multiturn
+    import trl_exreplay.envs.multiturn
+    import trl_exreplay.guidance.rollouts
     import trl_exreplay.replay
 
     ours = [cls for cls in ExReplayGRPOTrainer.__mro__ if cls.__module__.startswith("trl_exreplay")]
     read, assigned = _attributes(ours, "self")
     defined = assigned | {name for cls in ours for name in vars(cls)}
     # The parts' factories (`for_trainer`, `guided_rollouts`) read TRL's attributes off the trainer once, when built.
-    handed = (trl_exreplay.multiturn, trl_exreplay.replay, trl_exreplay.guided_rollouts)
+    handed = (trl_exreplay.envs.multiturn, trl_exreplay.replay, trl_exreplay.guidance.rollouts)
     read_by_parts, _ = _attributes(handed, "trainer")
     from_trl = (read - defined) | {name for name in read_by_parts if name not in defined}
     trainer = make_trainer(tmp_path, max_steps=1)
@@ -128,9 +128,9 @@ def test_the_replayed_terms_reduction_is_trls_for_every_loss_type(tmp_path, loss
     loss, in training (with gradient accumulation and several steps per generation) and in evaluation."""
     import torch
 
-    from trl_exreplay.examples import VOCABULARY
+    from trl_exreplay.demo.examples import VOCABULARY
+    from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
     from trl_exreplay.loss import reduce_as_trl
-    from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(VOCABULARY)
     build_tiny_model(tokenizer, seed=0).save_pretrained(tmp_path / "model")

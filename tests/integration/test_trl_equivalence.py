@@ -16,8 +16,8 @@ from helpers import REPLAY_ONLY, make_args, make_trainer
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
-from trl_exreplay.examples import VOCABULARY
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+from trl_exreplay.demo.examples import VOCABULARY
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 

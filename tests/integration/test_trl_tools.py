@@ -31,8 +31,8 @@ from tool_env import (
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
-from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+from trl_exreplay.demo.examples import VOCABULARY, said_target, say_word_dataset
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 TOOL_SETTINGS = dict(max_completion_length=48, per_device_train_batch_size=16, max_steps=6, replay_start_ratio=0.3)

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from helpers import load_script, make_trainer, reseal_pool
 
-from trl_exreplay.examples import VOCABULARY, said_target
+from trl_exreplay.demo.examples import VOCABULARY, said_target
+from trl_exreplay.demo.tiny import build_tiny_tokenizer
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, tokenizer_fingerprint
 from trl_exreplay.pool.check import PoolFormatError
 from trl_exreplay.pool.folder import remove_dead_scratch
-from trl_exreplay.tiny import build_tiny_tokenizer
 
 
 def trajectory(task="t", logps=(-0.5, -0.25), ids=(3, 4), mask=(1, 1), reward=1.0, entropy=0.5):

@@ -16,11 +16,11 @@ import torch
 from helpers import REPLAY_ONLY, TRAINER_DEFAULTS, config_and_parts, ids
 
 from trl_exreplay import ExReplayGRPOTrainer
-from trl_exreplay.envs import KeyDoorEnv
-from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset
-from trl_exreplay.multiturn import MultiTurnRollouts, MultiTurnSettings
-from trl_exreplay.rollout import MultiTurnRollout
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer
+from trl_exreplay.demo import KeyDoorEnv
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
+from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, key_door_dataset
+from trl_exreplay.envs.multiturn import MultiTurnRollouts, MultiTurnSettings
+from trl_exreplay.envs.rollout import MultiTurnRollout
 
 MAX_TOKENS_PER_TURN = 4
 MULTI_TURN = dict(max_completion_length=48, max_tokens_per_turn=MAX_TOKENS_PER_TURN, max_turns=5, learning_rate=5e-2)

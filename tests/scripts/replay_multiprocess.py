@@ -27,11 +27,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import trl_exreplay.replay as replay_module  # noqa: E402
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, GuidanceSettings, MultiTurnSettings  # noqa: E402
+from trl_exreplay.demo import KeyDoorEnv  # noqa: E402
+from trl_exreplay.demo.examples import VOCABULARY, said_target, say_word_dataset  # noqa: E402
+from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, key_door_dataset  # noqa: E402
 from trl_exreplay.distributed import exit_distributed  # noqa: E402
-from trl_exreplay.envs import KeyDoorEnv  # noqa: E402
-from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, key_door_dataset  # noqa: E402
-from trl_exreplay.examples import VOCABULARY, said_target, say_word_dataset  # noqa: E402
-from trl_exreplay.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 out_dir, options = sys.argv[1], sys.argv[2:]
 multi_turn = "multi-turn" in options
@@ -53,7 +53,7 @@ replay_module.plan_replay = recording_plan_replay
 # `guided`: experience-guided rollouts on top of replay; every allocation each rank draws is recorded
 allocations = []
 if "guided" in options:
-    import trl_exreplay.guided_rollouts as guidance_module
+    import trl_exreplay.guidance.rollouts as guidance_module
 
     original_allocate = guidance_module.allocate_guidance
 

@@ -16,8 +16,8 @@ from trl_exreplay.config import (
     ReplaySettings,
     replay_settings,
 )
+from trl_exreplay.envs.multiturn import MultiTurnSettings
 from trl_exreplay.guidance import GuidanceSettings
-from trl_exreplay.multiturn import MultiTurnSettings
 
 
 def make(tmp_path, config_cls=ExReplayGRPOConfig, **kwargs):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from metrics_page import documented_metrics
 
-from trl_exreplay.guided_rollouts import _RUNNING_TOTALS
+from trl_exreplay.guidance.rollouts import _RUNNING_TOTALS
 from trl_exreplay.pool import ExperiencePool
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trl_exreplay"
@@ -44,5 +44,5 @@ def test_the_metrics_page_names_exactly_what_the_code_logs(tmp_path):
 
 
 def test_the_guided_success_metrics_are_the_two_the_code_names():
-    text = (PACKAGE / "guided_rollouts.py").read_text()
+    text = (PACKAGE / "guidance" / "rollouts.py").read_text()
     assert '(("guided", True), ("unguided", False))' in text  # the names guide/success_{name} takes

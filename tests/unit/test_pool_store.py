@@ -24,6 +24,7 @@ import pyarrow as pa
 import pytest
 from helpers import kill_a_save_at_random, traj
 
+from trl_exreplay.demo.tiny import build_tiny_tokenizer
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, tokenizer_fingerprint
 from trl_exreplay.pool.check import PoolFormatError
 from trl_exreplay.pool.folder import STATE_FILE, Scratch, read_state, state_files
@@ -35,7 +36,6 @@ from trl_exreplay.pool.shards import (
     ShardLog,
 )
 from trl_exreplay.pool.writer import Writer
-from trl_exreplay.tiny import build_tiny_tokenizer
 
 SAVER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "pool_saver.py")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trl_exreplay.evaluation import print_summary
+from trl_exreplay.envs.evaluation import print_summary
 
 OWN = "train: 8 RL games (sampled T=0.5 x8)"
 

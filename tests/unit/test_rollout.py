@@ -15,9 +15,9 @@ import pytest
 from helpers import ScriptedGenerate, ids
 from process_envs import SPELLING_VOCABULARY, SPELLINGS_PER_EPISODE, PlainEnv, SpellingEnv
 
-from trl_exreplay.envs.toy import KEY_DOOR_VOCABULARY, KeyDoorEnv
-from trl_exreplay.rollout import ChatTurns, MultiTurnRollout, call_with_timeout, run_concurrently
-from trl_exreplay.tiny import build_tiny_tokenizer
+from trl_exreplay.demo.tiny import build_tiny_tokenizer
+from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, KeyDoorEnv
+from trl_exreplay.envs.rollout import ChatTurns, MultiTurnRollout, call_with_timeout, run_concurrently
 
 RED_TASK = {"task_id": "d", "door": "red"}
 SYSTEM = "open the door"

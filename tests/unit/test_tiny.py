@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trl_exreplay.tiny import SPECIAL_TOKENS, build_tiny_tokenizer
+from trl_exreplay.demo.tiny import SPECIAL_TOKENS, build_tiny_tokenizer
 
 WORDS = ["take", "book", "from", "shelf", "desk", "a", "1", "2", "12", ",", "."]
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from trl_exreplay.tiny import build_tiny_tokenizer
+from trl_exreplay.demo.tiny import build_tiny_tokenizer
 from trl_exreplay.untrusted_text import (
     SpecialTokenFilter,
     SpelledTokens,

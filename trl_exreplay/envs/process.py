@@ -9,7 +9,7 @@ same `reset`/`step`/`close` methods.
 ```python
 import functools
 
-from trl_exreplay.envs.alfworld import AlfWorldEnv
+from trl_exreplay.alfworld import AlfWorldEnv
 
 env_processes = EnvProcessPool(functools.partial(AlfWorldEnv, max_steps=50), workers=16)
 trainer = ExReplayGRPOTrainer(..., text_env_factory=env_processes)
@@ -452,12 +452,13 @@ class EnvProcessPool(_WorkerPool):
         preload: with "forkserver", have the fork server import this module and `text_env_factory`'s module once
             (`multiprocessing.set_forkserver_preload`, process-wide; effective only if the fork server is not
             running yet), plus the module names given if a sequence: those the environment imports only when it
-            is built, e.g. `trl_exreplay.envs.alfworld.engine.ENGINE_MODULES` for `AlfWorldEnv`.
+            is built, e.g. `trl_exreplay.alfworld.engine.ENGINE_MODULES` for `AlfWorldEnv`.
 
     Example:
 
     ```python
-    from trl_exreplay.envs import EnvProcessPool, KeyDoorEnv
+    from trl_exreplay.demo import KeyDoorEnv
+    from trl_exreplay.envs import EnvProcessPool
 
     if __name__ == "__main__":  # required by spawn and forkserver in a script
         with EnvProcessPool(KeyDoorEnv, workers=2) as env_processes:

@@ -12,7 +12,7 @@ either way the actor is killed, counted in `restarts`, and a fresh one hosts lat
 ```python
 import functools
 
-from trl_exreplay.envs.alfworld import AlfWorldEnv
+from trl_exreplay.alfworld import AlfWorldEnv
 from trl_exreplay.envs.ray_pool import RayEnvPool
 
 env_actors = RayEnvPool(functools.partial(AlfWorldEnv, max_steps=50), workers=64)  # RAY_ADDRESS: the cluster

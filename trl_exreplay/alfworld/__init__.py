@@ -3,7 +3,7 @@
 Needs `alfworld==0.4.2` and `textworld[pddl]==1.7.0` (imported lazily: importing this package does not need them).
 
 ```python
-from trl_exreplay.envs.alfworld import generate_games, play_walkthroughs
+from trl_exreplay.alfworld import generate_games, play_walkthroughs
 
 report = generate_games("data/alfworld", split="train", num_games=100, seed=0)
 print(report.summary())
@@ -11,8 +11,8 @@ results = play_walkthroughs("data/alfworld")
 print(sum(r.won for r in results), "won of", len(results))
 ```
 
-CLI: `python -m trl_exreplay.envs.alfworld generate --out DIR --split train --num-games N --seed S` and
-`python -m trl_exreplay.envs.alfworld play-walkthroughs DIR`.
+CLI: `python -m trl_exreplay.alfworld generate --out DIR --split train --num-games N --seed S` and
+`python -m trl_exreplay.alfworld play-walkthroughs DIR`.
 """
 
 from __future__ import annotations

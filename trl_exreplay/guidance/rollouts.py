@@ -31,13 +31,15 @@ import torch
 import xxhash
 from accelerate.utils import broadcast_object_list
 
-from .distributed import gather_row_flags
-from .guidance import ExperienceProvider, GuidanceSettings, OfflineExperienceProvider, SummaryInput
-from .guidance.allocation import allocate_guidance
-from .guidance.summarizer import BackgroundSummarizer
-from .guidance.template import fit_experience, format_experience, insert_experience, task_text
-from .multiturn import model_context
-from .untrusted_text import added_token_strings, remove_token_strings, token_prefix
+from ..distributed import gather_row_flags
+from ..envs.multiturn import model_context
+from ..untrusted_text import added_token_strings, remove_token_strings, token_prefix
+from .allocation import allocate_guidance
+from .offline import OfflineExperienceProvider
+from .provider import ExperienceProvider, SummaryInput
+from .settings import GuidanceSettings
+from .summarizer import BackgroundSummarizer
+from .template import fit_experience, format_experience, insert_experience, task_text
 
 logger = logging.getLogger(__name__)
 
@@ -475,7 +477,7 @@ class GuidedRollouts:
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save(self, output_dir: str, should_save: bool) -> None:
-        from .guidance.store import save_experience
+        from .store import save_experience
 
         if should_save:
             save_experience(
@@ -483,7 +485,7 @@ class GuidedRollouts:
             )
 
     def resume(self, checkpoint: str) -> None:
-        from .guidance.store import MANIFEST, load_experience
+        from .store import MANIFEST, load_experience
 
         folder = os.path.join(checkpoint, EXPERIENCE_DIR)
         if not os.path.lexists(os.path.join(folder, MANIFEST)):  # none, or a first save killed before its commit

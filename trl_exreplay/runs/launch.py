@@ -15,14 +15,14 @@ the module must end with `trl_exreplay.distributed.exit_distributed()` like any 
 ```python
 # train.py, run with `accelerate launch --config_file recipes/accelerate/zero3_gpu.yaml train.py`
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
-from trl_exreplay.launch import run_as_own_launch
+from trl_exreplay.runs.launch import run_as_own_launch
 
 args = ExReplayGRPOConfig(output_dir="rl")  # builds the launch's process group
 run_as_own_launch("my_project.sft", "--output_dir", "sft")  # SFT on the same ranks, in processes of its own
 trainer = ExReplayGRPOTrainer(model="sft", args=args, reward_funcs=..., train_dataset=...)  # this process's first
 ```
 
-`trl_exreplay.envs.alfworld.warmstart.warm_start` runs the ALFWorld recipe's SFT warm start this way.
+`trl_exreplay.alfworld.warmstart.warm_start` runs the ALFWorld recipe's SFT warm start this way.
 """
 
 from __future__ import annotations

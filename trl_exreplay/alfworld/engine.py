@@ -254,7 +254,7 @@ def map_in_pool(fn, items: Sequence, workers: int | None, progress: bool = False
     import multiprocessing as mp
     import pickle
 
-    from ..process import _module_of, _preload_in_forkserver, default_start_method
+    from ..envs.process import _module_of, _preload_in_forkserver, default_start_method
 
     workers = min(workers if workers is not None else (os.cpu_count() or 1), len(items))
     if workers > 1:

@@ -57,12 +57,12 @@ def env_workers(script_args: AlfWorldArguments, env_kwargs: dict, ranks: int):
 
     factory = functools.partial(AlfWorldEnv, **env_kwargs)
     if script_args.env_backend == "ray":
-        from ..ray_pool import RayEnvPool, ray_cpus
+        from ..envs.ray_pool import RayEnvPool, ray_cpus
 
         cpus = script_args.env_ray_cpus_per_worker  # RAY_ADDRESS: the cluster; else a local instance
         workers = script_args.env_processes or max(1, int(ray_cpus() / cpus) // ranks)
         return RayEnvPool(factory, workers=workers, cpus_per_worker=cpus)
-    from ..process import EnvProcessPool
+    from ..envs.process import EnvProcessPool
 
     workers = script_args.env_processes or max(1, (os.cpu_count() or 1) // ranks)
     return EnvProcessPool(factory, workers=workers, preload=list(ENGINE_MODULES))

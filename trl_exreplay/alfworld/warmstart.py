@@ -7,8 +7,8 @@ episode through `MultiTurnRollout` itself (a scripted "model" and an environment
 observations), so the prompt, the chat-template pieces and which tokens are trained are exactly those of RL.
 
 ```python
-from trl_exreplay.envs.alfworld import alfworld_tasks
-from trl_exreplay.envs.alfworld.warmstart import alfworld_tokenizer, expert_episodes, sft_dataset
+from trl_exreplay.alfworld import alfworld_tasks
+from trl_exreplay.alfworld.warmstart import alfworld_tokenizer, expert_episodes, sft_dataset
 
 tokenizer = alfworld_tokenizer()
 episodes = expert_episodes(alfworld_tasks("data/alfworld/json_2.1.1/train"), workers=4)
@@ -75,7 +75,7 @@ def alfworld_tokenizer(entity_tokens: bool = False):
     template. With `entity_tokens`, each of `alfworld_entities()` is one token: "take book 2 from shelf 1" is 4
     tokens, not 6, and a model copies an object's name from what it sees with one token instead of two (a tiny
     model learns that more easily: see `benchmarks/alfworld_warmstart_probe.py`); a larger number stays two tokens."""
-    from ...tiny import build_tiny_tokenizer
+    from ..demo.tiny import build_tiny_tokenizer
 
     phrases = alfworld_entities() if entity_tokens else ()
     return build_tiny_tokenizer(alfworld_vocabulary(), lowercase=True, isolate=PUNCTUATION, phrases=phrases)
@@ -134,7 +134,7 @@ def sft_dataset(
     TRL's `SFTTrainer`. Episodes that lose, or need more turns or tokens than the limits allow, are left out."""
     from datasets import Dataset
 
-    from ...rollout import MultiTurnRollout
+    from ..envs.rollout import MultiTurnRollout
 
     rows: dict[str, list] = {"input_ids": [], "assistant_masks": [], "task_id": []}
     replay = _Replay(None)
@@ -189,8 +189,8 @@ def expert_sft_dataset(script_args, training_args, tokenizer, train_tasks, env_k
 
 def build_tiny(script_args, tokenizer, training_args, path: str, state) -> str:
     """The embedded default model, saved to `path` so every rank and every later step loads the same weights."""
-    from ...models import save_atomically
-    from ...tiny import build_tiny_model
+    from ..demo.tiny import build_tiny_model
+    from ..runs.models import save_atomically
 
     if state.is_main_process and not os.path.isfile(os.path.join(path, "config.json")):
         model = build_tiny_model(
@@ -209,12 +209,12 @@ def build_tiny(script_args, tokenizer, training_args, path: str, state) -> str:
 def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, env_kwargs, state) -> str:
     """SFT with TRL's `SFTTrainer` on the searching expert's won episodes of the train games, laid out token for
     token as the RL rollouts; returns the folder of the warm-started model (cached by its settings). Collective: every
-    rank calls it. The SFT runs in processes of its own (`trl_exreplay.launch.run_as_own_launch`), on the launch's ranks
+    rank calls it. The SFT runs in processes of its own (`trl_exreplay.runs.launch.run_as_own_launch`), on the launch's ranks
     and with its DeepSpeed settings, so that the RL trainer's `Accelerator` is this process's first."""
     from accelerate.utils import broadcast_object_list
 
-    from ...launch import run_as_own_launch
-    from ...models import merge_adapter
+    from ..runs.launch import run_as_own_launch
+    from ..runs.models import merge_adapter
 
     key = {
         "model": asdict(model_args),  # base, revision, dtype, LoRA settings
@@ -287,7 +287,7 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
         with open(tmp + ".sft.json", "w") as f:
             json.dump(spec, f)
     state.wait_for_everyone()
-    # SFT in processes of its own: two Trainers cannot share one process under DeepSpeed (see `trl_exreplay.launch`).
+    # SFT in processes of its own: two Trainers cannot share one process under DeepSpeed (see `trl_exreplay.runs.launch`).
     run_as_own_launch(__name__, tmp + ".sft.json")
     if state.is_main_process:
         if model_args.use_peft:  # RL trains a fresh adapter on top of the merged warm start
@@ -312,7 +312,7 @@ def sft_from_spec(spec_file: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config
 
-    from ...models import model_init_kwargs
+    from ..runs.models import model_init_kwargs
 
     with open(spec_file) as f:
         spec = json.load(f)
@@ -335,7 +335,7 @@ def sft_from_spec(spec_file: str) -> None:
 if __name__ == "__main__":
     import sys
 
-    from ...distributed import exit_distributed
+    from ..distributed import exit_distributed
 
     sft_from_spec(sys.argv[1])
     exit_distributed()

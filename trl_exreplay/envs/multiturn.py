@@ -16,11 +16,11 @@ import logging
 import torch
 from trl.models import unwrap_model_for_generation
 
-from .distributed import any_rank_active
-from .envs import env_reward
-from .envs.settings import MultiTurnSettings
-from .pool import task_key
+from ..distributed import any_rank_active
+from ..pool import task_key
+from .base import env_reward
 from .rollout import MultiTurnRollout, generate_batch
+from .settings import MultiTurnSettings
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 so the evaluated prompts, turn layout and limits are exactly those of training.
 
 ```python
-from trl_exreplay.evaluation import evaluate_policy
-from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+from trl_exreplay.envs.evaluation import evaluate_policy
+from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks
 
 result = evaluate_policy(model, tokenizer, alfworld_tasks("data/alfworld/json_2.1.1/valid_seen"), AlfWorldEnv,
                          max_turns=30, max_completion_length=2048, max_tokens_per_turn=24)
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .envs.base import renamed_env_factory
+from .base import renamed_env_factory
 from .rollout import Episode, MultiTurnRollout, generate_batch
 
 

@@ -5,7 +5,7 @@ Works with the official data (`json_2.1.1/<split>/<task>/<trial>/game.tw-pddl`) 
 are laid out the same way. Needs the `alfworld` extra: `pip install "trl-exreplay[alfworld]"`.
 
 ```python
-from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
+from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks
 
 tasks = alfworld_tasks("data/alfworld/json_2.1.1/train")  # official or generated
 trainer = ExReplayGRPOTrainer(model=..., args=..., train_dataset=tasks, text_env_factory=AlfWorldEnv)

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .guidance.template import insert_experience
-from .untrusted_text import SpecialTokenFilter, token_prefix
+from ..guidance.template import insert_experience
+from ..untrusted_text import SpecialTokenFilter, token_prefix
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ it saw where, takes a target object when one is in view, goes to the appliance o
 object in the first receptacle of the destination type. Its episodes are warm-start data a policy can imitate.
 
 ```python
-from trl_exreplay.envs.alfworld import AlfWorldEnv, alfworld_tasks
-from trl_exreplay.envs.alfworld.expert import play_expert
+from trl_exreplay.alfworld import AlfWorldEnv, alfworld_tasks
+from trl_exreplay.alfworld.expert import play_expert
 
 task = alfworld_tasks("data/alfworld/json_2.1.1/train")[0]
 episode = play_expert(AlfWorldEnv(max_steps=50, show_admissible=False), task)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..settings import MultiTurnSettings
+from ..envs.settings import MultiTurnSettings
 
 PROMPT_STYLES = ("plain", "react", "none")
 ENV_BACKENDS = ("processes", "ray")
@@ -24,7 +24,7 @@ class AlfWorldArguments(MultiTurnSettings):
     from trl import ModelConfig, TrlParser
 
     from trl_exreplay import ExReplayGRPOConfig
-    from trl_exreplay.envs.alfworld.arguments import AlfWorldArguments
+    from trl_exreplay.alfworld.arguments import AlfWorldArguments
 
     parser = TrlParser((AlfWorldArguments, ExReplayGRPOConfig, ModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(

@@ -1,5 +1,5 @@
 """Scripted ALFWorld agents and their success on games: the floor (random) and ceilings (walkthrough, expert) that a
-trained policy is measured against. A policy (a model) is evaluated by `trl_exreplay.evaluation`, the one evaluation
+trained policy is measured against. A policy (a model) is evaluated by `trl_exreplay.envs.evaluation`, the one evaluation
 module; this one only plays scripted agents, overall and per task type, with the alfworld version recorded.
 
 An agent is a callable `(observation, admissible_actions, rng) -> action` (module-level, to reach worker processes
@@ -9,7 +9,7 @@ by looking, as a policy must). `random_agent` picks uniformly among admissible c
 policy must clear.
 
 ```python
-from trl_exreplay.envs.alfworld import random_agent, score_agent
+from trl_exreplay.alfworld import random_agent, score_agent
 
 result = score_agent("data/alfworld/json_2.1.1/valid_unseen", random_agent, max_steps=50, seed=0, workers=4)
 print(result.summary())  # success overall and per task type, alfworld version

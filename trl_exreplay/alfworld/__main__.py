@@ -1,4 +1,4 @@
-"""CLI: `python -m trl_exreplay.envs.alfworld {generate,play-walkthroughs,evaluate} ...`."""
+"""CLI: `python -m trl_exreplay.alfworld {generate,play-walkthroughs,evaluate} ...`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from .splits import ALL_TASK_TYPES, SPLITS
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trl_exreplay.envs.alfworld", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m trl_exreplay.alfworld", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate ALFWorld games (json_2.1.1 layout) with verified walkthroughs")
