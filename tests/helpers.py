@@ -251,3 +251,8 @@ def spelling_episodes(factory) -> tuple[list[tuple], int]:
     engine.close()
     assert engine.errors == Counter()
     return [(e.prompt_ids, e.completion_ids, e.env_mask, e.reward) for e in played], engine.special_tokens_removed
+
+
+def part_of(trainer, kind):
+    """The trainer's optional part of class `kind` (`trl_exreplay.parts.StepHooks`), or None."""
+    return next((part for part in trainer._parts if isinstance(part, kind)), None)

@@ -32,14 +32,14 @@ class CheckingTrainer(ExReplayGRPOTrainer):
         self.checks = []
 
     def _compute_loss(self, model, inputs):
-        parts = self._parts(model, inputs) if self._replays(inputs) else None  # before the controller moves
+        parts = self._loss_terms(model, inputs) if self._replays(inputs) else None  # before the controller moves
         loss = super()._compute_loss(model, inputs)
         if parts is not None:
             self.checks.append((loss.detach(), *parts))
         return loss
 
     @torch.no_grad()
-    def _parts(self, model, inputs):
+    def _loss_terms(self, model, inputs):
         mode = "train"
         saved = {name: copy.copy(getattr(self, name, None)) for name in TRL_STATE}
         metrics = {name: list(values) for name, values in self._metrics[mode].items()}

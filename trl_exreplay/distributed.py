@@ -149,3 +149,16 @@ def generation_is_collective(accelerator, dist) -> bool:
     """Whether a generation call needs every rank: a sharded model (ZeRO-3, FSDP; `dist` is TRL's `_dist`) gathers its
     parameters collectively in every forward, so ranks must make their generation calls in lockstep."""
     return accelerator.num_processes > 1 and (dist.is_zero3 or dist.is_fsdp)
+
+
+def check_multi_turn_vllm(
+    vllm_mode: str, tensor_parallel_size: int, path: str = "Multi-turn rollouts (`text_env_factory`)"
+) -> None:
+    """Multi-turn rollouts generate through vLLM one call per turn, and ranks play different numbers of turns (a rank
+    whose rows are all replayed plays none). Server mode and tensor parallelism gather equal-sized prompt lists across
+    ranks on every call. `path` names the rollouts in the error: ours, or TRL's tool loop with replay."""
+    if vllm_mode != "colocate" or tensor_parallel_size != 1:
+        raise NotImplementedError(
+            f"{path} with vLLM need vllm_mode='colocate' and vllm_tensor_parallel_size=1 "
+            f"(got vllm_mode={vllm_mode!r}, vllm_tensor_parallel_size={tensor_parallel_size}); or set use_vllm=False."
+        )

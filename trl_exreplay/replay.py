@@ -328,15 +328,14 @@ class ReplayController:
             message = "recorded rewards do not match the reward functions"
             self._faults.count("reward_arity_mismatch", message, counts["reward_arity_mismatch"])
 
-    def rescue(
-        self, step: GenerationStep, rewards_per_func: torch.Tensor, reward_weights, *, global_step: int, metrics
-    ) -> torch.Tensor:
+    def rescue(self, step: GenerationStep, rewards_per_func: torch.Tensor, reward_weights, *, global_step: int,
+               metrics, skip_rows: set[int] = frozenset()) -> torch.Tensor:  # fmt: skip
         """AR3PO's response reuse, after scoring: each fresh group whose rows all failed, of a task the pool holds
         `replay_rescue` successes of, gets its last rows replaced by them (`planner.plan_rescue`; chosen by
         `replay_select_mode` on their saved entropies). Returns the rewards TRL computes advantages from, the rescued
         rows' being their recorded ones; `rewards_per_func` itself is left as scored (the outcomes count those rows
         as the failures they were). The rows' tokens are put into TRL's output after it
-        (`trl_exreplay.step.splice_rescued`).
+        (`trl_exreplay.step.splice_rescued`). The groups of `skip_rows` (global rows: guided ones) are left alone.
         Rescue needs only a stored success, so it acts from the first step the pool holds one, whatever
         `replay_start`. Collective: the decision is global, the trajectories are read on rank 0."""
         G, k = self.num_generations, self.rescue_rows
@@ -348,10 +347,10 @@ class ReplayController:
             missing = [m or f for m, f in zip(missing, step.faulted_global)]
         row_success = [None if missing[r] or step.plan.is_replayed(r) else success[r] for r in range(len(success))]
         group_keys = step.row_tasks[::G]
-        guided = set() if step.guidance is None else {r // G for r, flag in enumerate(step.guidance.guided) if flag}
+        kept = {r // G for r in skip_rows}  # groups that are another part's experiment (guided rows)
         age = self.settings.replay_max_policy_age
         has = [self.pool.num_candidates(task, global_step, age, None) >= k for task in group_keys]
-        groups = plan_rescue(row_success, group_keys, G, k, has, skip_groups=[*step.plan.replay_groups, *guided])
+        groups = plan_rescue(row_success, group_keys, G, k, has, skip_groups=[*step.plan.replay_groups, *kept])
         counted = [r for r, flag in enumerate(row_success) if flag is not None]
         rescued = rewards_per_func
         if groups:

@@ -41,26 +41,15 @@ class GenerationStep:
     rewards: Any = None  # rewards per function, the replayed rows' being their recorded ones
     faulted_rows: set[int] = field(default_factory=set)  # this rank's rows whose episode the environment failed
     tool_loop_lockstep: bool = False  # inside TRL's tool loop, each generation call is agreed on by every rank
-    # experience-guided rollouts (see `trl_exreplay.guidance.rollouts`)
-    guidance: Any = None  # the batch's `GuidanceAllocation` (global rows); None: nothing is guided
     offset: int = 0  # this rank's first global row
     seed: list[int] = field(default_factory=list)  # the step's draws are seeded by this (run seed, step, micro-step)
     task_rows: list[dict] = field(default_factory=list)  # this rank's dataset rows as stored (before prompt rewriting)
     row_tasks: list[Any] = field(default_factory=list)  # each global row's task id (what the pool records it under)
-    guided_text: dict[int, str] = field(default_factory=dict)  # local row -> the experience text put in its prompt
-    plain_prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # local guided row -> prompt without it
-    # local guided row -> the prompt it was sampled on
-    guided_prompt_ids: dict[int, list[int]] = field(default_factory=dict)
-    retrieved: dict[str, tuple] = field(default_factory=dict)  # task text -> (experience text or None, records)
-    retrieval_down: bool = False  # the provider failed in this step: its remaining rows go unguided
-    rescued: dict[int, Any] = field(
-        default_factory=dict
-    )  # global rows of all-fail groups -> the stored success put in
+    rescued: dict[int, Any] = field(default_factory=dict)  # global rows of all-fail groups -> the stored success
     rescued_local: dict[int, Any] = field(default_factory=dict)  # this rank's rescued rows -> their trajectory
     revisited: set[int] = field(default_factory=set)  # groups of retired tasks let through as revisits
     faulted_global: list[bool] | None = None  # every rank's rows the environment failed, once gathered
     _replay_taken: bool = False
-    _stripped: bool = False
 
     def put_recorded_rewards(self, rewards_per_func: torch.Tensor, compare: bool = True) -> dict[str, int]:
         """Give the replayed rows (global rows of `rewards_per_func`, rows x reward functions) their recorded rewards,
@@ -81,16 +70,6 @@ class GenerationStep:
                     counts["reward_mismatch"] += 1
                 rewards_per_func[row] = recorded
         return counts
-
-    def strip_discarded(self, prompt_ids: list) -> None:
-        """Once, after generation: give the rows of `discard` tasks back their prompt without the experience, in place
-        in the list of prompts TRL trains on (the rows of `keep` tasks train on the prompt they were sampled with)."""
-        if self._stripped or self.guidance is None:
-            return
-        self._stripped = True
-        for i, ids in self.plain_prompt_ids.items():
-            if self.guidance.discarded(self.offset + i):
-                prompt_ids[i] = list(ids)
 
     def take_replay(self) -> dict[int, Any] | None:
         """The replayed rows for generation, once (a later generation call in the same step generates normally).

@@ -1,7 +1,8 @@
 """`ExReplayGRPOTrainer`: TRL's `GRPOTrainer` with experience replay, as small overrides (listed in the class docstring)
-that delegate to three objects: `ReplayController` (`replay.py`: the pool, the plan, the outcomes), `GuidedRollouts`
-(`guided_rollouts.py`) and `MultiTurnRollouts` (`multiturn.py`). The algorithm's pure parts are `planner.py`,
-`loss.py`, `pool/rules.py` and `outcomes.py`; one step's state is a `step.GenerationStep`.
+that delegate to `PoolKeeper` (`keeper.py`: the pool's life) and `ReplayController` (`replay.py`: each step's plan,
+splice and outcomes), and to the optional parts the arguments ask for (multi-turn games, experience-guided rollouts),
+which it knows only as `parts.StepHooks`. The algorithm's pure parts are `planner.py`, `loss.py`, `pool/rules.py`
+and `outcomes.py`; one step's state is a `step.GenerationStep`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import TrainerCallback
@@ -17,15 +19,12 @@ from trl import GRPOTrainer
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
 from .config import ReplaySettings, replay_settings
 from .custom_rollouts import fresh_rows_rollout
-from .distributed import any_rank_active, generation_is_collective, uses_gloo_group
-from .envs import env_reward
-from .envs.multiturn import MultiTurnRollouts, MultiTurnSettings, check_multi_turn_vllm, policy_episodes
-from .guidance import ExperienceProvider, GuidanceSettings
-from .guidance.rollouts import EXPERIENCE_DIR, GuidedRollouts, guided_rollouts
+from .distributed import any_rank_active, check_multi_turn_vllm, generation_is_collective, uses_gloo_group
 from .hub import CITATIONS
 from .keeper import POOL_DIR, POOL_WORK_DIR, PoolKeeper
 from .loss import OffPolicyOptions, off_policy_loss, reduce_as_trl
 from .metrics import FaultCounts, log_off_policy
+from .parts import Policy, StepHooks
 from .pool import ExperiencePool
 from .replay import ReplayController
 from .schedule import EpochSeededSampler
@@ -33,9 +32,13 @@ from .selection import policy_forward
 from .step import GenerationStep, LossForward, attach_replay_tensors, splice_rescued
 from .untrusted_text import SpecialTokenFilter
 
+if TYPE_CHECKING:  # the optional parts' settings, named in the signature only
+    from .envs.settings import MultiTurnSettings
+    from .guidance import ExperienceProvider, GuidanceSettings
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXPERIENCE_DIR", "POOL_DIR", "POOL_WORK_DIR", "ExReplayGRPOTrainer"]
+__all__ = ["POOL_DIR", "POOL_WORK_DIR", "ExReplayGRPOTrainer"]
 
 
 class ExReplayGRPOTrainer(GRPOTrainer):
@@ -117,11 +120,11 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     _replay: ReplayController | None = None  # each step's plan, splice and outcomes (`trl_exreplay.replay`)
     _user_rollout_func = None  # a user's `rollout_func`, asked for the fresh rows only while replay runs
     _replay_enabled = False
-    _guidance: GuidedRollouts | None = None  # experience-guided rollouts, when on (`trl_exreplay.guidance.rollouts`)
-    _guide_train = _guide_eval = False
+    _parts: tuple[StepHooks, ...] = ()  # the optional parts the arguments asked for (`_attach_parts`)
+    _plans_training = False  # training batches are planned (replay, or a part that needs the plan)
+    _reads_outcomes = False  # each step's outcomes are queued and flushed (replay, or a part that reads them)
     _generation: GenerationStep | None = None  # the generation step in progress (see `trl_exreplay.step`)
     _loss_forward: LossForward | None = None  # TRL's loss forward in progress (see `_compute_loss`)
-    _multi_turn: MultiTurnRollouts | None = None  # the `text_env_factory` games (`trl_exreplay.envs.multiturn`)
     _tool_text: SpecialTokenFilter | None = None  # TRL's tool results and resets, with tool_special_tokens='remove'
     text_env_factory = None
 
@@ -150,7 +153,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     ):
         """`GRPOTrainer`'s parameters (see [`trl.GRPOTrainer`]), then ours."""
         if text_env_factory is not None and reward_funcs is None:
-            reward_funcs = env_reward  # the environment's reward, unless the user scores rollouts
+            from .envs.base import env_reward  # the environment's reward, unless the user scores rollouts
+
+            reward_funcs = env_reward
         if getattr(args, "use_vllm", False):  # before TRL starts vLLM or waits for its server
             if text_env_factory is not None:
                 check_multi_turn_vllm(args.vllm_mode, args.vllm_tensor_parallel_size)
@@ -170,13 +175,19 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if self._replay_enabled and self.rollout_func is not None:
             self._user_rollout_func, self.rollout_func = self.rollout_func, self._replaying_rollout
         self.text_env_factory = text_env_factory
-        if text_env_factory is not None:
-            self._multi_turn = MultiTurnRollouts.for_trainer(
-                text_env_factory, self, multi_turn or MultiTurnSettings(), self.settings
-            )
-            self.rollout_func = self._multi_turn_rollout
         self._faults = FaultCounts()  # faults and mismatches, logged once per kind
-        guided = guidance is not None and guidance.on
+        unsupported_by_guidance = {
+            "tools or environment_factory (TRL's tool loop)": bool(tools) or environment_factory is not None,
+            "a custom rollout_func": rollout_func is not None,
+            "vision-language models": self._is_vlm,
+        }
+        self._parts = self._attach_parts(
+            text_env_factory, multi_turn, guidance, experience_provider, unsupported_by_guidance
+        )
+        if any(part.generates for part in self._parts):
+            self.rollout_func = self._part_rollout
+        self._plans_training = self._replay_enabled or any(part.plans_training for part in self._parts)
+        self._reads_outcomes = self._replay_enabled or any(part.reads_outcomes for part in self._parts)
         self._pool_keeper = PoolKeeper(
             self.settings, accelerator=self.accelerator, num_generations=self.num_generations, seed=self.args.seed,
             output_dir=self.args.output_dir, processing_class=self.processing_class, model=self.model,
@@ -184,20 +195,30 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         )  # fmt: skip
         self._replay = ReplayController.for_trainer(
             self, self._pool_keeper, self._faults, policy_forward=self._policy_forward,
-            guided_training=guided and guidance.guidance_train != "off",
+            guided_training=any(part.plans_training for part in self._parts),
         )  # fmt: skip
-        unsupported = {
-            "tools or environment_factory (TRL's tool loop)": bool(tools) or environment_factory is not None,
-            "a custom rollout_func": rollout_func is not None,
-            "vision-language models": self._is_vlm,
-        }
-        self._guidance = guided_rollouts(
-            self, guidance, experience_provider, self._faults, unsupported, policy_forward=self._policy_forward
-        )
-        self._guide_train = self._guidance is not None and self._guidance.train
-        self._guide_eval = self._guidance is not None and self._guidance.eval
-        if self._replay_enabled or text_env_factory is not None or self._guidance is not None:
+        if self._replay_enabled or self._parts:
             self.add_callback(_AtTrainEnd(self))
+
+    def _attach_parts(self, text_env_factory, multi_turn, guidance, experience_provider, unsupported_by_guidance):
+        """The optional parts the arguments ask for, each made by its own factory (which reads this trainer once) and
+        known to the trainer from here on only as a `parts.StepHooks`: the one place that imports them, and only when
+        asked. Guidance comes first: the multi-turn games retrieve through it."""
+        parts, guided = [], None
+        if guidance is not None or experience_provider is not None:
+            from .guidance.rollouts import guided_rollouts
+
+            guided = guided_rollouts(self, guidance, experience_provider, self._faults, unsupported_by_guidance,
+                                     policy_forward=self._policy_forward)  # fmt: skip
+        if text_env_factory is not None:
+            from .envs.multiturn import MultiTurnRollouts
+            from .envs.settings import MultiTurnSettings
+
+            settings = multi_turn or MultiTurnSettings()
+            parts.append(MultiTurnRollouts.for_trainer(text_env_factory, self, settings, self.settings, guide=guided))
+        if guided is not None:
+            parts.append(guided)
+        return tuple(parts)
 
     @property
     def pool(self) -> ExperiencePool:
@@ -211,7 +232,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         return EpochSeededSampler(sampler) if self._replay_enabled else sampler
 
     def _generate_and_score_completions(self, inputs):
-        if not self.model.training or not (self._replay_enabled or self._guide_train):
+        if not self.model.training or not self._plans_training:
             output = self._generate_unplanned(inputs)
         else:
             self._generation = step = self._plan_generation(inputs)
@@ -225,25 +246,29 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         return output
 
     def _generate_unplanned(self, inputs):
-        """Evaluation, or training without replay and guidance: TRL's generation on the rows as they are (multi-turn
-        rows get their placeholder prompt), guided when evaluation is."""
-        self._generation = step = GenerationStep(rows=[self._with_prompt(row) for row in inputs])
-        if self._guide_eval and not self.model.training:
-            self._guidance.guide_evaluation(step, self.state.global_step)
+        """Evaluation, or training without a plan: TRL's generation on the rows as they are (a part may rewrite them:
+        multi-turn rows get their placeholder prompt); in evaluation, the parts take part (guided evaluation)."""
+        self._generation = step = GenerationStep(rows=[self._row(row) for row in inputs])
+        evaluating, global_step = not self.model.training, self.state.global_step
         try:
+            if evaluating:
+                for part in self._parts:
+                    part.batch_planned(step, training=False, global_step=global_step)
             output = super()._generate_and_score_completions(step.rows)
-            if step.guidance is not None:
-                self._guidance.take_step_counts()  # evaluation's retrievals stay out of the training metrics
+            if evaluating:
+                for part in self._parts:
+                    part.batch_finished(output, step, training=False, records={}, success=[], fresh_rows=[],
+                                        metrics=self._metrics["eval"], global_step=global_step)  # fmt: skip
             return output
         finally:
             self._generation = None
 
     def _plan_generation(self, inputs) -> GenerationStep:
         """A training generation batch's plan, the same on every rank: which groups replay which stored trajectories
-        (`ReplayController.plan`), and which rows are guided."""
+        (`ReplayController.plan`), and what the parts decide on it (which rows are guided)."""
         self._flush_pending()
-        if self._guidance is not None:
-            self._guidance.step_begin(self.state.global_step, self.pool)
+        for part in self._parts:
+            part.step_begins(self.state.global_step, self.pool)
         # Several generation batches share a global step when steps_per_generation < gradient_accumulation_steps;
         # the micro-step index (identical on every rank, 0 at every step boundary, so resume-safe) tells them apart.
         micro_step = self._step % self.args.gradient_accumulation_steps
@@ -252,43 +277,41 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                                  micro_step=micro_step, metrics=self._metrics["train"])  # fmt: skip
         if self._replay.exhausted:
             self.control.should_training_stop = True
-        step.rows = [self._with_prompt(row) for row in step.task_rows]
+        step.rows = [self._row(row) for row in step.task_rows]
         # When TRL runs its old-log-probs forward (right after generation), its entropies are the generating policy's.
         step.wants_entropies = self._trl_computes_old_logps()
-        if self._guide_train:
-            self._guidance.guide_training(step)
+        for part in self._parts:
+            part.batch_planned(step, training=True, global_step=state.global_step)
         return step
 
     def _finish_generation(self, output: dict, step: GenerationStep) -> None:
-        """After TRL's generation and scoring: the replay tensors the loss reads, the discarded guided rows' behaviour
-        log-probs, the outcomes queued for the pool, the step's metrics."""
-        guidance, num_rows = step.guidance, len(step.row_tasks)
-        discarding = guidance is not None and any(guidance.discarded(r) for r in range(num_rows))
+        """After TRL's generation and scoring: the replay tensors the loss reads, the parts' off-policy rows (guided
+        rows trained without their guidance), the outcomes queued for the pool, the step's metrics."""
+        off_policy_parts = [part for part in self._parts if part.trains_off_policy()]  # the same on every rank
         if step.rescued:  # the stored successes TRL's advantages were computed with, in place of the failed rollouts
             splice_rescued(output, step.rescued_local, self._tokenizer.pad_token_id)
-        replaying = bool(step.plan.replay_groups) or bool(step.rescued) or discarding
+        replaying = bool(step.plan.replay_groups) or bool(step.rescued) or bool(off_policy_parts)
         attach_replay_tensors(output, {**step.replayed_local, **step.rescued_local}, replaying=replaying)
         if step.rescued:  # TRL's normaliser of the "dapo" loss type, counted again over the spliced rows (collective)
             loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-        if discarding:
-            self._guidance.attach_discarded_rows(output, step)
+        for part in off_policy_parts:
+            part.mark_off_policy_rows(output, step)
         metrics, global_step = self._metrics["train"], self.state.global_step
         success, fresh_rows, records = self._replay.queue_outcomes(
             output, step, reward_weights=self.reward_weights, global_step=global_step, metrics=metrics
         )
-        if self._guidance is not None:
-            self._guidance.add_to_records(output, records, step, global_step)
-            if self._guide_train:
-                self._guidance.log(step, success, fresh_rows, metrics)
+        for part in self._parts:
+            part.batch_finished(output, step, training=True, records=records, success=success, fresh_rows=fresh_rows,
+                                metrics=metrics, global_step=global_step)  # fmt: skip
         if self._replay_enabled:
             self._replay.log_generation(step, metrics, global_step=global_step, max_steps=self.state.max_steps)
 
     def _flush_pending(self) -> None:
-        """The last step's outcomes into the pool, their summary inputs to the summariser. Collective."""
+        """The last step's outcomes into the pool, what the parts attached to them back to the parts. Collective."""
         summaries = self._replay.flush()
-        if self._guidance is not None:
-            self._guidance.offer_summaries(summaries)
+        for part in self._parts:
+            part.outcomes_flushed(summaries)
 
     def _trl_computes_old_logps(self) -> bool:
         """TRL's own condition for computing `old_per_token_logps` in `_generate_and_score_completions`."""
@@ -323,21 +346,22 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         """Whether vLLM slices its output by equal per-rank shares (server mode, tensor parallelism)."""
         return self.use_vllm and (self.vllm_mode == "server" or self.vllm_tensor_parallel_size > 1)
 
-    def _multi_turn_rollout(self, prompts, trainer) -> dict:
-        """TRL's `rollout_func` in a multi-turn run: the step's games (`multiturn.MultiTurnRollouts`), played by this
-        policy (`multiturn.policy_episodes`, given the values it reads now: the model TRL wrapped, vLLM's engine)."""
-        play = functools.partial(
-            policy_episodes, vllm_engine=self.vllm_generation if self.use_vllm else None, model=self.model_wrapped,
+    def _part_rollout(self, prompts, trainer) -> dict:
+        """TRL's `rollout_func` where a part generates (the multi-turn games): its rollout of the step, played by this
+        policy as it is now (`parts.Policy`: the model TRL wrapped, vLLM's engine, the generation settings)."""
+        policy = Policy(
+            model=self.model_wrapped, vllm_engine=self.vllm_generation if self.use_vllm else None,
             accelerator=self.accelerator, dist=self._dist, ds3_gather=self.args.ds3_gather_for_generation,
             generation_kwargs=self.generation_kwargs,
             gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
             pad_token_id=self.processing_class.pad_token_id, eos_token_ids=self.eos_token_ids,
             generation_config=self.generation_config,
         )  # fmt: skip
-        return self._multi_turn.rollout(
-            self._generation, play, collective=generation_is_collective(self.accelerator, self._dist),
+        part = next(part for part in self._parts if part.generates)
+        return part.rollout(
+            self._generation, policy, collective=generation_is_collective(self.accelerator, self._dist),
             metrics=self._metrics["train" if self.model.training else "eval"],
-            fit_completion=self._replay.fit_completion, guidance=self._guidance,
+            fit_completion=self._replay.fit_completion,
         )  # fmt: skip
 
     def _replaying_rollout(self, prompts, trainer) -> dict:
@@ -361,13 +385,17 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             batch_size=self.args.per_device_train_batch_size,
         )  # fmt: skip
 
-    def _with_prompt(self, row: dict) -> dict:
-        return row if self._multi_turn is None else self._multi_turn.with_prompt(row)
+    def _row(self, row: dict) -> dict:
+        """A dataset row as TRL is to generate from it (each part may rewrite it)."""
+        for part in self._parts:
+            row = part.row(row)
+        return row
 
     def _tokenize_prompts(self, prompts: list):
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
-        if self._generation is not None and self._guidance is not None:  # guided rows: sampled on their guided prompt
-            self._guidance.tokenize_guided(self._generation, prompts, prompt_ids, super()._tokenize_prompts)
+        if self._generation is not None:  # guided rows: sampled on their guided prompt
+            for part in self._parts:
+                part.prompts_tokenized(self._generation, prompts, prompt_ids, super()._tokenize_prompts)
         return prompt_ids, images, multimodal_fields
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -383,15 +411,15 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             result = self._replay.generate(step, prompt_ids, generate, num_generations, multimodal=multimodal,
                                            use_vllm=self.use_vllm, equal_shares=self._vllm_equal_shares())  # fmt: skip
         if result is None:
-            if step is not None and step.guidance is not None and any(step.guidance.guided):
-                # a group's rows hold different prompts now: one sample per row (vLLM's server mode would sample the
-                # whole group from its first prompt); the allocation is global, so every rank decides alike
-                num_generations = 1 if self.use_vllm else num_generations
+            if step is not None:
+                for part in self._parts:  # guided rows: a group's rows hold different prompts
+                    num_generations = part.samples_per_prompt(num_generations, self.use_vllm)
             result = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         if step is not None:
-            step.strip_discarded(prompt_ids)  # in the list TRL keeps: what its loss trains on
+            for part in self._parts:
+                part.generated(step, prompt_ids)  # in the list TRL keeps: what its loss trains on
         return result
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
@@ -469,8 +497,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         # reward functions see of them says nothing to compare the recorded rewards with.
         self._replay.put_recorded_rewards(step, rewards_per_func, compare=not self.tools and self.environments is None)
         step.rewards = rewards_per_func  # as scored: the outcomes count a rescued row as the failure it was
+        kept_rows = set().union(*(part.rescue_skips_rows() for part in self._parts))
         return self._replay.rescue(step, rewards_per_func, self.reward_weights, global_step=self.state.global_step,
-                                   metrics=self._metrics["train"])  # fmt: skip
+                                   metrics=self._metrics["train"], skip_rows=kept_rows)  # fmt: skip
 
     # --------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
@@ -548,10 +577,10 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         folder, before it pushes or rotates checkpoints.
         """
         super().save_model(output_dir, _internal_call)
-        if self._replay_enabled or self._guidance is not None:
+        if self._reads_outcomes:
             self._flush_pending()
-        if self._guidance is not None:
-            self._guidance.save(output_dir or self.args.output_dir, self.args.should_save)
+        for part in self._parts:
+            part.save(output_dir or self.args.output_dir, self.args.should_save)
         if self._replay_enabled:
             self._pool_keeper.save(output_dir or self.args.output_dir, self.args.should_save)
 
@@ -560,8 +589,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if self._replay_enabled and checkpoint is not None:
             self._pool_keeper.resume(checkpoint)
             self._replay.pending = None  # outcomes of the steps before the checkpoint's: recorded there already
-        if self._guidance is not None and checkpoint is not None:
-            self._guidance.resume(checkpoint)
+        if checkpoint is not None:
+            for part in self._parts:
+                part.resume(checkpoint)
 
 
 class _AtTrainEnd(TrainerCallback):
@@ -571,7 +601,7 @@ class _AtTrainEnd(TrainerCallback):
         self.trainer = trainer
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.trainer._replay_enabled or self.trainer._guidance is not None:
+        if self.trainer._reads_outcomes:
             self.trainer._flush_pending()
         if state.is_world_process_zero and uses_gloo_group():
             # The trainer cannot end the process for the script: an `atexit` hook would not know the script's exit
@@ -582,10 +612,8 @@ class _AtTrainEnd(TrainerCallback):
                 "(os._exit) so that a gloo worker thread cannot abort it at exit after the work is done; nothing "
                 "written after it runs."
             )
-        if self.trainer._guidance is not None:
-            self.trainer._guidance.summarizer.close()
-        if self.trainer.text_env_factory is not None:
-            self.trainer._multi_turn.engine.close()
+        for part in self.trainer._parts:
+            part.train_ended()
 
 
 def _cleaned_reset(reset, clean: SpecialTokenFilter, *args, **kwargs):

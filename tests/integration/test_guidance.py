@@ -19,6 +19,7 @@ from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, key_door_dataset
 from trl_exreplay.envs.rollout import ChatTurns
 from trl_exreplay.guidance import ExperienceRecord
 from trl_exreplay.guidance.allocation import allocate_guidance, rollout_add_exp, train_sample_modes
+from trl_exreplay.guidance.rollouts import GuidedRollouts
 from trl_exreplay.guidance.template import fit_experience, format_experience, insert_experience, strip_experience
 
 TEMPLATE = "please {} ok "  # words of the tiny vocabulary, so every token is a real one
@@ -55,15 +56,20 @@ class FixedProvider:
         return list(self.stored)
 
 
+def guidance_part(trainer) -> GuidedRollouts:
+    """The trainer's experience-guided rollouts part."""
+    return next(part for part in trainer._parts if isinstance(part, GuidedRollouts))
+
+
 class GuidedRecordingTrainer(RecordingTrainer):
-    """Also keeps each training generation step (allocation, prompts) with TRL's output."""
+    """Also keeps each training generation step with TRL's output and what guidance decided for it (`GuidedBatch`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.steps = []
 
     def _finish_generation(self, output, step):
-        self.steps.append((output, step))
+        self.steps.append((output, step, guidance_part(self).batch))
         return super()._finish_generation(output, step)
 
 
@@ -133,8 +139,8 @@ def test_guided_rows_train_on_the_prompt_their_task_keeps_with_exp_mask_on_repla
     trainer.train()
     tokenizer, G = trainer.processing_class, trainer.num_generations
     seen = {"keep": 0, "discard": 0, "replayed": 0}
-    for output, step in trainer.steps:
-        allocation = step.guidance
+    for output, step, batch in trainer.steps:
+        allocation = batch.allocation
         rows = len(step.rows)
         replayed = set(step.replayed_local)
         assert sum(allocation.keep) == int(rows // G * 0.5)
@@ -142,7 +148,7 @@ def test_guided_rows_train_on_the_prompt_their_task_keeps_with_exp_mask_on_repla
             group = range(g * G, g * G + G)
             # round(4 * 0.5) = 2 guided rollouts per task, less a replayed row drawn among them: replay has priority
             assert 2 - len(replayed & set(group)) <= sum(allocation.guided[r] for r in group) <= 2
-        assert set(step.guided_text) == {r for r in range(rows) if allocation.guided[r]}  # every task retrieves
+        assert set(batch.guided_text) == {r for r in range(rows) if allocation.guided[r]}  # every task retrieves
         exp_mask, completion_mask = output["exp_mask"], output["completion_mask"]
         for i in range(rows):
             trained = output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist()
@@ -167,7 +173,7 @@ def test_guided_rows_train_on_the_prompt_their_task_keeps_with_exp_mask_on_repla
             completion = output["completion_ids"][i, :n].tolist()
             with_guidance, without = (
                 trainer._policy_forward([ids], [completion], [[1] * n])[0][0, :n]
-                for ids in (step.guided_prompt_ids[i], step.plain_prompt_ids[i])
+                for ids in (batch.guided_prompt_ids[i], batch.plain_prompt_ids[i])
             )
             recorded = output["recorded_per_token_logps"][i, :n]
             torch.testing.assert_close(recorded, with_guidance.float(), rtol=0, atol=1e-5)
@@ -185,17 +191,17 @@ def test_a_guided_success_enters_the_pool_with_the_prompt_without_experience(tmp
     stored = {(t.policy_version, tuple(t.completion_ids)): t for task in trainer.pool.stored_tasks()
               for t in trainer.pool.candidates(task)}  # fmt: skip
     found = {"keep": 0, "discard": 0}
-    for version, (output, step) in enumerate(trainer.steps):
-        for i, guided_ids in step.guided_prompt_ids.items():
+    for version, (output, step, batch) in enumerate(trainer.steps):
+        for i, guided_ids in batch.guided_prompt_ids.items():
             n = int(output["completion_mask"][i].sum())
             trajectory = stored.get((version, tuple(output["completion_ids"][i, :n].tolist())))
             if trajectory is None or trajectory.task_id != step.rows[i]["task_id"]:
                 continue  # not a success, or its task was not stored
-            assert trajectory.prompt_ids == step.plain_prompt_ids[i] != guided_ids
-            if step.guidance.discarded(i):
+            assert trajectory.prompt_ids == batch.plain_prompt_ids[i] != guided_ids
+            if batch.allocation.discarded(i):
                 recorded = output["recorded_per_token_logps"][i, :n].tolist()
                 assert trajectory.logps == pytest.approx(recorded, abs=1e-6)
-            found["discard" if step.guidance.discarded(i) else "keep"] += 1
+            found["discard" if batch.allocation.discarded(i) else "keep"] += 1
     assert min(found.values()) > 0, found
 
 
@@ -226,19 +232,19 @@ def test_a_failing_provider_is_counted_and_training_goes_on_unguided(tmp_path):
     assert len(history) == 6 and all(e["guide/guided_fraction"] == 0 for e in history)
     assert history[-1]["guide/retrieve_failures"] == len(provider.queries) > 0
     assert history[-1]["guide/summarizer_failures"] > 0
-    assert trainer._guidance.summarizer.pending()  # what could not be summarised waits, nothing is lost
+    assert guidance_part(trainer).summarizer.pending()  # what could not be summarised waits, nothing is lost
 
 
 def test_summaries_reach_the_store_at_a_step_boundary_and_feed_retrieval(tmp_path):
     from trl_exreplay.guidance.offline import OfflineExperienceProvider
 
     trainer = make_trainer(tmp_path, guidance_update_freq=1, **GUIDED)
-    assert isinstance(trainer._guidance.experience, OfflineExperienceProvider)
+    assert isinstance(guidance_part(trainer).experience, OfflineExperienceProvider)
     trainer.train()
     history = [e for e in trainer.state.log_history if "guide/store_records" in e]
     assert history[0]["guide/store_records"] == 0 and history[-1]["guide/store_records"] > 0
     assert any(e["guide/guided_fraction"] > 0 for e in history) and history[0]["guide/guided_fraction"] == 0
-    records = trainer._guidance.experience.records()
+    records = guidance_part(trainer).experience.records()
     assert all(r.query.startswith("say the word") and r.content for r in records)
     assert all(math.isfinite(e["guide/records_per_rollout"]) for e in history if "guide/records_per_rollout" in e)
 
@@ -268,14 +274,14 @@ def test_multi_turn_guidance_goes_in_the_first_observation_and_discarded_rows_tr
     trainer.train()
     turns = ChatTurns(trainer.processing_class)
     checked = 0
-    for output, step in trainer.steps:
-        for i in step.guided_prompt_ids:
+    for output, step, batch in trainer.steps:
+        for i in batch.guided_prompt_ids:
             observation = step.rows[i]["prompt"][-1]["content"]
-            assert step.plain_prompt_ids[i] == turns.prompt_ids(observation)
-            assert step.guided_prompt_ids[i] == turns.prompt_ids("you have take the key and " + observation)
+            assert batch.plain_prompt_ids[i] == turns.prompt_ids(observation)
+            assert batch.guided_prompt_ids[i] == turns.prompt_ids("you have take the key and " + observation)
             trained = output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist()
-            discarded = step.guidance.discarded(step.offset + i)
-            assert trained == (step.plain_prompt_ids[i] if discarded else step.guided_prompt_ids[i])
+            discarded = batch.allocation.discarded(step.offset + i)
+            assert trained == (batch.plain_prompt_ids[i] if discarded else batch.guided_prompt_ids[i])
             model_tokens = output["completion_mask"][i] * output["tool_mask"][i]
             assert torch.equal(output["exp_mask"][i], model_tokens if discarded else torch.zeros_like(model_tokens))
             checked += 1
@@ -287,7 +293,7 @@ class AllocationRecordingTrainer(GuidedRecordingTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.allocations, self.resumed_records = [], None
-        guidance = self._guidance
+        guidance = guidance_part(self)
         allocate, resume = guidance._allocate, guidance.resume
 
         def recording_allocate(*args, **kwargs):
@@ -360,9 +366,9 @@ def test_a_kill_during_background_summarisation_loses_no_experience(tmp_path):
     resumed = make_trainer(out, max_steps=5, save_strategy="steps", save_steps=1, guidance_update_freq=1,
                            guidance_train="mixed", guidance_ratio=0.5)  # fmt: skip
     resumed.train(resume_from_checkpoint=str(out / "out" / "checkpoint-4"))
-    resumed._guidance.summarizer.wait(30)
-    resumed._guidance.experience.add(resumed._guidance.summarizer.collect())
-    assert previous <= {r.source for r in resumed._guidance.experience.records()}
+    guidance_part(resumed).summarizer.wait(30)
+    guidance_part(resumed).experience.add(guidance_part(resumed).summarizer.collect())
+    assert previous <= {r.source for r in guidance_part(resumed).experience.records()}
 
 
 def test_retrieved_text_that_is_not_text_is_a_counted_failure(tmp_path):
@@ -443,8 +449,8 @@ def test_retrieved_text_never_becomes_special_tokens_and_is_bounded(tmp_path):
         )  # fmt: skip
         trainer.train()
         tokenizer = trainer.processing_class
-        ((output, step),) = trainer.steps
-        guided = [i for i in range(len(step.rows)) if step.guidance.guided[i] and i not in step.replayed_local]
+        ((output, step, batch),) = trainer.steps
+        guided = [i for i in range(len(step.rows)) if batch.allocation.guided[i] and i not in step.replayed_local]
         assert guided
         for i in guided:
             trained = output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist()
@@ -499,10 +505,10 @@ def test_a_guided_prompt_leaves_max_completion_length_of_the_models_context(tmp_
     context, completion = 64, TRAINER_DEFAULTS["max_completion_length"]
     trainer = _small_context_trainer(tmp_path, text, context)
     trainer.train()
-    tokenizer, provider = trainer.processing_class, trainer._guidance.experience
-    ((output, step),) = trainer.steps
-    guided = [i for i in range(len(step.rows)) if step.guidance.guided[i] and i not in step.replayed_local]
-    assert guided and set(step.guided_prompt_ids) == set(guided)
+    tokenizer, provider = trainer.processing_class, guidance_part(trainer).experience
+    ((output, step, batch),) = trainer.steps
+    guided = [i for i in range(len(step.rows)) if batch.allocation.guided[i] and i not in step.replayed_local]
+    assert guided and set(batch.guided_prompt_ids) == set(guided)
     long = text == LONG_EXPERIENCE
     words = context - completion - PLAIN_PROMPT_TOKENS - TEMPLATE_TOKENS if long else len(text.split())
     assert words == (51 if long else 4)
@@ -512,7 +518,7 @@ def test_a_guided_prompt_leaves_max_completion_length_of_the_models_context(tmp_
         kept = " ".join(["red"] * 51) if long else text  # the first 51 of the 1,000 words
         expected = _chat_ids(tokenizer, insert_experience(prompt, format_experience(TEMPLATE, [kept])))
         trained = output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist()
-        assert trained == step.guided_prompt_ids[i] == expected
+        assert trained == batch.guided_prompt_ids[i] == expected
         assert len(trained) == PLAIN_PROMPT_TOKENS + TEMPLATE_TOKENS + words
         assert len(trained) + completion <= context
     totals = _guide_totals(trainer)
@@ -529,9 +535,9 @@ def test_a_row_whose_prompt_leaves_no_room_for_experience_goes_unguided(tmp_path
     trainer = _small_context_trainer(tmp_path, LONG_EXPERIENCE, context)
     trainer.train()
     tokenizer = trainer.processing_class
-    ((output, step),) = trainer.steps
-    allocated = [i for i in range(len(step.rows)) if step.guidance.guided[i] and i not in step.replayed_local]
-    assert allocated and not step.guided_text and not step.guided_prompt_ids
+    ((output, step, batch),) = trainer.steps
+    allocated = [i for i in range(len(step.rows)) if batch.allocation.guided[i] and i not in step.replayed_local]
+    assert allocated and not batch.guided_text and not batch.guided_prompt_ids
     for i in allocated:
         trained = output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist()
         assert trained == _chat_ids(tokenizer, step.rows[i]["prompt"])
@@ -558,9 +564,9 @@ def test_a_multi_turn_guided_prompt_leaves_max_completion_length_of_the_models_c
     )  # fmt: skip
     trainer.train()
     turns = ChatTurns(tokenizer)
-    ((output, step),) = trainer.steps
-    assert step.guided_prompt_ids
-    for i, guided in step.guided_prompt_ids.items():
+    ((output, step, batch),) = trainer.steps
+    assert batch.guided_prompt_ids
+    for i, guided in batch.guided_prompt_ids.items():
         observation = step.rows[i]["prompt"][-1]["content"]
         plain = turns.prompt_ids(observation)
         words = context - completion - len(plain) - 3
@@ -568,4 +574,4 @@ def test_a_multi_turn_guided_prompt_leaves_max_completion_length_of_the_models_c
         experience = " ".join((["take", "the", "key"] * 334)[:words])
         assert guided == turns.prompt_ids(f"you have {experience} and {observation}")
         assert output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist() == guided
-    assert _guide_totals(trainer)["guide/experience_cut_to_context"] == len(step.guided_prompt_ids)
+    assert _guide_totals(trainer)["guide/experience_cut_to_context"] == len(batch.guided_prompt_ids)

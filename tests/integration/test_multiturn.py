@@ -7,12 +7,13 @@ import time
 
 import pytest
 import torch
-from helpers import REPLAY_ONLY, TRAINER_DEFAULTS, config_and_parts
+from helpers import REPLAY_ONLY, TRAINER_DEFAULTS, config_and_parts, part_of
 
 from trl_exreplay import ExReplayGRPOTrainer
 from trl_exreplay.demo import KeyDoorEnv
 from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model
 from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, key_door_dataset
+from trl_exreplay.envs.multiturn import MultiTurnRollouts
 from trl_exreplay.loss import aggregate_loss, off_policy_loss
 
 MULTI_TURN = dict(max_completion_length=48, max_tokens_per_turn=4, max_turns=5, learning_rate=5e-2)
@@ -22,13 +23,13 @@ class RecordingMultiTurnTrainer(ExReplayGRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batches, self.episodes_played = [], []
-        run = self._multi_turn.engine.run
+        run = part_of(self, MultiTurnRollouts).engine.run
 
         def recording_run(tasks, generate, sync=None):
             self.episodes_played.append(len(tasks))
             return run(tasks, generate, sync)
 
-        self._multi_turn.engine.run = recording_run
+        part_of(self, MultiTurnRollouts).engine.run = recording_run
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -142,7 +143,7 @@ def test_environment_faults_are_counted_and_training_completes(tmp_path):
     assert time.perf_counter() - start < 60
     errors = [e["env/errors"] for e in trainer.state.log_history if "env/errors" in e]
     assert len(errors) == 3 and errors[-1] == 4.0  # 2 step faults + 1 timeout + 1 reset fault
-    assert dict(trainer._multi_turn.engine.errors) == {"step_error": 2, "timeout": 1, "reset_error": 1}
+    assert dict(part_of(trainer, MultiTurnRollouts).engine.errors) == {"step_error": 2, "timeout": 1, "reset_error": 1}
     assert FaultyKeyDoorEnv.steps > 10
     # the 4 failed episodes train nothing (their model turns are masked) and count in no task's outcome
     untrained = sum(int(((b["completion_mask"] * b["tool_mask"]).sum(dim=1) == 0).sum()) for b in trainer.batches)

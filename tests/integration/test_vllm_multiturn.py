@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import REPLAY_ONLY, TRAINER_DEFAULTS, config_and_parts, ids
+from helpers import REPLAY_ONLY, TRAINER_DEFAULTS, config_and_parts, ids, part_of
 
 from trl_exreplay import ExReplayGRPOTrainer
 from trl_exreplay.demo import KeyDoorEnv
@@ -99,7 +99,7 @@ def make_trainer(tmp_path, **overrides) -> ExReplayGRPOTrainer:
 
 
 def record_rollouts(trainer) -> list[tuple[dict, dict]]:
-    """Wrap TRL's `rollout_func` (the trainer's `_multi_turn_rollout`): (output, replayed local rows) per call."""
+    """Wrap TRL's `rollout_func` (the trainer's `_part_rollout`): (output, replayed local rows) per call."""
     seen, rollout = [], trainer.rollout_func
 
     def recording(prompts, trainer_):
@@ -127,7 +127,7 @@ def record_batches(trainer) -> list[dict]:
 
 def record_episodes(trainer, engine: FakeVLLMGeneration) -> list[tuple[list, int]]:
     """Per rollout-engine run: (its episodes, the generate calls it made)."""
-    runs, run = [], trainer._multi_turn.engine.run
+    runs, run = [], part_of(trainer, MultiTurnRollouts).engine.run
 
     def recording(tasks, generate, sync=None):
         before = len(engine.calls)
@@ -135,7 +135,7 @@ def record_episodes(trainer, engine: FakeVLLMGeneration) -> list[tuple[list, int
         runs.append((episodes, len(engine.calls) - before))
         return episodes
 
-    trainer._multi_turn.engine.run = recording
+    part_of(trainer, MultiTurnRollouts).engine.run = recording
     return runs
 
 

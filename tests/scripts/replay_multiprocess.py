@@ -32,6 +32,14 @@ from trl_exreplay.demo.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, key_door_dataset  # noqa: E402
 from trl_exreplay.distributed import exit_distributed  # noqa: E402
+from trl_exreplay.envs.multiturn import MultiTurnRollouts  # noqa: E402
+from trl_exreplay.guidance.rollouts import GuidedRollouts  # noqa: E402
+
+
+def part_of(trainer, kind):
+    """The trainer's optional part of class `kind`, or None."""
+    return next((part for part in trainer._parts if isinstance(part, kind)), None)
+
 
 out_dir, options = sys.argv[1], sys.argv[2:]
 multi_turn = "multi-turn" in options
@@ -93,14 +101,14 @@ class CountingTrainer(ExReplayGRPOTrainer):
 
         model.generate = counting_generate
         if multi_turn:
-            run = self._multi_turn.engine.run
+            run = part_of(self, MultiTurnRollouts).engine.run
 
             def recording_run(tasks, generate, sync=None):
                 episodes_played = run(tasks, generate, sync)
                 episodes.append([len(e.completion_ids) for e in episodes_played])
                 return episodes_played
 
-            self._multi_turn.engine.run = recording_run
+            part_of(self, MultiTurnRollouts).engine.run = recording_run
 
 
 PROFILE = next((o for o in options if o in ("exgrpo", "teach")), None)  # 12 steps on 6 rows
@@ -169,6 +177,7 @@ trainer.train(resume_from_checkpoint=resume_from)
 rank = trainer.accelerator.process_index
 losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
 replay_tasks = [e["replay/tasks"] for e in trainer.state.log_history if "replay/tasks" in e]
+guidance = part_of(trainer, GuidedRollouts)
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(
         {
@@ -200,7 +209,7 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
                 name: [e[f"replay/{name}"] for e in trainer.state.log_history if f"replay/{name}" in e]
                 for name in ("rescued_groups", "revisited_groups", "returned_tasks")
             },
-            "experience": [r.as_dict() for r in trainer._guidance.experience.records()] if trainer._guidance else [],
+            "experience": [r.as_dict() for r in guidance.experience.records()] if guidance else [],
             "guided_fraction": [
                 e["guide/guided_fraction"] for e in trainer.state.log_history if "guide/guided_fraction" in e
             ],

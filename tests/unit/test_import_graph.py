@@ -1,5 +1,6 @@
-"""The package's import graph: no module imports itself back through others, the pool package stands on its own, and
-every module imports alone in a fresh interpreter (`python -c "import trl_exreplay.x"`).
+"""The package's import graph: no module imports itself back through others, the pool package stands on its own, the
+core imports no optional part (and trains without them), the optional parts import only what their place in the tree
+allows, and every module imports alone in a fresh interpreter (`python -c "import trl_exreplay.x"`).
 
 Imports under ``if TYPE_CHECKING:`` count: they never run, but a module that needs another's types for its annotations
 depends on it all the same, and a circle hidden that way is still a circle for the reader."""
@@ -30,25 +31,26 @@ def module_names() -> dict[str, Path]:
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The package's modules that `name` imports: at the top, inside functions (lazy imports run) and under
     ``if TYPE_CHECKING:``."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found |= imported_modules(name, path, node, known)
+    return found
 
-    def visit(node):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.Import):
-                found.update(alias.name for alias in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                if child.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (child.level - 1)]
-                    module = ".".join(base + ([child.module] if child.module else []))
-                else:
-                    module = child.module or ""
-                found.add(module)
-                found.update(f"{module}.{alias.name}" for alias in child.names)  # `from pkg import submodule`
-            visit(child)
 
-    visit(ast.parse(path.read_text()))
+def imported_modules(name: str, path: Path, node: ast.Import | ast.ImportFrom, known: dict[str, Path]) -> set[str]:
+    """The package's modules one import statement of module `name` (at `path`) imports."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    if isinstance(node, ast.Import):
+        found = {alias.name for alias in node.names}
+    else:
+        if node.level:
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)]
+            module = ".".join(base + ([node.module] if node.module else []))
+        else:
+            module = node.module or ""
+        found = {module} | {f"{module}.{alias.name}" for alias in node.names}  # `from pkg import submodule`
     # A module's own parent packages are not edges: Python runs them before it, whatever it imports (`from . import x`
     # names the package only to reach x).
     return {module for module in found if module in known and module != name and not name.startswith(module + ".")}
@@ -116,6 +118,118 @@ def test_the_pool_package_depends_on_nothing_of_the_trainer():
             assert outside <= {"trl_exreplay"}, (name, outside)
     rules = PACKAGE / "pool" / "rules.py"
     assert imports_of("trl_exreplay.pool.rules", rules, module_names()) == set()  # pure: numpy only
+
+
+# The optional parts (docs/architecture.md), and which other optional parts each may import: the multi-turn engine,
+# guidance, the demo helpers and the recipes' helpers stand on the core alone; ALFWorld is an environment of the engine,
+# trained from a demo-sized model by the recipes' helpers.
+OPTIONAL_PARTS = {
+    "trl_exreplay.envs": set(),
+    "trl_exreplay.guidance": set(),
+    "trl_exreplay.demo": set(),
+    "trl_exreplay.runs": set(),
+    "trl_exreplay.alfworld": {"trl_exreplay.envs", "trl_exreplay.demo", "trl_exreplay.runs"},
+}
+# Where the core may import an optional part: the trainer's composition point, when an argument asks for the part.
+COMPOSITION_POINT = {"trl_exreplay.trainer": {"_attach_parts", "__init__"}}
+
+
+def part_of_module(name: str) -> str | None:
+    return next((part for part in OPTIONAL_PARTS if name == part or name.startswith(part + ".")), None)
+
+
+def imports_by_place(path: Path) -> list[tuple[str | None, bool, ast.ImportFrom | ast.Import]]:
+    """Every import of a module with the function it sits in (None: the module's top) and whether it runs only for
+    type checkers (``if TYPE_CHECKING:``)."""
+    found = []
+
+    def visit(node, function, typing_only):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((function, typing_only, child))
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            checking = isinstance(child, ast.If) and ast.unparse(child.test) == "TYPE_CHECKING"
+            visit(child, inner, typing_only or checking)
+
+    visit(ast.parse(path.read_text()), None, False)
+    return found
+
+
+def test_the_core_imports_no_optional_part():
+    """The replay core (the package's top level and `pool/`) imports no optional part when it is imported: the trainer
+    makes a part only in its composition point (`_attach_parts`), when an argument asks for it, and names the parts'
+    settings for type checkers only."""
+    known = module_names()
+    offending = []
+    for name, path in known.items():
+        if name == "trl_exreplay" or part_of_module(name):  # the package's lazy facade names the parts' settings
+            continue
+        for function, typing_only, node in imports_by_place(path):
+            modules = imported_modules(name, path, node, known)
+            if not any(part_of_module(m) for m in modules) or typing_only:
+                continue
+            if function not in COMPOSITION_POINT.get(name, set()):
+                offending.append((name, function, ast.unparse(node)))
+    assert offending == []
+    attached = [ast.unparse(n) for f, _, n in imports_by_place(known["trl_exreplay.trainer"]) if f == "_attach_parts"]
+    assert attached and all("envs" in line or "guidance" in line for line in attached)  # the checker sees them
+
+
+def test_each_optional_part_imports_only_the_parts_below_it():
+    graph = import_graph()
+    for name, imported in graph.items():
+        part = part_of_module(name)
+        if part is None:
+            continue
+        others = {part_of_module(m) for m in imported} - {None, part}
+        assert others <= OPTIONAL_PARTS[part], (name, others)
+
+
+CORE_ALONE = """
+import importlib.abc, sys
+
+class Refuse(importlib.abc.MetaPathFinder):  # the optional parts, as if their folders were deleted
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith({parts!r}):
+            raise ImportError(f"optional part {{name}} refused")
+        return None
+
+sys.meta_path.insert(0, Refuse())
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
+
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+dataset = Dataset.from_dict({{"prompt": [[{{"role": "user", "content": "say yes"}}]] * 8, "task_id": list("ab") * 4}})
+trainer = ExReplayGRPOTrainer(
+    model=AutoModelForCausalLM.from_pretrained(sys.argv[1]),
+    reward_funcs=lambda completions, **kwargs: [float("yes" in c[0]["content"]) for c in completions],
+    args=ExReplayGRPOConfig(output_dir=sys.argv[2], num_generations=4, per_device_train_batch_size=8, max_steps=3,
+                            max_completion_length=4, replay_start_ratio=0.0, use_cpu=True, report_to="none",
+                            learning_rate=0.5, logging_steps=1, save_strategy="no"),
+    train_dataset=dataset,
+    processing_class=tokenizer,
+)
+trainer.train()
+assert not any(m.startswith({parts!r}) for m in sys.modules), sorted(m for m in sys.modules if "trl_exreplay." in m)
+print("trajectories", trainer.pool.num_trajectories)
+"""
+
+
+@pytest.mark.slow
+def test_the_core_trains_with_every_optional_part_deleted(tmp_path):
+    """Single-turn replay on a tiny model in a process where importing any optional part fails, as if its folder were
+    deleted: the core trains and fills its pool alone."""
+    from trl_exreplay.demo.tiny import save_tiny_model
+
+    model_dir = tmp_path / "model"
+    save_tiny_model(str(model_dir), ["say", "yes", "no", "maybe"])
+    script = CORE_ALONE.format(parts=tuple(OPTIONAL_PARTS))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PACKAGE.parent)}
+    run = subprocess.run([sys.executable, "-c", script, str(model_dir), str(tmp_path / "out")], capture_output=True,
+                         text=True, env=env, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.splitlines()[-1].startswith("trajectories ")
 
 
 # Imported once by the process that forks each module's import (below): third-party packages only, never ours, so that

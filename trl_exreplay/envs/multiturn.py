@@ -1,12 +1,11 @@
 """Multi-turn rollouts of `ExReplayGRPOTrainer`: its `text_env_factory` games played as TRL's `rollout_func`.
 
-`MultiTurnRollouts` plays a generation step's rows: fresh rows are played by `rollout.MultiTurnRollout` in lockstep
-over ranks (so sharded models' collective forwards stay aligned), replayed rows return their stored trajectories, and
-the environment's metrics are logged under ``env/``. Its model is TRL's: each call is given `play`, the episodes
-played by the policy (`policy_episodes` with the values the trainer reads when the call runs: the model TRL wrapped,
-vLLM's engine, the generation settings), whether generation is collective, and the metrics to log to; what replay
-and guidance add (the step, the stored completions' cut, the retrieval) is given too. Nothing keeps the trainer.
-"""
+`MultiTurnRollouts`, a part of the trainer's step (`trl_exreplay.parts.StepHooks`), plays a generation step's rows:
+fresh rows are played by `rollout.MultiTurnRollout` in lockstep over ranks (so sharded models' collective forwards
+stay aligned), replayed rows return their stored trajectories, and the environment's metrics are logged under
+``env/``. Its model is TRL's: each call is given the `parts.Policy` the trainer reads when the call runs (the model
+TRL wrapped, vLLM's engine, the generation settings), whether generation is collective, and the metrics to log to;
+what replay adds (the step, the stored completions' cut) is given too. Nothing keeps the trainer."""
 
 from __future__ import annotations
 
@@ -16,7 +15,8 @@ import logging
 import torch
 from trl.models import unwrap_model_for_generation
 
-from ..distributed import any_rank_active
+from ..distributed import any_rank_active, check_multi_turn_vllm
+from ..parts import Policy, StepHooks, model_context
 from ..pool import task_key
 from .base import env_reward
 from .rollout import MultiTurnRollout, generate_batch
@@ -25,15 +25,20 @@ from .settings import MultiTurnSettings
 logger = logging.getLogger(__name__)
 
 
-class MultiTurnRollouts:
-    """The `text_env_factory` games of a run (`settings`: its `MultiTurnSettings`; `task_id_column` and
-    `success_threshold`: the config's `task_id_column`, `replay_success_threshold`), played by the policy `play` of
-    each call. Build it with `for_trainer`, after TRL's `__init__`: it reads the trainer once, and
-    keeps none of it but its accelerator."""
+class MultiTurnRollouts(StepHooks):
+    """The `text_env_factory` games of a run, a part of the trainer's step that generates its batches
+    (`trl_exreplay.parts.StepHooks`; `settings`: its `MultiTurnSettings`; `task_id_column` and `success_threshold`:
+    the config's `task_id_column`, `replay_success_threshold`), played by the `Policy` of each call. `guide` (an
+    experience-guided rollouts part, `trl_exreplay.guidance.rollouts.GuidedRollouts`, or None) retrieves for the
+    guided rows by their first observation. Build it with `for_trainer`, after TRL's `__init__`: it reads the trainer
+    once, and keeps none of it but its accelerator."""
+
+    generates = True
 
     def __init__(self, engine: MultiTurnRollout, settings: MultiTurnSettings, reward_funcs: list, *, accelerator,
-                 task_id_column: str, success_threshold: float):  # fmt: skip
+                 task_id_column: str, success_threshold: float, guide=None):  # fmt: skip
         self.engine = engine
+        self._guide = guide
         self._accelerator = accelerator
         self.settings = settings
         self._task_id_column = task_id_column
@@ -41,7 +46,9 @@ class MultiTurnRollouts:
         self._env_index = next((j for j, f in enumerate(reward_funcs) if f is env_reward), None)
 
     @classmethod
-    def for_trainer(cls, text_env_factory, trainer, settings: MultiTurnSettings, replay) -> MultiTurnRollouts:
+    def for_trainer(
+        cls, text_env_factory, trainer, settings: MultiTurnSettings, replay, guide=None
+    ) -> MultiTurnRollouts:
         """The games of `trainer` (a `GRPOTrainer` whose `__init__` ran; `replay`: its `ReplaySettings`), checked
         against its settings."""
         column, args = replay.task_id_column, trainer.args
@@ -75,9 +82,9 @@ class MultiTurnRollouts:
             special_tokens=settings.env_special_tokens,
         )
         return cls(engine, settings, trainer.reward_funcs, accelerator=trainer.accelerator, task_id_column=column,
-                   success_threshold=replay.replay_success_threshold)  # fmt: skip
+                   success_threshold=replay.replay_success_threshold, guide=guide)  # fmt: skip
 
-    def with_prompt(self, row: dict) -> dict:
+    def row(self, row: dict) -> dict:
         """A copy of the row with a placeholder prompt (TRL requires one); the rollout replaces it in place with the
         real one, the environment's first observation, which is what reward functions and logs then see."""
         return {
@@ -85,13 +92,14 @@ class MultiTurnRollouts:
             "prompt": [{"role": "user", "content": f"task {task_key(row, self._task_id_column)}"}],
         }
 
-    def rollout(self, step, play, *, collective: bool, metrics, fit_completion, guidance=None) -> dict:
+    def train_ended(self) -> None:
+        self.engine.close()
+
+    def rollout(self, step, policy: Policy, *, collective: bool, metrics, fit_completion) -> dict:
         """TRL `rollout_func`'s output for `step` (a `GenerationStep`): episodes for the fresh rows, played by
-        `play(run, tasks, sync, guiding)` (`policy_episodes`, bound to the policy), stored trajectories (cut by
-        `fit_completion`) for the replayed ones; `guidance` (a `GuidedRollouts`) retrieves for the guided rows by
-        their first observation; the `env/*` figures go to `metrics`. Collective: ranks play in lockstep where
-        generation is (`collective`)."""
-        rows = step.rows
+        `policy` (`policy_episodes`), stored trajectories (cut by `fit_completion`) for the replayed ones; the `env/*`
+        figures go to `metrics`. Collective: ranks play in lockstep where generation is (`collective`)."""
+        rows, guidance = step.rows, self._guide
         replayed = step.take_replay() or {}
         fresh = [i for i in range(len(rows)) if i not in replayed]
         # One gather context for all turns (entered and left once by every rank). Inside it, a forward of a sharded
@@ -100,17 +108,14 @@ class MultiTurnRollouts:
         accelerator = self._accelerator
         sync = functools.partial(any_rank_active, accelerator) if collective else None
         tasks = [rows[i] for i in fresh]
-        guide = None
-        if step.guidance is not None:  # experience-guided rollouts: retrieved by the first observation
+        guiding = {}
+        if guidance is not None:  # experience-guided rollouts: retrieved by the first observation
 
             def guide(j: int, observation: str, render) -> list[int] | None:
-                guidance.guide_rows(step, step.offset, {fresh[j]: observation})
-                if fresh[j] not in step.guided_text:
-                    return None
-                return guidance.fit_prompt(step, fresh[j], render)  # within the model's context, as observations are
+                return guidance.guide_observation(fresh[j], observation, render)  # within the model's context
 
-        guiding = {"guide": guide} if guide is not None else {}
-        episodes, sampled_logprobs = play(self.engine.run, tasks, sync, guiding)
+            guiding = {"guide": guide}
+        episodes, sampled_logprobs = policy_episodes(self.engine.run, tasks, sync, guiding, policy)
         by_row = dict(zip(fresh, episodes))
         step.faulted_rows = {i for i, episode in by_row.items() if episode.error is not None}
         column = self._task_id_column
@@ -141,9 +146,7 @@ class MultiTurnRollouts:
                 episode = by_row[i]
                 prompt_ids = episode.prompt_ids
                 if episode.plain_prompt_ids is not None:  # guided: a discarded row trains without the experience
-                    step.guided_prompt_ids[i], step.plain_prompt_ids[i] = episode.prompt_ids, episode.plain_prompt_ids
-                    if step.guidance.discarded(step.offset + i):
-                        prompt_ids = episode.plain_prompt_ids
+                    prompt_ids = guidance.trained_prompt(i, episode.prompt_ids, episode.plain_prompt_ids)
                 output["prompt_ids"].append(prompt_ids)
                 output["completion_ids"].append(episode.completion_ids)
                 output["env_mask"].append(episode.env_mask)
@@ -187,46 +190,30 @@ class MultiTurnRollouts:
         metrics["env/special_tokens_removed"] = [spelled]  # from observations, before tokenizing: a running total
 
 
-def policy_episodes(
-    run,
-    tasks: list[dict],
-    sync,
-    guiding: dict,
-    *,
-    vllm_engine,
-    model,
-    accelerator,
-    dist,
-    ds3_gather: bool,
-    generation_kwargs,
-    gradient_checkpointing_kwargs,
-    pad_token_id: int,
-    eos_token_ids,
-    generation_config,
-) -> tuple[list, bool]:
-    """The episodes of `tasks` played by the policy through `run` (`MultiTurnRollout.run`), and whether they carry
-    sampling log-probs: through TRL's colocated vLLM engine (`vllm_engine`, whose weights TRL synced for this step
-    before calling the rollout), or by the training `model` itself (TRL's wrapped model, transformers `generate`,
-    parameters gathered as TRL gathers them: `ds3_gather`, `dist`)."""
-    if vllm_engine is not None:
-        return run(tasks, functools.partial(_generate_turn_vllm, vllm_engine), sync, **guiding), True
+def policy_episodes(run, tasks: list[dict], sync, guiding: dict, policy: Policy) -> tuple[list, bool]:
+    """The episodes of `tasks` played by `policy` through `run` (`MultiTurnRollout.run`), and whether they carry
+    sampling log-probs: through TRL's colocated vLLM engine (whose weights TRL synced for this step before calling
+    the rollout), or by the training model itself (TRL's wrapped model, transformers `generate`, parameters gathered as
+    TRL gathers them: `ds3_gather`, `dist`)."""
+    if policy.vllm_engine is not None:
+        return run(tasks, functools.partial(_generate_turn_vllm, policy.vllm_engine), sync, **guiding), True
     with (
         unwrap_model_for_generation(
-            model,
-            accelerator,
-            gather_deepspeed3_params=ds3_gather,
-            generation_kwargs=generation_kwargs,
-            gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
+            policy.model,
+            policy.accelerator,
+            gather_deepspeed3_params=policy.ds3_gather,
+            generation_kwargs=policy.generation_kwargs,
+            gradient_checkpointing_kwargs=policy.gradient_checkpointing_kwargs,
         ) as unwrapped_model,
         torch.no_grad(),
-        dist.summon_full_params(model, recurse=False),
+        policy.dist.summon_full_params(policy.model, recurse=False),
     ):
         generate = functools.partial(
             generate_batch,
             unwrapped_model,
-            pad_token_id=pad_token_id,
-            eos_token_ids=eos_token_ids,
-            generation_config=generation_config,
+            pad_token_id=policy.pad_token_id,
+            eos_token_ids=policy.eos_token_ids,
+            generation_config=policy.generation_config,
         )  # one batched generation over the active episodes; each result stops after its first eos
         return run(tasks, generate, sync, **guiding), False
 
@@ -244,26 +231,3 @@ def _generate_turn_vllm(engine, contexts: list[list[int]], max_new_tokens: int) 
     # one log-prob per token: TRL asks vLLM for the sampled token's only (`logprobs=0`), first in each list
     logprobs = [[lp[0] if lp else None for lp in row] for row in logprobs]
     return [list(ids)[:max_new_tokens] for ids in completion_ids], [row[:max_new_tokens] for row in logprobs]
-
-
-def model_context(model, vllm_args=None) -> int | None:
-    """Tokens the model can attend to (its `max_position_embeddings`, or vLLM's `vllm_max_model_length` of
-    `vllm_args` when smaller); None when the model does not say."""
-    contexts = [getattr(getattr(model, "config", None), "max_position_embeddings", None)]
-    if vllm_args is not None:
-        contexts.append(vllm_args.vllm_max_model_length)
-    contexts = [c for c in contexts if isinstance(c, int) and c > 0]
-    return min(contexts) if contexts else None
-
-
-def check_multi_turn_vllm(
-    vllm_mode: str, tensor_parallel_size: int, path: str = "Multi-turn rollouts (`text_env_factory`)"
-) -> None:
-    """Multi-turn rollouts generate through vLLM one call per turn, and ranks play different numbers of turns (a rank
-    whose rows are all replayed plays none). Server mode and tensor parallelism gather equal-sized prompt lists across
-    ranks on every call. `path` names the rollouts in the error: ours, or TRL's tool loop with replay."""
-    if vllm_mode != "colocate" or tensor_parallel_size != 1:
-        raise NotImplementedError(
-            f"{path} with vLLM need vllm_mode='colocate' and vllm_tensor_parallel_size=1 "
-            f"(got vllm_mode={vllm_mode!r}, vllm_tensor_parallel_size={tensor_parallel_size}); or set use_vllm=False."
-        )

@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..guidance.template import insert_experience
 from ..untrusted_text import SpecialTokenFilter, token_prefix
 
 logger = logging.getLogger(__name__)
@@ -396,7 +395,9 @@ class MultiTurnRollout:
         return text
 
     def _guided_prompt_ids(self, observation: str, system: str | None, text: str) -> list[int]:
-        return self.turns.prompt_ids(insert_experience(observation, text), system)
+        """The first prompt with `text` (retrieved experience) before the first observation, where experience-guided
+        rollouts put it in a single-turn prompt's first user message (`guidance.template.insert_experience`)."""
+        return self.turns.prompt_ids(text + observation, system)
 
     def _env_turn_ids(self, observation, episode: Episode) -> list[int]:
         """An environment turn's tokens, its observation tokenized only as far as the episode's budget can keep (and

@@ -25,6 +25,7 @@ import logging
 import os
 import warnings
 from collections import Counter
+from dataclasses import dataclass, field
 from itertools import groupby
 
 import torch
@@ -32,9 +33,9 @@ import xxhash
 from accelerate.utils import broadcast_object_list
 
 from ..distributed import gather_row_flags
-from ..envs.multiturn import model_context
+from ..parts import StepHooks, model_context
 from ..untrusted_text import added_token_strings, remove_token_strings, token_prefix
-from .allocation import allocate_guidance
+from .allocation import GuidanceAllocation, allocate_guidance
 from .offline import OfflineExperienceProvider
 from .provider import ExperienceProvider, SummaryInput
 from .settings import GuidanceSettings
@@ -94,14 +95,33 @@ def guided_rollouts(
     )
 
 
-class GuidedRollouts:
-    """Experience-guided rollouts of a run: the provider (`experience`), the summariser, and per step the allocation,
-    the retrieved texts, the discarded rows' behaviour log-probs, the `guide/*` metrics and the summary inputs.
+@dataclass
+class GuidedBatch:
+    """What guidance decided for one generation batch (this rank's rows are local, the allocation's global)."""
+
+    allocation: GuidanceAllocation  # which rows are guided, which tasks keep the guidance (global rows)
+    offset: int  # this rank's first global row
+    guided_text: dict[int, str] = field(default_factory=dict)  # local row -> the experience text put in its prompt
+    plain_prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # local guided row -> prompt without it
+    guided_prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # local guided row -> its sampled prompt
+    retrieved: dict[str, tuple] = field(default_factory=dict)  # task text -> (experience text or None, records)
+    retrieval_down: bool = False  # the provider failed in this batch: its remaining rows go unguided
+    stripped: bool = False  # the discarded rows got their plain prompt back in TRL's list
+
+    def discarded(self, i: int) -> bool:
+        """Local row `i` was sampled guided and trains on its prompt without the experience (off-policy)."""
+        return i in self.guided_prompt_ids and self.allocation.discarded(self.offset + i)
+
+
+class GuidedRollouts(StepHooks):
+    """Experience-guided rollouts of a run, a part of the trainer's step (`trl_exreplay.parts.StepHooks`): the provider
+    (`experience`), the summariser, and per batch (`batch`, a `GuidedBatch`) the allocation, the retrieved texts, the
+    discarded rows' behaviour log-probs, the `guide/*` metrics and the summary inputs.
 
     `unsupported` names the run's features guidance cannot take (a True value refuses); `policy_forward` is a no-grad
     forward of the current policy (`selection.policy_forward`); `faults` the run's `FaultCounts`. A guided prompt
-    leaves `max_completion_length` tokens of the model's `context` (`multiturn.model_context`, as first observations
-    are bounded; None: no bound) for the completion (`fit_prompt`)."""
+    leaves `max_completion_length` tokens of the model's `context` (`parts.model_context`, as first observations
+    are bounded; None: no bound) for the completion (`_fit_prompt`)."""
 
     def __init__(
         self,
@@ -156,9 +176,12 @@ class GuidedRollouts:
         self._last_update_step: int | None = None
         self._experience_started = False
         self._token_strings: list[str] | None = None  # what retrieved text may not spell (`_bounded`)
+        self.batch: GuidedBatch | None = None  # the generation batch in progress, when guided
+        self.plans_training = self.train  # a guided training batch needs the step's plan (global rows, seeds)
+        self.reads_outcomes = True  # successes become summary inputs, guided or not
 
     # ------------------------------------------------------------------------------------------- each step
-    def step_begin(self, global_step: int, pool) -> None:
+    def step_begins(self, global_step: int, pool) -> None:
         """At a step boundary: the main process collects a finished summarisation (never waiting for one), and every
         process adds its records at this same step; every `guidance_update_freq` steps the main process hands the
         backlog to the background thread. Collective (one broadcast) for an in-process store."""
@@ -224,23 +247,25 @@ class GuidedRollouts:
         # a multi-turn task's text is its first observation, which only the stored prompt's tokens hold
         return self._processing_class.decode(trajectory.prompt_ids, skip_special_tokens=True)
 
-    def guide_training(self, step) -> None:
-        """Which rows of a training batch are guided (drawn on global rows, never on replayed ones), and, single-turn,
-        their experience (multi-turn rows retrieve once their first observation is known)."""
-        replayed_rows = [r for r in range(len(step.row_tasks)) if step.plan.is_replayed(r)]  # the plan is global
-        step.guidance = self._allocate(len(step.row_tasks), step.seed, replayed_rows)
+    def batch_planned(self, step, *, training: bool, global_step: int) -> None:
+        """Which rows of the batch are guided, and, single-turn, their experience (multi-turn rows retrieve once
+        their first observation is known, `guide_observation`). Training: drawn on global rows, never on replayed
+        ones. Evaluation: drawn on the global batch (a group may span ranks), seeded by the step and the batch's
+        number."""
+        self.batch = None
+        if training and self.train:
+            replayed_rows = [r for r in range(len(step.row_tasks)) if step.plan.is_replayed(r)]  # the plan is global
+            allocation = self._allocate(len(step.row_tasks), step.seed, replayed_rows)
+        elif not training and self.eval:
+            seed = [self._seed, global_step, self._eval_batches, 1]
+            self._eval_batches += 1
+            step.offset = self._accelerator.process_index * len(step.rows)
+            allocation = self._allocate(len(step.rows) * self._accelerator.num_processes, seed, training=False)
+        else:
+            return
+        self.batch = GuidedBatch(allocation, step.offset)
         if not self._multi_turn:
-            self.guide_rows(step, step.offset, self._row_queries(step.rows))
-
-    def guide_evaluation(self, step, global_step: int) -> None:
-        """The same for an evaluation batch: drawn on the global batch (a group may span ranks), seeded by the step
-        and the batch's number."""
-        seed = [self._seed, global_step, self._eval_batches, 1]
-        self._eval_batches += 1
-        step.offset = self._accelerator.process_index * len(step.rows)
-        step.guidance = self._allocate(len(step.rows) * self._accelerator.num_processes, seed, training=False)
-        if not self._multi_turn:
-            self.guide_rows(step, step.offset, self._row_queries(step.rows))
+            self._guide_rows(self._row_queries(step.rows))
 
     def _allocate(self, num_rows: int, seed: list[int], replayed_rows=(), training: bool = True):
         """The allocation of a batch of `num_rows` rows (groups of num_generations consecutive rows)."""
@@ -262,14 +287,15 @@ class GuidedRollouts:
             replayed_rows,
         )
 
-    def _retrieve_experience(self, step, query: str) -> tuple[str | None, int]:
+    def _retrieve_experience(self, query: str) -> tuple[str | None, int]:
         """The filled template for a task text and the number of records in it; (None, 0) when nothing was retrieved
         or the provider failed (counted; the rest of the step then goes unguided: one slow or failing service costs a
         step one timeout at most). One retrieval per task text and step."""
-        if query in step.retrieved:
-            return step.retrieved[query]
+        batch = self.batch
+        if query in batch.retrieved:
+            return batch.retrieved[query]
         result: tuple[str | None, int] = (None, 0)
-        if not step.retrieval_down:
+        if not batch.retrieval_down:
             k = self.settings.guidance_top_k
             try:
                 contents = self.experience.retrieve(query, k)
@@ -282,11 +308,11 @@ class GuidedRollouts:
                     template = self.settings.guidance_template
                     result = (format_experience(template, [self._bounded(contents)]), len(contents))
             except Exception as error:  # noqa: BLE001 - a failing provider is counted; the rollout goes unguided
-                step.retrieval_down = True
+                batch.retrieval_down = True
                 self._guide_counts["retrieve_failures"] += 1
                 message = "trl_exreplay: experience retrieval failed (%r); the step goes unguided (counted in %s)."
                 self._faults.warn_once("retrieve", message, error, "guide/retrieve_failures; logged once")
-        step.retrieved[query] = result
+        batch.retrieved[query] = result
         return result
 
     def _bounded(self, contents: list[str]) -> str:
@@ -300,19 +326,20 @@ class GuidedRollouts:
         self._guide_counts["experience_truncated"] += int(cut)
         return text
 
-    def guide_rows(self, step, offset: int, queries: dict[int, str | None]) -> None:
+    def _guide_rows(self, queries: dict[int, str | None]) -> None:
         """Retrieve for this rank's allocated rows (local row -> task text, None: the row cannot be guided) and keep
-        the texts in `step`."""
+        the texts in the batch."""
+        batch = self.batch
         for i, query in queries.items():
-            if not step.guidance.guided[offset + i]:
+            if not batch.allocation.guided[batch.offset + i]:
                 continue
             self._guide_counts["rows_allocated"] += 1
             if query is None:
                 continue
-            text, count = self._retrieve_experience(step, query)
+            text, count = self._retrieve_experience(query)
             self._guide_counts["records_retrieved"] += count
             if text is not None:
-                step.guided_text[i] = text
+                batch.guided_text[i] = text
 
     def _row_queries(self, rows: list[dict]) -> dict[int, str | None]:
         """Each row's task text (its first user message), what retrieval matches; None for a row without a text user
@@ -327,22 +354,23 @@ class GuidedRollouts:
                 self._faults.warn_once("no_user_text", message)
         return queries
 
-    def fit_prompt(self, step, i: int, render, ids: list[int] | None = None) -> list[int] | None:
+    def _fit_prompt(self, i: int, render, ids: list[int] | None = None) -> list[int] | None:
         """The prompt local row `i` is sampled on: `render(text)` (`ids`, when the caller has it) for its experience
-        `step.guided_text[i]`, cut where that prompt would leave less than `max_completion_length` tokens of the
+        `batch.guided_text[i]`, cut where that prompt would leave less than `max_completion_length` tokens of the
         model's context (`guide/experience_cut_to_context`). None, the row unguided (`guide/unguided_for_context`),
         when not one token of experience fits."""
-        text = step.guided_text[i]
+        guided_text = self.batch.guided_text
+        text = guided_text[i]
         if self._room is None:
             return render(text) if ids is None else ids
         template = self.settings.guidance_template
         fitted = fit_experience(text, template, render, self._room, self._processing_class, ids)
         if fitted is None:
-            del step.guided_text[i]
+            del guided_text[i]
             self._guide_counts["unguided_for_context"] += 1
             return None
         if fitted[0] != text:
-            step.guided_text[i] = fitted[0]
+            guided_text[i] = fitted[0]
             self._guide_counts["experience_cut_to_context"] += 1
         return fitted[1]
 
@@ -350,30 +378,79 @@ class GuidedRollouts:
         """This step's counts (rows allocated to guidance, records retrieved, rows discarded), reset for the next."""
         return [self._guide_counts.pop(kind, 0) for kind in ("rows_allocated", "records_retrieved", "rows_discarded")]
 
+    # ------------------------------------------------------------------------------------- multi-turn
+    def guide_observation(self, i: int, observation: str, render) -> list[int] | None:
+        """Multi-turn: the prompt local row `i` is sampled on, its experience retrieved by the game's first
+        `observation` and rendered by `render(text)` within the model's context; None: the row goes unguided."""
+        if self.batch is None:
+            return None
+        self._guide_rows({i: observation})
+        if i not in self.batch.guided_text:
+            return None
+        return self._fit_prompt(i, render)
+
+    def trained_prompt(self, i: int, sampled_ids: list[int], plain_ids: list[int]) -> list[int]:
+        """Multi-turn: the prompt guided row `i` trains on (it was sampled on `sampled_ids`; `plain_ids` has no
+        experience): the plain one where its task discards the guidance."""
+        batch = self.batch
+        batch.guided_prompt_ids[i], batch.plain_prompt_ids[i] = sampled_ids, plain_ids
+        return plain_ids if batch.discarded(i) else sampled_ids
+
     # ------------------------------------------------------------------------------------- single-turn
-    def tokenize_guided(self, step, prompts: list, prompt_ids: list, tokenize) -> None:
+    def prompts_tokenized(self, step, prompts: list, prompt_ids: list, tokenize) -> None:
         """Single-turn: the guided rows of `prompt_ids` (TRL's tokenisation of `prompts`) take their guided prompt, in
         place, tokenized by `tokenize` (TRL's `_tokenize_prompts`) and kept within the model's context
-        (`fit_prompt`); both prompts are kept in `step`."""
-        if not step.guided_text or step.guided_prompt_ids:
+        (`_fit_prompt`); both prompts are kept in the batch."""
+        batch = self.batch
+        if batch is None or not batch.guided_text or batch.guided_prompt_ids:
             return
-        rows = sorted(step.guided_text)
-        guided_ids, _, _ = tokenize([insert_experience(prompts[i], step.guided_text[i]) for i in rows])
+        rows = sorted(batch.guided_text)
+        guided_ids, _, _ = tokenize([insert_experience(prompts[i], batch.guided_text[i]) for i in rows])
         for i, ids in zip(rows, guided_ids):
             render = functools.partial(_render, tokenize, prompts[i])
-            ids = self.fit_prompt(step, i, render, list(ids))
+            ids = self._fit_prompt(i, render, list(ids))
             if ids is None:
                 continue  # an ordinary row: its prompt is TRL's
-            step.plain_prompt_ids[i] = list(prompt_ids[i])
-            step.guided_prompt_ids[i] = list(ids)
+            batch.plain_prompt_ids[i] = list(prompt_ids[i])
+            batch.guided_prompt_ids[i] = list(ids)
             prompt_ids[i] = list(ids)  # generated under the guided prompt
 
+    def samples_per_prompt(self, num_generations: int, use_vllm: bool) -> int:
+        # a group's rows hold different prompts now: one sample per row (vLLM's server mode would sample the whole
+        # group from its first prompt); the allocation is global, so every rank decides alike
+        guiding = self.batch is not None and any(self.batch.allocation.guided)
+        return 1 if use_vllm and guiding else num_generations
+
+    def generated(self, step, prompt_ids: list) -> None:
+        """Once, after generation: give the rows of `discard` tasks back their prompt without the experience, in place
+        in the list of prompts TRL trains on (the rows of `keep` tasks train on the prompt they were sampled with)."""
+        batch = self.batch
+        if batch is None or batch.stripped:
+            return
+        batch.stripped = True
+        for i, ids in batch.plain_prompt_ids.items():
+            if batch.discarded(i):
+                prompt_ids[i] = list(ids)
+
+    def rescue_skips_rows(self) -> set[int]:
+        """Guided rows: their groups are guidance's experiment, which a stored success must not change."""
+        if self.batch is None:
+            return set()
+        return {r for r, flag in enumerate(self.batch.allocation.guided) if flag}
+
+    def trains_off_policy(self) -> bool:
+        allocation = None if self.batch is None else self.batch.allocation
+        return allocation is not None and any(allocation.discarded(r) for r in range(len(allocation.guided)))
+
     # ---------------------------------------------------------------------------------- after generation
-    def attach_discarded_rows(self, output: dict, step) -> None:
+    def mark_off_policy_rows(self, output: dict, step) -> None:
         """Mark this rank's discarded guided rows for the loss: `exp_mask` on their model tokens, their behaviour
         log-probs (the current policy under the guided prompt, which sampled them), advantage 0 in TRL's own term.
         Collective: every rank makes the same forward calls."""
-        discarded = sorted(i for i in step.guided_prompt_ids if step.guidance.discarded(step.offset + i))
+        if not self.trains_off_policy():  # the allocation is global: every rank returns here alike
+            return
+        batch = self.batch
+        discarded = sorted(i for i in batch.guided_prompt_ids if batch.discarded(i))
         most = len(discarded)
         if self._accelerator.num_processes > 1:
             count = torch.tensor([float(most)], device=self._accelerator.device)
@@ -385,7 +462,7 @@ class GuidedRollouts:
         lengths = completion_mask.sum(dim=1).tolist()
         rows = discarded + [discarded[0] if discarded else 0] * (most - len(discarded))  # padding rows: same calls
         # a padding row (this rank has fewer discarded rows, or none) repeats one of them, or row 0 as it is
-        prompts = [step.guided_prompt_ids[i] if i in step.guided_prompt_ids else output["prompt_ids"][i].tolist()
+        prompts = [batch.guided_prompt_ids[i] if i in batch.guided_prompt_ids else output["prompt_ids"][i].tolist()
                    for i in rows]  # fmt: skip
         completions = [output["completion_ids"][i, : max(int(lengths[i]), 1)].tolist() for i in rows]
         masks = [model_mask[i, : max(int(lengths[i]), 1)].tolist() for i in rows]
@@ -400,15 +477,29 @@ class GuidedRollouts:
             output["importance_sampling_ratio"][torch.tensor(discarded, device=completion_mask.device)] = 1.0
         self._guide_counts["rows_discarded"] += len(discarded)
 
-    def add_to_records(self, output: dict, records: dict[int, dict], step, global_step: int) -> None:
+    def batch_finished(self, output: dict, step, *, training: bool, records: dict[int, dict], success: list,
+                       fresh_rows: list[int], metrics, global_step: int) -> None:  # fmt: skip
+        """Training: the records' guided rows and summary inputs (`_add_to_records`), and, where training is guided,
+        the `guide/*` metrics (collective). Evaluation: its retrieval counts stay out of the training metrics."""
+        if training:
+            self._add_to_records(output, records, step, global_step)
+            if self.train:
+                self._log(step, success, fresh_rows, metrics)
+        elif self.batch is not None:
+            self.take_step_counts()
+        self.batch = None
+
+    def _add_to_records(self, output: dict, records: dict[int, dict], step, global_step: int) -> None:
         """Pool records of guided rows: stored with the prompt they will be replayed on, the one without the
         experience (replay trains them off-policy anyway), and the behaviour log-probs recorded under guidance; and
         every success's summary input for the summariser."""
+        batch = self.batch
+        plain_prompt_ids = {} if batch is None else batch.plain_prompt_ids
         for row, record in records.items():
             i = row - step.offset
-            if i in step.plain_prompt_ids:
-                record["prompt_ids"] = list(step.plain_prompt_ids[i])
-                if step.guidance.discarded(row):
+            if i in plain_prompt_ids:
+                record["prompt_ids"] = list(plain_prompt_ids[i])
+                if batch.discarded(i):
                     n = len(record["completion_ids"])
                     mask = torch.tensor(record["completion_mask"], dtype=torch.float32)
                     record["logps"] = (output["recorded_per_token_logps"][i, :n].cpu().float() * mask).tolist()
@@ -443,15 +534,16 @@ class GuidedRollouts:
             observations=[text for trained, text in texts if not trained and text],
         )
 
-    def offer_summaries(self, summaries: list[dict]) -> None:
+    def outcomes_flushed(self, summaries: list[dict]) -> None:
         """Every rank's summary inputs of the last step (in row order, `ReplayController.flush`) into the backlog."""
         inputs = [SummaryInput(**summary) for summary in summaries]
         if inputs and self._summarizes and self.settings.guidance_update_freq > 0:  # 0: nothing will take them
             self.summarizer.offer(inputs)
 
-    def log(self, step, success: list[bool], fresh_rows: list[int], metrics) -> None:
+    def _log(self, step, success: list[bool], fresh_rows: list[int], metrics) -> None:
         """`guide/*` metrics of a generation step. Collective."""
-        guided = gather_row_flags(self._accelerator, set(step.guided_text), len(step.task_rows))
+        guided_text = {} if self.batch is None else self.batch.guided_text
+        guided = gather_row_flags(self._accelerator, set(guided_text), len(step.task_rows))
         counts = self._guide_counts
         local = torch.tensor(
             [*self.take_step_counts(), *(counts[kind] for kind in _RUNNING_TOTALS)],
@@ -501,6 +593,9 @@ class GuidedRollouts:
         if self._summarizes:
             self.summarizer.restore(loaded.backlog)
         self._experience_started = True  # the store was initialised by the run that saved it
+
+    def train_ended(self) -> None:
+        self.summarizer.close()
 
 
 def _render(tokenize, prompt, text: str) -> list[int]:
