@@ -41,8 +41,8 @@ class PoolKeeper:
     """The run's pool (`pool`) and ExGRPO's start step (`schedule`), from construction to the last checkpoint.
 
     `settings`: the config's `ReplaySettings`; `reads_pool`: whether anything reads the pool's token ids (replay,
-    or guided rollouts that start from the pool), so that it must be bound to this tokenizer. Collective: rank 0
-    makes the pool."""
+    or an optional part such as guided rollouts that start from the pool), so that it must be bound to this
+    tokenizer. Collective: rank 0 makes the pool."""
 
     def __init__(
         self,

@@ -29,6 +29,7 @@ class StepHooks:
     generates = False  # the part generates the batch itself, as TRL's `rollout_func` (`rollout`)
     plans_training = False  # its training batches need the step's plan (global rows, seeds) even without replay
     reads_outcomes = False  # it reads each step's outcomes (`batch_finished`, `outcomes_flushed`) even without replay
+    reads_pool = False  # it reads the pool's token ids (so the pool is bound to this tokenizer even without replay)
 
     def row(self, row: dict) -> dict:
         """A dataset row as TRL is to generate from it (the multi-turn games give it a placeholder prompt)."""

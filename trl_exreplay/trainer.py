@@ -176,14 +176,12 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             self._user_rollout_func, self.rollout_func = self.rollout_func, self._replaying_rollout
         self.text_env_factory = text_env_factory
         self._faults = FaultCounts()  # faults and mismatches, logged once per kind
-        unsupported_by_guidance = {
+        trl_paths = {  # what of TRL this run uses, for the parts to refuse what they cannot take
             "tools or environment_factory (TRL's tool loop)": bool(tools) or environment_factory is not None,
             "a custom rollout_func": rollout_func is not None,
             "vision-language models": self._is_vlm,
         }
-        self._parts = self._attach_parts(
-            text_env_factory, multi_turn, guidance, experience_provider, unsupported_by_guidance
-        )
+        self._parts = self._attach_parts(text_env_factory, multi_turn, guidance, experience_provider, trl_paths)
         if any(part.generates for part in self._parts):
             self.rollout_func = self._part_rollout
         self._plans_training = self._replay_enabled or any(part.plans_training for part in self._parts)
@@ -191,7 +189,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         self._pool_keeper = PoolKeeper(
             self.settings, accelerator=self.accelerator, num_generations=self.num_generations, seed=self.args.seed,
             output_dir=self.args.output_dir, processing_class=self.processing_class, model=self.model,
-            experience_pool=experience_pool, reads_pool=guidance is not None and guidance.guidance_init_from_pool,
+            experience_pool=experience_pool, reads_pool=any(part.reads_pool for part in self._parts),
         )  # fmt: skip
         self._replay = ReplayController.for_trainer(
             self, self._pool_keeper, self._faults, policy_forward=self._policy_forward,
@@ -200,7 +198,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if self._replay_enabled or self._parts:
             self.add_callback(_AtTrainEnd(self))
 
-    def _attach_parts(self, text_env_factory, multi_turn, guidance, experience_provider, unsupported_by_guidance):
+    def _attach_parts(self, text_env_factory, multi_turn, guidance, experience_provider, trl_paths):
         """The optional parts the arguments ask for, each made by its own factory (which reads this trainer once) and
         known to the trainer from here on only as a `parts.StepHooks`: the one place that imports them, and only when
         asked. Guidance comes first: the multi-turn games retrieve through it."""
@@ -208,7 +206,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if guidance is not None or experience_provider is not None:
             from .guidance.rollouts import guided_rollouts
 
-            guided = guided_rollouts(self, guidance, experience_provider, self._faults, unsupported_by_guidance,
+            guided = guided_rollouts(self, guidance, experience_provider, self._faults, trl_paths,
                                      policy_forward=self._policy_forward)  # fmt: skip
         if text_env_factory is not None:
             from .envs.multiturn import MultiTurnRollouts

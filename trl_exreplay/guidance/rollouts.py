@@ -179,6 +179,7 @@ class GuidedRollouts(StepHooks):
         self.batch: GuidedBatch | None = None  # the generation batch in progress, when guided
         self.plans_training = self.train  # a guided training batch needs the step's plan (global rows, seeds)
         self.reads_outcomes = True  # successes become summary inputs, guided or not
+        self.reads_pool = o.guidance_init_from_pool  # the starting pool's trajectories are summarised
 
     # ------------------------------------------------------------------------------------------- each step
     def step_begins(self, global_step: int, pool) -> None:
