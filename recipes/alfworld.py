@@ -48,7 +48,7 @@ def main(script_args: AlfWorldArguments, training_args, model_args) -> dict:
     from trl_exreplay.alfworld.tasks import ensure_games, env_options, env_workers, load_tasks, system_prompt_of
     from trl_exreplay.alfworld.warmstart import build_tiny, warm_start
     from trl_exreplay.envs.evaluation import binomial_interval, evaluate_policy, print_summary, replay_participation
-    from trl_exreplay.runs.models import load_policy, model_init_kwargs
+    from trl_exreplay.recipes.models import load_policy, model_init_kwargs
 
     check_reward_settings(script_args, training_args)  # also when main() is called without parse_args()
     state = PartialState()
@@ -248,7 +248,7 @@ def push(script_args, training_args, model_args, base_model, splits, results) ->
     from trl_exreplay.config import replay_settings
     from trl_exreplay.hub import model_card, push_model
     from trl_exreplay.pool import push_pool
-    from trl_exreplay.runs.models import merge_adapter
+    from trl_exreplay.recipes.models import merge_adapter
     from trl_exreplay.trainer import POOL_DIR
 
     private, token, revision = training_args.hub_private_repo, training_args.hub_token, training_args.hub_revision
@@ -288,7 +288,7 @@ def parse_args(argv=None):
     from trl import ModelConfig, TrlParser
 
     from trl_exreplay import ExReplayGRPOConfig
-    from trl_exreplay.runs.checkpoints import checkpoint_to_resume
+    from trl_exreplay.recipes.checkpoints import checkpoint_to_resume
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # The tiny CPU default applies when the command names neither a config nor a model: its values (use_cpu, the

@@ -117,7 +117,7 @@ def test_a_stage_runs_as_a_launch_of_its_own_on_every_rank(tmp_path):
 
 def test_a_stage_launched_before_the_process_group_exists_is_refused(monkeypatch):
     """One of 2 launched ranks whose process group is not set up yet would start a child that waits for ever."""
-    from trl_exreplay.runs.launch import run_as_own_launch
+    from trl_exreplay.recipes.launch import run_as_own_launch
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(

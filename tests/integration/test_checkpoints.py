@@ -1,10 +1,10 @@
-"""`trl_exreplay.runs.checkpoints.checkpoint_to_resume`: which checkpoint a run resumes from, decided before any work."""
+"""`trl_exreplay.recipes.checkpoints.checkpoint_to_resume`: which checkpoint a run resumes from, decided before any work."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from trl_exreplay.runs.checkpoints import checkpoint_to_resume
+from trl_exreplay.recipes.checkpoints import checkpoint_to_resume
 
 
 def args(output_dir, value, save_strategy="steps"):

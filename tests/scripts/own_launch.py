@@ -14,7 +14,7 @@ import torch.distributed as dist
 from accelerate import PartialState
 
 from trl_exreplay.distributed import exit_distributed
-from trl_exreplay.runs.launch import run_as_own_launch
+from trl_exreplay.recipes.launch import run_as_own_launch
 
 
 def summed(value: float) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -127,8 +128,8 @@ OPTIONAL_PARTS = {
     "trl_exreplay.envs": set(),
     "trl_exreplay.guidance": set(),
     "trl_exreplay.demo": set(),
-    "trl_exreplay.runs": set(),
-    "trl_exreplay.alfworld": {"trl_exreplay.envs", "trl_exreplay.demo", "trl_exreplay.runs"},
+    "trl_exreplay.recipes": set(),
+    "trl_exreplay.alfworld": {"trl_exreplay.envs", "trl_exreplay.demo", "trl_exreplay.recipes"},
 }
 # Where the core may import an optional part: the trainer's composition point, when an argument asks for the part.
 COMPOSITION_POINT = {"trl_exreplay.trainer": {"_attach_parts", "__init__"}}
@@ -173,6 +174,20 @@ def test_the_core_imports_no_optional_part():
     assert offending == []
     attached = [ast.unparse(n) for f, _, n in imports_by_place(known["trl_exreplay.trainer"]) if f == "_attach_parts"]
     assert attached and all("envs" in line or "guidance" in line for line in attached)  # the checker sees them
+
+
+def test_every_folder_of_the_package_is_a_package_git_tracks():
+    """A folder without `__init__.py` still imports (a namespace package) but is left out of the wheel; a file the
+    repository ignores is left out of every clean checkout (the recipes' helpers once sat in an ignored `runs/`)."""
+    folders = {path.parent for path in PACKAGE.rglob("*.py")}
+    assert [f for f in folders if not (f / "__init__.py").exists()] == []
+    if not (PACKAGE.parent / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    files = [str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*") if path.is_file()]
+    run = subprocess.run(["git", "check-ignore", "--no-index", *files], cwd=PACKAGE.parent, capture_output=True,
+                         text=True)  # fmt: skip
+    ignored = [f for f in run.stdout.split() if "__pycache__" not in f and not f.endswith(".pyc")]
+    assert ignored == []
 
 
 def test_each_optional_part_imports_only_the_parts_below_it():

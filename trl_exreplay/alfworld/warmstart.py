@@ -190,7 +190,7 @@ def expert_sft_dataset(script_args, training_args, tokenizer, train_tasks, env_k
 def build_tiny(script_args, tokenizer, training_args, path: str, state) -> str:
     """The embedded default model, saved to `path` so every rank and every later step loads the same weights."""
     from ..demo.tiny import build_tiny_model
-    from ..runs.models import save_atomically
+    from ..recipes.models import save_atomically
 
     if state.is_main_process and not os.path.isfile(os.path.join(path, "config.json")):
         model = build_tiny_model(
@@ -209,12 +209,12 @@ def build_tiny(script_args, tokenizer, training_args, path: str, state) -> str:
 def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, env_kwargs, state) -> str:
     """SFT with TRL's `SFTTrainer` on the searching expert's won episodes of the train games, laid out token for
     token as the RL rollouts; returns the folder of the warm-started model (cached by its settings). Collective: every
-    rank calls it. The SFT runs in processes of its own (`trl_exreplay.runs.launch.run_as_own_launch`), on the launch's ranks
+    rank calls it. The SFT runs in processes of its own (`trl_exreplay.recipes.launch.run_as_own_launch`), on the launch's ranks
     and with its DeepSpeed settings, so that the RL trainer's `Accelerator` is this process's first."""
     from accelerate.utils import broadcast_object_list
 
-    from ..runs.launch import run_as_own_launch
-    from ..runs.models import merge_adapter
+    from ..recipes.launch import run_as_own_launch
+    from ..recipes.models import merge_adapter
 
     key = {
         "model": asdict(model_args),  # base, revision, dtype, LoRA settings
@@ -287,7 +287,7 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
         with open(tmp + ".sft.json", "w") as f:
             json.dump(spec, f)
     state.wait_for_everyone()
-    # SFT in processes of its own: two Trainers cannot share one process under DeepSpeed (see `trl_exreplay.runs.launch`).
+    # SFT in processes of its own: two Trainers cannot share one process under DeepSpeed (see `trl_exreplay.recipes.launch`).
     run_as_own_launch(__name__, tmp + ".sft.json")
     if state.is_main_process:
         if model_args.use_peft:  # RL trains a fresh adapter on top of the merged warm start
@@ -312,7 +312,7 @@ def sft_from_spec(spec_file: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config
 
-    from ..runs.models import model_init_kwargs
+    from ..recipes.models import model_init_kwargs
 
     with open(spec_file) as f:
         spec = json.load(f)

@@ -1,4 +1,4 @@
-"""The recipes' helpers (`trl_exreplay.runs`) that need no launch."""
+"""The recipes' helpers (`trl_exreplay.recipes`) that need no launch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import trl_exreplay
-from trl_exreplay.runs.launch import child_environment
+from trl_exreplay.recipes.launch import child_environment
 
 
 def test_a_child_launch_imports_this_trl_exreplay_and_not_its_folders_as_packages():

@@ -15,7 +15,7 @@ the module must end with `trl_exreplay.distributed.exit_distributed()` like any 
 ```python
 # train.py, run with `accelerate launch --config_file recipes/accelerate/zero3_gpu.yaml train.py`
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
-from trl_exreplay.runs.launch import run_as_own_launch
+from trl_exreplay.recipes.launch import run_as_own_launch
 
 args = ExReplayGRPOConfig(output_dir="rl")  # builds the launch's process group
 run_as_own_launch("my_project.sft", "--output_dir", "sft")  # SFT on the same ranks, in processes of its own
