@@ -121,7 +121,9 @@ def _loc_name(x: float, z: float, rot: int, horizon: int) -> str:
 
 
 def _game_rng(split: str, seed: int, index: int, attempt: int) -> random.Random:
-    key = f"trl_exreplay.alfworld|{split}|{seed}|{index}|{attempt}".encode()
+    # The salt names the module where the generator was first written (trl_exreplay.envs.alfworld); it stays so, or
+    # every game of every seed would change (tests/integration/test_alfworld_generate.py pins one game's bytes).
+    key = f"trl_exreplay.envs.alfworld|{split}|{seed}|{index}|{attempt}".encode()
     return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
 
 
@@ -512,7 +514,7 @@ def build_game(
         "scene": {"floor_plan": f"FloorPlan{scene_num}", "scene_num": scene_num, "random_seed": seed},
         "turk_annotations": {"anns": [{"task_desc": goal_text}]},
         "generator": {
-            "name": "trl_exreplay.alfworld",
+            "name": "trl_exreplay.envs.alfworld",  # the generator's name in every game file, as first released
             "alfworld_version": alfworld_version(),
             "split": split,
             "seed": seed,
