@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 class ReplayController:
     """The plan, the splice and the outcomes of `ExReplayGRPOTrainer`'s steps (`settings`: the config's
     `ReplaySettings`), over the pool `keeper` holds. With replay off it still runs: the plan replays nothing, and the
-    outcomes only feed guided rollouts' summariser (`guided_training`: they are guided)."""
+    outcomes only feed an optional part that plans training batches (`parts_plan`: guided rollouts' summariser)."""
 
     def __init__(
         self,
@@ -53,7 +53,7 @@ class ReplayController:
         faults: FaultCounts,
         multi_turn: bool = False,
         max_completion_length: int | None = None,
-        guided_training: bool = False,
+        parts_plan: bool = False,
     ):
         self.settings = settings
         self.keeper = keeper
@@ -88,12 +88,12 @@ class ReplayController:
         self._active_count = 0  # the dataset's rows whose task is not retired
         self.exhausted = False  # every training question is retired
         self.pending: PendingOutcomes | None = None  # the last step's outcomes, not yet in the pool
-        self._said_task_ids = not (self.enabled or guided_training)  # said once, where ids matter
+        self._said_task_ids = not (self.enabled or parts_plan)  # said once, where ids matter
         self._said_all_solved = False
 
     @classmethod
     def for_trainer(cls, trainer, keeper: PoolKeeper, faults: FaultCounts, *, policy_forward: Callable,
-                    guided_training: bool) -> ReplayController:  # fmt: skip
+                    parts_plan: bool) -> ReplayController:  # fmt: skip
         """The replay side of `trainer` (a `GRPOTrainer` whose `__init__` ran; `trainer.settings`: its
         `ReplaySettings`), read off it once. Refuses what replay cannot train and warns where it can do little
         (docs/support.md says why)."""
@@ -127,7 +127,7 @@ class ReplayController:
             faults=faults,
             multi_turn=trainer.text_env_factory is not None,
             max_completion_length=trainer.max_completion_length,
-            guided_training=guided_training,
+            parts_plan=parts_plan,
         )
 
     @property

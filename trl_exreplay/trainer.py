@@ -184,7 +184,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         self._parts = self._attach_parts(text_env_factory, multi_turn, guidance, experience_provider, trl_paths)
         if any(part.generates for part in self._parts):
             self.rollout_func = self._part_rollout
-        self._plans_training = self._replay_enabled or any(part.plans_training for part in self._parts)
+        parts_plan = any(part.plans_training for part in self._parts)
+        self._plans_training = self._replay_enabled or parts_plan
         self._reads_outcomes = self._replay_enabled or any(part.reads_outcomes for part in self._parts)
         self._pool_keeper = PoolKeeper(
             self.settings, accelerator=self.accelerator, num_generations=self.num_generations, seed=self.args.seed,
@@ -193,7 +194,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         )  # fmt: skip
         self._replay = ReplayController.for_trainer(
             self, self._pool_keeper, self._faults, policy_forward=self._policy_forward,
-            guided_training=any(part.plans_training for part in self._parts),
+            parts_plan=parts_plan,
         )  # fmt: skip
         if self._replay_enabled or self._parts:
             self.add_callback(_AtTrainEnd(self))
