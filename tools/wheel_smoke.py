@@ -30,7 +30,7 @@ def assert_installed() -> None:
     assert "site-packages" in location.parts, f"trl_exreplay is not an installed package: {location}"
     # the wheel must ship the package data that the ALFWorld generator reads through importlib.resources
     table = Path(str(resources.files("trl_exreplay.alfworld").joinpath("alfred_pairs.json")))
-    assert table.is_file() and table.resolve().parent == location.parent / "envs" / "alfworld", table
+    assert table.is_file() and table.resolve().parent == location.parent / "alfworld", table
 
 
 def train_with_replay(folder: Path) -> None:
