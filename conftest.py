@@ -25,19 +25,13 @@ if os.environ.get("EXREPLAY_TEST_DEVICE", "cpu") == "cuda":
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     # The fast lane (`-m "not slow"`, the inner loop; README "Tests") is the unit tier and the few integration tests
     # marked `fast`: every other test of tests/integration, tests/distributed and benchmarks/tests is slow.
-    # pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) runs one group on one worker: a test file, or every
-    # `distributed` test (tests/distributed, and those marked so elsewhere), so that no two of those run at once.
     for item in items:
-        path = item.path.relative_to(config.rootpath)
-        if path.parts[:2] != ("tests", "unit") and "fast" not in item.keywords:
+        tier = item.path.relative_to(config.rootpath).parts[:2]
+        if tier != ("tests", "unit") and "fast" not in item.keywords:
             item.add_marker(pytest.mark.slow)
-        if path.parts[:2] == ("tests", "distributed"):
-            item.add_marker(pytest.mark.distributed)
-        item.add_marker(pytest.mark.xdist_group("distributed" if "distributed" in item.keywords else str(path)))
     if os.environ.get("EXREPLAY_TEST_DEVICE", "cpu") == "cuda" and os.environ.get("EXREPLAY_TEST_BF16", "0") == "1":
         skip = pytest.mark.skip(reason="compares with float32 arithmetic; the bf16 pass trains under bf16 autocast")
         for item in items:

@@ -277,7 +277,7 @@ def test_trainer_loss_with_kl_and_entropy_ignores_environment_tokens(tmp_path):
         assert trainer._compute_loss(trainer.model, shifted).item() != loss.item()  # the KL term is live
 
 
-@pytest.mark.parametrize("backend", ["processes", pytest.param("ray", marks=pytest.mark.distributed)])
+@pytest.mark.parametrize("backend", ["processes", "ray"])
 def test_environments_in_worker_processes_or_ray_actors_train_like_in_process_ones(tmp_path, backend):
     """`EnvProcessPool` and `RayEnvPool` (a local Ray instance) as `text_env_factory`: the same episodes, rewards,
     losses (not all zero: the policy learns) and weights as environments in the trainer's own process."""

@@ -276,7 +276,7 @@ def test_rollout_func_that_cannot_return_fewer_completions_is_refused_clearly(tm
 SCRIPT = REPOSITORY / "tests" / "scripts" / "tool_replay_multiprocess.py"
 
 
-@pytest.mark.distributed
+@pytest.mark.slow
 def test_tool_loop_replay_on_two_processes(tmp_path):
     """TRL's tool loop takes a different number of rounds on each rank; under ZeRO-3 each generation call gathers the
     sharded parameters, so the trainer runs the rounds in lockstep (a rank done early generates a throwaway row). (Under
