@@ -13,11 +13,6 @@ from launching import accelerate_launch, accelerate_launch_machines
 SCRIPT = REPOSITORY / "tests" / "scripts" / "replay_multiprocess.py"
 
 
-def launch(config: str, out_dir: Path, *script_args: str) -> list[dict]:
-    accelerate_launch(config, SCRIPT, out_dir, *script_args)
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
-
-
 def check_rank_identical(ranks: list[dict]) -> None:
     """The same plans, losses and pool index on both ranks; rank 0 alone holds the pool's rows."""
     rank0, rank1 = ranks
@@ -49,92 +44,141 @@ def check_guided_allocations(ranks: list[dict]) -> None:
     assert max(rank0["discarded_fraction"]) > 0  # discarded rows' behaviour forward ran in lockstep
 
 
-# Each configuration once where its risk lies, 11 launches in all (DeepSpeed ZeRO-2 also runs in test_launching.py):
+# Each configuration once where its risk lies, in 6 launches (DeepSpeed ZeRO-2 also starts in test_launching.py):
 # - ZeRO-3 (parameters really partitioned, so any forward or generation out of lockstep hangs): the exgrpo profile and
 #   the defaults, resumed; guided rollouts with TRL options whose replayed term is collective; multi-turn lockstep.
-# - ZeRO-2: the defaults, resumed, with and without the checkpoint's RNG states.
+#   One launch trains the four runs one after the other, a second resumes the first two.
+# - ZeRO-2: the defaults, resumed, with and without the checkpoint's RNG states (the two resumes in one launch).
 # - DDP: two machines on loopback, with shards written while training and an alternating share of replay, resumed.
+# A launch's startup (imports, DeepSpeed's initialisation: ~20 s here) costs more than these runs' training (~6 s).
 # DDP's single-machine paths are those of the two-machine run; tests/integration covers the one-process paths.
+ZERO3 = "recipes/accelerate/zero3_cpu.yaml"
+ZERO2 = "recipes/accelerate/zero2_cpu.yaml"
+
+
+def launch_runs(config: str, runs: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """One launch training `runs` (out dir -> script options) one after the other; each run's two rank records."""
+    arguments = []
+    for out_dir, options in runs.items():
+        arguments += ["then"] * bool(arguments) + [out_dir, *options]
+    accelerate_launch(config, SCRIPT, *arguments)
+    return {out_dir: [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(2)] for out_dir in runs}
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory) -> dict[str, list[dict]]:
+    """The four ZeRO-3 runs, trained in one launch."""
+    root = tmp_path_factory.mktemp("zero3")
+    runs = {
+        "exgrpo": ["exgrpo"],
+        "teach": ["teach"],
+        "guided": ["trl-options", "guided"],
+        "multi-turn": ["multi-turn"],
+    }
+    ranks = launch_runs(ZERO3, {str(root / name): options for name, options in runs.items()})
+    return {name: ranks[str(root / name)] for name in runs} | {"root": root}
+
+
+@pytest.fixture(scope="module")
+def zero3_resumed(zero3) -> dict[str, list[dict]]:
+    """The exgrpo and default runs resumed from their step-6 checkpoints, in a launch of their own."""
+    root = zero3["root"]
+    runs = {name: [name, f"resume={root / name / 'run' / 'checkpoint-6'}"] for name in ("exgrpo", "teach")}
+    ranks = launch_runs(ZERO3, {str(root / f"{name}-resumed"): options for name, options in runs.items()})
+    return {name: ranks[str(root / f"{name}-resumed")] for name in runs}
+
+
+def check_resumed(whole: list[dict], resumed: list[dict], from_step: int, names: tuple[str, ...]) -> None:
+    """A run resumed from its step-`from_step` checkpoint makes the plans, losses and pool of the uninterrupted run,
+    and the last steps' logged `names`."""
+    for rank in range(2):
+        after = [plan for plan, step in zip(whole[rank]["plans"], whole[rank]["plan_steps"]) if step >= from_step]
+        assert resumed[rank]["plans"] == after
+        assert resumed[rank]["losses"] == whole[rank]["losses"]
+        assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
+        assert resumed[rank]["pool_content_hash"] == whole[rank]["pool_content_hash"]  # rank 0's rows
+        for name in names:
+            assert resumed[rank][name][-from_step:] == whole[rank][name][-from_step:], name
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["zero3_cpu"])
-def test_the_exgrpo_profile_is_rank_identical_and_resumes_exactly(tmp_path, config):
-    """replay_profile="exgrpo" on 2 ranks: the start by capability, the retired questions (an epoch of 2 steps) and
-    the replayed tasks' buckets are decided alike on both ranks, and a run resumed from its step-6 checkpoint (whose
-    exreplay_schedule.json holds the step replay started at, and whose pool holds the retired tasks) makes the plans, losses and pool of the run that
-    was not stopped (12 steps: replay starts after a batch of steps 2-6 and solved questions retire; an epoch is 2 steps, so the resume crosses epochs)."""
-    config = f"recipes/accelerate/{config}.yaml"
-    whole = launch(config, tmp_path / "whole", "exgrpo")
+def test_the_exgrpo_profile_is_rank_identical_and_resumes_exactly(zero3, zero3_resumed):
+    """replay_profile="exgrpo" on 2 ranks under ZeRO-3: the start by capability, the retired questions (an epoch of 2
+    steps) and the replayed tasks' buckets are decided alike on both ranks, and a run resumed from its step-6
+    checkpoint (whose exreplay_schedule.json holds the step replay started at, and whose pool holds the retired tasks)
+    makes the plans, losses and pool of the run that was not stopped (12 steps: replay starts after a batch of steps
+    2-6 and solved questions retire; an epoch is 2 steps, so the resume crosses epochs)."""
+    whole = zero3["exgrpo"]
     check_rank_identical(whole)
     rank0, rank1 = whole
     assert rank0["schedule"] == rank1["schedule"] and rank0["schedule"][0] is not None  # replay started
     assert rank0["redirected_groups"] == rank1["redirected_groups"] and sum(rank0["redirected_groups"]) > 0
     assert any(rank0["retired_tasks"]) and any(rank0["replay_tasks"])
-    checkpoint = tmp_path / "whole" / "run" / "checkpoint-6"
-    assert (checkpoint / "exreplay_schedule.json").exists()
-    resumed = launch(config, tmp_path / "resumed", "exgrpo", f"resume={checkpoint}")
+    assert (zero3["root"] / "exgrpo" / "run" / "checkpoint-6" / "exreplay_schedule.json").exists()
+    resumed = zero3_resumed["exgrpo"]
+    check_resumed(whole, resumed, 6, ("redirected_groups",))
     for rank in range(2):
-        after = [plan for plan, step in zip(whole[rank]["plans"], whole[rank]["plan_steps"]) if step >= 6]
-        assert resumed[rank]["plans"] == after
-        assert resumed[rank]["losses"] == whole[rank]["losses"]
-        assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
-        assert resumed[rank]["pool_content_hash"] == whole[rank]["pool_content_hash"]  # rank 0's rows
         assert resumed[rank]["schedule"] == whole[rank]["schedule"]
         assert resumed[rank]["skip_set"] == whole[rank]["skip_set"]
-        assert resumed[rank]["redirected_groups"][-6:] == whole[rank]["redirected_groups"][-6:]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", ["zero2_cpu", "zero3_cpu"])
-def test_every_group_teaching_is_rank_identical_and_resumes_exactly(tmp_path, config):
-    """The defaults (every group teaching) on 2 ranks: rescued groups (their stored success read on rank 0 and sent to the rank
-    that holds the row; the loss's token count gathered again), retired questions and their revisits are decided
-    alike on both ranks, and a run resumed from its step-6 checkpoint makes the plans, losses, pool and metrics of
-    the run that was not stopped. Under ZeRO-2 a run resumed without the checkpoint's RNG states does not (so the
-    comparison sees the sampling of steps 7-12, not only what the checkpoint holds)."""
-    config = f"recipes/accelerate/{config}.yaml"
-    whole = launch(config, tmp_path / "whole", "teach")
+def check_every_group_teaching(whole: list[dict], final_model: Path) -> None:
+    """The defaults (every group teaching) on 2 ranks: rescued groups (their stored success read on rank 0 and sent to
+    the rank that holds the row; the loss's token count gathered again), retired questions and their revisits are
+    decided alike on both ranks."""
     check_rank_identical(whole)
     rank0, rank1 = whole
     for name in ("rescued_groups", "revisited_groups", "redirected_groups", "skip_set"):
         assert rank0[name] == rank1[name], name
     assert sum(rank0["rescued_groups"]) > 0 and sum(rank0["revisited_groups"]) > 0, rank0
     # save_model() after train() and before exit_distributed(), the script's last line: the model is written
-    assert (tmp_path / "whole" / "final" / "model.safetensors").is_file()
-    checkpoint = tmp_path / "whole" / "run" / "checkpoint-6"
-    resumed = launch(config, tmp_path / "resumed", "teach", f"resume={checkpoint}")
-    for rank in range(2):
-        after = [plan for plan, step in zip(whole[rank]["plans"], whole[rank]["plan_steps"]) if step >= 6]
-        assert resumed[rank]["plans"] == after
-        assert resumed[rank]["losses"] == whole[rank]["losses"]
-        assert resumed[rank]["pool_hash"] == whole[rank]["pool_hash"]
-        assert resumed[rank]["pool_content_hash"] == whole[rank]["pool_content_hash"]
-        for name in ("rescued_groups", "revisited_groups", "redirected_groups"):
-            assert resumed[rank][name][-6:] == whole[rank][name][-6:], name
-    if config.endswith("zero2_cpu.yaml"):
-        no_rng = tmp_path / "no_rng" / "checkpoint-6"
-        shutil.copytree(checkpoint, no_rng, ignore=shutil.ignore_patterns("rng_state*"))
-        unseeded = launch(config, tmp_path / "unseeded", "teach", f"resume={no_rng}")
-        assert [rank["losses"][6:] for rank in unseeded] != [rank["losses"][6:] for rank in whole]
+    assert final_model.is_file()
 
 
-def test_deepspeed_zero3_two_processes_rank_identical_pools(tmp_path):
-    """With TRL options whose replayed term gathers over ranks (entropy selection) and a non-default loss type; and
-    experience-guided rollouts, whose discarded rows take a behaviour forward that ZeRO-3 makes collective."""
-    ranks = launch("recipes/accelerate/zero3_cpu.yaml", tmp_path, "trl-options", "guided")
-    check_rank_identical(ranks)  # (what it learns, hence how many tasks replay, is cispo's)
-    check_guided_allocations(ranks)
-    assert (tmp_path / "run" / "checkpoint-3" / "exreplay_pool" / "state.json").exists()
-    assert (tmp_path / "run" / "checkpoint-3" / "exreplay_experience" / "manifest.json").exists()
+TEACHING = ("rescued_groups", "revisited_groups", "redirected_groups")
 
 
 @pytest.mark.slow
-def test_multi_turn_lockstep_with_a_rank_that_plays_no_episode(tmp_path):
+def test_every_group_teaching_is_rank_identical_and_resumes_exactly_under_zero3(zero3, zero3_resumed):
+    """The defaults under ZeRO-3, decided alike on both ranks; a run resumed from its step-6 checkpoint makes the plans,
+    losses, pool and metrics of the run that was not stopped."""
+    check_every_group_teaching(zero3["teach"], zero3["root"] / "teach" / "final" / "model.safetensors")
+    check_resumed(zero3["teach"], zero3_resumed["teach"], 6, TEACHING)
+
+
+@pytest.mark.slow
+def test_every_group_teaching_resumes_exactly_under_zero2_and_only_with_the_rng_states(tmp_path):
+    """The same under ZeRO-2; a run resumed without the checkpoint's RNG states does not make the same losses (so the
+    comparison sees the sampling of steps 7-12, not only what the checkpoint holds)."""
+    whole = launch_runs(ZERO2, {str(tmp_path / "whole"): ["teach"]})[str(tmp_path / "whole")]
+    check_every_group_teaching(whole, tmp_path / "whole" / "final" / "model.safetensors")
+    checkpoint = tmp_path / "whole" / "run" / "checkpoint-6"
+    no_rng = tmp_path / "no_rng" / "checkpoint-6"
+    shutil.copytree(checkpoint, no_rng, ignore=shutil.ignore_patterns("rng_state*"))
+    runs = {str(tmp_path / "resumed"): ["teach", f"resume={checkpoint}"],
+            str(tmp_path / "unseeded"): ["teach", f"resume={no_rng}"]}  # fmt: skip
+    resumed, unseeded = launch_runs(ZERO2, runs).values()
+    check_resumed(whole, resumed, 6, TEACHING)
+    assert [rank["losses"][6:] for rank in unseeded] != [rank["losses"][6:] for rank in whole]
+
+
+def test_deepspeed_zero3_two_processes_rank_identical_pools(zero3):
+    """With TRL options whose replayed term gathers over ranks (entropy selection) and a non-default loss type; and
+    experience-guided rollouts, whose discarded rows take a behaviour forward that ZeRO-3 makes collective."""
+    ranks = zero3["guided"]
+    check_rank_identical(ranks)  # (what it learns, hence how many tasks replay, is cispo's)
+    check_guided_allocations(ranks)
+    run = zero3["root"] / "guided" / "run"
+    assert (run / "checkpoint-3" / "exreplay_pool" / "state.json").exists()
+    assert (run / "checkpoint-3" / "exreplay_experience" / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_multi_turn_lockstep_with_a_rank_that_plays_no_episode(zero3):
     """One group of 4 rows over 2 ranks, k=2: on replay steps rank 1 has no fresh row and plays no episode while rank 0
     plays two multi-turn episodes. Under ZeRO-3 (parameters really partitioned) a collective mismatch would hang: the
     launch is bounded and fails instead."""
-    rank0, rank1 = launch("recipes/accelerate/zero3_cpu.yaml", tmp_path, "multi-turn")
+    rank0, rank1 = zero3["multi-turn"]
     assert rank0["pool_hash"] == rank1["pool_hash"] and rank1["pool_content_hash"] is None
     assert rank0["plans"] == rank1["plans"] and rank0["losses"] == rank1["losses"]
     replay_steps = [i for i, tasks in enumerate(rank0["replay_tasks"]) if tasks > 0]

@@ -1,7 +1,9 @@
 """Launched by tests/distributed/test_multiprocess.py with `accelerate launch`: train with replay active, dump what each rank saw.
 
 Usage: accelerate launch --config_file CONFIG tests/scripts/replay_multiprocess.py OUT_DIR [multi-turn] [resume=CKPT]
-       [trl-options] [scratch=DIR] [small-shards] [guided]
+       [trl-options] [scratch=DIR] [small-shards] [guided] [then OUT_DIR2 OPTIONS2 ...]
+Each `then` starts another run in the same launch, after the one before it ended (a launch's startup, imports and
+DeepSpeed's initialisation, costs more than these runs' training; a resumed run is always a launch of its own).
 Each rank writes OUT_DIR/rank{r}.json with its pool's index hash (and rank 0, which holds the rows, its content hash), the replay plans it made, losses and generated rows (and,
 multi-turn, the episodes it played per step). With `resume=CKPT` the run resumes from that checkpoint (pool, model,
 optimizer, RNG) of an earlier run with the same settings. `trl-options` trains with TRL options whose replayed term
@@ -25,6 +27,7 @@ import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import trl_exreplay.guidance.rollouts as guidance_module  # noqa: E402
 import trl_exreplay.replay as replay_module  # noqa: E402
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, GuidanceSettings, MultiTurnSettings  # noqa: E402
 from trl_exreplay.demo import KeyDoorEnv  # noqa: E402
@@ -41,36 +44,31 @@ def part_of(trainer, kind):
     return next((part for part in trainer._parts if isinstance(part, kind)), None)
 
 
-out_dir, options = sys.argv[1], sys.argv[2:]
-multi_turn = "multi-turn" in options
-resume_from = next((option.split("=", 1)[1] for option in options if option.startswith("resume=")), None)
-plans, plan_steps, plan_due = [], [], []
+# What each run records, emptied at the start of each run: the replay plans (with the step each was drawn for and the
+# groups replay_ratio asked of it), the guidance allocations, the rows reaching `generate`, the episodes played.
+recorded = {"plans": [], "plan_steps": [], "plan_due": [], "allocations": [], "generated_rows": [], "episodes": []}
 original_plan_replay = replay_module.plan_replay
 
 
 def recording_plan_replay(*args, **kwargs):
     plan = original_plan_replay(*args, **kwargs)
-    plans.append({str(group): task for group, task in plan.replay_groups.items()})
-    plan_steps.append(kwargs["seed"][1])  # the global step it was drawn for: [seed, step, micro-step]
-    plan_due.append(kwargs["num_tasks"])  # the groups replay_ratio asked of this batch
+    recorded["plans"].append({str(group): task for group, task in plan.replay_groups.items()})
+    recorded["plan_steps"].append(kwargs["seed"][1])  # the global step it was drawn for: [seed, step, micro-step]
+    recorded["plan_due"].append(kwargs["num_tasks"])  # the groups replay_ratio asked of this batch
     return plan
 
 
 replay_module.plan_replay = recording_plan_replay
+original_allocate = guidance_module.allocate_guidance
 
-# `guided`: experience-guided rollouts on top of replay; every allocation each rank draws is recorded
-allocations = []
-if "guided" in options:
-    import trl_exreplay.guidance.rollouts as guidance_module
 
-    original_allocate = guidance_module.allocate_guidance
+def recording_allocate(*args, **kwargs):
+    allocation = original_allocate(*args, **kwargs)
+    recorded["allocations"].append({"guided": list(allocation.guided), "keep": list(allocation.keep)})
+    return allocation
 
-    def recording_allocate(*args, **kwargs):
-        allocation = original_allocate(*args, **kwargs)
-        allocations.append({"guided": list(allocation.guided), "keep": list(allocation.keep)})
-        return allocation
 
-    guidance_module.allocate_guidance = recording_allocate
+guidance_module.allocate_guidance = recording_allocate
 GUIDED = dict(
     guidance_train="mixed",
     guidance_ratio=0.5,
@@ -86,8 +84,6 @@ GUIDED = dict(
     num_generations_eval=4,
 )
 
-generated_rows = []
-
 
 class CountingTrainer(ExReplayGRPOTrainer):
     def __init__(self, *args, **kwargs):
@@ -96,131 +92,150 @@ class CountingTrainer(ExReplayGRPOTrainer):
         generate = model.generate
 
         def counting_generate(*a, **kw):
-            generated_rows.append(int(kw["input_ids"].size(0)))
+            recorded["generated_rows"].append(int(kw["input_ids"].size(0)))
             return generate(*a, **kw)
 
         model.generate = counting_generate
-        if multi_turn:
-            run = part_of(self, MultiTurnRollouts).engine.run
+        rollouts = part_of(self, MultiTurnRollouts)
+        if rollouts is not None:
+            run = rollouts.engine.run
 
             def recording_run(tasks, generate, sync=None):
                 episodes_played = run(tasks, generate, sync)
-                episodes.append([len(e.completion_ids) for e in episodes_played])
+                recorded["episodes"].append([len(e.completion_ids) for e in episodes_played])
                 return episodes_played
 
-            part_of(self, MultiTurnRollouts).engine.run = recording_run
+            rollouts.engine.run = recording_run
 
 
-PROFILE = next((o for o in options if o in ("exgrpo", "teach")), None)  # 12 steps on 6 rows
 PROFILE_SETTINGS = {
     "exgrpo": {"replay_profile": "exgrpo"},
     "teach": {},
     None: {"replay_rescue": 0, "replay_retire_solved": False},
 }
 TRL_OPTIONS = dict(loss_type="cispo", top_entropy_quantile=0.5, entropy_coef=0.01, off_policy_mask_threshold=0.5)
-episodes = []
-tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY if multi_turn else VOCABULARY)
-single_turn_settings = dict(
-    per_device_train_batch_size=6, replay_trajectories_per_group=1, max_steps=12 if PROFILE in options else 6,
-    max_completion_length=4,
-)  # fmt: skip
-multi_turn_settings = dict(
-    per_device_train_batch_size=2,
-    replay_trajectories_per_group=2,
-    max_steps=10,
-    max_completion_length=48,
-)
 EPISODES = MultiTurnSettings(max_tokens_per_turn=4, max_turns=5)
-config = ExReplayGRPOConfig(
-    output_dir=os.path.join(out_dir, "run"),
-    use_cpu=True,
-    bf16=False,
-    seed=0,
-    learning_rate=5e-2,
-    num_generations=4,
-    beta=0.0,
-    logging_steps=1,
-    save_strategy="steps",
-    save_steps=3,
-    report_to="none",
-    disable_tqdm=True,
-    replay_ratio=float(next((o.split("=", 1)[1] for o in options if o.startswith("ratio=")), 1.0)),
-    **({} if PROFILE == "exgrpo" else {"replay_start_ratio": 0.3}),  # ExGRPO's profile starts by capability
-    ds3_gather_for_generation=os.environ.get("EXREPLAY_TEST_DS3_GATHER", "1") == "1",
-    replay_scratch_dir=next((option.split("=", 1)[1] for option in options if option.startswith("scratch=")), None),
-    **(multi_turn_settings if multi_turn else single_turn_settings),
-    **(TRL_OPTIONS if "trl-options" in options else {}),
-    **({k: v for k, v in GUIDED.items() if not k.startswith("guidance_")} if "guided" in options else {}),
-    **PROFILE_SETTINGS[PROFILE],
-)
-guidance = {}
-if "guided" in options:
-    guidance["guidance"] = GuidanceSettings(**{k: v for k, v in GUIDED.items() if k.startswith("guidance_")})
-if multi_turn:
-    task_setup = dict(
-        text_env_factory=KeyDoorEnv, multi_turn=EPISODES, train_dataset=key_door_dataset(num_tasks=1, repeats=40)
+
+
+def train(out_dir: str, options: list[str]) -> None:
+    """One run: train with these options, then write OUT_DIR/rank{r}.json."""
+    for values in recorded.values():
+        values.clear()
+    multi_turn = "multi-turn" in options
+    resume_from = next((option.split("=", 1)[1] for option in options if option.startswith("resume=")), None)
+    profile = next((o for o in options if o in ("exgrpo", "teach")), None)  # 12 steps on 6 rows
+    tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY if multi_turn else VOCABULARY)
+    single_turn_settings = dict(
+        per_device_train_batch_size=6, replay_trajectories_per_group=1, max_steps=12 if profile else 6,
+        max_completion_length=4,
+    )  # fmt: skip
+    multi_turn_settings = dict(
+        per_device_train_batch_size=2, replay_trajectories_per_group=2, max_steps=10, max_completion_length=48
     )
-else:
-    repeats = 2 if PROFILE in options else 20
-    task_setup = dict(reward_funcs=said_target, train_dataset=say_word_dataset(num_tasks=3, repeats=repeats))
+    config = ExReplayGRPOConfig(
+        output_dir=os.path.join(out_dir, "run"),
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        learning_rate=5e-2,
+        num_generations=4,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=3,
+        report_to="none",
+        disable_tqdm=True,
+        replay_ratio=float(next((o.split("=", 1)[1] for o in options if o.startswith("ratio=")), 1.0)),
+        **({} if profile == "exgrpo" else {"replay_start_ratio": 0.3}),  # ExGRPO's profile starts by capability
+        ds3_gather_for_generation=os.environ.get("EXREPLAY_TEST_DS3_GATHER", "1") == "1",
+        replay_scratch_dir=next(
+            (option.split("=", 1)[1] for option in options if option.startswith("scratch=")), None
+        ),
+        **(multi_turn_settings if multi_turn else single_turn_settings),
+        **(TRL_OPTIONS if "trl-options" in options else {}),
+        **({k: v for k, v in GUIDED.items() if not k.startswith("guidance_")} if "guided" in options else {}),
+        **PROFILE_SETTINGS[profile],
+    )
+    guidance = {}
     if "guided" in options:
-        task_setup["eval_dataset"] = say_word_dataset(num_tasks=2, repeats=4)
-if "small-shards" in options:
-    from trl_exreplay.pool import ExperiencePool
+        guidance["guidance"] = GuidanceSettings(**{k: v for k, v in GUIDED.items() if k.startswith("guidance_")})
+    if multi_turn:
+        task_setup = dict(
+            text_env_factory=KeyDoorEnv, multi_turn=EPISODES, train_dataset=key_door_dataset(num_tasks=1, repeats=40)
+        )
+    else:
+        task_setup = dict(
+            reward_funcs=said_target, train_dataset=say_word_dataset(num_tasks=3, repeats=2 if profile else 20)
+        )
+        if "guided" in options:
+            task_setup["eval_dataset"] = say_word_dataset(num_tasks=2, repeats=4)
+    if "small-shards" in options:
+        from trl_exreplay.pool import ExperiencePool
 
-    task_setup["experience_pool"] = ExperiencePool(shard_rows=2, work_dir=config.replay_scratch_dir)
-trainer = CountingTrainer(
-    model=build_tiny_model(tokenizer, seed=0), args=config, processing_class=tokenizer, **task_setup, **guidance
-)
-trainer.train(resume_from_checkpoint=resume_from)
-
-rank = trainer.accelerator.process_index
-losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-replay_tasks = [e["replay/tasks"] for e in trainer.state.log_history if "replay/tasks" in e]
-guidance = part_of(trainer, GuidedRollouts)
-with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-    json.dump(
-        {
-            "rank": rank,
-            "world_size": trainer.accelerator.num_processes,
-            "pool_hash": trainer.pool.index_hash(),
-            "pool_content_hash": trainer.pool.content_hash() if trainer.pool.holds_rows else None,
-            "pool_trajectories": trainer.pool.num_trajectories,
-            "pool_scratch": trainer.pool.scratch_folder(),  # where this rank's live pool writes its shards (or None)
-            "pool_storage": trainer.pool.storage_stats(),
-            "plans": plans,
-            "plan_steps": plan_steps,
-            "plan_due": plan_due,
-            "losses": losses,
-            "replay_tasks": replay_tasks,
-            "generated_rows": generated_rows,
-            "episode_lengths": episodes,
-            "env_errors": [e["env/errors"] for e in trainer.state.log_history if "env/errors" in e],
-            "allocations": allocations,
-            "schedule": [trainer._replay.schedule.started_at],
-            "redirected_groups": [
-                e["replay/redirected_groups"] for e in trainer.state.log_history if "replay/redirected_groups" in e
-            ],
-            "retired_tasks": [
-                e["replay/retired_tasks"] for e in trainer.state.log_history if "replay/retired_tasks" in e
-            ],
-            "skip_set": trainer.pool.skip_set,
-            **{
-                name: [e[f"replay/{name}"] for e in trainer.state.log_history if f"replay/{name}" in e]
-                for name in ("rescued_groups", "revisited_groups", "returned_tasks")
-            },
-            "experience": [r.as_dict() for r in guidance.experience.records()] if guidance else [],
-            "guided_fraction": [
-                e["guide/guided_fraction"] for e in trainer.state.log_history if "guide/guided_fraction" in e
-            ],
-            "discarded_fraction": [
-                e["guide/discarded_fraction"] for e in trainer.state.log_history if "guide/discarded_fraction" in e
-            ],
-        },
-        f,
+        task_setup["experience_pool"] = ExperiencePool(shard_rows=2, work_dir=config.replay_scratch_dir)
+    trainer = CountingTrainer(
+        model=build_tiny_model(tokenizer, seed=0), args=config, processing_class=tokenizer, **task_setup, **guidance
     )
-if PROFILE == "teach":  # written after training, before the script's last line: exit_distributed() must not lose it
-    trainer.save_model(os.path.join(out_dir, "final"))
+    trainer.train(resume_from_checkpoint=resume_from)
+
+    rank = trainer.accelerator.process_index
+    history = trainer.state.log_history
+
+    def logged(name: str) -> list:
+        return [e[name] for e in history if name in e]
+
+    guided = part_of(trainer, GuidedRollouts)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(
+            {
+                "rank": rank,
+                "world_size": trainer.accelerator.num_processes,
+                "pool_hash": trainer.pool.index_hash(),
+                "pool_content_hash": trainer.pool.content_hash() if trainer.pool.holds_rows else None,
+                "pool_trajectories": trainer.pool.num_trajectories,
+                "pool_scratch": trainer.pool.scratch_folder(),  # where this rank's live pool writes its shards (or None)
+                "pool_storage": trainer.pool.storage_stats(),
+                **{
+                    name: recorded[name]
+                    for name in ("plans", "plan_steps", "plan_due", "allocations", "generated_rows")
+                },
+                "episode_lengths": recorded["episodes"],
+                "losses": logged("loss"),
+                "replay_tasks": logged("replay/tasks"),
+                "env_errors": logged("env/errors"),
+                "schedule": [trainer._replay.schedule.started_at],
+                "skip_set": trainer.pool.skip_set,
+                **{
+                    name: logged(f"replay/{name}")
+                    for name in (
+                        "redirected_groups",
+                        "retired_tasks",
+                        "rescued_groups",
+                        "revisited_groups",
+                        "returned_tasks",
+                    )
+                },
+                "experience": [r.as_dict() for r in guided.experience.records()] if guided else [],
+                "guided_fraction": logged("guide/guided_fraction"),
+                "discarded_fraction": logged("guide/discarded_fraction"),
+            },
+            f,
+        )
+    if (
+        profile == "teach"
+    ):  # written after training, before the script's last line: exit_distributed() must not lose it
+        trainer.save_model(os.path.join(out_dir, "final"))
+
+
+runs, current = [], []
+for argument in sys.argv[1:]:
+    if argument == "then":
+        runs.append(current)
+        current = []
+    else:
+        current.append(argument)
+for out_dir, *options in [*runs, current]:
+    train(out_dir, options)
 # The end of every launched rank: without it a gloo worker thread may free a tensor during interpreter finalization and
 # abort the process after its work is done (about 1 launch in 100; see trl_exreplay/distributed.py)
 exit_distributed()
