@@ -95,15 +95,10 @@ class ReplayController:
     def for_trainer(cls, trainer, keeper: PoolKeeper, faults: FaultCounts, *, policy_forward: Callable,
                     parts_plan: bool) -> ReplayController:  # fmt: skip
         """The replay side of `trainer` (a `GRPOTrainer` whose `__init__` ran; `trainer.settings`: its
-        `ReplaySettings`), read off it once. Refuses what replay cannot train and warns where it can do little
+        `ReplaySettings`), read off it once. Warns where replay can do little
         (docs/support.md says why)."""
         settings, args = trainer.settings, trainer.args
         if settings.enable_experience_replay:
-            if trainer._is_vlm:
-                raise ValueError(
-                    "Experience replay with vision-language models is not supported yet; set "
-                    "`enable_experience_replay=False`."
-                )
             groups = args.generation_batch_size // trainer.num_generations
             if 0 < settings.replay_ratio * groups < 1:
                 logger.warning(

@@ -7,6 +7,7 @@ and `outcomes.py`; one step's state is a `step.GenerationStep`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -167,6 +168,14 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )  # fmt: skip
         self.settings: ReplaySettings = replay_settings(self.args)  # made and checked once, read as attributes
+        if self._is_vlm and self.settings.enable_experience_replay:
+            # The pool stores token ids, not the images a replayed row would need: the run trains as GRPOTrainer.
+            logger.warning(
+                "trl_exreplay: experience replay is off for this run: the processing class is a processor, so the "
+                "model is a vision-language model, and the pool cannot store the images a replayed row would need. "
+                "It trains as GRPOTrainer; set `enable_experience_replay=False` to say so."
+            )
+            self.settings = dataclasses.replace(self.settings, enable_experience_replay=False)
         self._replay_enabled = self.settings.enable_experience_replay
         if self.settings.tool_special_tokens == "remove" and (self.tools or self.environment_factories is not None):
             self._tool_text = SpecialTokenFilter(self._tokenizer, "remove")

@@ -12,7 +12,7 @@ import pytest
 from helpers import REPOSITORY
 from launching import accelerate_launch, extensions_dir, finished
 
-SCRIPT = REPOSITORY / "tests" / "scripts" / "replay_multiprocess.py"
+DEEPSPEED_START = REPOSITORY / "tests" / "scripts" / "deepspeed_start.py"
 GLOO_EXIT = REPOSITORY / "tests" / "scripts" / "gloo_exit.py"
 OWN_LAUNCH = REPOSITORY / "tests" / "scripts" / "own_launch.py"
 
@@ -57,9 +57,13 @@ def test_a_stale_build_lock_elsewhere_does_not_hang_a_deepspeed_launch(tmp_path,
     lock.touch()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(stale))
 
-    accelerate_launch("recipes/accelerate/zero2_cpu.yaml", SCRIPT, tmp_path / "out", timeout=300)
+    accelerate_launch("recipes/accelerate/zero2_cpu.yaml", DEEPSPEED_START, tmp_path / "out", timeout=300)
 
-    assert (tmp_path / "out" / "rank1.json").exists()
+    for rank in range(2):  # both ranks started DeepSpeed's process group (which builds the op, or loads it built)
+        assert (
+            json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())["distributed_type"]
+            == "DistributedType.DEEPSPEED"
+        )
     assert lock.exists()  # not this session's to remove
 
 

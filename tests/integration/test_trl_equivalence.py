@@ -16,7 +16,7 @@ from helpers import REPLAY_ONLY, make_args, make_trainer
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer
-from trl_exreplay.demo.examples import VOCABULARY
+from trl_exreplay.demo.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -92,3 +92,70 @@ def test_equal_to_trl_with_replay_off_and_before_replay_starts(tmp_path, model_d
     on = _trained(tmp_path / "on", model_dir, replay_start_ratio=1.0, **REPLAY_ONLY, **options)
     _assert_same_as_trl(on, theirs)
     assert any("replay/fresh_reward" in entry for entry in _logged(on))  # the pool was fed meanwhile
+
+
+# A chat template that renders TRL's vision-language messages (content as a list of text and image parts).
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<' + message['role'] + '> ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% else %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "{{ ' <eos> ' }}{% endfor %}{% if add_generation_prompt %}{{ '<assistant> ' }}{% endif %}"
+)
+
+
+def tiny_llava(tmp_path):
+    """A tiny LLaVA (CLIP vision tower, Llama text model) saved to a folder, and its processor: a vision-language
+    model as TRL sees one (the processing class is a processor)."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )  # fmt: skip
+
+    tokenizer = build_tiny_tokenizer([*VOCABULARY, "<image>"])
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=14, image_token="<image>",
+        chat_template=VLM_CHAT_TEMPLATE,
+    )  # fmt: skip
+    vision = CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+        patch_size=14, projection_dim=16,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>")
+    )
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(tmp_path / "llava")
+    return str(tmp_path / "llava"), processor
+
+
+def test_a_vision_language_model_trains_as_trl_does_with_replay_off_and_says_so(tmp_path, caplog):
+    """The pool stores token ids, not images, so a vision-language model cannot replay: with the defaults (replay on)
+    the swap trains anyway, exactly as GRPOTrainer (same metrics, same weights), and one warning says why."""
+    from datasets import Dataset
+
+    model, processor = tiny_llava(tmp_path)
+    dataset = say_word_dataset(num_tasks=3, repeats=8)
+    runs = {}
+    for trainer_cls, config_cls in ((GRPOTrainer, GRPOConfig), (ExReplayGRPOTrainer, ExReplayGRPOConfig)):
+        args = make_args(tmp_path / trainer_cls.__name__, config_cls, max_steps=STEPS, learning_rate=1e-2)
+        with caplog.at_level("WARNING", logger="trl_exreplay"):
+            runs[trainer_cls] = trainer_cls(
+                model=model, reward_funcs=said_target, args=args, train_dataset=Dataset.from_list(list(dataset)),
+                processing_class=processor,
+            )  # fmt: skip
+            runs[trainer_cls].train()
+    ours, theirs = runs[ExReplayGRPOTrainer], runs[GRPOTrainer]
+    assert ours.args.enable_experience_replay and not ours.settings.enable_experience_replay
+    _assert_same_as_trl(ours, theirs)
+    assert not any(key.startswith("replay/") for entry in _logged(ours) for key in entry)
+    said = [r.getMessage() for r in caplog.records if "experience replay is off for this run" in r.getMessage()]
+    assert len(said) == 1 and "vision-language model" in said[0], said
