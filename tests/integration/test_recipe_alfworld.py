@@ -205,7 +205,7 @@ def test_recipe_generates_games_then_reuses_them_and_the_warm_start(tmp_path, mo
 
     data = tmp_path / "data"
     settings = ["--num_train_games", "3", "--num_eval_games", "1", "--scenes", "309", "310", "--max_steps", "1",
-                "--max_turns", "14", "--max_completion_length", "640"]  # fmt: skip
+                "--max_turns", "14", "--max_completion_length", "640", "--eval_train_episodes", "0"]  # fmt: skip
     first = run_recipe(data, tmp_path / "a", *settings)
     for split, rooms in (("train", {309, 310}), ("valid_seen", {309, 310}), ("valid_unseen", {10, 219, 308, 424})):
         trajs = list((data / "json_2.1.1" / split).rglob("traj_data.json"))
@@ -421,7 +421,8 @@ def test_recipe_lora_with_trackio_and_a_merged_upload(data_dir, tmp_path, monkey
     summary = run_recipe(
         data_dir, out, "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8",
         "--lora_target_modules", "q_proj", "v_proj", "--report_to", "trackio", "--project", project,
-        "--run_name", "lora", "--eval_splits", "valid_seen", "--push_to_hub", "true", "--hub_model_id", "me/lora",
+        "--run_name", "lora", "--eval_splits", "valid_seen", "--eval_train_episodes", "0", "--push_to_hub", "true",
+        "--hub_model_id", "me/lora",
     )  # fmt: skip
     assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
     assert not (out / "model.safetensors").exists()  # the adapter only; its base is the warm start
@@ -512,7 +513,8 @@ def test_recipe_runs_its_environments_on_ray_with_the_same_figures(data_dir, tmp
         for backend in ("processes", "ray"):
             out = tmp_path / backend
             summary = run_recipe(data_dir, out, "--env_backend", backend, "--env_processes", "2",
-                                 "--env_ray_cpus_per_worker", "0.5", "--report_to", "tensorboard")  # fmt: skip
+                                 "--env_ray_cpus_per_worker", "0.5", "--report_to", "tensorboard",
+                                 "--eval_train_episodes", "0")  # fmt: skip
             logged = {tag: values for tag, values in scalars(out).items() if "time" not in tag and "second" not in tag}
             runs[backend] = (summary["results"], logged)
             if backend == "processes":
