@@ -95,8 +95,7 @@ class ReplayController:
     def for_trainer(cls, trainer, keeper: PoolKeeper, faults: FaultCounts, *, policy_forward: Callable,
                     parts_plan: bool) -> ReplayController:  # fmt: skip
         """The replay side of `trainer` (a `GRPOTrainer` whose `__init__` ran; `trainer.settings`: its
-        `ReplaySettings`), read off it once. Warns where replay can do little
-        (docs/support.md says why)."""
+        `ReplaySettings`), read off it once. Warns where replay can do little (docs/support.md says why)."""
         settings, args = trainer.settings, trainer.args
         if settings.enable_experience_replay:
             groups = args.generation_batch_size // trainer.num_generations

@@ -173,7 +173,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             logger.warning(
                 "trl_exreplay: experience replay is off for this run: the processing class is a processor, so the "
                 "model is a vision-language model, and the pool cannot store the images a replayed row would need. "
-                "It trains as GRPOTrainer; set `enable_experience_replay=False` to say so."
+                "It trains as GRPOTrainer; `enable_experience_replay=False` silences this warning."
             )
             self.settings = dataclasses.replace(self.settings, enable_experience_replay=False)
         self._replay_enabled = self.settings.enable_experience_replay

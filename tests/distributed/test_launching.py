@@ -59,11 +59,9 @@ def test_a_stale_build_lock_elsewhere_does_not_hang_a_deepspeed_launch(tmp_path,
 
     accelerate_launch("recipes/accelerate/zero2_cpu.yaml", DEEPSPEED_START, tmp_path / "out", timeout=300)
 
-    for rank in range(2):  # both ranks started DeepSpeed's process group (which builds the op, or loads it built)
-        assert (
-            json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())["distributed_type"]
-            == "DistributedType.DEEPSPEED"
-        )
+    # both ranks started DeepSpeed's process group (which builds the op, or loads it built)
+    started = [json.loads((tmp_path / "out" / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [rank["distributed_type"] for rank in started] == ["DistributedType.DEEPSPEED"] * 2
     assert lock.exists()  # not this session's to remove
 
 

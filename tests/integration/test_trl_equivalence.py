@@ -140,8 +140,6 @@ def tiny_llava(tmp_path):
 def test_a_vision_language_model_trains_as_trl_does_with_replay_off_and_says_so(tmp_path, caplog):
     """The pool stores token ids, not images, so a vision-language model cannot replay: with the defaults (replay on)
     the swap trains anyway, exactly as GRPOTrainer (same metrics, same weights), and one warning says why."""
-    from datasets import Dataset
-
     model, processor = tiny_llava(tmp_path)
     dataset = say_word_dataset(num_tasks=3, repeats=8)
     runs = {}
@@ -149,7 +147,7 @@ def test_a_vision_language_model_trains_as_trl_does_with_replay_off_and_says_so(
         args = make_args(tmp_path / trainer_cls.__name__, config_cls, max_steps=STEPS, learning_rate=1e-2)
         with caplog.at_level("WARNING", logger="trl_exreplay"):
             runs[trainer_cls] = trainer_cls(
-                model=model, reward_funcs=said_target, args=args, train_dataset=Dataset.from_list(list(dataset)),
+                model=model, reward_funcs=said_target, args=args, train_dataset=dataset,
                 processing_class=processor,
             )  # fmt: skip
             runs[trainer_cls].train()

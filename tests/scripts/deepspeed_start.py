@@ -12,9 +12,8 @@ from accelerate import PartialState
 
 from trl_exreplay.distributed import exit_distributed
 
-state = PartialState(
-    backend="gloo"
-)  # deepspeed.init_distributed under a DeepSpeed config, as on a CPU the Trainer calls it
+# Under a DeepSpeed config this calls deepspeed.init_distributed, as the Trainer's arguments do on a CPU (gloo)
+state = PartialState(backend="gloo")
 Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
 Path(sys.argv[1], f"rank{state.process_index}.json").write_text(
     json.dumps({"distributed_type": str(state.distributed_type)})
