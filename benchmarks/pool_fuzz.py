@@ -44,7 +44,7 @@ import pyarrow as pa  # noqa: E402
 from trl_exreplay.demo.tiny import build_tiny_tokenizer  # noqa: E402
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory  # noqa: E402
 from trl_exreplay.pool.check import PoolFormatError, file_checksum, state_checksum  # noqa: E402
-from trl_exreplay.pool.shards import TRAJECTORY_SCHEMA, read_arrow  # noqa: E402
+from trl_exreplay.pool.store import TRAJECTORY_SCHEMA, read_arrow, write_arrow  # noqa: E402
 
 OUTCOMES = (
     "signals",
@@ -60,7 +60,8 @@ VOCAB = 64
 
 # ------------------------------------------------------------------------------------------------------- the pool
 def build_pool(folder: str, tokenizer) -> None:
-    """A pool of 3 trajectory shards and 2 task row shards, saved twice (incrementally) in `folder`."""
+    """A pool of 4 trajectory shards and 3 task row shards (shards of 4 rows), saved twice (incrementally) in
+    `folder`."""
     from trl_exreplay.pool import tokenizer_fingerprint
 
     rng = np.random.default_rng(0)
@@ -322,8 +323,7 @@ def crafted_rows(folder, rng, outside):
         row["entropy"] = float("nan")
     table = pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
     os.remove(path)
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
+    write_arrow(path, table)  # as the pool writes a shard
     _write_state(folder, _state(folder), reseal=True)
     return f"crafted row ({what}) in {name}"
 

@@ -1,7 +1,7 @@
 """Soak: a long run with replay, checkpointing, that must not grow in memory, descriptors or disk.
 
 Trains a tiny model on the key-and-door game (`trl_exreplay.demo.toy`, 24 tasks, so the pool fills within the first
-few hundred steps and then only turns over: evictions, tombstones, compactions) with replay on for ``--steps`` steps,
+few hundred steps and then only turns over: evictions, dead rows, compactions) with replay on for ``--steps`` steps,
 saving a checkpoint (model, optimizer and pool) every ``--save-steps`` and keeping ``--keep`` of them. Every
 ``--every`` steps it prints the process's RSS, its open file descriptors, the bytes of the live pool's scratch folder,
 of the pools in the kept checkpoints and of the whole output folder (each file counted once: the pools' shards are hard

@@ -8,13 +8,16 @@ the pool through the keeper. The methods marked collective must be called by eve
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 
 from .distributed import from_main_process
 from .pool import ExperiencePool, tokenizer_fingerprint
+from .pool.store import Scratch
 from .schedule import ReplaySchedule
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,7 @@ class PoolKeeper:
         self._vocab_size = _vocab_size(model)
 
         def make() -> ExperiencePool:
+            _remove_left_scratch(self._pool_work_dir(), keep=experience_pool)
             if experience_pool is not None:
                 return self._adopt_pool(experience_pool, "the given experience_pool")
             pool = ExperiencePool(**self._pool_settings, work_dir=self._pool_work_dir())
@@ -107,7 +111,11 @@ class PoolKeeper:
         return from_main_process(self._accelerator, read)
 
     def _pool_work_dir(self) -> str:
-        return self.settings.replay_scratch_dir or os.path.join(self._output_dir, POOL_WORK_DIR)
+        """This run's folder for the live pool's files: only runs of this `output_dir` write there."""
+        if self.settings.replay_scratch_dir is None:
+            return os.path.join(self._output_dir, POOL_WORK_DIR)
+        run = hashlib.sha1(os.path.abspath(self._output_dir).encode()).hexdigest()[:12]
+        return os.path.join(self.settings.replay_scratch_dir, f"exreplay-run-{run}")
 
     def _adopt_pool(self, pool: ExperiencePool, source: str) -> ExperiencePool:
         """Use `pool` under this run's configuration (the config wins over the settings the pool was saved with).
@@ -162,6 +170,19 @@ class PoolKeeper:
             return self.pool
 
         self._take_pool(load)
+
+
+def _remove_left_scratch(work_dir: str, keep: ExperiencePool | None) -> None:
+    """Remove the live-pool folders an earlier run of this output_dir left in `work_dir` (a killed run leaves its
+    shards, on whichever machine it ran), but for the one of `keep`, a pool given to this run."""
+    if not os.path.isdir(work_dir):
+        return
+    kept = keep.scratch_folder() if keep is not None and keep.holds_rows else None
+    for name in os.listdir(work_dir):
+        path = os.path.join(work_dir, name)
+        if name.startswith(Scratch.PREFIX) and path != kept and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("trl_exreplay: removed %s, the live pool of an earlier run of this output_dir.", path)
 
 
 def _vocab_size(model) -> int | None:

@@ -28,7 +28,7 @@ DOCSTRINGS = [
     "trl_exreplay.pool.rules:",
     "trl_exreplay.schedule:",
     "trl_exreplay.outcomes:",
-    "trl_exreplay.pool.shards:",
+    "trl_exreplay.pool.store:",
     "trl_exreplay.envs.base:TextEnv",
     "trl_exreplay.envs.process:EnvProcessPool",
     "trl_exreplay.alfworld.arguments:AlfWorldArguments",

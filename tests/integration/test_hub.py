@@ -24,8 +24,8 @@ from trl import GRPOTrainer
 from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 from trl_exreplay.hub import CITATIONS, MODEL_FILE_PATTERNS, model_card, model_files, push_model
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, pool_from_hub, push_pool, tokenizer_fingerprint
-from trl_exreplay.pool.folder import STATE_FILE, TRAJECTORIES_DIR
-from trl_exreplay.pool.shards import TRAJECTORY_FEATURES
+from trl_exreplay.pool.persistence import STATE_FILE, TRAJECTORIES_DIR
+from trl_exreplay.pool.store import TRAJECTORY_FEATURES
 
 ARXIV_IDS = ("2510.02245", "2511.10395", "2010.03768", "2402.03300")
 REPLAY_CONFIG = {
@@ -334,7 +334,7 @@ def dataset_rows(folder, cache_dir) -> list[dict]:
     (default,) = [config for config in card.data.configs if config["config_name"] == "default"]
     data_files = [str(Path(folder) / name) for name in default["data_files"]]
     table = datasets.load_dataset("arrow", data_files=data_files, split="train", cache_dir=str(cache_dir))
-    assert table.features == datasets.Features.from_dict(TRAJECTORY_FEATURES)  # the features the shards declare
+    assert table.features == TRAJECTORY_FEATURES  # the features the shards declare
     return sorted(({k: v for k, v in row.items() if k != "store_seq"} for row in table), key=lambda r: r["traj_id"])
 
 
@@ -390,9 +390,9 @@ def test_push_pool_of_a_live_pool_compacts_and_pool_from_hub_checks_the_tokenize
     pool.record_outcome(TaskOutcome("a", 2, 4, [trajectory("a", 0.9), trajectory("a", 0.8)], '{"prompt": "a"}'))
     pool.record_outcome(TaskOutcome("b", 1, 4, [trajectory("b", 0.7)], '{"prompt": "b"}'))
     pool.record_outcome(TaskOutcome("c", 1, 4, [trajectory("c", 0.6)], '{"prompt": "c"}'))  # 4 rows: one shard
-    pool.flush(wait=True)
+    pool.flush()
     pool.record_outcome(TaskOutcome("a", 1, 4, [trajectory("a", 0.3, 1)], None))  # evicts 0.9, a written row
-    pool.flush(wait=True)
+    pool.flush()
     assert pool.storage_stats()["trajectory_dead_rows"] == 1
 
     push_pool(pool, "me/pool", private=True, token="hf_fake")
@@ -433,7 +433,7 @@ def test_push_pool_compacts_a_folder_with_evicted_rows_in_place(hub, tmp_path):
     pool = ExperiencePool(max_trajectories_per_task=1, experience_rbound=4)
     for task in "tuv":
         pool.record_outcome(TaskOutcome(task, 1, 4, [trajectory(task, 0.5)], f'{{"prompt": "{task}"}}'))
-    pool.flush(wait=True)
+    pool.flush()
     pool.record_outcome(TaskOutcome("t", 1, 4, [trajectory("t", 0.4, 1)], None))  # 1 of the shard's 3 rows evicted
     folder = tmp_path / "pool"
     pool.save(str(folder))
@@ -479,6 +479,8 @@ def test_push_pool_rejects_a_folder_that_is_not_a_pool(hub, tmp_path):
     incomplete = tmp_path / "incomplete"
     make_pool().save(str(incomplete))
     shutil.rmtree(incomplete / TRAJECTORIES_DIR)
-    with pytest.raises(ValueError, match=f"incomplete/{TRAJECTORIES_DIR}/traj-.*cannot be read"):
+    with pytest.raises(
+        ValueError, match=f"incomplete/{TRAJECTORIES_DIR}/trajectories-[0-9a-f]{{16}}.arrow: cannot be read"
+    ):
         push_pool(str(incomplete), "me/pool")
     assert hub.create_repo == [] and hub.create_commit == []

@@ -20,7 +20,7 @@ from helpers import traj
 from trl_exreplay import planner
 from trl_exreplay.planner import plan_replay
 from trl_exreplay.pool import ExperiencePool, TaskOutcome
-from trl_exreplay.pool.shards import Shard, read_arrow
+from trl_exreplay.pool.store import Shard, read_arrow
 
 
 def record(pool, task_id, successes, entropies=(), version=0, num_fresh=4, task_row="default", n=3):
@@ -186,7 +186,7 @@ def test_choose_is_select_over_the_candidates(mode, tmp_path):
         for task in ("a", "b", "c", "d"):
             record(pool, task, 3, [round(rnd.random(), 1) for _ in range(2)], version=step)
         if step == 8:
-            pool.flush(wait=True)  # some read from shard files, the last ones still pending
+            pool.flush()  # some read from shard files, the last ones still pending
     for limits in ({}, {"current_step": 11, "max_policy_age": 3}, {"window": 9}, {"current_step": 11, "window": 5}):
         k = 1 if limits else 2
 
@@ -211,48 +211,56 @@ def test_choose_is_select_over_the_candidates(mode, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Reads: runs of rows, files kept open
+# Reads: rows of memory-mapped shards, in any order
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_rows_read_with_pread_are_the_arrow_values():
-    pool = ExperiencePool(max_trajectories_per_task=64, experience_rbound=8, shard_rows=64)
+def test_rows_read_in_any_order_across_shards_are_the_arrow_values():
+    pool = ExperiencePool(max_trajectories_per_task=64, experience_rbound=8, shard_rows=16)
     rnd = random.Random(4)
-    for i in range(64):
+    for i in range(60):
         record(pool, "a", 3, [rnd.random()], n=rnd.randrange(1, 3000), version=i)
-    pool.flush(wait=True)
-    key = int(pool.index.slots[pool.index.task_index["a"], 0])
-    shard = pool._trajectories.shards[int(pool._trajectories.locations(np.array([key]))[0]) >> 32]
-    assert isinstance(shard, Shard) and not shard.is_open
-    table = read_arrow(shard.path)
+    log = pool._trajectories
+    keys = pool.index.keys(pool.index.task_index["a"])
+    assert log.stats()["shards"] == 3 and log.stats()["pending_rows"] == 12  # 48 rows written, 12 pending
     names = ("prompt_ids", "completion_ids", "completion_mask", "logps", "rewards", "reward")
-    rows = [40, 3, 3, 4, 63, 0, 5, 20, 21, 22]  # unsorted, repeated, adjacent and far apart
-    want = [{name: table.column(name)[row].as_py() for name in names} for row in rows]
-    assert shard.read(names, rows) == want
+    picks = [40, 3, 3, 4, 59, 0, 5, 20, 21, 22, 50, 17, 16, 15]  # unsorted, repeated, adjacent, far apart, pending
+    got = log.read([keys[i] for i in picks], names)
+    for i, found in zip(picks, got):
+        where = int(log.where[keys[i]])
+        if i >= 48:
+            assert (
+                where == -1 and found == log.pending[keys[i]].select(list(names)).to_pylist()[0]
+            )  # its one-row table
+            continue
+        assert isinstance(found, dict) and where >= 0
+        shard = log.shards[where >> 32]
+        assert isinstance(shard, Shard)
+        table = read_arrow(shard.path)  # the file itself, read apart from the pool's mapping
+        assert found == {name: table.column(name)[where & 0xFFFFFFFF].as_py() for name in names}
+    written = [i for i in picks if i < 48]
+    assert log.read([keys[i] for i in written], ("traj_id", "policy_version")) == [
+        {"traj_id": i, "policy_version": i} for i in written
+    ]  # each key's own row
 
 
-def test_a_read_opens_each_shard_it_reads_once_and_closes_it(tmp_path, monkeypatch):
-    """Rows are read with `pread` from a descriptor opened for the read: one open per shard read, not per row, and
-    none left open after (a pool holds no descriptor between steps, however many shards it has)."""
+def test_a_pool_holds_no_file_descriptor_for_its_shards(tmp_path):
+    """Shards are memory maps, not open files: a live or loaded pool of many shards holds no descriptor for them
+    (a pool of 1M trajectories has thousands of shards; a descriptor each would pass the usual limit of 1024)."""
+    descriptors = len(os.listdir("/proc/self/fd"))
     pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4)
     for i in range(40):
         record(pool, f"t{i}", 2, [0.1, 0.2])
-    pool.flush(wait=True)
+    pool.flush()
     pool.save(str(tmp_path / "pool"))
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
-    opened = []
-    original = os.open
-
-    def counting_open(path, *args, **kwargs):
-        if str(path).endswith(".arrow"):
-            opened.append(os.path.basename(path))
-        return original(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", counting_open)
     for p in (pool, loaded):
-        opened.clear()
-        descriptors = len(os.listdir("/proc/self/fd"))
+        assert p.storage_stats()["trajectory_shards"] == 20 and p.storage_stats()["task_row_shards"] == 10
         chosen = p.choose(p.stored_tasks(), 1)
         assert len(chosen) == 40 and all(ts[0].completion_ids == [10, 11, 12] for ts in chosen.values())
-        assert len(opened) == len(set(opened)) == 20  # 40 rows in 20 shards of 4: each shard opened once
-        assert len(os.listdir("/proc/self/fd")) == descriptors
+        assert [p.task_row(f"t{i}") for i in range(40)] == [{"task_id": f"t{i}"} for i in range(40)]
+    assert len(os.listdir("/proc/self/fd")) == descriptors
+    with open("/proc/self/maps") as f:  # address perms offset dev inode path
+        mapped = {int(line.split()[4]) for line in f if line.rstrip().endswith(".arrow")}
+    shards = [s for p in (pool, loaded) for log in (p._trajectories, p._task_rows) for s in log.shards.values()]
+    assert len(shards) == 60 and {s.inode[1] for s in shards} <= mapped  # read through their mappings

@@ -16,7 +16,7 @@ from trl_exreplay.demo.examples import VOCABULARY, said_target, say_word_dataset
 from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 from trl_exreplay.planner import ReplayPlan
 from trl_exreplay.pool import tokenizer_fingerprint
-from trl_exreplay.pool.folder import read_state, state_files
+from trl_exreplay.pool.persistence import read_state, state_files
 from trl_exreplay.selection import current_policy_entropies, select_trajectories
 from trl_exreplay.trainer import POOL_DIR, POOL_WORK_DIR
 

@@ -19,7 +19,7 @@ from trl_exreplay.demo.examples import VOCABULARY, said_target
 from trl_exreplay.demo.tiny import build_tiny_tokenizer
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, tokenizer_fingerprint
 from trl_exreplay.pool.check import PoolFormatError
-from trl_exreplay.pool.folder import remove_dead_scratch
+from trl_exreplay.trainer import POOL_WORK_DIR
 
 
 def trajectory(task="t", logps=(-0.5, -0.25), ids=(3, 4), mask=(1, 1), reward=1.0, entropy=0.5):
@@ -88,7 +88,7 @@ def test_damage_is_one_error_naming_the_file(tmp_path):
 def test_a_shard_with_columns_of_another_type_is_refused(tmp_path):
     import pyarrow as pa
 
-    from trl_exreplay.pool.shards import read_arrow
+    from trl_exreplay.pool.store import read_arrow
 
     saved_pool(tmp_path / "pool")
     shard = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]
@@ -153,6 +153,25 @@ def test_shard_names_that_leave_the_folder_are_refused(tmp_path, name):
     edit_state(tmp_path / "pool", lambda s: _rename_first_shard(s, name, str(tmp_path / "pool")))
     with pytest.raises(PoolFormatError, match="is not a file name inside `trajectories/`"):
         ExperiencePool.load(str(tmp_path / "pool"))
+
+
+@pytest.mark.parametrize("which", ["state.json", "a shard"])
+def test_a_fifo_in_place_of_a_pool_file_is_refused_without_being_opened(tmp_path, monkeypatch, which):
+    """Opening a FIFO blocks until a writer comes: a load, and a push, must refuse it by its type first."""
+    saved_pool(tmp_path / "pool")
+    path = tmp_path / "pool" / "state.json"
+    if which == "a shard":
+        path = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]
+    path.unlink()
+    os.mkfifo(path)
+    signal.alarm(20)  # a hang fails the test instead of the suite
+    try:
+        with pytest.raises(PoolFormatError, match="not a regular file"):
+            ExperiencePool.load(str(tmp_path / "pool"))
+        if which == "a shard":
+            assert_refused_by_push_pool(tmp_path / "pool", monkeypatch)
+    finally:
+        signal.alarm(0)
 
 
 def test_an_absolute_tasks_file_is_refused_and_never_pushed(tmp_path, monkeypatch):
@@ -259,36 +278,30 @@ _HOLD_A_POOL = textwrap.dedent(
     from trl_exreplay.pool import ExperiencePool, Trajectory
     pool = ExperiencePool(work_dir=sys.argv[1], shard_rows=1)
     pool.add(Trajectory("t", [1], [2], [1], [-0.1], [1.0], 1.0, 0.5, 0))
-    pool.flush(wait=True)
+    pool.flush()
     print(pool._scratch.path, flush=True)
     time.sleep(600)
     """
 )
 
 
-def test_scratch_of_killed_runs_is_removed_and_a_live_runs_kept(tmp_path):
-    work = tmp_path / "work"
-    children = [
-        subprocess.Popen([sys.executable, "-c", _HOLD_A_POOL, str(work)], stdout=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
+def test_a_trainer_removes_the_live_pool_a_killed_run_left_in_its_output_dir(tmp_path):
+    """A run killed mid-training leaves its live pool's shards; the next run of the same output_dir removes them when
+    it starts (whichever machine the killed one ran on), and nothing else of the folder."""
+    work = tmp_path / "out" / POOL_WORK_DIR  # make_trainer's output_dir is tmp_path / "out"
+    child = subprocess.Popen([sys.executable, "-c", _HOLD_A_POOL, str(work)], stdout=subprocess.PIPE, text=True)
     try:
-        folders = [child.stdout.readline().strip() for child in children]
-        assert all(os.path.isdir(f) and os.listdir(os.path.join(f, "trajectories")) for f in folders)
-        os.kill(children[0].pid, signal.SIGKILL)
-        children[0].wait()
-        pool = ExperiencePool(work_dir=str(work))
-        pool.add(trajectory())
-        pool.flush(wait=True)  # its first write makes its scratch folder, and clears the dead ones first
-        assert not os.path.exists(folders[0]) and os.path.isdir(folders[1])
-        assert remove_dead_scratch(str(work)) == []  # the live ones (this one's, the child's) are kept
-        pool.close()
+        folder = child.stdout.readline().strip()
+        assert os.listdir(os.path.join(folder, "trajectories"))
     finally:
-        for child in children:
-            child.kill()
-            child.wait()
-    assert remove_dead_scratch(str(work)) == [folders[1]]
-    assert os.listdir(work) == []
+        child.kill()
+        child.wait()
+    (work / "notes.txt").write_text("not a pool's")
+    trainer = make_trainer(tmp_path, max_steps=1)
+    assert not os.path.exists(folder) and (work / "notes.txt").exists()
+    trainer.pool.add(trajectory())
+    trainer.pool.flush()
+    assert os.path.dirname(trainer.pool.scratch_folder()) == str(work)
 
 
 def test_a_resume_without_the_pool_warns_and_says_how_to_start_empty(tmp_path):

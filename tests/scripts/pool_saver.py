@@ -1,8 +1,8 @@
 """Child process of `tests/unit/test_pool_store.py::test_killed_saves_always_leave_the_last_complete_pool`.
 
 Changes a pool and saves it to FOLDER in a loop until killed: new trajectories, evictions of written ones
-(tombstones), skip-set clears, new task rows, background compactions, one or two kept snapshots. Prints
-``saving <i> <content hash>`` before each save and ``saved <i> <content hash> <seconds the save took>`` after it.
+(dead rows), skip-set clears, new task rows, compactions, one or two kept snapshots. Prints ``saving <i> <content
+hash>`` before each save and ``saved <i> <content hash> <seconds the save took>`` after it.
 
 With ``--sweep``, kills instead a forked copy of itself before the 1st, 2nd, ... filesystem operation (link,
 rename, remove, fsync, mkdir, rmtree) of each of a few saves, in turn, checks after each kill that the folder loads
@@ -55,7 +55,7 @@ def sweep(folder: str, work_dir: str, seed: int) -> None:
     for save in range(1, 6):
         committed = pool.content_hash() if save > 1 else None
         change(pool, rng, save)
-        pool.flush(wait=True)  # the writer thread idle: nothing held across the fork
+        pool.flush()  # nothing pending or to compact: a forked save writes no shard into the scratch folder it shares
         new = pool.content_hash()
         for number in range(10_000) if save > 1 else ():
             child = os.fork()

@@ -15,8 +15,8 @@ import pytest
 from helpers import reseal_pool
 
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, task_key
-from trl_exreplay.pool.folder import read_state, state_files
-from trl_exreplay.pool.shards import TRAJECTORY_SCHEMA, read_arrow
+from trl_exreplay.pool.persistence import read_state, state_files
+from trl_exreplay.pool.store import TRAJECTORY_SCHEMA, read_arrow
 
 
 def f32(x: float) -> float:
@@ -619,24 +619,35 @@ def test_failed_save_keeps_previous_pool_and_cleans_up(tmp_path, monkeypatch):
     assert_same_pool(ExperiencePool.load(str(path)), changed)
 
 
-def test_failed_shard_write_is_reported_and_retried(tmp_path):
+def test_a_failed_shard_write_keeps_its_rows_waiting_the_index_whole_and_fails_the_save(tmp_path, monkeypatch):
+    """A full disk on the training path: the outcome is recorded whole (as on the ranks that hold the index only, which
+    write nothing), the rows wait, no partial file is left, and a save raises until a write succeeds."""
+    import trl_exreplay.pool.store as store
+
     pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4, shard_rows=2)
-    build = pool._trajectories._build
+    index_only = ExperiencePool.from_index_snapshot(pool.index_snapshot())
+    write = store.write_arrow
 
-    def broken(items):
-        raise OSError("no space left on device")
+    def full_disk(path, table):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
 
-    pool._trajectories._build = broken
-    pool.record_outcome(outcome("a", 3, entropies=[0.1, 0.2, 0.3]))  # the second add queues a shard: it fails
-    with pytest.raises(RuntimeError, match="no space left on device"):
+    monkeypatch.setattr(store, "write_arrow", full_disk)
+    for p in (pool, index_only):
+        p.record_outcome(outcome("a", 3, entropies=[0.1, 0.2, 0.3]))  # the second add fills a shard: its write fails
+    assert pool.index_hash() == index_only.index_hash()
+    assert entropies(pool, "a") == [f32(0.1), f32(0.2), f32(0.3)]  # read from the rows that wait
+    assert pool.storage_stats()["trajectory_pending_rows"] == 3
+    assert [f for _, _, fs in os.walk(pool.scratch_folder()) for f in fs] == []  # no partial file left
+    with pytest.raises(OSError, match="No space left"):
         pool.save(str(tmp_path / "pool"))
     assert not (tmp_path / "pool" / "state.json").exists()
-    assert entropies(pool, "a") == [f32(0.1), f32(0.2), f32(0.3)]  # nothing lost: still buffered
-    pool._trajectories._build = build
+    monkeypatch.setattr(store, "write_arrow", write)
     pool.save(str(tmp_path / "pool"))
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     assert loaded.rejected_rows == 0 and entropies(loaded, "a") == [f32(0.1), f32(0.2), f32(0.3)]
-    assert loaded.content_hash() == pool.content_hash()
+    assert loaded.content_hash() == pool.content_hash() and loaded.index_hash() == index_only.index_hash()
 
 
 def test_load_rejects_other_format_version(tmp_path):

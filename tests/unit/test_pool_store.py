@@ -1,5 +1,5 @@
-"""The experience pool at scale: sharded Arrow storage, background writes, tombstones and compaction, incremental and
-atomic saves (a writer process killed at random instants), windows, sampling, tokenizer fingerprints.
+"""The experience pool's storage: `datasets` Arrow shards written on the calling thread, dead rows and compaction,
+incremental and atomic saves (a writer process killed at random instants), windows, sampling, tokenizer fingerprints.
 
 Sizes here are tiny; `benchmarks/pool_scale.py` measures 10k to 1M trajectories.
 """
@@ -11,11 +11,11 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import datasets
@@ -25,17 +25,18 @@ import pytest
 from helpers import kill_a_save_at_random, traj
 
 from trl_exreplay.demo.tiny import build_tiny_tokenizer
-from trl_exreplay.pool import ExperiencePool, TaskOutcome, tokenizer_fingerprint
+from trl_exreplay.pool import ExperiencePool, TaskOutcome, store, tokenizer_fingerprint
 from trl_exreplay.pool.check import PoolFormatError
-from trl_exreplay.pool.folder import STATE_FILE, Scratch, read_state, state_files
-from trl_exreplay.pool.shards import (
+from trl_exreplay.pool.persistence import STATE_FILE, read_state, state_files
+from trl_exreplay.pool.store import (
     TASK_ROW_FEATURES,
     TASK_ROW_SCHEMA,
     TRAJECTORY_FEATURES,
     TRAJECTORY_SCHEMA,
-    ShardLog,
+    Log,
+    Scratch,
+    read_arrow,
 )
-from trl_exreplay.pool.writer import Writer
 
 SAVER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "pool_saver.py")
 
@@ -62,35 +63,79 @@ def files_of(path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
 
 
+def shards_of(path) -> set[str]:
+    return {n for n in files_of(path) if n.startswith(("trajectories/", "task_rows/"))}
+
+
 def inode(path) -> int:
     return os.stat(path).st_ino
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Shards: real `datasets` Arrow files, written off the calling thread
-# --------------------------------------------------------------------------------------------------------------------
+def rows_on_disk(folder) -> int:
+    """Rows in the Arrow files of `folder`, read from the files themselves."""
+    return sum(read_arrow(str(p)).num_rows for p in Path(folder).glob("*.arrow"))
 
 
-def test_schemas_are_what_datasets_gives_the_features():
-    for features, schema in ((TRAJECTORY_FEATURES, TRAJECTORY_SCHEMA), (TASK_ROW_FEATURES, TASK_ROW_SCHEMA)):
-        expected = datasets.Features.from_dict(features).arrow_schema
-        assert schema.remove_metadata() == expected.remove_metadata()
-        assert json.loads(schema.metadata[b"huggingface"]) == json.loads(expected.metadata[b"huggingface"])
+# --------------------------------------------------------------------------------------------------------------------
+# Shards: real `datasets` Arrow files, written on the calling thread
+# --------------------------------------------------------------------------------------------------------------------
+
+# The columns of format 3's shards (state.json's format_version), as every pool saved so far holds them.
+FORMAT_3_COLUMNS = {
+    "trajectories": {
+        "task_id": "string",
+        "prompt_ids": ["int32"],
+        "completion_ids": ["int32"],
+        "completion_mask": ["int8"],
+        "logps": ["float32"],
+        "rewards": ["float32"],
+        "reward": "float32",
+        "entropy": "float32",
+        "policy_version": "int64",
+        "traj_id": "int64",
+        "store_seq": "int64",
+    },
+    "task_rows": {"task_id": "string", "task_row": "string"},
+}
+
+
+def test_the_shards_schemas_are_format_3s_with_the_features_datasets_reads():
+    """The schemas (columns, types and the ``huggingface`` metadata `datasets` reads features from) are those format
+    3 wrote: the rewrite of the store changed no byte a saved pool's reader depends on."""
+    for kind, features, schema in (
+        ("trajectories", TRAJECTORY_FEATURES, TRAJECTORY_SCHEMA),
+        ("task_rows", TASK_ROW_FEATURES, TASK_ROW_SCHEMA),
+    ):
+        columns = FORMAT_3_COLUMNS[kind]
+        arrow = {
+            name: pa.list_(pa.type_for_alias(dtype[0])) if isinstance(dtype, list) else pa.type_for_alias(dtype)
+            for name, dtype in columns.items()
+        }
+        assert [(field.name, field.type) for field in schema] == list(arrow.items())
+        declared = {
+            name: {"feature": {"dtype": dtype[0], "_type": "Value"}, "_type": "List"}
+            if isinstance(dtype, list)
+            else {"dtype": dtype, "_type": "Value"}
+            for name, dtype in columns.items()
+        }
+        assert json.loads(schema.metadata[b"huggingface"]) == {"info": {"features": declared}}
+        assert datasets.Features.from_arrow_schema(schema) == features == datasets.Features.from_dict(declared)
 
 
 def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
     pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=2, work_dir=str(tmp_path))
     record(pool, "a", 3, [0.3, 0.2, 0.1], version=4)
     record(pool, "b", 2, [0.9, 0.8], version=5)
-    pool.flush(wait=True)
+    pool.flush()
     stats = pool.storage_stats()
     assert (stats["trajectory_shards"], stats["trajectory_rows"], stats["trajectory_pending_rows"]) == (3, 5, 0)
     assert stats["task_row_pending_rows"] == 0
     (scratch,) = [p for p in tmp_path.iterdir() if p.name.startswith("exreplay-pool-")]
     rows = []
     for shard in sorted((scratch / "trajectories").iterdir()):
+        assert re.fullmatch(r"trajectories-[0-9a-f]{16}\.arrow", shard.name)
         table = datasets.Dataset.from_file(str(shard))  # memory-mapped by `datasets` itself
-        assert table.features == datasets.Features.from_dict(TRAJECTORY_FEATURES)
+        assert table.features == TRAJECTORY_FEATURES
         rows += table.to_list()
     want = [dict(t.__dict__, store_seq=i) for i, t in enumerate(pool.candidates("a") + pool.candidates("b"))]
     assert sorted(rows, key=lambda r: r["traj_id"]) == want
@@ -111,40 +156,45 @@ def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
     assert not scratch.exists()  # the live pool's scratch shards go with it
 
 
-def test_appends_are_written_by_the_writer_thread_without_blocking_the_caller(tmp_path):
-    pool = ExperiencePool(max_trajectories_per_task=10, experience_rbound=20, shard_rows=4)
-    build, release, threads = pool._trajectories._build, threading.Event(), []
+def test_rows_are_pending_until_they_fill_a_shard_written_on_the_calling_thread(tmp_path, monkeypatch):
+    """No writer thread: the add that brings the pending rows to `shard_rows` writes them as one file before it
+    returns; the rows are readable all along, pending or written; `flush` writes the rest."""
+    pool = ExperiencePool(max_trajectories_per_task=10, experience_rbound=20, shard_rows=4, work_dir=str(tmp_path))
+    writes, write_arrow = [], store.write_arrow
 
-    def slow_build(items):
-        threads.append(threading.current_thread().name)
-        assert release.wait(10)
-        return build(items)
+    def recording(path, table):
+        if os.path.basename(path).startswith("trajectories-"):  # not the task rows' shards
+            writes.append((threading.current_thread(), table.num_rows))
+        write_arrow(path, table)
 
-    pool._trajectories._build = slow_build
-    record(pool, "a", 9, [0.1 * i for i in range(9)])  # two shards queued; the writer is held on the first
-    time.sleep(0.05)
-    assert threads == ["exreplay-pool-writer"]
-    assert pool.storage_stats()["trajectory_pending_rows"] == 9  # buffered, and readable meanwhile
-    assert entropies(pool, "a") == [f32(0.1 * i) for i in range(9)]
-    release.set()
-    pool.flush(wait=True)
-    assert threads == ["exreplay-pool-writer"] * 3
-    assert pool.storage_stats()["trajectory_pending_rows"] == 0
-    assert entropies(pool, "a") == [f32(0.1 * i) for i in range(9)]  # now read from the shards
+    monkeypatch.setattr(store, "write_arrow", recording)
+    record(pool, "a", 9, [0.1 * i for i in range(9)])
+    assert writes == [(threading.current_thread(), 4)] * 2  # written while record_outcome ran
+    stats = pool.storage_stats()
+    assert (stats["trajectory_shards"], stats["trajectory_rows"], stats["trajectory_pending_rows"]) == (2, 8, 1)
+    assert rows_on_disk(Path(pool.scratch_folder()) / "trajectories") == 8
+    assert entropies(pool, "a") == [f32(0.1 * i) for i in range(9)]  # 8 read from the files, 1 pending
+    pool.flush()
+    assert writes[2:] == [(threading.current_thread(), 1)]
+    stats = pool.storage_stats()
+    assert (stats["trajectory_shards"], stats["trajectory_rows"], stats["trajectory_pending_rows"]) == (3, 9, 0)
+    assert entropies(pool, "a") == [f32(0.1 * i) for i in range(9)]  # now all read from the shards
+    pool.flush()
+    assert len(writes) == 3  # nothing pending: no empty shard
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Tombstones and compaction
+# Dead rows and compaction
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_evictions_leave_tombstones_that_compaction_removes(tmp_path):
+def test_evicted_rows_stay_in_their_shard_until_compaction_removes_them(tmp_path):
     def build(flush):
         pool = ExperiencePool(max_trajectories_per_task=1, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
         for task in "abcdefgh":  # two shards of four
             record(pool, task, 1, [0.5])
         if flush:
-            pool.flush(wait=True)
+            pool.flush()
         return pool
 
     pool, unflushed = build(True), build(False)
@@ -152,15 +202,16 @@ def test_evictions_leave_tombstones_that_compaction_removes(tmp_path):
     pool.save(str(saved))
     assert pool.storage_stats()["trajectory_dead_rows"] == 0
     for p in (pool, unflushed):
-        record(p, "a", 1, [0.4], version=1)  # evicts a written row of the first shard: a tombstone
-    pool.flush(wait=True)
+        record(p, "a", 1, [0.4], version=1)  # evicts a written row of the first shard: a dead row
+    pool.flush()
     assert (pool.storage_stats()["trajectory_shards"], pool.storage_stats()["trajectory_dead_rows"]) == (3, 1)
     for p in (pool, unflushed):
         for task in "bc":
             record(p, task, 1, [0.3], version=2)
-    pool.flush(wait=True)  # the first shard is 3/4 dead now: rewritten in the background, the rest kept
+    pool.flush()  # the first shard is 3/4 dead now: its live row rewritten by this write's compaction, the rest kept
     stats = pool.storage_stats()
     assert (stats["trajectory_dead_rows"], stats["trajectory_rows"]) == (0, 8)
+    assert rows_on_disk(Path(pool.scratch_folder()) / "trajectories") == 8  # the rewritten shard's file is gone
     assert pool.content_hash() == unflushed.content_hash()  # storage layout is not content
     assert [entropies(pool, t) for t in "abcd"] == [[f32(0.4)], [f32(0.3)], [f32(0.3)], [f32(0.5)]]
     # the pool saved before the compaction is intact: it has its own links to the old shards
@@ -168,44 +219,77 @@ def test_evictions_leave_tombstones_that_compaction_removes(tmp_path):
 
 
 def test_a_row_evicted_while_compactions_rewrite_it_twice_is_counted_once(tmp_path):
-    """Random evictions while compactions rewrite shards that earlier compactions made: every tombstone is counted
+    """Random evictions while compactions rewrite shards that earlier compactions made: every dead row is counted
     once, wherever its row moved, or a save writes a state that its own check refuses (num_trajectories below the
     shards' live rows)."""
-    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, work_dir=str(tmp_path / "work"))
+    pool = ExperiencePool(
+        max_trajectories_per_task=5, experience_rbound=8, max_policy_age=1, shard_rows=64, work_dir=str(tmp_path)
+    )  # each version's adds evict the stale trajectories: the whole pool turns over every ~1000 adds
+    log, history = pool._trajectories, []
+    compact = log.compact
+
+    def recording(everything=True):  # the shard numbers each compaction removed and made
+        before = set(log.shards)
+        compact(everything)
+        history.append((before - set(log.shards), set(log.shards) - before))
+
+    log.compact = recording
     rng = np.random.default_rng(1)
-    for task in range(400):
+    for task in range(200):
         record(pool, f"t{task}", 5, rng.random(5).tolist(), num_fresh=8)
     pool.save(str(tmp_path / "pool"))
-    for version in range(1, 9):  # random evictions: tombstones everywhere, compactions of the compactions' shards
-        for task in rng.integers(0, 400, 512).tolist():
+    for version in range(1, 9):  # random evictions: dead rows everywhere, compactions of the compactions' shards
+        for task in rng.integers(0, 200, 512).tolist():
             pool.add(traj(f"t{task}", float(rng.random()), version))
-        pool.flush(wait=True)
+        pool.flush()
         pool.save(str(tmp_path / "pool"))  # its own check of the state it committed raised here
+    made, recompacted = set(), 0
+    for removed_now, made_now in history:
+        recompacted += len(removed_now & made)
+        made |= made_now
+    assert recompacted > 0  # shards that a compaction made were compacted in turn
     assert ExperiencePool.load(str(tmp_path / "pool")).content_hash() == pool.content_hash()
 
 
-def test_a_row_deleted_while_a_compaction_rewrites_it_is_a_tombstone_of_its_new_shard(tmp_path):
-    schema = pa.schema([("text", pa.string())])
-    build = lambda items: pa.record_batch([pa.array(items)], schema=schema)  # noqa: E731
-    writer, scratch = Writer(), Scratch(str(tmp_path))
-    log = ShardLog("notes", "note", schema, build, writer, scratch, shard_rows=4, stage_rows=4)
-    keys = [log.append(text) for text in "abcd"]
-    log.flush(seal=True, wait=True)
-    log.delete(keys[0])
-    log.delete(keys[1])  # half the shard dead: the next flush rewrites "c" and "d" into a new shard
-    write = log._write_shard
+NOTES = pa.schema([("text", pa.string())])
 
-    def write_then_delete(sid, rows, table):
-        shard = write(sid, rows, table)
-        log.delete(keys[2])  # the new shard is written, its keys not moved yet
-        return shard
 
-    log._write_shard = write_then_delete
-    log.flush(wait=True)
-    log._write_shard = write
-    assert log.read([keys[3]], ("text",)) == [{"text": "d"}]
-    assert log.stats() == {"shards": 1, "rows": 2, "dead_rows": 1, "open_rows": 0, "pending_rows": 0}
-    writer.close()
+def note(text: str) -> pa.Table:
+    return pa.table({"text": [text]}, schema=NOTES)
+
+
+def notes_log(tmp_path, shard_rows=4):
+    scratch = Scratch(str(tmp_path))
+    return Log("notes", NOTES, scratch, shard_rows), scratch
+
+
+def test_a_log_compacts_the_shards_more_dead_than_live_and_counts_a_moved_rows_death_in_its_new_shard(tmp_path):
+    log, scratch = notes_log(tmp_path)
+    for key, text in enumerate("abcdef"):
+        log.put(key, note(text))
+        log.write(if_full=True)  # "abcd": a shard; "ef" pending
+    assert log.read([5, 0], ("text",)) == [{"text": "f"}, {"text": "a"}]  # pending or written alike
+    first = log.shards[0].path
+    log.delete(0)
+    log.delete(1)  # half dead: not more dead than live, so kept
+    log.write()  # "ef": a second shard
+    assert log.stats() == {"shards": 2, "rows": 6, "dead_rows": 2, "pending_rows": 0} and os.path.exists(first)
+    log.delete(2)  # one live row of four
+    log.put(6, note("g"))
+    log.write()  # "g": a third shard, then the compaction: "d" rewritten into a shard of its own, the old file gone
+    assert not os.path.exists(first)
+    assert log.stats() == {"shards": 3, "rows": 4, "dead_rows": 0, "pending_rows": 0}
+    assert rows_on_disk(scratch.folder("notes")) == 4
+    assert log.read([6, 3, 5, 4, 3], ("text",)) == [{"text": t} for t in "gdfed"]
+    log.delete(3)  # the moved row: a dead row of its new shard, not of the removed one
+    assert log.stats() == {"shards": 3, "rows": 4, "dead_rows": 1, "pending_rows": 0}
+    log.delete(5)  # "ef" half dead: kept by the compaction after a write ...
+    log.compact()  # ... but not by an explicit one, which also drops the shard left with no live row
+    assert log.stats() == {"shards": 2, "rows": 2, "dead_rows": 0, "pending_rows": 0}
+    assert rows_on_disk(scratch.folder("notes")) == 2
+    assert log.read([4, 6], ("text",)) == [{"text": "e"}, {"text": "g"}]
+    log.put(3, note("d again"))  # a freed key holds a new row
+    assert log.read([3], ("text",)) == [{"text": "d again"}] and log.stats()["pending_rows"] == 1
     scratch.remove()
 
 
@@ -213,14 +297,86 @@ def test_explicit_compaction_and_skip_set_clears(tmp_path):
     pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=8, shard_rows=8)
     for task in "abc":
         record(pool, task, 3, [0.1, 0.2, 0.3])
-    pool.flush(wait=True)
-    record(pool, "a", 4, num_fresh=4)  # fully solved: its three trajectories become tombstones
-    pool.flush(wait=True)
+    pool.flush()
+    record(pool, "a", 4, num_fresh=4)  # fully solved: its three trajectories become dead rows
+    pool.flush()
     assert pool.storage_stats()["trajectory_dead_rows"] == 3 and pool.num_trajectories == 6
     before = pool.content_hash()
     pool.compact()
     assert pool.storage_stats()["trajectory_dead_rows"] == 0 and pool.storage_stats()["trajectory_rows"] == 6
     assert pool.content_hash() == before
+
+
+def test_under_eviction_churn_the_files_stay_within_twice_the_live_rows(tmp_path):
+    """Thousands of adds into a pool of 20 trajectories (each evicting the oldest of its task), each outcome with a
+    new task row replacing its task's last one: after every add, each log's written rows (and the rows of the files
+    in the scratch folder) stay within twice its live rows plus one shard."""
+    shard_rows = 8
+    pool = ExperiencePool(
+        max_trajectories_per_task=2,
+        experience_rbound=8,
+        exp_select_mode="random",  # at capacity: the oldest goes, every time
+        shard_rows=shard_rows,
+        work_dir=str(tmp_path),
+    )
+    folder = Path(pool.scratch_folder())
+    rng = np.random.default_rng(0)
+    for step in range(1200):
+        task = f"t{int(rng.integers(10))}"
+        pool.record_outcome(TaskOutcome(task, 1, 4, [traj(task, float(rng.random()), step)], row(task, step)))
+        stats = pool.storage_stats()
+        assert stats["trajectory_rows"] <= 2 * pool.num_trajectories + shard_rows, (step, stats)
+        assert stats["task_row_rows"] <= 2 * len(pool.index.task_ids) + shard_rows, (step, stats)
+        if step % 100 == 99:  # the files themselves: compaction removes what it rewrote
+            assert rows_on_disk(folder / "trajectories") == stats["trajectory_rows"]
+            assert rows_on_disk(folder / "task_rows") == stats["task_row_rows"]
+    assert pool.num_trajectories == 20 and pool.index.stored_count == 1200  # the churn: 1180 evicted
+    pool.save(str(tmp_path / "pool"))
+    assert ExperiencePool.load(str(tmp_path / "pool")).content_hash() == pool.content_hash()
+    assert rows_on_disk(tmp_path / "pool" / "trajectories") <= 2 * 20 + shard_rows
+
+
+def test_a_failed_write_in_a_compaction_loses_no_row(tmp_path, monkeypatch):
+    def build(save):
+        pool = ExperiencePool(max_trajectories_per_task=1, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+        for task in "abcd":
+            record(pool, task, 1, [0.5], task_row=None)  # one shard of four
+        if save:
+            pool.save(str(tmp_path / "pool"))
+        for task in "abc":
+            record(pool, task, 1, [0.4], version=1, task_row=None)  # three of its rows evicted, three pending
+        return pool
+
+    pool, twin = build(True), build(False)
+    writes, write_arrow = [], store.write_arrow
+
+    def full_disk_at_the_compaction(path, table):
+        writes.append(path)
+        if len(writes) == 2:  # the first writes the four pending rows, the second the compaction's row ("d")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_arrow(path, table)
+
+    monkeypatch.setattr(store, "write_arrow", full_disk_at_the_compaction)
+    record(pool, "e", 1, [0.5], task_row=None)  # logged, not raised: the outcome is recorded whole
+    assert len(writes) == 2  # the pending rows' shard was written, then the compaction's write failed
+    monkeypatch.setattr(store, "write_arrow", write_arrow)
+    record(twin, "e", 1, [0.5], task_row=None)
+    assert entropies(pool, "d") == [f32(0.5)]
+    assert pool.content_hash() == twin.content_hash()
+    pool.save(str(tmp_path / "pool"))
+    assert ExperiencePool.load(str(tmp_path / "pool")).content_hash() == twin.content_hash()
+
+
+def test_a_save_compacts_the_shards_more_dead_than_live_even_with_no_row_pending(tmp_path):
+    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    for task in "abcd":
+        record(pool, task, 2, [0.5, 0.4], task_row=None)  # two shards of four
+    for task in "abc":
+        record(pool, task, 4, num_fresh=4, task_row=None)  # solved: six of the eight rows removed, none added
+    pool.save(str(tmp_path / "pool"))  # "after each write, and before a save" (store.py)
+    stats = pool.storage_stats()
+    assert stats["trajectory_rows"] <= 2 * pool.num_trajectories == 4, stats
+    assert rows_on_disk(tmp_path / "pool" / "trajectories") <= 4
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -236,8 +392,7 @@ def test_saves_write_only_new_shards_and_share_the_others(tmp_path):
     pool.save(str(first))
     record(pool, "g", 1, [0.5])
     pool.save(str(second))
-    shards = lambda path: {n for n in files_of(path) if n.startswith(("trajectories/", "task_rows/"))}  # noqa: E731
-    old, new = shards(first), shards(second)
+    old, new = shards_of(first), shards_of(second)
     assert old < new and len(new - old) == 2  # one new trajectory shard, one new task row shard
     for name in old:  # the very same files: hard links, nothing rewritten
         assert inode(first / name) == inode(second / name) and os.stat(second / name).st_nlink >= 3
@@ -246,19 +401,18 @@ def test_saves_write_only_new_shards_and_share_the_others(tmp_path):
     assert ExperiencePool.load(str(second)).content_hash() == hashes["second"]
 
     # saving again into the same folder: the shards it has are left untouched, only new files appear
-    mtimes = {name: os.stat(second / name).st_mtime_ns for name in new}
+    mtimes = {name: (os.stat(second / name).st_mtime_ns, inode(second / name)) for name in new}
     record(pool, "h", 1, [0.5])
     pool.save(str(second))
     for name in new:
-        assert os.stat(second / name).st_mtime_ns == mtimes[name] and inode(second / name) == inode(second / name)
+        assert (os.stat(second / name).st_mtime_ns, inode(second / name)) == mtimes[name]
     assert files_of(second) == sorted(state_files(read_state(str(second))))  # the old tasks table was pruned
     assert ExperiencePool.load(str(second)).content_hash() == pool.content_hash()
 
 
-def test_with_the_scratch_folder_on_another_file_system_a_checkpoint_copies_only_new_shards(tmp_path, monkeypatch):
-    """Scratch folder on a local disk, checkpoints on another file system: the first save copies the shards, and
-    each later checkpoint hard-links the ones the previous checkpoint holds, copying only the new ones."""
-    work, link = tmp_path / "work", os.link
+def no_links_between(monkeypatch, work):
+    """Hard links between `work` and the rest of the disk fail as across two file systems."""
+    link = os.link
 
     def across_file_systems(source, dest, *args, **kwargs):
         if str(source).startswith(str(work)) != str(dest).startswith(str(work)):
@@ -266,52 +420,67 @@ def test_with_the_scratch_folder_on_another_file_system_a_checkpoint_copies_only
         return link(source, dest, *args, **kwargs)
 
     monkeypatch.setattr(os, "link", across_file_systems)
+
+
+def test_with_the_scratch_folder_on_another_file_system_a_checkpoint_copies_only_new_shards(tmp_path, monkeypatch):
+    """Scratch folder on a local disk, checkpoints on another file system: the first save copies the shards (written
+    from their mappings: the scratch files' bytes), and each later checkpoint hard-links the ones the previous
+    checkpoint holds, copying only the new ones; a save into a folder that has a shard leaves it untouched."""
+    work = tmp_path / "work"
+    no_links_between(monkeypatch, work)
     pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=4, work_dir=str(work))
     for task in "abcdef":
         record(pool, task, 2, [0.5, 0.4])
     first, second = tmp_path / "checkpoint-1", tmp_path / "checkpoint-2"
     pool.save(str(first))
+    scratch = Path(pool.scratch_folder())
+    old = shards_of(first)
+    assert all(
+        (first / n).read_bytes() == (scratch / n).read_bytes() and os.stat(first / n).st_nlink == 1 for n in old
+    )
+    stamps = {n: (inode(first / n), os.stat(first / n).st_mtime_ns) for n in old}
+    pool.save(str(first))  # again: nothing new to write
+    assert {n: (inode(first / n), os.stat(first / n).st_mtime_ns) for n in old} == stamps
     record(pool, "g", 2, [0.5, 0.4])
     pool.save(str(second))
-    shards = lambda path: {n for n in files_of(path) if n.startswith(("trajectories/", "task_rows/"))}  # noqa: E731
-    old, new = shards(first), shards(second)
+    new = shards_of(second)
     assert old < new
     assert all(inode(first / n) == inode(second / n) for n in old)  # linked from the previous checkpoint
     assert all(os.stat(second / n).st_nlink == 1 for n in new - old)  # copied from the scratch folder
-    assert ExperiencePool.load(str(second)).content_hash() == pool.content_hash()
+    shutil.rmtree(first)  # rotated away
+    pool.save(str(tmp_path / "checkpoint-3"))
+    assert all(inode(second / n) == inode(tmp_path / "checkpoint-3" / n) for n in new)
+    assert ExperiencePool.load(str(tmp_path / "checkpoint-3")).content_hash() == pool.content_hash()
 
 
 def test_a_loaded_pool_outside_the_scratch_file_system_links_each_save_from_the_last(tmp_path, monkeypatch):
-    """Where no hard link into the scratch folder can be made (another file system), a loaded shard is read through
-    its mapping, and each save links it from the previous save's copy: once TRL rotates the loaded checkpoint away,
-    no save writes its rows again."""
+    """Where no hard link into the scratch folder can be made (another file system), a loaded shard stays mapped
+    from the loaded folder, and each save links it from the previous save's copy: once TRL rotates the loaded
+    checkpoint away, no save writes its rows again (until every copy is gone: then from the mapping, as the same
+    bytes)."""
     pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=4)
     for task in "abcdef":
         record(pool, task, 2, [0.5, 0.4])
     pool.save(str(tmp_path / "a"))
-    want = pool.content_hash()
+    want, saved = pool.content_hash(), {n: (tmp_path / "a" / n).read_bytes() for n in shards_of(tmp_path / "a")}
     pool.close()
-    work, link = tmp_path / "work", os.link
-
-    def no_link_into_scratch(source, dest, *args, **kwargs):
-        if str(dest).startswith(str(work)):
-            raise OSError(errno.EXDEV, "Invalid cross-device link")
-        return link(source, dest, *args, **kwargs)
-
-    monkeypatch.setattr(os, "link", no_link_into_scratch)
+    work = tmp_path / "work"
+    no_links_between(monkeypatch, work)
     loaded = ExperiencePool.load(str(tmp_path / "a"), work_dir=str(work))
-    assert not any(shard.owned for shard in loaded._trajectories.shards.values())  # kept outside the scratch folder
+    assert all(s.path.startswith(str(tmp_path / "a")) for s in loaded._trajectories.shards.values())
     assert loaded.content_hash() == want
     loaded.save(str(tmp_path / "b"))
     shutil.rmtree(tmp_path / "a")  # rotated away
     loaded.save(str(tmp_path / "c"))
-    shards = [n for n in files_of(tmp_path / "c") if n.startswith(("trajectories/", "task_rows/"))]
-    assert shards and all(inode(tmp_path / "c" / n) == inode(tmp_path / "b" / n) for n in shards)
+    assert set(saved) == shards_of(tmp_path / "c")
+    assert all(inode(tmp_path / "c" / n) == inode(tmp_path / "b" / n) for n in saved)
     assert loaded.content_hash() == want
     assert ExperiencePool.load(str(tmp_path / "c")).content_hash() == want
     for name in ("b", "c"):  # every copy gone: the rows are written again from the mappings, as the same bytes
         shutil.rmtree(tmp_path / name)
     loaded.save(str(tmp_path / "d"))
+    assert {n: (tmp_path / "d" / n).read_bytes() for n in shards_of(tmp_path / "d")} == saved
+    assert all(os.stat(tmp_path / "d" / n).st_nlink == 1 for n in saved)
     assert loaded.content_hash() == want
     assert ExperiencePool.load(str(tmp_path / "d")).content_hash() == want
 
@@ -467,11 +636,11 @@ def test_task_rows_are_stored_once_and_replaced_when_they_change(tmp_path):
         record(pool, "a", 1, task_row=row("a"))
     record(pool, "c", 1)
     record(pool, "d", 1)  # three rows: a shard
-    pool.flush(wait=True)
+    pool.flush()
     assert pool.storage_stats()["task_row_rows"] == 3
-    record(pool, "a", 1, task_row=row("a", variant=2))  # a's row changes: a tombstone in the first shard
+    record(pool, "a", 1, task_row=row("a", variant=2))  # a's row changes: a dead row in the first shard
     record(pool, "b", 1)
-    pool.flush(wait=True)
+    pool.flush()
     assert pool.task_row("a") == json.loads(row("a", variant=2))
     stats = pool.storage_stats()
     assert (stats["task_row_rows"], stats["task_row_dead_rows"]) == (5, 1)
@@ -479,25 +648,40 @@ def test_task_rows_are_stored_once_and_replaced_when_they_change(tmp_path):
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     assert {t: loaded.task_row(t)["variant"] for t in "abcd"} == {"a": 2, "b": 0, "c": 0, "d": 0}
     for shard in (tmp_path / "pool" / "task_rows").iterdir():
-        assert datasets.Dataset.from_file(str(shard)).features == datasets.Features.from_dict(TASK_ROW_FEATURES)
+        assert datasets.Dataset.from_file(str(shard)).features == TASK_ROW_FEATURES
 
 
-def test_a_pool_reads_the_files_it_mapped_even_if_a_saved_copy_is_replaced(tmp_path):
+@pytest.mark.parametrize("into_scratch", [True, False])
+def test_a_pool_reads_the_files_it_mapped_even_if_a_saved_copy_is_replaced(tmp_path, monkeypatch, into_scratch):
+    """A loaded pool reads its rows through its mappings, whatever becomes of the files' names: another file put
+    under a name (or the name removed) changes no row it reads or saves. Without links into the scratch folder
+    (`into_scratch` False: another file system) the mapped file's name is in the loaded folder itself."""
     pool = ExperiencePool(experience_rbound=8)
     record(pool, "a", 2, [0.1, 0.2])
     pool.save(str(tmp_path / "first"))
-    loaded = ExperiencePool.load(str(tmp_path / "first"))
-    want = loaded.candidates("a")
-    loaded.save(str(tmp_path / "second"))  # now also a location of its shards, tried first
+    if not into_scratch:
+        no_links_between(monkeypatch, tmp_path / "work")
+    loaded = ExperiencePool.load(str(tmp_path / "first"), work_dir=str(tmp_path / "work"))
+    want, digest = loaded.candidates("a"), loaded.content_hash()
+    assert [t.entropy for t in want] == [f32(0.1), f32(0.2)]
+    (shard,) = loaded._trajectories.shards.values()
+    assert shard.path.startswith(str(tmp_path / ("work" if into_scratch else "first")))
+    loaded.save(str(tmp_path / "second"))
     (name,) = [n for n in files_of(tmp_path / "second") if n.startswith("trajectories/")]
     other = ExperiencePool(experience_rbound=8)
     record(other, "a", 2, [0.7, 0.8])
     other.save(str(tmp_path / "third"))
     (foreign,) = [n for n in files_of(tmp_path / "third") if n.startswith("trajectories/")]
-    os.replace(tmp_path / "third" / foreign, tmp_path / "second" / name)  # another file under the same name
-    assert loaded.candidates("a") == want and [t.entropy for t in want] == [f32(0.1), f32(0.2)]
-    os.remove(tmp_path / "first" / name)  # no path to the mapped file left: read through the mapping
+    for folder in ("first", "second"):  # another file under the saved names (one is the mapped file's, unlinked)
+        shutil.copyfile(tmp_path / "third" / foreign, tmp_path / "third.arrow")
+        os.replace(tmp_path / "third.arrow", tmp_path / folder / name)
+    assert os.path.exists(shard.path) and loaded.candidates("a") == want
+    loaded.save(str(tmp_path / "fourth"))  # the mapped rows, not the file now under their name
+    assert ExperiencePool.load(str(tmp_path / "fourth")).content_hash() == digest
+    os.remove(shard.path)  # no name left for the mapped file: read through the mapping
     assert loaded.candidates("a") == want
+    loaded.save(str(tmp_path / "fifth"))
+    assert ExperiencePool.load(str(tmp_path / "fifth")).content_hash() == digest == loaded.content_hash()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -512,76 +696,71 @@ def fill_alike(pools, tasks="abcdefghij", version=0):
             record(pool, task, 1, [0.5 - 0.01 * ord(task) - 0.001 * version], version=version)
 
 
-def test_an_index_only_pool_decides_as_the_pool_it_copies_and_holds_no_row(tmp_path):
+def index_only_copy(tmp_path):
     holder = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
     fill_alike([holder], "abc")
     holder.add(traj("z", 0.3))
     holder._drop(holder.index.clear(holder.index.task("z")))  # a freed key: the copy must reuse it as the holder does
     snapshot = pickle.loads(pickle.dumps(holder.index_snapshot()))  # as `broadcast_object_list` sends it
-    index_only = ExperiencePool.from_index_snapshot(snapshot)
+    return holder, ExperiencePool.from_index_snapshot(snapshot)
+
+
+def test_an_index_only_pool_decides_as_the_pool_it_copies_and_holds_no_row(tmp_path):
+    holder, index_only = index_only_copy(tmp_path)
     assert not index_only.holds_rows and holder.holds_rows
-    assert index_only.index_hash() == holder.index_hash()
-    for version in range(1, 4):  # evictions (tombstones, compactions on the holder) and new tasks
+    assert index_only.index_hash() == holder.index_hash() and index_only.index.free_keys == holder.index.free_keys
+    for version in range(1, 4):  # evictions (dead rows, compactions on the holder) and new tasks
         fill_alike([holder, index_only], "abcdefghij"[: 3 + 2 * version], version)
         assert index_only.skip_set == holder.skip_set and index_only.buckets() == holder.buckets()
     assert index_only.index_hash() == holder.index_hash() and holder.num_trajectories == 16
+    assert holder.index.num_keys < holder.index.stored_count  # the keys of evicted trajectories were handed out again
     tasks = holder.stored_tasks()
     assert [index_only.index.keys(index_only.index.task(t)) for t in tasks] == [
         holder.index.keys(holder.index.task(t)) for t in tasks
     ]
+    assert (index_only.index.num_keys, index_only.index.free_keys) == (holder.index.num_keys, holder.index.free_keys)
     buckets = [pool.replay_buckets(2, 4, None, None) for pool in (index_only, holder)]
     assert [{d: m.tolist() for d, m in b.members.items()} for b in buckets] == [{1: [0, 1, 2, 4, 5, 6, 7, 8, 9]}] * 2
     assert [b.listing()[0].tolist() for b in buckets] == [[0, 1, 2, 4, 5, 6, 7]] * 2  # with 2 trajectories and a row
     assert index_only.stats() == holder.stats()
-    assert [p.name for p in tmp_path.iterdir()] == [Path(holder.scratch_folder()).name]  # no folder of its own
-    for read in (lambda: index_only.choose(["a"], 1), lambda: index_only.task_row("a"), index_only.content_hash):
-        with pytest.raises(RuntimeError, match="holds its index only"):
-            read()
+    assert index_only.scratch_folder() is None and index_only._trajectories is None
+    assert index_only.storage_stats() == {}  # no log: no shard, no row
     assert index_only.choose([], 1) == {}  # nothing to read
+    index_only.flush()  # nothing to write
+    index_only.compact()
+    assert [p.name for p in tmp_path.iterdir()] == [Path(holder.scratch_folder()).name]  # no folder of its own
+    with pytest.raises(RuntimeError, match="holds the index only"):
+        index_only.save(str(tmp_path / "saved"))
+    assert not (tmp_path / "saved").exists()
     holder.close()
 
 
-@pytest.mark.parametrize("lag", [0.0, 0.01])
-def test_evictions_racing_a_lagging_writer_thread_leave_the_same_pool(tmp_path, lag):
-    """Evictions (tombstones) of rows the writer thread is still staging, sealing or compacting: whatever its timing,
-    the pool holds what one without a writer lag holds, every tombstone counted once (a save checks the live rows of
-    its shards against the index), and a load gives it back."""
-    pools = [ExperiencePool(max_trajectories_per_task=1, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
-             for _ in range(2)]  # fmt: skip
-    lagging = pools[1]
-    for log in (lagging._trajectories, lagging._task_rows):
-        build = log._build
-        log._build = lambda items, build=build: (time.sleep(lag), build(items))[1]
-    for version in range(6):  # each version evicts the previous one's trajectory of every task
-        for task in "abcdefgh":
-            for pool in pools:
-                record(pool, task, 1, [0.9 - 0.1 * version - 0.001 * (ord(task) % 7)], version=version)
-    for pool in pools:
-        pool.flush(wait=True)
-    stats = lagging.storage_stats()
-    assert stats["trajectory_rows"] - stats["trajectory_dead_rows"] == lagging.num_trajectories == 8
-    assert lagging.content_hash() == pools[0].content_hash()
-    lagging.save(str(tmp_path / "saved"))
-    assert ExperiencePool.load(str(tmp_path / "saved")).content_hash() == pools[0].content_hash()
-    for pool in pools:
-        pool.close()
+def test_an_index_only_pool_refuses_reads_clearly(tmp_path):
+    holder, index_only = index_only_copy(tmp_path)
+    for read in (lambda: index_only.choose(["a"], 1), lambda: index_only.task_row("a"), index_only.content_hash):
+        with pytest.raises(RuntimeError, match="holds (its|the) index only"):
+            read()
+    holder.close()
 
 
-def shard_files(pool) -> list[str]:
-    return [p.name for p in Path(pool.scratch_folder()).rglob("*.arrow")]
-
-
-def test_a_loaded_pool_numbers_its_new_files_after_the_loaded_ones(tmp_path):
-    """A file's name is its place in the order of files and its checksum: a loaded pool goes on after the loaded files'
-    places, so a new file never takes a loaded one's name (which the scratch folder holds as a link)."""
+def test_a_loaded_pool_names_its_new_files_apart_from_the_loaded_ones(tmp_path):
+    """A loaded pool's scratch folder holds links to the loaded files under their names: the files it writes after
+    take other names, and the loaded ones stay the very files (and bytes) the saved pool has."""
     pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
     fill_alike([pool], "abcdefgh")
     pool.save(str(tmp_path / "saved"))
     pool.close()
     loaded = ExperiencePool.load(str(tmp_path / "saved"), work_dir=str(tmp_path))
-    numbers = {int(name.split("-")[1]) for name in shard_files(loaded) if name.startswith("traj-")}
+    scratch = Path(loaded.scratch_folder())
+    linked = {str(p.relative_to(scratch)): inode(p) for p in scratch.rglob("*.arrow")}
+    assert set(linked) == shards_of(tmp_path / "saved")
+    assert all(linked[name] == inode(tmp_path / "saved" / name) for name in linked)  # links, not copies
     fill_alike([loaded], "ijklmnop", version=1)
-    loaded.flush(wait=True)
-    new = {int(name.split("-")[1]) for name in shard_files(loaded) if name.startswith("traj-")} - numbers
-    assert numbers and new and min(new) > max(numbers)
+    loaded.flush()
+    new = {str(p.relative_to(scratch)) for p in scratch.rglob("*.arrow")} - set(linked)
+    assert new and all(re.fullmatch(r"(trajectories|task_rows)/\1-[0-9a-f]{16}\.arrow", name) for name in new)
+    assert {name: inode(scratch / name) for name in linked} == linked
+    assert ExperiencePool.load(str(tmp_path / "saved")).rejected_rows == 0
+    loaded.save(str(tmp_path / "saved"))
+    assert ExperiencePool.load(str(tmp_path / "saved")).content_hash() == loaded.content_hash()
     loaded.close()

@@ -14,7 +14,7 @@ The folder::
     v-<16 hex>/records/                    `datasets.Dataset.save_to_disk` of the records
     v-<16 hex>/backlog/                    ... and of the backlog (`datasets.load_from_disk` reads both)
 
-A save is atomic, as a pool's (`trl_exreplay.pool.folder`): the new version folder is written complete and fsynced
+A save is atomic, as a pool's (`trl_exreplay.pool.persistence`): the new version folder is written complete and fsynced
 beside the committed one, then ``manifest.json`` is replaced (the commit), then what the manifest does not name is
 removed. A process killed at any instant of a save leaves the previous save loadable, or the new one once committed,
 never a mixture; before a folder's first commit it holds no manifest, hence no saved experience. What a killed save
@@ -65,7 +65,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..pool.check import CHECKSUM, PoolFormatError, _is_int, _within, check_arrow, file_checksum
-from ..pool.folder import fsync_path, write_json_atomic
+from ..pool.store import fsync_path, write_json_atomic
 from .provider import ExperienceRecord, SummaryInput
 
 __all__ = [

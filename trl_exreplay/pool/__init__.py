@@ -9,10 +9,8 @@ One job a module, in the order a trajectory meets them:
   `to_state` / `from_state` for saves; `TaskBuckets`, the view replay draws from;
 * `experience_pool.py`: `ExperiencePool`, which applies the rules to the index and its storage and answers the
   trainer's replay queries;
-* `shards.py`: where the rows live: memory-mapped Arrow shards, written by `writer.py`'s background thread;
-* `folder.py`: files that appear complete or not at all: a saved folder's layout and atomic commit, and the live
-  pool's scratch folder;
-* `persistence.py`: a save and a load of the storage: incremental, atomic, checked;
+* `store.py`: where the rows live: Arrow files that `datasets` memory-maps, in the live pool's scratch folder;
+* `persistence.py`: a saved pool's folder: its layout, its atomic commit, an incremental save and a checked load;
 * `check.py`: a saved pool is untrusted input: the checks of its state, files and rows;
 * `hub.py`: sharing on the Hugging Face Hub: `push_pool` and `pool_from_hub`.
 

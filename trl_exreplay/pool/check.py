@@ -46,6 +46,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import xxhash
 
 from .index import COUNTERS
@@ -58,6 +59,7 @@ __all__ = [
     "check_settings",
     "check_tasks_table",
     "file_checksum",
+    "invalid_rows",
     "parse_state",
     "state_checksum",
     "trajectory_problem",
@@ -108,11 +110,6 @@ def file_checksum(path: str) -> str:
                 break
             digest.update(view[:n])
     return digest.hexdigest()
-
-
-def bytes_checksum(data) -> str:
-    """`file_checksum` of bytes not written yet (a buffer): the checksum the file will have."""
-    return xxhash.xxh3_64(memoryview(data)).hexdigest()
 
 
 def state_checksum(state: dict) -> str:
@@ -293,12 +290,14 @@ class PoolFolder:
 
 
 # ----------------------------------------------------------------------------------------------------- Arrow files
-def check_arrow(table: pa.Table, schema: pa.Schema, file: str) -> None:
-    """The table of an Arrow file must have exactly `schema`'s columns and types, and valid offsets and strings
+def check_arrow(table: pa.Table, schema: pa.Schema, file: str, full: bool = True) -> None:
+    """The table of an Arrow file must have exactly `schema`'s columns and types, and (`full`) valid offsets and strings
     (checked before any column is read: a bad offset would otherwise be followed out of the file)."""
     found = [(f.name, str(f.type)) for f in table.schema]
     expected = [(f.name, str(f.type)) for f in schema]
     _need(found == expected, file, f"columns {found} are not the expected {expected}.")
+    if not full:
+        return
     try:
         table.validate(full=True)
     except (pa.ArrowInvalid, pa.ArrowException) as e:
@@ -311,6 +310,30 @@ def _rows_with(values: np.ndarray, bad: np.ndarray, offsets: np.ndarray, rows: n
         return np.zeros(len(rows), bool)
     cumulative = np.concatenate([[0], np.cumsum(bad, dtype=np.int64)])
     return cumulative[offsets[rows + 1]] > cumulative[offsets[rows]]
+
+
+def invalid_rows(table: pa.Table, rows: np.ndarray, required: Sequence[str], same_length: Sequence[str]) -> np.ndarray:
+    """Which of `rows` are bad: beyond the table, a null in a `required` column (or inside a list of one), or lists
+    of unequal length among `same_length`. Reads only offsets and validity bitmaps (no row data)."""
+    if table.num_rows == 0:
+        return np.ones(len(rows), bool)
+    bad = (rows < 0) | (rows >= table.num_rows)
+    rows = np.where(bad, 0, rows)
+    for name in required:
+        column = table.column(name)
+        if column.null_count:
+            bad |= column.is_null().to_numpy(zero_copy_only=False)[rows]
+        if pa.types.is_list(column.type) and any(chunk.values.null_count for chunk in column.chunks):
+            # A null inside a list (a hand-edited file): rare, so checked row by row.
+            inside = np.array([value is not None and None in value for value in column.to_pylist()], bool)
+            bad |= inside[rows]
+    lengths = [
+        pc.list_value_length(table.column(name)).fill_null(-1).to_numpy(zero_copy_only=False)[rows]
+        for name in same_length
+    ]
+    for other in lengths[1:]:
+        bad |= other != lengths[0]
+    return bad
 
 
 def bad_trajectory_rows(

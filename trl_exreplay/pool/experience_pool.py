@@ -7,10 +7,9 @@ is stored and what is evicted; and answers the trainer's replay queries: which t
 
 RAM holds an index only (`index.PoolIndex`): per trajectory its task, entropy, policy version, id and store rank (~40
 bytes); per task its bucket, order stamps and the keys of its trajectories. The trajectories and the tasks' dataset
-rows live in memory-mapped Arrow shards written by a background thread (`shards.py`); an evicted trajectory leaves a
-tombstone that compaction removes. `save` / `load` (`persistence.py`) are incremental, atomic and checked (no pickle
-anywhere), and `hub.py` shares a pool as a `datasets` dataset repository. A pool refuses a tokenizer other than the
-one it was recorded with.
+rows live in Arrow files that `datasets` memory-maps (`store.py`). `save` / `load` (`persistence.py`) are incremental,
+atomic and checked (no pickle anywhere), and `hub.py` shares a pool as a `datasets` dataset repository. A pool refuses
+a tokenizer other than the one it was recorded with.
 """
 
 from __future__ import annotations
@@ -20,35 +19,29 @@ import hashlib
 import json
 import logging
 import operator
-import threading
 import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 
 import numpy as np
+import pyarrow as pa
 
 from .check import SETTINGS, PoolFormatError, bad_trajectory_rows, check_settings, trajectory_problem
-from .folder import TASK_ROWS_DIR, TRAJECTORIES_DIR, Scratch
 from .index import PoolIndex, TaskBuckets
-from .persistence import load_index, read_committed, save_folder
-from .records import TaskOutcome, Trajectory, copy_trajectory, tokenizer_fingerprint
+from .persistence import TASK_ROWS_DIR, TRAJECTORIES_DIR, load_index, read_committed, save_folder
+from .records import TaskOutcome, Trajectory, tokenizer_fingerprint
 from .rules import best_index, eviction, is_solved, selection_order, stores_successes
-from .shards import TASK_ROW_SCHEMA, TRAJECTORY_SCHEMA, IndexOnlyLog, ShardLog
-from .writer import Writer
+from .store import TASK_ROW_SCHEMA, TRAJECTORY_SCHEMA, Log, Scratch
 
 logger = logging.getLogger("trl_exreplay.pool")
 
 __all__ = ["ExperiencePool"]
 
-_STORED_COLUMNS = ("prompt_ids", "completion_ids", "completion_mask", "logps", "rewards", "reward")  # read back
-_LIST_DTYPES = (
-    ("prompt_ids", np.int32),
-    ("completion_ids", np.int32),
-    ("completion_mask", np.int8),
-    ("logps", np.float32),
-    ("rewards", np.float32),
+_INDEX_ONLY = (
+    "This pool holds the index only (from_index_snapshot): read or save the pool that holds the rows (rank 0)."
 )
+_STORED_COLUMNS = ("prompt_ids", "completion_ids", "completion_mask", "logps", "rewards", "reward")  # read back
 
 
 class ExperiencePool:
@@ -67,7 +60,7 @@ class ExperiencePool:
         seed: seed of the random choices the pool makes itself (``random`` store/eviction ties and selection).
         work_dir: folder under which the live pool writes its shards (a private subfolder, deleted with the pool);
             None: the system temporary folder. Put it on the disk of your checkpoints, not on a tmpfs.
-        shard_rows: trajectories per shard file (at most; a shard is also closed at 16 MB, and by a save).
+        shard_rows: trajectories per shard file (at most; a save also writes the rows not written yet).
 
     Example:
 
@@ -112,29 +105,11 @@ class ExperiencePool:
         self.rejected_reasons: Counter = Counter()  # rows refused (at load, or when added), by reason
         self.vocab_size: int | None = None  # token ids must be below it (None: unchecked), see `set_vocab_size`
         self.index = PoolIndex(max_trajectories_per_task)
-        self._writer = Writer()
         self._scratch = Scratch(work_dir)
-        self._trajectories = ShardLog(
-            TRAJECTORIES_DIR,
-            "traj",
-            TRAJECTORY_SCHEMA,
-            _trajectory_batch,
-            self._writer,
-            self._scratch,
-            shard_rows,
-            read_columns=_STORED_COLUMNS,
-        )
-        self._task_rows = ShardLog(
-            TASK_ROWS_DIR,
-            "rows",
-            TASK_ROW_SCHEMA,
-            _task_row_batch,
-            self._writer,
-            self._scratch,
-            shard_rows,
-            read_columns=("task_row",),
-        )
-        self._finalizer = weakref.finalize(self, _close_storage, self._writer, self._scratch)
+        # None in a pool that holds the index only (`from_index_snapshot`)
+        self._trajectories: Log | None = Log(TRAJECTORIES_DIR, TRAJECTORY_SCHEMA, self._scratch, shard_rows)
+        self._task_rows: Log | None = Log(TASK_ROWS_DIR, TASK_ROW_SCHEMA, self._scratch, shard_rows)
+        self._finalizer = weakref.finalize(self, self._scratch.remove)
 
     @property
     def rejected_rows(self) -> int:
@@ -186,7 +161,8 @@ class ExperiencePool:
     def add(self, trajectory: Trajectory) -> bool:
         """Store one trajectory under its task, evicting at capacity; returns whether it was kept.
 
-        The pool keeps a copy (later changes to `trajectory` do not reach it), written to a shard off this thread.
+        The pool keeps a copy (later changes to `trajectory` do not reach it), written to a shard file with the next
+        `shard_rows` ones.
         A trajectory a model cannot be trained on (non-finite log-prob, reward or entropy, a mask value other than
         0/1, a token id < 0 or >= `vocab_size`) is refused and counted in `rejected_reasons`.
         """
@@ -201,6 +177,7 @@ class ExperiencePool:
         n = int(index.count[t])
         if n < self.max_trajectories_per_task:
             index.append_slot(t, self._store_copy(t, trajectory))
+            self._write_full()
             return True
         keys = index.slots[t, :n].tolist()
         action, i = eviction(
@@ -218,20 +195,35 @@ class ExperiencePool:
             self._drop([index.replace_slot(t, i, self._store_copy(t, trajectory))])
         else:
             self._drop([index.shift_append(t, i, self._store_copy(t, trajectory))])
+        self._write_full()
         return True
+
+    def _write_full(self) -> None:
+        """Write a shard file of each log that has `shard_rows` rows waiting. Called on the training path, once the
+        index agrees with the logs: a failed write (a full disk) is logged and its rows wait for the next write, so
+        that this pool's index stays that of the other ranks' (which write nothing); `save` and `flush` raise it."""
+        try:
+            for log in self._logs().values():
+                log.write(if_full=True)
+        except OSError as e:
+            logger.warning("trl_exreplay: the experience pool could not write a shard (%s); its rows wait in memory and "
+                           "the next write tries again; a save raises until one succeeds.", e)  # fmt: skip
 
     def _store_copy(self, t: int, trajectory: Trajectory) -> int:
         """Append a copy of `trajectory` to the trajectory log and index it; returns its key."""
         seq = self.index.stored_count
         self.index.stored_count += 1
-        size = len(trajectory.prompt_ids) + len(trajectory.completion_ids)  # tokens: bounds the Python objects held
-        key = self._trajectories.append((copy_trajectory(trajectory), seq), size)
+        key = self.index.new_key()
+        if self._trajectories is not None:
+            self._trajectories.put(key, _trajectory_batch([(trajectory, seq)]))  # a copy, in the stored types
         self.index.set_key(key, t, trajectory.entropy, trajectory.policy_version, trajectory.traj_id, seq)
         return key
 
     def _drop(self, keys: list[int]) -> None:
         for key in keys:
-            self._trajectories.delete(key)
+            if self._trajectories is not None:
+                self._trajectories.delete(key)
+            self.index.free_keys.append(key)
 
     def _reject(self, reason: str, count: int, what: str) -> None:
         if reason not in self.rejected_reasons:
@@ -249,17 +241,18 @@ class ExperiencePool:
         Reads the token columns of the stored trajectories once; returns how many were removed."""
         if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}.")
+        if not self.holds_rows:
+            raise RuntimeError(_INDEX_ONLY)
         self.vocab_size = vocab_size
-        self.flush(wait=True)
+        self.flush()
         index = self.index
         _, _, _, keys = index.to_state()
-        locations = self._trajectories.locations(keys)
+        at = self._trajectories.where[keys]
         bad_keys = []
-        for sid in np.unique(locations >> 32).tolist():
-            mine = np.nonzero((locations >> 32) == sid)[0]
-            shard = self._trajectories.shards[sid]
-            bad, why = bad_trajectory_rows(shard.table(), locations[mine] & 0xFFFFFFFF, vocab_size)
-            shard.release()
+        for number in np.unique(at >> 32).tolist():
+            mine = np.nonzero((at >> 32) == number)[0]
+            shard = self._trajectories.shards[number]
+            bad, why = bad_trajectory_rows(shard.table(), at[mine] & 0xFFFFFFFF, vocab_size)
             for reason, count in why.items():
                 self._reject(reason, count, f"{count} stored trajectory(ies)")
             bad_keys += keys[mine[bad]].tolist()
@@ -293,16 +286,19 @@ class ExperiencePool:
             )
 
     def _set_task_row(self, t: int, row: str) -> None:
-        key = int(self.index.row_key[t])
-        if key >= 0:
-            if not self.holds_rows or self._task_row_text(key) == row:
+        """Task `t`'s dataset row (its key in the task row log: `t`)."""
+        if self.index.row_key[t] >= 0:
+            if not self.holds_rows or self._task_row_text(t) == row:
                 return  # the trainer sends the same row every step: no new row (an index only needs to know there is one)
-            self._task_rows.delete(key)
-        self.index.row_key[t] = self._task_rows.append((self.index.task_ids[t], row))
+            self._task_rows.delete(t)
+        self.index.row_key[t] = t
+        if self._task_rows is not None:
+            self._task_rows.put(t, _task_row_batch([(self.index.task_ids[t], row)]))
 
-    def _task_row_text(self, key: int) -> str:
-        (found,) = self._task_rows.read([key], ("task_row",))  # under the log's lock: no compaction meanwhile
-        return found["task_row"] if isinstance(found, dict) else found[1]
+    def _task_row_text(self, t: int) -> str:
+        if not self.holds_rows:
+            raise RuntimeError(_INDEX_ONLY)
+        return self._task_rows.read([t], ("task_row",))[0]["task_row"]
 
     # ---------------------------------------------------------------------------------------------- queries
     def bucket_of(self, task_id: str) -> int | None:
@@ -341,7 +337,7 @@ class ExperiencePool:
         t = self.index.task_index.get(task_id)
         if t is None or self.index.row_key[t] < 0:
             return None
-        return json.loads(self._task_row_text(int(self.index.row_key[t])))
+        return json.loads(self._task_row_text(t))
 
     def candidates(
         self,
@@ -449,33 +445,33 @@ class ExperiencePool:
         return out
 
     def storage_stats(self) -> dict[str, int]:
-        """Shards, rows, tombstones and buffered rows of the trajectory and task row logs."""
-        out = {f"trajectory_{k}": v for k, v in self._trajectories.stats().items()}
-        out.update({f"task_row_{k}": v for k, v in self._task_rows.stats().items()})
-        return out
+        """Shards, rows, dead rows and pending rows of the trajectory and task row logs."""
+        prefixes = {TRAJECTORIES_DIR: "trajectory", TASK_ROWS_DIR: "task_row"}
+        return {f"{prefixes[kind]}_{k}": v for kind, log in self._logs().items() for k, v in log.stats().items()}
 
     def scratch_folder(self) -> str | None:
         """The folder where this live pool writes its shard files (made now if not yet); None if it holds no rows."""
-        return self._scratch.root() if self.holds_rows else None
+        if not self.holds_rows:
+            return None
+        self._scratch.folder(TRAJECTORIES_DIR)
+        return self._scratch.path
 
     # -------------------------------------------------------------------------------------------- index only
     @property
     def holds_rows(self) -> bool:
         """False for a pool made by `from_index_snapshot`: it decides what is stored, evicted and replayed as the pool
         it copies does, but reads no trajectory or task row (the trainer's ranks other than 0 hold such a pool)."""
-        return not isinstance(self._trajectories, IndexOnlyLog)
+        return self._trajectories is not None
 
     def index_snapshot(self) -> dict:
-        """What `from_index_snapshot` needs: settings, tokenizer, vocabulary, the index and the logs' keys (about 40
-        bytes per trajectory; for another process of the same run, never for a file)."""
-        self.flush(wait=True)
+        """What `from_index_snapshot` needs: settings, tokenizer, vocabulary and the index (about 40 bytes per
+        trajectory; for another process of the same run, never for a file)."""
         return {
             "settings": self._settings(),
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
             "vocab_size": self.vocab_size,
             "rejected_reasons": dict(self.rejected_reasons),
             "index": copy.deepcopy(self.index),
-            "keys": {kind: log.key_state() for kind, log in self._logs().items()},
         }
 
     @classmethod
@@ -483,19 +479,17 @@ class ExperiencePool:
         """A pool holding the index of another one (`index_snapshot`) and no row: the same outcomes recorded in both
         keep their indexes equal (`index_hash`), while only the other pool writes and reads rows."""
         pool = cls(**snapshot["settings"])
-        pool.close()  # no writer thread, no scratch folder
+        pool._trajectories = pool._task_rows = None
         pool.tokenizer_fingerprint = snapshot["tokenizer_fingerprint"]
         pool.vocab_size = snapshot["vocab_size"]
         pool.rejected_reasons.update(snapshot["rejected_reasons"])
         pool.index = snapshot["index"]
-        keys = snapshot["keys"]
-        pool._trajectories = IndexOnlyLog(TRAJECTORIES_DIR, *keys[TRAJECTORIES_DIR])
-        pool._task_rows = IndexOnlyLog(TASK_ROWS_DIR, *keys[TASK_ROWS_DIR])
         return pool
 
     def _read_all(self, keys: list[int]) -> list[Trajectory]:
-        """The trajectories of `keys`: pending ones copied, written ones read from their shards (one pass per shard,
-        with `pread`: reading maps no page of the pool's files into the process)."""
+        """The trajectories of `keys`, read from their logs (one read a shard), in the stored types."""
+        if keys and not self.holds_rows:
+            raise RuntimeError(_INDEX_ONLY)
         index = self.index
         tasks = index.key_task[keys].tolist()
         entropies = index.key_entropy[keys].tolist()  # float32 -> the same Python floats the pool stored
@@ -503,9 +497,6 @@ class ExperiencePool:
         ids = index.key_traj_id[keys].tolist()
         out = []
         for i, found in enumerate(self._trajectories.read(keys, _STORED_COLUMNS) if keys else []):
-            if not isinstance(found, dict):  # pending: the (trajectory, store_seq) the pool buffered
-                out.append(copy_trajectory(found[0]))
-                continue
             found.update(
                 task_id=index.task_ids[tasks[i]], entropy=entropies[i], policy_version=versions[i], traj_id=ids[i]
             )
@@ -515,20 +506,19 @@ class ExperiencePool:
         return out
 
     # ------------------------------------------------------------------------------------------------ storage
-    def flush(self, wait: bool = False) -> None:
-        """Have the writer thread write every buffered row to shard files now; `wait` blocks until it is done."""
-        self._trajectories.flush(seal=True)
-        self._task_rows.flush(seal=True)
-        if wait:
-            self._writer.wait()
+    def flush(self) -> None:
+        """Write the pending rows to shard files now, and compact (a save does too)."""
+        for log in self._logs().values():
+            log.write()
 
     def compact(self) -> None:
-        """Rewrite every shard that holds tombstones, now (compaction otherwise runs by itself, in the background)."""
-        self._trajectories.compact()
-        self._task_rows.compact()
+        """Rewrite every shard that holds removed rows, now (otherwise only those with more removed than live rows
+        are, after each write and before a save)."""
+        for log in self._logs().values():
+            log.compact()
 
     def close(self) -> None:
-        """Stop the writer thread and delete the pool's scratch shards (saved pools keep their own links)."""
+        """Delete the pool's scratch folder (saved pools keep their own links to its files)."""
         self._finalizer()
 
     def __enter__(self) -> ExperiencePool:
@@ -547,7 +537,8 @@ class ExperiencePool:
         the previous snapshot complete and loadable. The files only the previous snapshot used are deleted after
         the commit (a checkpoint keeps one snapshot; TRL's `save_total_limit` rotates whole checkpoints).
         """
-        self.flush(wait=True)
+        if not self.holds_rows:
+            raise RuntimeError(_INDEX_ONLY)
         header = {"settings": self._settings(), "tokenizer_fingerprint": self.tokenizer_fingerprint}
         save_folder(path, self._logs(), self.index, header)
 
@@ -568,8 +559,8 @@ class ExperiencePool:
         The folder is untrusted input (`trl_exreplay.pool.check`): ``state.json`` is validated, every file must be
         named inside the folder and resolve inside it, have its recorded size and (with `verify`, the default) its
         recorded xxh3-64 checksum, and a valid Arrow layout, before anything is mapped. Any damage raises one
-        `PoolFormatError` (a `ValueError`) naming the file. Shards are then memory-mapped, not read: RAM receives
-        the index only. A row a model cannot train on (null field, lists of unequal length, wrong trajectory id,
+        `PoolFormatError` (a `ValueError`) naming the file. Each shard is read into memory and checked, one at a time,
+        then memory-mapped: RAM keeps the index only. A row a model cannot train on (null field, lists of unequal length, wrong trajectory id,
         non-finite log-prob or reward, a mask value other than 0/1, a token id < 0 or >= `vocab_size`) is left
         out, counted in `rejected_rows` (by reason in `rejected_reasons`) and logged.
 
@@ -606,11 +597,16 @@ class ExperiencePool:
                     "ids belong to the given tokenizer. Pass allow_missing_fingerprint=True to use it with this "
                     "tokenizer anyway (it is then bound to it), or start from an empty pool."
                 )
-            pool.bind_tokenizer(tokenizer_fingerprint(tokenizer), source=folder.path)
+            try:
+                pool.bind_tokenizer(tokenizer_fingerprint(tokenizer), source=folder.path)
+            except ValueError:
+                pool.close()
+                raise
         return pool
 
-    def _logs(self) -> dict[str, ShardLog]:
-        return {TRAJECTORIES_DIR: self._trajectories, TASK_ROWS_DIR: self._task_rows}
+    def _logs(self) -> dict[str, Log]:
+        """The row logs by folder; none in a pool that holds the index only."""
+        return {TRAJECTORIES_DIR: self._trajectories, TASK_ROWS_DIR: self._task_rows} if self.holds_rows else {}
 
     def index_hash(self) -> str:
         """SHA-256 of what the index decides with: settings, counters, buckets, skip set, and each stored trajectory's
@@ -662,53 +658,13 @@ def _gather(items: list, indices: list[int]) -> list:
     return list(operator.itemgetter(*indices)(items))
 
 
-def _close_storage(writer: Writer, scratch: Scratch) -> None:
-    if threading.current_thread().name != "exreplay-pool-writer":
-        writer.close()
-    scratch.remove()
-
-
-def _mask(row) -> np.ndarray:
-    """A 0/1 mask as int8: bytes() converts a list of small ints 3x faster than numpy."""
-    try:
-        data = bytes(row)
-    except (TypeError, ValueError):
-        return np.asarray(row, np.int8)
-    return np.frombuffer(data, np.int8) if max(data, default=0) <= 1 else np.asarray(row, np.int8)
-
-
-def _list_array(rows: list, dtype):
-    import pyarrow as pa
-
-    # One call per row: the GIL can switch in between.
-    parts = [_mask(row) if dtype == np.int8 else np.asarray(row, dtype=dtype) for row in rows]
-    offsets = np.zeros(len(parts) + 1, np.int32)
-    np.cumsum([len(p) for p in parts], out=offsets[1:])
-    values = np.concatenate(parts) if parts else np.empty(0, dtype)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-
-
 def _trajectory_batch(items: list):
-    """Writer thread: (trajectory, store_seq) pairs -> one record batch of `TRAJECTORY_SCHEMA`."""
-    import pyarrow as pa
-
-    trajectories = [t for t, _ in items]
-    arrays = [pa.array([t.task_id for t in trajectories], pa.string())]
-    arrays += [_list_array([getattr(t, name) for t in trajectories], dtype) for name, dtype in _LIST_DTYPES]
-    arrays += [
-        pa.array(np.array([t.reward for t in trajectories], np.float32)),
-        pa.array(np.array([t.entropy for t in trajectories], np.float32)),
-        pa.array(np.array([t.policy_version for t in trajectories], np.int64)),
-        pa.array(np.array([t.traj_id for t in trajectories], np.int64)),
-        pa.array(np.array([seq for _, seq in items], np.int64)),
-    ]
-    return pa.RecordBatch.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
+    """(trajectory, store_seq) pairs -> one table of `TRAJECTORY_SCHEMA` (pyarrow converts the lists: ~0.2 ms a
+    trajectory of 1k tokens, in the step that fills a shard)."""
+    columns = {name: [getattr(t, name) for t, _ in items] for name in TRAJECTORY_SCHEMA.names[:-1]}
+    return pa.table({**columns, "store_seq": [seq for _, seq in items]}, schema=TRAJECTORY_SCHEMA)
 
 
 def _task_row_batch(items: list):
-    import pyarrow as pa
-
-    return pa.RecordBatch.from_arrays(
-        [pa.array([task for task, _ in items], pa.string()), pa.array([row for _, row in items], pa.string())],
-        schema=TASK_ROW_SCHEMA,
-    )
+    """(task id, dataset row as JSON) pairs -> one table of `TASK_ROW_SCHEMA`."""
+    return pa.table({"task_id": [t for t, _ in items], "task_row": [r for _, r in items]}, schema=TASK_ROW_SCHEMA)

@@ -13,8 +13,8 @@ import tempfile
 
 from .check import PoolFolder
 from .experience_pool import ExperiencePool
-from .folder import STATE_FILE, TASK_ROWS_DIR, TRAJECTORIES_DIR, read_state, state_files
-from .shards import TRAJECTORY_FEATURES
+from .persistence import STATE_FILE, TASK_ROWS_DIR, TRAJECTORIES_DIR, read_state, state_files
+from .store import TRAJECTORY_FEATURES
 
 __all__ = ["create_commit", "fenced", "pool_from_hub", "push_pool"]
 

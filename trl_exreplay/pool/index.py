@@ -94,6 +94,8 @@ class PoolIndex:
     num_live: int = 0
     members: dict[int, np.ndarray] = field(default_factory=dict)  # difficulty -> task indices (first `bucket_len`)
     bucket_len: dict[int, int] = field(default_factory=dict)
+    num_keys: int = 0  # trajectory keys handed out (a key indexes the key arrays and the pool's trajectory log)
+    free_keys: list[int] = field(default_factory=list)  # the keys of removed trajectories, handed out again first
 
     def __post_init__(self):
         for name, dtype, _ in _TASK_ARRAYS:
@@ -132,6 +134,13 @@ class PoolIndex:
             grown = max(1024, 2 * len(self.key_task), size)
             for name, _ in _KEY_ARRAYS:
                 setattr(self, name, grow(getattr(self, name), grown, None))  # written when a key is used
+
+    def new_key(self) -> int:
+        if self.free_keys:
+            return self.free_keys.pop()
+        self.num_keys += 1
+        self.ensure_keys(self.num_keys)
+        return self.num_keys - 1
 
     def set_key(self, key: int, task: int, entropy: float, version: int, traj_id: int, seq: int) -> None:
         self.ensure_keys(key + 1)
@@ -337,7 +346,7 @@ class PoolIndex:
         index.slots[entry_task, np.arange(len(entry_key)) - starts[entry_task]] = entry_key
         index.count[:n] = counts
         index.store_order[:n][counts == 0] = -1
-        index.num_live = len(entry_key)
+        index.num_live = index.num_keys = len(entry_key)
         index.num_stored_tasks = int((counts > 0).sum())
         index.rebuild_buckets(columns["bucket_pos"])
         return index

@@ -68,18 +68,6 @@ class TaskOutcome:
     task_row: str | None = None  # JSON of the dataset row, so a replayed task can be rolled out again
 
 
-def trusted_trajectory(**fields) -> Trajectory:
-    """A `Trajectory` from values already in the stored types (no per-token normalisation)."""
-    trajectory = object.__new__(Trajectory)
-    trajectory.__dict__.update(fields)
-    return trajectory
-
-
-def copy_trajectory(t: Trajectory) -> Trajectory:
-    """A copy of `t` that shares no list with it (the other values are immutable)."""
-    return trusted_trajectory(**{name: list(v) if isinstance(v, list) else v for name, v in t.__dict__.items()})
-
-
 def tokenizer_fingerprint(tokenizer) -> str:
     """SHA-256 of what maps text to token ids: the tokenizer's vocabulary, merges, added tokens and normalisation.
 
