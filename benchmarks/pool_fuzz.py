@@ -1,6 +1,6 @@
 """Fuzz the loading of a saved experience pool: no damage may crash the process or be read as other data.
 
-Saves a small pool twice (several trajectory and task row shards, a tokenizer fingerprint), then
+Saves a small pool twice (several trajectory shards, a tasks table with task rows, a tokenizer fingerprint), then
 applies random mutations to copies of its folder, each loaded (with the tokenizer and the model's vocabulary size),
 read and hashed in a forked child process (`os.fork`: no interpreter start per mutation), and classifies each:
 
@@ -16,7 +16,8 @@ read and hashed in a forked child process (`os.fork`: no interpreter start per m
 Mutations: byte flips, truncations, appended bytes, swapped files, edits of ``state.json`` (kept as edited, so its
 checksum no longer matches, or resealed with fresh checksums as a careful attacker would: then only values no pool
 can have are edited), shard names that leave the folder (``..``, absolute), symlinks and hard links to files outside,
-and crafted rows with valid checksums (NaN log-probs, a mask value of 2, token ids past the vocabulary). A resealed edit
+and crafted rows with valid checksums (NaN log-probs, a mask value of 2, token ids past the vocabulary, a task row that
+is not JSON). A resealed edit
 to a value a pool can legitimately have (its seed, say) is what an owner of the pool may do, so none is made.
 
     OMP_NUM_THREADS=1 python benchmarks/pool_fuzz.py --mutations 2000
@@ -60,7 +61,7 @@ VOCAB = 64
 
 # ------------------------------------------------------------------------------------------------------- the pool
 def build_pool(folder: str, tokenizer) -> None:
-    """A pool of 4 trajectory shards and 3 task row shards (shards of 4 rows), saved twice (incrementally) in
+    """A pool of 4 trajectory shards (of 4 rows) and its tasks table, saved twice (incrementally) in
     `folder`."""
     from trl_exreplay.pool import tokenizer_fingerprint
 
@@ -258,7 +259,7 @@ def _rename_entry(state, kind, index, new_name):
 def traversal(folder, rng, outside):
     """A shard or tasks file name leaving the folder, pointing at a real copy of the file (resealed)."""
     state = _state(folder)
-    kind = rng.choice(["trajectories", "task_rows", "tasks"])
+    kind = rng.choice(["trajectories", "tasks"])
     if kind == "tasks":
         source = state["tasks_file"]
     else:
@@ -303,7 +304,18 @@ def hardlink_out(folder, rng, outside):
 
 
 def crafted_rows(folder, rng, outside):
-    """Rows a model cannot train on, in a shard rewritten with valid checksums."""
+    """Rows a model cannot train on, in a shard rewritten with valid checksums; or a task row that is not JSON, in a
+    tasks table rewritten with valid checksums."""
+    if rng.random() < 0.2:
+        path = os.path.join(folder, _state(folder)["tasks_file"])
+        tasks = read_arrow(path)
+        rows = tasks.column("task_row").to_pylist()
+        rows[rng.randrange(len(rows))] = '{"prompt": "cut'
+        tasks = tasks.set_column(tasks.column_names.index("task_row"), "task_row", pa.array(rows, pa.string()))
+        os.remove(path)
+        write_arrow(path, tasks)
+        _write_state(folder, _state(folder), reseal=True)
+        return "crafted task row (not JSON) in the tasks table"
     name = rng.choice(_shards(folder))
     path = os.path.join(folder, name)
     rows = read_arrow(path).to_pylist()

@@ -351,7 +351,7 @@ def test_push_pool_round_trip(hub, tmp_path, empty):
     saved = files_under(pool_dir)
     (pool_dir / ".partial.tmp").write_text("leftover")
     if not empty:
-        assert [name.split("/")[0] for name in saved] == ["state.json", "task_rows", "tasks", "trajectories"]
+        assert [name.split("/")[0] for name in saved] == ["state.json", "tasks", "trajectories"]
 
     url = push_pool(str(pool_dir), "me/alfworld-pool", private=False)
 

@@ -255,12 +255,12 @@ def test_a_pool_holds_no_file_descriptor_for_its_shards(tmp_path):
     pool.save(str(tmp_path / "pool"))
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     for p in (pool, loaded):
-        assert p.storage_stats()["trajectory_shards"] == 20 and p.storage_stats()["task_row_shards"] == 10
+        assert p.storage_stats()["trajectory_shards"] == 20
         chosen = p.choose(p.stored_tasks(), 1)
         assert len(chosen) == 40 and all(ts[0].completion_ids == [10, 11, 12] for ts in chosen.values())
         assert [p.task_row(f"t{i}") for i in range(40)] == [{"task_id": f"t{i}"} for i in range(40)]
     assert len(os.listdir("/proc/self/fd")) == descriptors
     with open("/proc/self/maps") as f:  # address perms offset dev inode path
         mapped = {int(line.split()[4]) for line in f if line.rstrip().endswith(".arrow")}
-    shards = [s for p in (pool, loaded) for log in (p._trajectories, p._task_rows) for s in log.shards.values()]
-    assert len(shards) == 60 and {s.inode[1] for s in shards} <= mapped  # read through their mappings
+    shards = [s for p in (pool, loaded) for s in p._trajectories.shards.values()]
+    assert len(shards) == 40 and {s.inode[1] for s in shards} <= mapped  # read through their mappings

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 
 import numpy as np
@@ -619,7 +620,7 @@ def test_failed_save_keeps_previous_pool_and_cleans_up(tmp_path, monkeypatch):
     assert_same_pool(ExperiencePool.load(str(path)), changed)
 
 
-def test_a_failed_shard_write_keeps_its_rows_waiting_the_index_whole_and_fails_the_save(tmp_path, monkeypatch):
+def test_a_failed_shard_write_keeps_its_rows_waiting_the_index_whole_and_fails_the_save(tmp_path, monkeypatch, caplog):
     """A full disk on the training path: the outcome is recorded whole (as on the ranks that hold the index only, which
     write nothing), the rows wait, no partial file is left, and a save raises until a write succeeds."""
     import trl_exreplay.pool.store as store
@@ -634,8 +635,10 @@ def test_a_failed_shard_write_keeps_its_rows_waiting_the_index_whole_and_fails_t
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(store, "write_arrow", full_disk)
-    for p in (pool, index_only):
-        p.record_outcome(outcome("a", 3, entropies=[0.1, 0.2, 0.3]))  # the second add fills a shard: its write fails
+    with caplog.at_level(logging.WARNING, logger="trl_exreplay.pool"):
+        for p in (pool, index_only):
+            p.record_outcome(outcome("a", 3, entropies=[0.1, 0.2, 0.3]))  # the 2nd and 3rd adds' writes fail
+    assert [r.getMessage().count("could not write a shard") for r in caplog.records] == [1]  # said once
     assert pool.index_hash() == index_only.index_hash()
     assert entropies(pool, "a") == [f32(0.1), f32(0.2), f32(0.3)]  # read from the rows that wait
     assert pool.storage_stats()["trajectory_pending_rows"] == 3

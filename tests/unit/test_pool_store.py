@@ -29,8 +29,6 @@ from trl_exreplay.pool import ExperiencePool, TaskOutcome, store, tokenizer_fing
 from trl_exreplay.pool.check import PoolFormatError
 from trl_exreplay.pool.persistence import STATE_FILE, read_state, state_files
 from trl_exreplay.pool.store import (
-    TASK_ROW_FEATURES,
-    TASK_ROW_SCHEMA,
     TRAJECTORY_FEATURES,
     TRAJECTORY_SCHEMA,
     Log,
@@ -64,7 +62,7 @@ def files_of(path) -> list[str]:
 
 
 def shards_of(path) -> set[str]:
-    return {n for n in files_of(path) if n.startswith(("trajectories/", "task_rows/"))}
+    return {n for n in files_of(path) if n.startswith("trajectories/")}
 
 
 def inode(path) -> int:
@@ -95,17 +93,14 @@ FORMAT_3_COLUMNS = {
         "traj_id": "int64",
         "store_seq": "int64",
     },
-    "task_rows": {"task_id": "string", "task_row": "string"},
 }
 
 
-def test_the_shards_schemas_are_format_3s_with_the_features_datasets_reads():
-    """The schemas (columns, types and the ``huggingface`` metadata `datasets` reads features from) are those format
-    3 wrote: the rewrite of the store changed no byte a saved pool's reader depends on."""
-    for kind, features, schema in (
-        ("trajectories", TRAJECTORY_FEATURES, TRAJECTORY_SCHEMA),
-        ("task_rows", TASK_ROW_FEATURES, TASK_ROW_SCHEMA),
-    ):
+def test_the_trajectory_shards_schema_is_format_3s_with_the_features_datasets_reads():
+    """The schema (columns, types and the ``huggingface`` metadata `datasets` reads features from) is the one format
+    3 wrote: `datasets.load_dataset` and the Hub viewer read a pool's trajectories as before (format 4 moved only the
+    task rows, into the tasks table)."""
+    for kind, features, schema in (("trajectories", TRAJECTORY_FEATURES, TRAJECTORY_SCHEMA),):
         columns = FORMAT_3_COLUMNS[kind]
         arrow = {
             name: pa.list_(pa.type_for_alias(dtype[0])) if isinstance(dtype, list) else pa.type_for_alias(dtype)
@@ -129,7 +124,6 @@ def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
     pool.flush()
     stats = pool.storage_stats()
     assert (stats["trajectory_shards"], stats["trajectory_rows"], stats["trajectory_pending_rows"]) == (3, 5, 0)
-    assert stats["task_row_pending_rows"] == 0
     (scratch,) = [p for p in tmp_path.iterdir() if p.name.startswith("exreplay-pool-")]
     rows = []
     for shard in sorted((scratch / "trajectories").iterdir()):
@@ -326,10 +320,8 @@ def test_under_eviction_churn_the_files_stay_within_twice_the_live_rows(tmp_path
         pool.record_outcome(TaskOutcome(task, 1, 4, [traj(task, float(rng.random()), step)], row(task, step)))
         stats = pool.storage_stats()
         assert stats["trajectory_rows"] <= 2 * pool.num_trajectories + shard_rows, (step, stats)
-        assert stats["task_row_rows"] <= 2 * len(pool.index.task_ids) + shard_rows, (step, stats)
         if step % 100 == 99:  # the files themselves: compaction removes what it rewrote
             assert rows_on_disk(folder / "trajectories") == stats["trajectory_rows"]
-            assert rows_on_disk(folder / "task_rows") == stats["task_row_rows"]
     assert pool.num_trajectories == 20 and pool.index.stored_count == 1200  # the churn: 1180 evicted
     pool.save(str(tmp_path / "pool"))
     assert ExperiencePool.load(str(tmp_path / "pool")).content_hash() == pool.content_hash()
@@ -393,7 +385,7 @@ def test_saves_write_only_new_shards_and_share_the_others(tmp_path):
     record(pool, "g", 1, [0.5])
     pool.save(str(second))
     old, new = shards_of(first), shards_of(second)
-    assert old < new and len(new - old) == 2  # one new trajectory shard, one new task row shard
+    assert old < new and len(new - old) == 1  # one new trajectory shard
     for name in old:  # the very same files: hard links, nothing rewritten
         assert inode(first / name) == inode(second / name) and os.stat(second / name).st_nlink >= 3
     hashes = {"second": pool.content_hash()}
@@ -630,25 +622,21 @@ def test_a_first_format_pool_is_refused_clearly_on_load_and_save(tmp_path):
         ExperiencePool().save(str(old))
 
 
-def test_task_rows_are_stored_once_and_replaced_when_they_change(tmp_path):
+def test_a_tasks_row_is_its_latest_and_is_saved_in_the_tasks_table(tmp_path):
     pool = ExperiencePool(experience_rbound=8, shard_rows=3)
-    for _ in range(5):  # the trainer sends the same row with every outcome: one row in the log
-        record(pool, "a", 1, task_row=row("a"))
-    record(pool, "c", 1)
-    record(pool, "d", 1)  # three rows: a shard
-    pool.flush()
-    assert pool.storage_stats()["task_row_rows"] == 3
-    record(pool, "a", 1, task_row=row("a", variant=2))  # a's row changes: a dead row in the first shard
-    record(pool, "b", 1)
-    pool.flush()
-    assert pool.task_row("a") == json.loads(row("a", variant=2))
-    stats = pool.storage_stats()
-    assert (stats["task_row_rows"], stats["task_row_dead_rows"]) == (5, 1)
+    for variant in (0, 0, 1):
+        record(pool, "a", 1, [0.5], task_row=row("a", variant=variant))
+    record(pool, "b", 1, [0.5])
+    record(pool, "c", 1, [0.5], task_row=None)  # a row that is not JSON-serializable is sent as None: no row
+    assert pool.task_row("a") == json.loads(row("a", variant=1)) and pool.task_row("c") is None
+    assert [task for task, _ in pool.replayable_tasks()] == ["a", "b"]  # a task without a row cannot roll out again
     pool.save(str(tmp_path / "pool"))
+    assert sorted(os.listdir(tmp_path / "pool")) == ["state.json", "tasks", "trajectories"]
+    (tasks,) = (tmp_path / "pool" / "tasks").iterdir()
+    assert read_arrow(str(tasks)).column("task_row").to_pylist() == [row("a", variant=1), row("b"), None]
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
-    assert {t: loaded.task_row(t)["variant"] for t in "abcd"} == {"a": 2, "b": 0, "c": 0, "d": 0}
-    for shard in (tmp_path / "pool" / "task_rows").iterdir():
-        assert datasets.Dataset.from_file(str(shard)).features == TASK_ROW_FEATURES
+    assert {t: loaded.task_row(t) for t in "abc"} == {t: pool.task_row(t) for t in "abc"}
+    assert loaded.content_hash() == pool.content_hash()
 
 
 @pytest.mark.parametrize("into_scratch", [True, False])
@@ -758,7 +746,7 @@ def test_a_loaded_pool_names_its_new_files_apart_from_the_loaded_ones(tmp_path):
     fill_alike([loaded], "ijklmnop", version=1)
     loaded.flush()
     new = {str(p.relative_to(scratch)) for p in scratch.rglob("*.arrow")} - set(linked)
-    assert new and all(re.fullmatch(r"(trajectories|task_rows)/\1-[0-9a-f]{16}\.arrow", name) for name in new)
+    assert new and all(re.fullmatch(r"trajectories/trajectories-[0-9a-f]{16}\.arrow", name) for name in new)
     assert {name: inode(scratch / name) for name in linked} == linked
     assert ExperiencePool.load(str(tmp_path / "saved")).rejected_rows == 0
     loaded.save(str(tmp_path / "saved"))

@@ -408,8 +408,7 @@ TASKS_SCHEMA = pa.schema(
         ("bucket_pos", pa.int32()),
         ("skip_order", pa.int64()),
         ("store_order", pa.int64()),
-        ("row_shard", pa.int32()),
-        ("row_index", pa.int32()),
+        ("task_row", pa.string()),  # the task's dataset row as JSON (null: none), to roll a replayed task out again
         ("traj_shard", pa.list_(pa.int32())),
         ("traj_row", pa.list_(pa.int32())),
         ("traj_id", pa.list_(pa.int64())),
@@ -425,10 +424,11 @@ def _max(values: np.ndarray, empty: int) -> int:
     return int(values.max()) if len(values) else empty
 
 
-def check_tasks_table(tasks: pa.Table, state: dict, file: str, trajectories: str, task_rows: str) -> None:
-    """A snapshot's tasks table must be one a pool could have written: its schema, no null, one row per task, task and
+def check_tasks_table(tasks: pa.Table, state: dict, file: str, trajectories: str) -> None:
+    """A snapshot's tasks table must be one a pool could have written: its schema, no null (but a task without a row),
+    one row per task, task and
     trajectory ids unique, orders within the state's counters, slot lists that agree, no task above the capacity, and
-    shard numbers that exist (`trajectories`, `task_rows`: the state's shard folders). Damage here is an error, not a
+    shard numbers that exist (`trajectories`: the state's shard folder). Damage here is an error, not a
     rejected row: the table is the pool's index itself."""
     check_arrow(tasks, TASKS_SCHEMA, file)
 
@@ -436,8 +436,8 @@ def check_tasks_table(tasks: pa.Table, state: dict, file: str, trajectories: str
         _need(condition, file, problem)
 
     need(tasks.num_rows == state["num_tasks"], f"has {tasks.num_rows} tasks; the state records {state['num_tasks']}.")
-    for column in tasks.columns:
-        need(column.null_count == 0, "holds a null value.")
+    for name, column in zip(tasks.column_names, tasks.columns):
+        need(column.null_count == 0 or name == "task_row", "holds a null value.")
         if pa.types.is_list(column.type):
             need(all(chunk.values.null_count == 0 for chunk in column.chunks), "holds a null value in a list.")
     need(len(set(tasks.column("task_id").to_pylist())) == tasks.num_rows, "lists a task id twice.")
@@ -447,12 +447,6 @@ def check_tasks_table(tasks: pa.Table, state: dict, file: str, trajectories: str
         need(_min(values, -1) >= -1, f"`{name}` holds a value below -1.")
         if name != "difficulty":
             need(_max(values, -1) <= stamp, f"`{name}` holds a value above counters.stamp ({stamp}).")
-    row_shard = tasks.column("row_shard").to_numpy()
-    need(
-        _min(row_shard, -1) >= -1 and _max(row_shard, -1) < len(state["shards"][task_rows]),
-        "`row_shard` out of range.",
-    )
-    need(_min(tasks.column("row_index").to_numpy(), -1) >= -1, "`row_index` holds a value below -1.")
     lists = [tasks.column(name).combine_chunks() for name in ("traj_shard", "traj_row", "traj_id")]
     offsets = [c.offsets.to_numpy() for c in lists]
     need(

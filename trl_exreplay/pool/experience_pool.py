@@ -29,10 +29,10 @@ import pyarrow as pa
 
 from .check import SETTINGS, PoolFormatError, bad_trajectory_rows, check_settings, trajectory_problem
 from .index import PoolIndex, TaskBuckets
-from .persistence import TASK_ROWS_DIR, TRAJECTORIES_DIR, load_index, read_committed, save_folder
+from .persistence import load_index, read_committed, save_folder
 from .records import TaskOutcome, Trajectory, tokenizer_fingerprint
 from .rules import best_index, eviction, is_solved, selection_order, stores_successes
-from .store import TASK_ROW_SCHEMA, TRAJECTORY_SCHEMA, Log, Scratch
+from .store import TRAJECTORY_SCHEMA, Log, Scratch
 
 logger = logging.getLogger("trl_exreplay.pool")
 
@@ -107,8 +107,10 @@ class ExperiencePool:
         self.index = PoolIndex(max_trajectories_per_task)
         self._scratch = Scratch(work_dir)
         # None in a pool that holds the index only (`from_index_snapshot`)
-        self._trajectories: Log | None = Log(TRAJECTORIES_DIR, TRAJECTORY_SCHEMA, self._scratch, shard_rows)
-        self._task_rows: Log | None = Log(TASK_ROWS_DIR, TASK_ROW_SCHEMA, self._scratch, shard_rows)
+        self._trajectories: Log | None = Log("trajectories", TRAJECTORY_SCHEMA, self._scratch, shard_rows)
+        # Each task's dataset row (JSON), by task index, in RAM (a few hundred bytes a task) and in a save's tasks table
+        self._task_rows: dict[int, str] | None = {}
+        self._write_failing = False
         self._finalizer = weakref.finalize(self, self._scratch.remove)
 
     @property
@@ -202,12 +204,16 @@ class ExperiencePool:
         """Write a shard file of each log that has `shard_rows` rows waiting. Called on the training path, once the
         index agrees with the logs: a failed write (a full disk) is logged and its rows wait for the next write, so
         that this pool's index stays that of the other ranks' (which write nothing); `save` and `flush` raise it."""
+        if not self.holds_rows:
+            return
         try:
-            for log in self._logs().values():
-                log.write(if_full=True)
+            self._trajectories.write(if_full=True)
+            self._write_failing = False
         except OSError as e:
-            logger.warning("trl_exreplay: the experience pool could not write a shard (%s); its rows wait in memory and "
-                           "the next write tries again; a save raises until one succeeds.", e)  # fmt: skip
+            if not self._write_failing:  # once, until a write succeeds again
+                logger.warning("trl_exreplay: the experience pool could not write a shard (%s); its rows wait in memory "
+                               "and each add tries again; a save raises until a write succeeds.", e)  # fmt: skip
+            self._write_failing = True
 
     def _store_copy(self, t: int, trajectory: Trajectory) -> int:
         """Append a copy of `trajectory` to the trajectory log and index it; returns its key."""
@@ -286,19 +292,14 @@ class ExperiencePool:
             )
 
     def _set_task_row(self, t: int, row: str) -> None:
-        """Task `t`'s dataset row (its key in the task row log: `t`)."""
-        if self.index.row_key[t] >= 0:
-            if not self.holds_rows or self._task_row_text(t) == row:
-                return  # the trainer sends the same row every step: no new row (an index only needs to know there is one)
-            self._task_rows.delete(t)
-        self.index.row_key[t] = t
+        self.index.row_key[t] = t  # the index knows that the task has a row; the pool that holds the rows, which
         if self._task_rows is not None:
-            self._task_rows.put(t, _task_row_batch([(self.index.task_ids[t], row)]))
+            self._task_rows[t] = row
 
     def _task_row_text(self, t: int) -> str:
         if not self.holds_rows:
             raise RuntimeError(_INDEX_ONLY)
-        return self._task_rows.read([t], ("task_row",))[0]["task_row"]
+        return self._task_rows[t]
 
     # ---------------------------------------------------------------------------------------------- queries
     def bucket_of(self, task_id: str) -> int | None:
@@ -445,15 +446,14 @@ class ExperiencePool:
         return out
 
     def storage_stats(self) -> dict[str, int]:
-        """Shards, rows, dead rows and pending rows of the trajectory and task row logs."""
-        prefixes = {TRAJECTORIES_DIR: "trajectory", TASK_ROWS_DIR: "task_row"}
-        return {f"{prefixes[kind]}_{k}": v for kind, log in self._logs().items() for k, v in log.stats().items()}
+        """Shards, rows, dead rows and pending rows of the trajectory log ({} in a pool that holds the index only)."""
+        return {f"trajectory_{k}": v for k, v in self._trajectories.stats().items()} if self.holds_rows else {}
 
     def scratch_folder(self) -> str | None:
         """The folder where this live pool writes its shard files (made now if not yet); None if it holds no rows."""
         if not self.holds_rows:
             return None
-        self._scratch.folder(TRAJECTORIES_DIR)
+        self._scratch.folder(self._trajectories.kind)
         return self._scratch.path
 
     # -------------------------------------------------------------------------------------------- index only
@@ -508,14 +508,14 @@ class ExperiencePool:
     # ------------------------------------------------------------------------------------------------ storage
     def flush(self) -> None:
         """Write the pending rows to shard files now, and compact (a save does too)."""
-        for log in self._logs().values():
-            log.write()
+        if self.holds_rows:
+            self._trajectories.write()
 
     def compact(self) -> None:
         """Rewrite every shard that holds removed rows, now (otherwise only those with more removed than live rows
         are, after each write and before a save)."""
-        for log in self._logs().values():
-            log.compact()
+        if self.holds_rows:
+            self._trajectories.compact()
 
     def close(self) -> None:
         """Delete the pool's scratch folder (saved pools keep their own links to its files)."""
@@ -540,7 +540,7 @@ class ExperiencePool:
         if not self.holds_rows:
             raise RuntimeError(_INDEX_ONLY)
         header = {"settings": self._settings(), "tokenizer_fingerprint": self.tokenizer_fingerprint}
-        save_folder(path, self._logs(), self.index, header)
+        save_folder(path, self._trajectories, self._task_rows, self.index, header)
 
     @classmethod
     def load(
@@ -572,8 +572,8 @@ class ExperiencePool:
         state, folder, tasks = read_committed(path, verify)
         pool = cls(**state["settings"], work_dir=work_dir, shard_rows=shard_rows)
         try:
-            pool.index, reasons = load_index(
-                folder, state, tasks, pool._logs(), pool.max_trajectories_per_task, vocab_size, verify
+            pool.index, pool._task_rows, reasons = load_index(
+                folder, state, tasks, pool._trajectories, pool.max_trajectories_per_task, vocab_size, verify
             )
         except BaseException:
             pool.close()
@@ -603,10 +603,6 @@ class ExperiencePool:
                 pool.close()
                 raise
         return pool
-
-    def _logs(self) -> dict[str, Log]:
-        """The row logs by folder; none in a pool that holds the index only."""
-        return {TRAJECTORIES_DIR: self._trajectories, TASK_ROWS_DIR: self._task_rows} if self.holds_rows else {}
 
     def index_hash(self) -> str:
         """SHA-256 of what the index decides with: settings, counters, buckets, skip set, and each stored trajectory's
@@ -663,8 +659,3 @@ def _trajectory_batch(items: list):
     trajectory of 1k tokens, in the step that fills a shard)."""
     columns = {name: [getattr(t, name) for t, _ in items] for name in TRAJECTORY_SCHEMA.names[:-1]}
     return pa.table({**columns, "store_seq": [seq for _, seq in items]}, schema=TRAJECTORY_SCHEMA)
-
-
-def _task_row_batch(items: list):
-    """(task id, dataset row as JSON) pairs -> one table of `TASK_ROW_SCHEMA`."""
-    return pa.table({"task_id": [t for t, _ in items], "task_row": [r for _, r in items]}, schema=TASK_ROW_SCHEMA)

@@ -13,7 +13,7 @@ import tempfile
 
 from .check import PoolFolder
 from .experience_pool import ExperiencePool
-from .persistence import STATE_FILE, TASK_ROWS_DIR, TRAJECTORIES_DIR, read_state, state_files
+from .persistence import STATE_FILE, TRAJECTORIES_DIR, read_state, state_files
 from .store import TRAJECTORY_FEATURES
 
 __all__ = ["create_commit", "fenced", "pool_from_hub", "push_pool"]
@@ -55,16 +55,11 @@ def _pool_state(pool_dir: str) -> dict:
 def _pool_card(repo_id: str, state: dict) -> str:
     from huggingface_hub import DatasetCard, DatasetCardData
 
-    extra = {}
-    configs = []
     # Lets `datasets.load_dataset(repo_id)` and the Hub viewer read the trajectories as a plain table. The files are
     # named, not globbed: shards of earlier pushes to the repository stay in it (commits only add files).
-    for name, kind in (("default", TRAJECTORIES_DIR), (TASK_ROWS_DIR, TASK_ROWS_DIR)):
-        if state["shards"][kind]:
-            configs.append({"config_name": name, "data_files": [f"{kind}/{e['name']}" for e in state["shards"][kind]]})
-    if configs:
-        extra["configs"] = configs
-    data = DatasetCardData(tags=["trl", "exreplay"], **extra)
+    files = [f"{TRAJECTORIES_DIR}/{e['name']}" for e in state["shards"][TRAJECTORIES_DIR]]
+    configs = {"configs": [{"config_name": "default", "data_files": files}]} if files else {}
+    data = DatasetCardData(tags=["trl", "exreplay"], **configs)
     settings = state.get("settings", {})
     body = "\n".join(
         [
@@ -82,7 +77,7 @@ def _pool_card(repo_id: str, state: dict) -> str:
             "",
             f"`{STATE_FILE}` holds the pool state and names its files; `{TRAJECTORIES_DIR}/` holds Arrow shards, one "
             "row per trajectory, with columns: " + ", ".join(f"`{c}`" for c in TRAJECTORY_FEATURES) + f"; "
-            f"`{TASK_ROWS_DIR}/` the dataset row of each task (JSON), so a replayed task can be rolled out again. "
+            "`tasks/` each task's state and dataset row (JSON), so a replayed task can be rolled out again. "
             f"`{STATE_FILE}` records every file's size and xxh3-64 checksum: `pool_from_hub` verifies them all before it "
             "maps anything.",
             "",

@@ -6,13 +6,13 @@ state names are pruned after. A process killed at any instant leaves the previou
 
     state.json                     the committed snapshot: settings, counters, shard lists, its tasks table, every
                                    file's size and xxh3-64 checksum, and its own checksum
-    tasks/<snapshot>-<id>.arrow    per-task state of a snapshot (difficulty, skip set, where its rows are)
+    tasks/<snapshot>-<id>.arrow    per-task state of a snapshot (difficulty, skip set, where its trajectories are)
+                                   and its dataset row (JSON), so that a replayed task can be rolled out again
     trajectories/*.arrow           trajectory shards, one row per trajectory (`datasets` features)
-    task_rows/*.arrow              task row shards (task id, the dataset row as JSON)
 
 A load treats the folder as untrusted input (`check.py`): the state, every file's name, size, checksum and Arrow layout
 are checked before anything is mapped; rows a model cannot train on are counted and left out. RAM receives the index
-only (`index.PoolIndex.from_state`); the shards stay memory-mapped files.
+(`index.PoolIndex.from_state`) and the task rows; the shards stay memory-mapped files.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from .check import (
 )
 from .index import STATE_COLUMNS, PoolIndex
 from .store import (
-    TASK_ROW_SCHEMA,
     TRAJECTORY_SCHEMA,
     Log,
     Shard,
@@ -53,10 +52,9 @@ from .store import (
     write_json_atomic,
 )
 
-FORMAT_VERSION = 3  # 3: every file's size and xxh3-64 checksum recorded in state.json
+FORMAT_VERSION = 4  # 3: every file's size and xxh3-64 checksum in state.json; 4: task rows in the tasks table
 STATE_FILE = "state.json"
 TRAJECTORIES_DIR = "trajectories"
-TASK_ROWS_DIR = "task_rows"
 TASKS_DIR = "tasks"
 _MAX_STATE_BYTES = 64 << 20
 
@@ -81,22 +79,21 @@ def read_state(path: str) -> dict:
         raise PoolFormatError(file, f"cannot be read ({e.strerror}).") from None
     if len(text) > _MAX_STATE_BYTES:
         raise PoolFormatError(file, f"is larger than {_MAX_STATE_BYTES} bytes; a pool's state is far smaller.")
-    return parse_state(text, file, FORMAT_VERSION, (TRAJECTORIES_DIR, TASK_ROWS_DIR), TASKS_DIR)
+    return parse_state(text, file, FORMAT_VERSION, (TRAJECTORIES_DIR,), TASKS_DIR)
 
 
 def state_files(state: dict) -> list[str]:
     """The files (relative to the pool folder) a committed state names, state.json first."""
-    files = [STATE_FILE, state["tasks_file"]]
-    for kind in (TRAJECTORIES_DIR, TASK_ROWS_DIR):
-        files += [f"{kind}/{entry['name']}" for entry in state["shards"][kind]]
-    return files
+    return [STATE_FILE, state["tasks_file"]] + [
+        f"{TRAJECTORIES_DIR}/{e['name']}" for e in state["shards"][TRAJECTORIES_DIR]
+    ]
 
 
 def prune(path: str) -> None:
     """After a commit: delete the files of the pool's folders that the committed state does not name, and the
     temporary files of interrupted saves. A crash here leaves garbage, never a broken pool."""
     keep = set(state_files(read_state(path)))
-    for folder in (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR):
+    for folder in (TRAJECTORIES_DIR, TASKS_DIR):
         if os.path.isdir(os.path.join(path, folder)):
             for name in os.listdir(os.path.join(path, folder)):
                 if f"{folder}/{name}" not in keep:
@@ -108,25 +105,26 @@ def prune(path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------ save
-def save_folder(path: str, logs: dict[str, Log], index: PoolIndex, header: dict) -> None:
-    """Commit a snapshot of the pool whose `logs` (by folder: trajectories, task rows) and `index` are given into
+def save_folder(path: str, log: Log, task_rows: dict[int, str], index: PoolIndex, header: dict) -> None:
+    """Commit a snapshot of the pool whose trajectory `log`, `task_rows` (task index -> JSON) and `index` are given into
     folder `path`; `header` holds its ``settings`` and ``tokenizer_fingerprint``. See `ExperiencePool.save`."""
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
     previous = _committed_state(path)
     snapshot = previous["snapshot"] + 1 if previous else 1
     try:
-        entries = {kind: log.save_into(os.path.join(path, kind)) for kind, log in logs.items()}
+        entries = log.save_into(os.path.join(path, TRAJECTORIES_DIR))
         tasks_file = f"{TASKS_DIR}/{snapshot:08d}-{uuid.uuid4().hex[:12]}.arrow"
         os.makedirs(os.path.join(path, TASKS_DIR), exist_ok=True)
-        counters, table = _tasks_table(index, logs, entries)
+        counters, table = _tasks_table(index, log, entries, task_rows)
         write_atomic(os.path.join(path, tasks_file), lambda tmp: write_arrow(tmp, table))
         files = {tasks_file: _file_entry(os.path.join(path, tasks_file))}
-        for kind, es in entries.items():
-            for e in es:
-                fsync_path(os.path.join(path, kind, e["name"]))  # a scratch file's bytes may not be on disk yet
-                files[f"{kind}/{e['name']}"] = {"size": e["size"], CHECKSUM: e["checksum"]}
-        for folder in (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR):
+        for e in entries:
+            fsync_path(
+                os.path.join(path, TRAJECTORIES_DIR, e["name"])
+            )  # a scratch file's bytes may not be on disk yet
+            files[f"{TRAJECTORIES_DIR}/{e['name']}"] = {"size": e["size"], CHECKSUM: e["checksum"]}
+        for folder in (TRAJECTORIES_DIR, TASKS_DIR):
             fsync_path(os.path.join(path, folder))
         state = {
             "format_version": FORMAT_VERSION,
@@ -136,13 +134,11 @@ def save_folder(path: str, logs: dict[str, Log], index: PoolIndex, header: dict)
             "num_trajectories": index.num_live,
             "num_tasks": table.num_rows,
             "tasks_file": tasks_file,
-            "shards": {
-                kind: [{k: e[k] for k in ("name", "rows", "live")} for e in es] for kind, es in entries.items()
-            },
+            "shards": {TRAJECTORIES_DIR: [{k: e[k] for k in ("name", "rows", "live")} for e in entries]},
             "files": files,
         }
         state["checksum"] = state_checksum(state)
-        parse_state(json.dumps(state), STATE_FILE, FORMAT_VERSION, (TRAJECTORIES_DIR, TASK_ROWS_DIR), TASKS_DIR)
+        parse_state(json.dumps(state), STATE_FILE, FORMAT_VERSION, (TRAJECTORIES_DIR,), TASKS_DIR)
         write_json_atomic(os.path.join(path, STATE_FILE), state)  # the commit: of a state its load accepts
         fsync_path(path)
     except BaseException:
@@ -150,7 +146,7 @@ def save_folder(path: str, logs: dict[str, Log], index: PoolIndex, header: dict)
             if previous is not None:
                 prune(path)
             elif not os.path.exists(os.path.join(path, STATE_FILE)):
-                for folder in (TRAJECTORIES_DIR, TASK_ROWS_DIR, TASKS_DIR):
+                for folder in (TRAJECTORIES_DIR, TASKS_DIR):
                     shutil.rmtree(os.path.join(path, folder), ignore_errors=True)
         except Exception:  # noqa: BLE001 - the save's own error is the one to report
             logger.exception("trl_exreplay: cleaning up after a failed pool save")
@@ -158,32 +154,22 @@ def save_folder(path: str, logs: dict[str, Log], index: PoolIndex, header: dict)
     prune(path)
 
 
-def _tasks_table(index: PoolIndex, logs: dict[str, Log], entries: dict[str, list[dict]]):
-    """The counters and the per-task table of a snapshot: `index.to_state()`, with each key's row located (the shard's
-    place in the state's list, its row) instead of its key."""
+def _tasks_table(index: PoolIndex, log: Log, entries: list[dict], task_rows: dict[int, str]):
+    """The counters and the per-task table of a snapshot: `index.to_state()`, with each trajectory's row located (the
+    shard's place in the state's list, its row) instead of its key, and each task's row."""
     counters, columns, offsets, keys = index.to_state()
-
-    def where(kind, keys):
-        at = logs[kind].where[keys]
-        numbers = [entry["shard"] for entry in entries[kind]]
-        place = np.full(max(numbers, default=0) + 1, -1, np.int32)
-        place[numbers] = np.arange(len(numbers), dtype=np.int32)
-        return place[at >> 32], (at & 0xFFFFFFFF).astype(np.int32)
-
-    traj_shard, traj_row = where(TRAJECTORIES_DIR, keys)
-    has_row = columns["row_key"] >= 0
-    row_shard = np.full(len(has_row), -1, np.int32)
-    row_index = np.full(len(has_row), -1, np.int32)
-    row_shard[has_row], row_index[has_row] = where(TASK_ROWS_DIR, np.nonzero(has_row)[0])
+    at = log.where[keys]
+    numbers = [entry["shard"] for entry in entries]
+    place = np.full(max(numbers, default=0) + 1, -1, np.int32)
+    place[numbers] = np.arange(len(numbers), dtype=np.int32)
 
     def lists(values):
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
     columns.update(
-        row_shard=row_shard,
-        row_index=row_index,
-        traj_shard=lists(traj_shard),
-        traj_row=lists(traj_row),
+        task_row=pa.array([task_rows.get(t) for t in range(len(columns.pop("row_key")))], pa.string()),
+        traj_shard=lists(place[at >> 32]),
+        traj_row=lists((at & 0xFFFFFFFF).astype(np.int32)),
         traj_id=lists(index.key_traj_id[keys]),
     )
     return counters, pa.table({name: columns[name] for name in TASKS_SCHEMA.names}, schema=TASKS_SCHEMA)
@@ -220,21 +206,22 @@ def read_committed(path: str, verify: bool) -> tuple[dict, PoolFolder, object]:
         tasks = read_arrow(tasks_path)
     except (OSError, pa.ArrowException) as e:
         raise PoolFormatError(tasks_path, f"is not an Arrow file ({e}).") from None
-    check_tasks_table(tasks, state, tasks_path, TRAJECTORIES_DIR, TASK_ROWS_DIR)
+    check_tasks_table(tasks, state, tasks_path, TRAJECTORIES_DIR)
     return state, folder, tasks
 
 
 def load_index(
-    folder: PoolFolder, state: dict, tasks, logs: dict[str, Log], capacity: int, vocab_size, verify
-) -> tuple[PoolIndex, Counter]:
-    """Adopt the checked shards of a committed snapshot into the empty `logs` and rebuild the index from its tasks
-    table; returns the index and the rows left out, by reason. A task's row key is its index, a trajectory's key its
-    place in the tasks table's lists."""
+    folder: PoolFolder, state: dict, tasks, log: Log, capacity: int, vocab_size, verify
+) -> tuple[PoolIndex, dict[int, str], Counter]:
+    """Adopt the checked shards of a committed snapshot into the empty trajectory `log` and rebuild the index from its
+    tasks table; returns the index, the task rows (task index -> JSON) and the rows left out, by reason. A
+    trajectory's key is its place among the kept ones in the tasks table's lists."""
 
-    def shards(kind, schema):
-        """(place in the state, its table read into memory, `map()` -> its shard) of each shard file, checked."""
-        for i, entry in enumerate(state["shards"][kind]):
-            name = f"{kind}/{entry['name']}"
+    def shards():
+        """(place in the state, its table read into memory, `open_shard()` -> its shard) of each shard, checked."""
+        schema = TRAJECTORY_SCHEMA
+        for i, entry in enumerate(state["shards"][TRAJECTORIES_DIR]):
+            name = f"{TRAJECTORIES_DIR}/{entry['name']}"
             file = folder.verify(state, name, verify)
             try:
                 table = read_arrow(file)
@@ -256,23 +243,12 @@ def load_index(
     n = tasks.num_rows
     columns = {name: tasks.column(name).to_numpy() for name in STATE_COLUMNS}
     columns["task_id"] = tasks.column("task_id").to_pylist()
-    row_shard = tasks.column("row_shard").to_numpy()
-    row_index = tasks.column("row_index").to_numpy().astype(np.int64)
-    row_key = np.full(n, -1, np.int64)
-    row_groups = _groups(row_shard, len(state["shards"][TASK_ROWS_DIR]))
-    for i, table, open_shard in shards(TASK_ROWS_DIR, TASK_ROW_SCHEMA):
-        owners = row_groups[i]
-        rows = row_index[owners]
-        good = ~invalid_rows(table, rows, ("task_id", "task_row"), ())
-        ids = table.column("task_id").to_pylist()
-        good[good] = [ids[row] == columns["task_id"][t] for row, t in zip(rows[good], owners[good])]  # its own row
-        del table
-        _adopt(logs[TASK_ROWS_DIR], open_shard, owners[good], rows[good])
-        row_key[owners[good]] = owners[good]
-    lost = int(((row_shard >= 0) & (row_key < 0)).sum())
-    if lost:
-        reasons["missing or malformed task row"] += lost
-    columns["row_key"] = row_key
+    task_rows = {t: row for t, row in enumerate(tasks.column("task_row").to_pylist()) if row is not None}
+    for t in [t for t, row in task_rows.items() if not _is_json(row)]:  # `task_row()` parses it, mid-training
+        del task_rows[t]
+        reasons["task row not JSON"] += 1
+    columns["row_key"] = np.full(n, -1, np.int64)
+    columns["row_key"][list(task_rows)] = list(task_rows)
 
     lengths = np.diff(tasks.column("traj_shard").combine_chunks().offsets.to_numpy())
     entry_task = np.repeat(np.arange(n, dtype=np.int32), lengths)
@@ -285,7 +261,7 @@ def load_index(
               (("traj_id", np.int64), ("entropy", np.float32), ("policy_version", np.int64), ("store_seq", np.int64))}  # fmt: skip
     adopted = []
     entry_groups = _groups(flat["traj_shard"], len(state["shards"][TRAJECTORIES_DIR]))
-    for i, table, open_shard in shards(TRAJECTORIES_DIR, TRAJECTORY_SCHEMA):
+    for i, table, open_shard in shards():
         entries = entry_groups[i]
         rows = flat["traj_row"][entries].astype(np.int64)
         bad = invalid_rows(table, rows, _REQUIRED, _SAME_LENGTH)
@@ -305,7 +281,10 @@ def load_index(
     reasons = Counter({reason: count for reason, count in reasons.items() if count})
     key_of = np.cumsum(ok) - 1  # the kept trajectories' keys: 0, 1, ... in the tasks table's order
     for open_shard, entries, rows in adopted:
-        _adopt(logs[TRAJECTORIES_DIR], open_shard, key_of[entries], rows)
+        if len(entries):  # a shard that holds no kept row is not mapped, nor saved again
+            shard = open_shard()
+            log.adopt(shard)
+            log.add_shard(shard, key_of[entries], rows)
     kept = np.nonzero(ok)[0]
     index = PoolIndex.from_state(capacity, state["counters"], columns, entry_task[ok], key_of[ok])
     index.ensure_keys(len(kept))
@@ -314,7 +293,7 @@ def load_index(
     index.key_version[: len(kept)] = values["policy_version"][kept]
     index.key_traj_id[: len(kept)] = values["traj_id"][kept]
     index.key_seq[: len(kept)] = values["store_seq"][kept]
-    return index, reasons
+    return index, task_rows, reasons
 
 
 def _groups(values: np.ndarray, count: int) -> list[np.ndarray]:
@@ -324,9 +303,9 @@ def _groups(values: np.ndarray, count: int) -> list[np.ndarray]:
     return [order[bounds[i] : bounds[i + 1]] for i in range(count)]
 
 
-def _adopt(log: Log, open_shard, keys: np.ndarray, rows: np.ndarray) -> None:
-    """Map a checked shard (`open_shard()`) into `log` as the rows `rows` of `keys`, if it holds any the load kept."""
-    if len(keys):
-        shard = open_shard()
-        log.adopt(shard)
-        log.add_shard(shard, keys, rows)
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True

@@ -43,7 +43,7 @@ import pyarrow as pa
 from .check import PoolFormatError, check_arrow, file_checksum
 from .index import grow
 
-__all__ = ["Log", "Scratch", "Shard", "TASK_ROW_SCHEMA", "TRAJECTORY_FEATURES", "TRAJECTORY_SCHEMA", "fsync_path",
+__all__ = ["Log", "Scratch", "Shard", "TRAJECTORY_FEATURES", "TRAJECTORY_SCHEMA", "fsync_path",
            "read_arrow", "write_arrow", "write_atomic", "write_json_atomic"]  # fmt: skip
 
 TRAJECTORY_FEATURES = datasets.Features(
@@ -61,10 +61,8 @@ TRAJECTORY_FEATURES = datasets.Features(
         "store_seq": datasets.Value("int64"),  # rank of the trajectory among all ever stored (replay_window)
     }
 )
-TASK_ROW_FEATURES = datasets.Features({"task_id": datasets.Value("string"), "task_row": datasets.Value("string")})
 # The features in the schema's metadata, as `datasets` writes them: `load_dataset` and the Hub viewer read them back.
 TRAJECTORY_SCHEMA = TRAJECTORY_FEATURES.arrow_schema
-TASK_ROW_SCHEMA = TASK_ROW_FEATURES.arrow_schema
 _PENDING, _FREE = -1, -2  # `Log.where` of a key whose row waits to be written, and of a key that holds no row
 
 
