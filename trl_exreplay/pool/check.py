@@ -425,11 +425,10 @@ def _max(values: np.ndarray, empty: int) -> int:
 
 
 def check_tasks_table(tasks: pa.Table, state: dict, file: str, trajectories: str) -> None:
-    """A snapshot's tasks table must be one a pool could have written: its schema, no null (but a task without a row),
-    one row per task, task and
-    trajectory ids unique, orders within the state's counters, slot lists that agree, no task above the capacity, and
-    shard numbers that exist (`trajectories`: the state's shard folder). Damage here is an error, not a
-    rejected row: the table is the pool's index itself."""
+    """A snapshot's tasks table must be one a pool could have written: its schema, no null (but the row of a task that
+    has none), one row per task, task and trajectory ids unique, orders within the state's counters, slot lists that
+    agree, no task above the capacity, and shard numbers that exist (`trajectories`: the state's shard folder). Damage
+    here is an error, not a rejected row: the table is the pool's index itself."""
     check_arrow(tasks, TASKS_SCHEMA, file)
 
     def need(condition: bool, problem: str) -> None:

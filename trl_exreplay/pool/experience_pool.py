@@ -5,9 +5,9 @@ is stored and what is evicted; and answers the trainer's replay queries: which t
 (`replay_buckets`, drawn from by `planner.plan_replay` in O(batch)), and which of a task's trajectories
 (`choose`, by the current or the saved entropy).
 
-RAM holds an index only (`index.PoolIndex`): per trajectory its task, entropy, policy version, id and store rank (~40
-bytes); per task its bucket, order stamps and the keys of its trajectories. The trajectories and the tasks' dataset
-rows live in Arrow files that `datasets` memory-maps (`store.py`). `save` / `load` (`persistence.py`) are incremental,
+RAM holds the index (`index.PoolIndex`): per trajectory its task, entropy, policy version, id and store rank (~40
+bytes); per task its bucket, order stamps and the keys of its trajectories; and each task's dataset row (JSON). The
+trajectories live in Arrow files that `datasets` memory-maps (`store.py`). `save` / `load` (`persistence.py`) are incremental,
 atomic and checked (no pickle anywhere), and `hub.py` shares a pool as a `datasets` dataset repository. A pool refuses
 a tokenizer other than the one it was recorded with.
 """
@@ -292,7 +292,7 @@ class ExperiencePool:
             )
 
     def _set_task_row(self, t: int, row: str) -> None:
-        self.index.row_key[t] = t  # the index knows that the task has a row; the pool that holds the rows, which
+        self.index.has_row[t] = True  # every rank's index knows it; the pool that holds the rows keeps the row
         if self._task_rows is not None:
             self._task_rows[t] = row
 
@@ -336,7 +336,7 @@ class ExperiencePool:
 
     def task_row(self, task_id: str) -> dict | None:
         t = self.index.task_index.get(task_id)
-        if t is None or self.index.row_key[t] < 0:
+        if t is None or not self.index.has_row[t]:
             return None
         return json.loads(self._task_row_text(t))
 
@@ -560,9 +560,9 @@ class ExperiencePool:
         named inside the folder and resolve inside it, have its recorded size and (with `verify`, the default) its
         recorded xxh3-64 checksum, and a valid Arrow layout, before anything is mapped. Any damage raises one
         `PoolFormatError` (a `ValueError`) naming the file. Each shard is read into memory and checked, one at a time,
-        then memory-mapped: RAM keeps the index only. A row a model cannot train on (null field, lists of unequal length, wrong trajectory id,
-        non-finite log-prob or reward, a mask value other than 0/1, a token id < 0 or >= `vocab_size`) is left
-        out, counted in `rejected_rows` (by reason in `rejected_reasons`) and logged.
+        then memory-mapped: RAM keeps the index and the task rows. A row a model cannot train on (null field, lists
+        of unequal length, wrong trajectory id, non-finite log-prob or reward, a mask value other than 0/1, a token id
+        < 0 or >= `vocab_size`), or a task row that is not JSON, is left out, counted in `rejected_rows` (by reason in `rejected_reasons`) and logged.
 
         Given a `tokenizer`, a pool recorded with another one is refused (`ValueError`), and so is a pool recorded
         with none, unless `allow_missing_fingerprint`. ``verify=False`` skips the checksums (sizes, names, layouts
@@ -618,7 +618,7 @@ class ExperiencePool:
                 [index.task_ids[t], int(index.difficulty[t])] for t in index.ordered(index.difficulty_order).tolist()
             ],
             "skip_set": self.skip_set,
-            "with_row": sorted(_gather(index.task_ids, np.nonzero(index.row_key[: len(tasks)] >= 0)[0].tolist())),
+            "with_row": sorted(_gather(index.task_ids, np.nonzero(index.has_row[: len(tasks)])[0].tolist())),
             "store": sorted([index.task_ids[t], [column[k].tolist() for column in columns]] for t, k in keys.items()),
         }
         return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
@@ -628,7 +628,7 @@ class ExperiencePool:
         hashes. Reads the whole pool: meant for tests and checks, not for a training loop."""
         digest = hashlib.sha256(self.index_hash().encode())
         for task_id in sorted(self.index.task_index):
-            if self.index.row_key[self.index.task_index[task_id]] >= 0:
+            if self.index.has_row[self.index.task_index[task_id]]:
                 digest.update(json.dumps([task_id, self.task_row(task_id)], sort_keys=True).encode())
         for task_id in sorted(self.stored_tasks()):
             for trajectory in self.candidates(task_id):

@@ -27,7 +27,7 @@ _TASK_ARRAYS = (
     ("difficulty_order", np.int64, -1),
     ("skip_order", np.int64, -1),
     ("store_order", np.int64, -1),
-    ("row_key", np.int64, -1),
+    ("has_row", np.bool_, False),  # a dataset row is known (the pool that holds rows keeps it)
     ("count", np.int32, 0),
     ("bucket_at", np.int32, -1),
     ("bucket_pos", np.int32, -1),
@@ -279,7 +279,7 @@ class PoolIndex:
         ok = (
             (self.difficulty[tasks] >= 0)
             & (self.skip_order[tasks] < 0)
-            & (self.row_key[tasks] >= 0)
+            & self.has_row[tasks]
             & (self.count[tasks] >= min_trajectories)
         )
         aged = max_policy_age is not None and current_step is not None
@@ -314,11 +314,11 @@ class PoolIndex:
 
     # -------------------------------------------------------------------------------------------------- state
     def to_state(self) -> tuple[dict[str, int], dict[str, np.ndarray], np.ndarray, np.ndarray]:
-        """What a save records: the counters, the per-task columns (`STATE_COLUMNS`, plus ``task_id`` and ``row_key``),
+        """What a save records: the counters, the per-task columns (`STATE_COLUMNS`, plus ``task_id`` and ``has_row``),
         and each task's trajectory keys in store order as (offsets, keys)."""
         n = len(self.task_ids)
         counters = {name: int(getattr(self, name)) for name in COUNTERS}
-        columns = {"task_id": self.task_ids, "row_key": self.row_key[:n]}
+        columns = {"task_id": self.task_ids, "has_row": self.has_row[:n]}
         columns.update({name: getattr(self, name)[:n] for name in STATE_COLUMNS})
         offsets = np.zeros(n + 1, np.int32)
         np.cumsum(self.count[:n], out=offsets[1:])
@@ -329,7 +329,7 @@ class PoolIndex:
     def from_state(
         cls, capacity: int, counters: dict, columns: dict, entry_task: np.ndarray, entry_key: np.ndarray
     ) -> PoolIndex:
-        """The index a save recorded (`to_state`'s counters and columns, ``row_key`` already the loaded rows' keys),
+        """The index a save recorded (`to_state`'s counters and columns, ``has_row`` those of the loaded rows),
         with the trajectory keys `entry_key` of tasks `entry_task`, listed task by task in store order (the keys'
         own arrays are set by the caller, `set_key` or directly)."""
         index = cls(capacity, **{name: int(counters[name]) for name in COUNTERS})
@@ -337,7 +337,7 @@ class PoolIndex:
         index.task_index = {task_id: i for i, task_id in enumerate(index.task_ids)}
         n = len(index.task_ids)
         index.ensure_tasks(n)
-        for name in ("row_key", *STATE_COLUMNS):
+        for name in ("has_row", *STATE_COLUMNS):
             getattr(index, name)[:n] = columns[name]
         counts = np.bincount(entry_task, minlength=n).astype(np.int32) if n else np.zeros(0, np.int32)
         width = max(1, capacity, int(counts.max(initial=0)))

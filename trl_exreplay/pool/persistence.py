@@ -167,7 +167,7 @@ def _tasks_table(index: PoolIndex, log: Log, entries: list[dict], task_rows: dic
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
     columns.update(
-        task_row=pa.array([task_rows.get(t) for t in range(len(columns.pop("row_key")))], pa.string()),
+        task_row=pa.array([task_rows.get(t) for t in range(len(columns.pop("has_row")))], pa.string()),
         traj_shard=lists(place[at >> 32]),
         traj_row=lists((at & 0xFFFFFFFF).astype(np.int32)),
         traj_id=lists(index.key_traj_id[keys]),
@@ -247,8 +247,8 @@ def load_index(
     for t in [t for t, row in task_rows.items() if not _is_json(row)]:  # `task_row()` parses it, mid-training
         del task_rows[t]
         reasons["task row not JSON"] += 1
-    columns["row_key"] = np.full(n, -1, np.int64)
-    columns["row_key"][list(task_rows)] = list(task_rows)
+    columns["has_row"] = np.zeros(n, bool)
+    columns["has_row"][list(task_rows)] = True
 
     lengths = np.diff(tasks.column("traj_shard").combine_chunks().offsets.to_numpy())
     entry_task = np.repeat(np.arange(n, dtype=np.int32), lengths)
