@@ -1,6 +1,7 @@
 """Fuzz the loading of a saved experience pool: no damage may crash the process or be read as other data.
 
-Saves a small pool twice (several trajectory shards, a tasks table with task rows, a tokenizer fingerprint), then
+Saves a small pool twice (a format-5 folder: ``state.json``, a tasks table with task rows and each task's trajectory
+ids, trajectory shards, one holding an evicted row; a tokenizer fingerprint), then
 applies random mutations to copies of its folder, each loaded (with the tokenizer and the model's vocabulary size),
 read and hashed in a forked child process (`os.fork`: no interpreter start per mutation), and classifies each:
 
@@ -15,10 +16,14 @@ read and hashed in a forked child process (`os.fork`: no interpreter start per m
 
 Mutations: byte flips, truncations, appended bytes, swapped files, edits of ``state.json`` (kept as edited, so its
 checksum no longer matches, or resealed with fresh checksums as a careful attacker would: then only values no pool
-can have are edited), shard names that leave the folder (``..``, absolute), symlinks and hard links to files outside,
-and crafted rows with valid checksums (NaN log-probs, a mask value of 2, token ids past the vocabulary, a task row that
-is not JSON). A resealed edit
-to a value a pool can legitimately have (its seed, say) is what an owner of the pool may do, so none is made.
+can have are edited: a shard listed twice or dropped, ``live`` above ``rows``, format 4's layout...), ``tasks.name`` or
+``shards[i].name`` leaving the folder (``..``, absolute), symlinks and hard links to files outside, crafted shard rows
+with valid checksums (NaN log-probs, a mask value of 2, token ids past the vocabulary, lists of unequal length, nulls, a
+row removed, moved, duplicated within or across shards, or no task lists, a row's task id changed, two rows of different
+tasks swapping trajectory ids) and crafted tasks tables with valid checksums (a trajectory id no shard holds or listed
+twice, one moved to another task's list, an evicted row's id listed under another task, a task row that is not JSON,
+nulls, a task over the capacity, format 4's columns). A resealed edit to a value a pool can legitimately have (its seed, say) is what an owner of the pool may
+do, so none is made.
 
     OMP_NUM_THREADS=1 python benchmarks/pool_fuzz.py --mutations 2000
 """
@@ -61,8 +66,8 @@ VOCAB = 64
 
 # ------------------------------------------------------------------------------------------------------- the pool
 def build_pool(folder: str, tokenizer) -> None:
-    """A pool of 4 trajectory shards (of 4 rows) and its tasks table, saved twice (incrementally) in
-    `folder`."""
+    """A pool of 5 trajectory shards (4 of 4 rows, one of them holding an evicted row, and one of 1 row) and its tasks
+    table, saved twice (incrementally) in `folder`."""
     from trl_exreplay.pool import tokenizer_fingerprint
 
     rng = np.random.default_rng(0)
@@ -92,7 +97,7 @@ def build_pool(folder: str, tokenizer) -> None:
         for i, (task, successes) in enumerate([("a", 2), ("b", 1), ("c", 3), ("d", 4), ("e", 0), ("f", 2)]):
             pool.record_outcome(outcome(task, successes, i))
         pool.save(folder)
-        for i, (task, successes) in enumerate([("a", 1), ("g", 2), ("h", 3), ("b", 2)]):
+        for i, (task, successes) in enumerate([("a", 1), ("g", 2), ("h", 3), ("b", 2), ("c", 1)]):
             pool.record_outcome(outcome(task, successes, 10 + i))
         pool.save(folder)
 
@@ -117,10 +122,17 @@ def _state(folder: str) -> dict:
         return json.load(f)
 
 
+def _entries(state: dict) -> list[dict]:
+    """The file entries of a state (its tasks table's, then its shards'), as far as an edit left them."""
+    shards = state.get("shards")
+    entries = [state.get("tasks")] + (shards if isinstance(shards, list) else [])
+    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("name"), str)]
+
+
 def _write_state(folder: str, state: dict, reseal: bool) -> None:
     if reseal:
-        for name, entry in state.get("files", {}).items():
-            path = os.path.join(folder, name)
+        for entry in _entries(state):
+            path = os.path.join(folder, entry["name"])
             if os.path.isfile(path):
                 entry.update(size=os.path.getsize(path), xxh3_64=file_checksum(path))
         state["checksum"] = state_checksum(state)
@@ -130,8 +142,9 @@ def _write_state(folder: str, state: dict, reseal: bool) -> None:
         json.dump(state, f)
 
 
-def _shards(folder: str, kind: str = "trajectories") -> list[str]:
-    return [f"{kind}/{e['name']}" for e in _state(folder)["shards"][kind]]
+def _rewrite(path: str, table: pa.Table) -> None:
+    os.remove(path)  # the file may be a link: replace it, never write through it
+    write_arrow(path, table)  # as the pool writes a shard or a tasks table
 
 
 def flip(folder, rng, outside):
@@ -211,7 +224,8 @@ def _set(state, path, value):
 
 
 def edit_state(folder, rng, outside):
-    """An edit of any value of state.json, the file's checksum left as it was (damage, or a careless edit)."""
+    """An edit of any value of state.json (a counter, `tasks.name`, `shards[i].rows`, ...), the file's checksum left as
+    it was (damage, or a careless edit)."""
     state = _state(folder)
     path = rng.choice([p for p in _leaves(state) if p])
     target = state
@@ -225,7 +239,8 @@ def edit_state(folder, rng, outside):
 def _reseal_invalid(folder, rng, outside):
     """An edit no pool can have, resealed (a careful attacker, or a tool that rewrites checksums)."""
     state = _state(folder)
-    shard = rng.choice(state["shards"]["trajectories"])
+    tasks = state["tasks"]
+    shard = rng.choice(state["shards"])
     edits = {
         "capacity below the tasks held": lambda: state["settings"].update(max_trajectories_per_task=1),
         "unknown selection mode": lambda: state["settings"].update(exp_select_mode="argmedian"),
@@ -233,16 +248,21 @@ def _reseal_invalid(folder, rng, outside):
         "capacity 0": lambda: state["settings"].update(max_trajectories_per_task=0),
         "negative counter": lambda: state["counters"].update(next_traj_id=-5),
         "traj ids past next_traj_id": lambda: state["counters"].update(next_traj_id=1),
+        "orders past the stamp": lambda: state["counters"].update(stamp=1),
         "live above rows": lambda: shard.update(live=shard["rows"] + 1),
         "rows not the file's": lambda: shard.update(rows=shard["rows"] + 1),
-        "num_tasks wrong": lambda: state.update(num_tasks=state["num_tasks"] + 1),
-        "num_trajectories wrong": lambda: state.update(num_trajectories=state["num_trajectories"] - 1),
+        "live not the shard's live rows": lambda: shard.update(live=shard["live"] - 1),
         "deleted fingerprint": lambda: state.update(tokenizer_fingerprint=None),
         "settings not an object": lambda: state.update(settings=[1, 2]),
         "missing counters": lambda: state.pop("counters"),
+        "missing tasks entry": lambda: state.pop("tasks"),
         "unknown setting": lambda: state["settings"].update(capacity=3),
-        "a shard listed twice": lambda: state["shards"]["trajectories"].append(dict(shard)),
-        "a shard dropped": lambda: state["shards"]["trajectories"].remove(shard),
+        "a shard listed twice": lambda: state["shards"].append(dict(shard)),
+        "a shard dropped": lambda: state["shards"].remove(shard),
+        "the tasks table listed as a shard": lambda: state["shards"].append({**tasks, "rows": 8, "live": 8}),
+        "tasks.name a shard's name": lambda: state.update(tasks={**tasks, "name": shard["name"]}),
+        "shards keyed by folder (format 4)": lambda: state.update(shards={"trajectories": state["shards"]}),
+        "format_version 4": lambda: state.update(format_version=4),
     }
     what = rng.choice(sorted(edits))
     edits[what]()
@@ -250,31 +270,20 @@ def _reseal_invalid(folder, rng, outside):
     return f"resealed edit: {what}"
 
 
-def _rename_entry(state, kind, index, new_name):
-    old = state["shards"][kind][index]["name"]
-    state["shards"][kind][index]["name"] = new_name
-    state["files"][f"{kind}/{new_name}"] = state["files"].pop(f"{kind}/{old}")
-
-
 def traversal(folder, rng, outside):
-    """A shard or tasks file name leaving the folder, pointing at a real copy of the file (resealed)."""
+    """`tasks.name` or a `shards[i].name` leaving the folder, pointing at a real copy of the file (resealed)."""
     state = _state(folder)
-    kind = rng.choice(["trajectories", "tasks"])
-    if kind == "tasks":
-        source = state["tasks_file"]
+    if rng.random() < 0.3:
+        where, entry = "tasks", state["tasks"]
     else:
-        index = rng.randrange(len(state["shards"][kind]))
-        source = f"{kind}/{state['shards'][kind][index]['name']}"
-    copy = os.path.join(outside, f"copy-{rng.randrange(10**9)}.arrow")
+        index = rng.randrange(len(state["shards"]))
+        where, entry = f"shards[{index}]", state["shards"][index]
+    source = entry["name"]
+    copy = os.path.join(outside, f"{source.split('-')[0]}-{rng.randrange(10**9)}.arrow")
     shutil.copyfile(os.path.join(folder, source), copy)
-    new = rng.choice([os.path.relpath(copy, os.path.join(folder, "x")), copy, f"../{os.path.basename(copy)}"])
-    if kind == "tasks":
-        state["files"][new] = state["files"].pop(source)
-        state["tasks_file"] = new
-    else:
-        _rename_entry(state, kind, index, new)
+    entry["name"] = rng.choice([os.path.relpath(copy, folder), copy, f"../{os.path.basename(copy)}"])
     _write_state(folder, state, reseal=True)
-    return f"traversal name {new!r} for {source}"
+    return f"traversal name {entry['name']!r} for {where}"
 
 
 def symlink_out(folder, rng, outside):
@@ -303,24 +312,31 @@ def hardlink_out(folder, rng, outside):
     return f"hard link {name} -> outside"
 
 
+def _live_ids(folder: str, state: dict) -> set[int]:
+    """The trajectory ids the tasks table lists (the shard rows that hold the others are dead)."""
+    table = read_arrow(os.path.join(folder, state["tasks"]["name"]))
+    return set(table.column("traj_ids").combine_chunks().values.to_pylist())
+
+
 def crafted_rows(folder, rng, outside):
-    """Rows a model cannot train on, in a shard rewritten with valid checksums; or a task row that is not JSON, in a
-    tasks table rewritten with valid checksums."""
-    if rng.random() < 0.2:
-        path = os.path.join(folder, _state(folder)["tasks_file"])
-        tasks = read_arrow(path)
-        rows = tasks.column("task_row").to_pylist()
-        rows[rng.randrange(len(rows))] = '{"prompt": "cut'
-        tasks = tasks.set_column(tasks.column_names.index("task_row"), "task_row", pa.array(rows, pa.string()))
-        os.remove(path)
-        write_arrow(path, tasks)
-        _write_state(folder, _state(folder), reseal=True)
-        return "crafted task row (not JSON) in the tasks table"
-    name = rng.choice(_shards(folder))
-    path = os.path.join(folder, name)
+    """Shard rows a model cannot train on, rows the tasks table cannot match (missing, held twice, dead, moved, of
+    another task), or nulls, in shards rewritten with valid checksums and their `rows`/`live` recorded to match."""
+    state = _state(folder)
+    live = _live_ids(folder, state)
+    entries = state["shards"]
+    entry = rng.choice(entries)
+    path = os.path.join(folder, entry["name"])
     rows = read_arrow(path).to_pylist()
-    row = rng.choice(rows)
-    what = rng.choice(["nan logp", "inf reward", "mask 2", "id past vocab", "negative id", "nan entropy"])
+    choices = [
+        *("nan logp", "inf reward", "mask 2", "id past vocab", "negative id", "nan entropy", "unequal lists"),
+        *("null in a list", "null value", "rows reordered", "dead row added", "row's traj id unlisted", "row removed"),
+        *("row duplicated in its shard", "row duplicated across shards", "row moved to another shard"),
+        *("row's task id changed", "traj ids swapped across tasks"),
+    ]
+    what = rng.choice(choices)
+    at = rng.choice([i for i, r in enumerate(rows) if r["traj_id"] in live] or range(len(rows)))
+    row = rows[at]
+    other = rng.choice([e for e in entries if e is not entry])
     if what == "nan logp":
         row["logps"][0] = float("nan")
     elif what == "inf reward":
@@ -331,13 +347,125 @@ def crafted_rows(folder, rng, outside):
         row["completion_ids"][0] = VOCAB + 5
     elif what == "negative id":
         row["prompt_ids"][0] = -1
-    else:
+    elif what == "nan entropy":
         row["entropy"] = float("nan")
-    table = pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
-    os.remove(path)
-    write_arrow(path, table)  # as the pool writes a shard
-    _write_state(folder, _state(folder), reseal=True)
-    return f"crafted row ({what}) in {name}"
+    elif what == "unequal lists":
+        row[rng.choice(["completion_ids", "completion_mask", "logps"])].pop()
+    elif what == "null in a list":
+        row[rng.choice(["prompt_ids", "completion_ids", "completion_mask", "logps", "rewards"])][0] = None
+    elif what == "null value":
+        row[rng.choice(TRAJECTORY_SCHEMA.names)] = None
+    elif what == "rows reordered":  # rows are found by id, not by place
+        rng.shuffle(rows)
+    elif what == "dead row added":  # a row no task lists: ignored
+        rows.append({**row, "traj_id": state["counters"]["next_traj_id"] + 100})
+    elif what == "row's traj id unlisted":  # the task's trajectory is missing, the row dead
+        row["traj_id"] = state["counters"]["next_traj_id"] + 100
+    elif what == "row removed":
+        rows.pop(at)
+    elif what == "row duplicated in its shard":
+        rows.append(dict(row))
+    elif what == "row's task id changed":  # the row is then of another task than the one listing its id: refused
+        tasks = read_arrow(os.path.join(folder, state["tasks"]["name"])).column("task_id").to_pylist()
+        row["task_id"] = rng.choice([t for t in tasks if t != row["task_id"]] + ["zzz"])
+    elif what == "traj ids swapped across tasks":  # each row then carries an id the other task lists: both refused
+        held = {
+            e["name"]: rows if e is entry else read_arrow(os.path.join(folder, e["name"])).to_pylist() for e in entries
+        }
+        partners = [
+            (e, r) for e in entries for r in held[e["name"]] if r["traj_id"] in live and r["task_id"] != row["task_id"]
+        ]
+        shard, partner = rng.choice(partners)
+        row["traj_id"], partner["traj_id"] = partner["traj_id"], row["traj_id"]
+        if shard is not entry:
+            _rewrite(
+                os.path.join(folder, shard["name"]),
+                pa.Table.from_pylist(held[shard["name"]], schema=TRAJECTORY_SCHEMA),
+            )
+            shard.update(rows=len(held[shard["name"]]), live=sum(r["traj_id"] in live for r in held[shard["name"]]))
+    else:
+        other_path = os.path.join(folder, other["name"])
+        other_rows = read_arrow(other_path).to_pylist() + [row]
+        if what == "row moved to another shard":
+            rows.pop(at)
+        _rewrite(other_path, pa.Table.from_pylist(other_rows, schema=TRAJECTORY_SCHEMA))
+        other.update(rows=len(other_rows), live=sum(r["traj_id"] in live for r in other_rows))
+    _rewrite(path, pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA))
+    entry.update(rows=len(rows), live=sum(r["traj_id"] in live for r in rows))
+    _write_state(folder, state, reseal=True)
+    return f"crafted row ({what}) in {entry['name']}"
+
+
+def crafted_tasks(folder, rng, outside):
+    """A tasks table a pool cannot have written (a trajectory id no shard holds, one listed twice or under another
+    task, an evicted row's id listed, a task row that is not JSON, nulls, a task over the capacity, old columns...),
+    rewritten with valid checksums."""
+    state = _state(folder)
+    path = os.path.join(folder, state["tasks"]["name"])
+    table = read_arrow(path)
+    columns = {name: table.column(name).to_pylist() for name in table.column_names}
+    t = rng.randrange(table.num_rows)
+    lists = columns["traj_ids"]
+    held = [i for i, ids in enumerate(lists) if ids]
+    short = [i for i, ids in enumerate(lists) if len(ids) < state["settings"]["max_trajectories_per_task"]]
+    counters = state["counters"]
+    types = dict(zip(table.column_names, table.schema.types))
+    choices = [
+        *("task row not JSON", "traj id no shard holds", "traj id listed twice", "traj id past next_traj_id"),
+        *("negative traj id", "task over the capacity", "task id twice", "difficulty out of range"),
+        *("order past the stamp", "null traj_ids", "null in traj_ids", "null task id", "format 4 columns"),
+        *("traj_ids as int32", "column missing"),
+        *("traj id moved to another task", "dead row listed under another task"),
+    ]
+    what = rng.choice(choices)
+    if what == "task row not JSON":
+        columns["task_row"][t] = rng.choice(['{"prompt": "cut', "", "[1, 2", "NaN-ish {"])
+    elif what == "traj id no shard holds":  # a valid id (below next_traj_id) with no row: a counted "missing row"
+        lists[rng.choice(short)].append(counters["next_traj_id"])
+        counters["next_traj_id"] += 1
+    elif what == "traj id moved to another task":  # the row is then of another task than the one listing it: refused
+        source = rng.choice(held)
+        traj_id = rng.choice(lists[source])
+        lists[source].remove(traj_id)
+        lists[rng.choice([i for i in short if i != source])].append(traj_id)
+    elif what == "dead row listed under another task":  # an evicted row's id, listed under a task not the row's
+        listed = {i for ids in lists for i in ids}
+        dead = [r for e in state["shards"] for r in read_arrow(os.path.join(folder, e["name"])).to_pylist()]
+        row = rng.choice([r for r in dead if r["traj_id"] not in listed])
+        lists[rng.choice([i for i in short if columns["task_id"][i] != row["task_id"]])].append(row["traj_id"])
+    elif what == "traj id listed twice":
+        lists[rng.choice(short)].append(rng.choice(lists[rng.choice(held)]))
+    elif what == "traj id past next_traj_id":
+        lists[rng.choice(short)].append(counters["next_traj_id"] + rng.choice([0, 5, 2**40]))
+    elif what == "negative traj id":
+        lists[rng.choice(short)].append(-1)
+    elif what == "task over the capacity":  # new ids, below next_traj_id, one past the capacity
+        ids = lists[rng.choice(held)]
+        while len(ids) <= state["settings"]["max_trajectories_per_task"]:
+            ids.append(counters["next_traj_id"])
+            counters["next_traj_id"] += 1
+    elif what == "task id twice":
+        columns["task_id"][t] = columns["task_id"][(t + 1) % table.num_rows]
+    elif what == "difficulty out of range":
+        columns["difficulty"][t] = rng.choice([-2, -(2**31)])
+    elif what == "order past the stamp":
+        columns[rng.choice(["difficulty_order", "skip_order", "store_order"])][t] = counters["stamp"] + 1
+    elif what == "null traj_ids":
+        lists[t] = None
+    elif what == "null in traj_ids":
+        lists[rng.choice(held)][0] = None
+    elif what == "null task id":
+        columns["task_id"][t] = None
+    elif what == "format 4 columns":
+        columns.update(traj_shard=[[0] * len(ids) for ids in lists], traj_row=[list(range(len(ids))) for ids in lists])
+        types.update(traj_shard=pa.list_(pa.int32()), traj_row=pa.list_(pa.int32()))
+    elif what == "traj_ids as int32":
+        types["traj_ids"] = pa.list_(pa.int32())
+    else:
+        columns.pop(rng.choice(sorted(columns)))
+    _rewrite(path, pa.table({name: pa.array(values, types[name]) for name, values in columns.items()}))
+    _write_state(folder, state, reseal=True)
+    return f"crafted tasks table ({what})"
 
 
 MUTATIONS = {
@@ -351,6 +479,7 @@ MUTATIONS = {
     "symlink": (symlink_out, 5),
     "hardlink": (hardlink_out, 5),
     "crafted_rows": (crafted_rows, 8),
+    "crafted_tasks": (crafted_tasks, 6),
 }
 
 

@@ -126,8 +126,8 @@ def reseal_pool(path: str) -> None:
     state_path = os.path.join(path, "state.json")
     with open(state_path) as f:
         state = json.load(f)
-    for name, entry in state["files"].items():
-        file = os.path.join(path, name)
+    for entry in [state["tasks"], *state["shards"]]:
+        file = os.path.join(path, entry["name"])
         if os.path.isfile(file):
             entry.update(size=os.path.getsize(file), xxh3_64=file_checksum(file))
     state["checksum"] = state_checksum(state)

@@ -24,7 +24,7 @@ from trl import GRPOTrainer
 from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 from trl_exreplay.hub import CITATIONS, MODEL_FILE_PATTERNS, model_card, model_files, push_model
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, pool_from_hub, push_pool, tokenizer_fingerprint
-from trl_exreplay.pool.persistence import STATE_FILE, TRAJECTORIES_DIR
+from trl_exreplay.pool.persistence import STATE_FILE
 from trl_exreplay.pool.store import TRAJECTORY_FEATURES
 
 ARXIV_IDS = ("2510.02245", "2511.10395", "2010.03768", "2402.03300")
@@ -311,12 +311,12 @@ def files_under(folder) -> list[str]:
     )
 
 
-def shard_rows(files: dict[str, bytes], folder: str) -> int:
-    """Rows in the uploaded Arrow files of `folder/`."""
+def shard_rows(files: dict[str, bytes]) -> int:
+    """Rows in the uploaded trajectory shards."""
     return sum(
         pa.ipc.open_stream(pa.BufferReader(data)).read_all().num_rows
         for name, data in files.items()
-        if name.startswith(folder + "/")
+        if name.startswith("trajectories-")
     )
 
 
@@ -351,7 +351,7 @@ def test_push_pool_round_trip(hub, tmp_path, empty):
     saved = files_under(pool_dir)
     (pool_dir / ".partial.tmp").write_text("leftover")
     if not empty:
-        assert [name.split("/")[0] for name in saved] == ["state.json", "tasks", "trajectories"]
+        assert [name.split("-")[0] for name in saved] == ["state.json", "tasks", "trajectories"]
 
     url = push_pool(str(pool_dir), "me/alfworld-pool", private=False)
 
@@ -368,7 +368,7 @@ def test_push_pool_round_trip(hub, tmp_path, empty):
     card = huggingface_hub.DatasetCard(readme)
     assert {"trl", "exreplay"} <= set(card.data.tags)
     assert 'pool_from_hub("me/alfworld-pool"' in readme and "`completion_ids`" in readme
-    assert 'snapshot_download("me/alfworld-pool", repo_type="dataset")' in readme
+    assert 'datasets.load_dataset("me/alfworld-pool", split="train")' in readme
 
     loaded = pool_from_hub("me/alfworld-pool")
     assert hub.snapshot_download == [
@@ -376,7 +376,7 @@ def test_push_pool_round_trip(hub, tmp_path, empty):
     ]
     assert loaded.content_hash() == pool.content_hash()
     if not empty:
-        assert card.data.configs[0]["data_files"] == [n for n in saved if n.startswith(TRAJECTORIES_DIR)]
+        assert card.data.configs[0]["data_files"] == [n for n in saved if n.startswith("trajectories-")]
         download = huggingface_hub.HfApi().snapshot_download("me/alfworld-pool", repo_type="dataset")
         want = all_trajectories(pool)
         assert len(want) == 3 and dataset_rows(download, tmp_path / "cache") == want
@@ -398,7 +398,7 @@ def test_push_pool_of_a_live_pool_compacts_and_pool_from_hub_checks_the_tokenize
     push_pool(pool, "me/pool", private=True, token="hf_fake")
 
     files = hub.repos[("me/pool", None)]
-    assert shard_rows(files, TRAJECTORIES_DIR) == pool.num_trajectories == 4  # no evicted row is published
+    assert shard_rows(files) == pool.num_trajectories == 4  # no evicted row is published
     assert pool.storage_stats()["trajectory_dead_rows"] == 0
     want = all_trajectories(pool)
     assert [(row["task_id"], row["entropy"]) for row in want] == [
@@ -423,7 +423,7 @@ def test_push_pool_of_a_live_pool_compacts_and_pool_from_hub_checks_the_tokenize
     push_pool(pool, "me/pool")
     loaded = pool_from_hub("me/pool")
     assert loaded.content_hash() == pool.content_hash() and loaded.stored_tasks() == ["b", "c"]
-    assert shard_rows(hub.repos[("me/pool", None)], TRAJECTORIES_DIR) == 4 + 2  # the old shard is still there
+    assert shard_rows(hub.repos[("me/pool", None)]) == 4 + 2  # the old shard is still there
     assert dataset_rows(tmp_path / "hub-cache" / "me--pool" / "snapshots" / "3", tmp_path / "cache2") == (
         all_trajectories(pool)
     )
@@ -438,14 +438,14 @@ def test_push_pool_compacts_a_folder_with_evicted_rows_in_place(hub, tmp_path):
     folder = tmp_path / "pool"
     pool.save(str(folder))
     state = json.loads((folder / STATE_FILE).read_text())
-    assert [(e["rows"], e["live"]) for e in state["shards"][TRAJECTORIES_DIR]] == [(3, 2), (1, 1)]
+    assert [(e["rows"], e["live"]) for e in state["shards"]] == [(3, 2), (1, 1)]
 
     push_pool(str(folder), "me/pool")
 
     files = hub.repos[("me/pool", None)]
-    assert shard_rows(files, TRAJECTORIES_DIR) == 3
+    assert shard_rows(files) == 3
     assert sorted(files) == sorted([*files_under(folder), "README.md"])  # the folder is the compacted snapshot
-    assert json.loads((folder / STATE_FILE).read_text())["snapshot"] == 2
+    assert [(e["rows"], e["live"]) for e in json.loads((folder / STATE_FILE).read_text())["shards"]] == [(1, 1), (2, 2)]
     assert ExperiencePool.load(str(folder)).content_hash() == pool.content_hash()
 
 
@@ -478,9 +478,8 @@ def test_push_pool_rejects_a_folder_that_is_not_a_pool(hub, tmp_path):
 
     incomplete = tmp_path / "incomplete"
     make_pool().save(str(incomplete))
-    shutil.rmtree(incomplete / TRAJECTORIES_DIR)
-    with pytest.raises(
-        ValueError, match=f"incomplete/{TRAJECTORIES_DIR}/trajectories-[0-9a-f]{{16}}.arrow: cannot be read"
-    ):
+    for shard in incomplete.glob("trajectories-*"):
+        shard.unlink()
+    with pytest.raises(ValueError, match="incomplete/trajectories-[0-9a-f]{16}.arrow: cannot be read"):
         push_pool(str(incomplete), "me/pool")
     assert hub.create_repo == [] and hub.create_commit == []

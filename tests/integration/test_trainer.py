@@ -190,7 +190,7 @@ def test_checkpoint_pools_are_incremental_and_rotate_with_save_total_limit(tmp_p
     shared_steps = 0
     for step in range(2, 6):
         before, now = at_save.inodes[step - 1], at_save.inodes[step]
-        shards = lambda files: {n for n in files if n.startswith("trajectories/")}  # noqa: E731
+        shards = lambda files: {n for n in files if n.startswith("trajectories-")}  # noqa: E731
         shared = shards(before) & shards(now)
         # Incremental: a shard the previous checkpoint had is the very same file (a hard link), never rewritten;
         # a save adds at most one trajectory shard and one task row shard (plus a compaction's output).
@@ -199,7 +199,7 @@ def test_checkpoint_pools_are_incremental_and_rotate_with_save_total_limit(tmp_p
         shared_steps += bool(shared)
     assert shared_steps >= 3
     for name in at_save.inodes[5]:
-        if name.startswith("trajectories/"):
+        if name.startswith("trajectories-"):
             assert os.stat(out / "checkpoint-5" / POOL_DIR / name).st_nlink >= 2  # also the live pool's file
     assert (out / POOL_WORK_DIR).is_dir() and not (out / "checkpoint-5" / POOL_WORK_DIR).exists()
 

@@ -71,13 +71,13 @@ def test_the_guidance_probe_finds_no_crash_hang_or_silent_result(capsys):
 
 def test_damage_is_one_error_naming_the_file(tmp_path):
     saved_pool(tmp_path / "pool")
-    shard = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]
+    shard = sorted((tmp_path / "pool").glob("trajectories-*"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
     with pytest.raises(PoolFormatError, match=f"{shard.name}: checksum mismatch"):
         ExperiencePool.load(str(tmp_path / "pool"))
-    (tmp_path / "pool" / "state.json").write_text('{"format_version": 3, "snapshot": ')
+    (tmp_path / "pool" / "state.json").write_text('{"format_version": 5, "settings": ')
     with pytest.raises(PoolFormatError, match="state.json: not valid JSON"):
         ExperiencePool.load(str(tmp_path / "pool"))
     (tmp_path / "pool" / "state.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion
@@ -91,7 +91,7 @@ def test_a_shard_with_columns_of_another_type_is_refused(tmp_path):
     from trl_exreplay.pool.store import read_arrow
 
     saved_pool(tmp_path / "pool")
-    shard = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]
+    shard = sorted((tmp_path / "pool").glob("trajectories-*"))[0]
     table = read_arrow(str(shard))
     strings = pa.array(
         [[str(i) for i in ids] for ids in table.column("prompt_ids").to_pylist()], pa.list_(pa.string())
@@ -108,11 +108,11 @@ def test_a_shard_with_columns_of_another_type_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda s: s["settings"].update(max_trajectories_per_task=1), "a task holds 2 trajectories, above"),
+        (lambda s: s["settings"].update(max_trajectories_per_task=1), "a task holds more than 1 trajectories"),
         (lambda s: s["settings"].update(exp_select_mode="median"), "exp_select_mode"),
         (lambda s: s["settings"].update(experience_rbound=-1), "experience_rbound"),
-        (lambda s: s["shards"]["trajectories"][0].update(live=99), "live"),
-        (lambda s: s.update(num_tasks=7), "has 3 tasks; the state records 7"),
+        (lambda s: s["shards"][0].update(live=99), "live"),
+        (lambda s: s["counters"].update(next_traj_id=1), r"`traj_ids` outside \[0, next_traj_id\)"),
     ],
 )
 def test_resealed_state_edits_no_pool_can_have_are_refused(tmp_path, edit, message):
@@ -135,23 +135,24 @@ def assert_refused_by_push_pool(folder, monkeypatch):
 
 
 def _rename_first_shard(state, new_name, folder=None):
-    entry = state["shards"]["trajectories"][0]
+    entry = state["shards"][0]
     if folder is not None:  # a real copy where the name leads, for a loader that would follow it
-        target = os.path.normpath(os.path.join(folder, "trajectories", new_name))
+        target = os.path.normpath(os.path.join(folder, new_name))
         if not os.path.exists(target) and os.path.isdir(os.path.dirname(target)):
-            with open(os.path.join(folder, "trajectories", entry["name"]), "rb") as f, open(target, "wb") as out:
+            with open(os.path.join(folder, entry["name"]), "rb") as f, open(target, "wb") as out:
                 out.write(f.read())
-    state["files"][f"trajectories/{new_name}"] = state["files"].pop(f"trajectories/{entry['name']}")
     entry["name"] = new_name
 
 
 @pytest.mark.parametrize(
-    "name", ["../../outside.arrow", "../tasks/x.arrow", "sub/dir.arrow", ".hidden.arrow", "/abs.arrow"]
-)
+    "name",
+    ["../../outside.arrow", "../trajectories-x.arrow", "sub/trajectories-x.arrow", ".trajectories-x.arrow",
+     "/abs.arrow", "tasks-x.arrow"],
+)  # fmt: skip
 def test_shard_names_that_leave_the_folder_are_refused(tmp_path, name):
     saved_pool(tmp_path / "pool")
     edit_state(tmp_path / "pool", lambda s: _rename_first_shard(s, name, str(tmp_path / "pool")))
-    with pytest.raises(PoolFormatError, match="is not a file name inside `trajectories/`"):
+    with pytest.raises(PoolFormatError, match=r"`shards\[0\].name` .* is not a file name of the pool folder"):
         ExperiencePool.load(str(tmp_path / "pool"))
 
 
@@ -161,7 +162,7 @@ def test_a_fifo_in_place_of_a_pool_file_is_refused_without_being_opened(tmp_path
     saved_pool(tmp_path / "pool")
     path = tmp_path / "pool" / "state.json"
     if which == "a shard":
-        path = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]
+        path = sorted((tmp_path / "pool").glob("trajectories-*"))[0]
     path.unlink()
     os.mkfifo(path)
     signal.alarm(20)  # a hang fails the test instead of the suite
@@ -179,19 +180,18 @@ def test_an_absolute_tasks_file_is_refused_and_never_pushed(tmp_path, monkeypatc
     outside = tmp_path / "outside.arrow"
 
     def edit(state):
-        os.replace(tmp_path / "pool" / state["tasks_file"], outside)
-        state["files"][str(outside)] = state["files"].pop(state["tasks_file"])
-        state["tasks_file"] = str(outside)
+        os.replace(tmp_path / "pool" / state["tasks"]["name"], outside)
+        state["tasks"]["name"] = str(outside)
 
     edit_state(tmp_path / "pool", edit)  # resealed: the checksums hold, the name must still be refused
-    with pytest.raises(PoolFormatError, match="`tasks_file`"):
+    with pytest.raises(PoolFormatError, match="`tasks.name`"):
         ExperiencePool.load(str(tmp_path / "pool"))
     assert_refused_by_push_pool(tmp_path / "pool", monkeypatch)
 
 
 def test_links_leading_out_are_refused_and_the_hub_cache_layout_loads(tmp_path, monkeypatch):
     pool = saved_pool(tmp_path / "pool")
-    shard = sorted((tmp_path / "pool" / "trajectories").iterdir())[0]
+    shard = sorted((tmp_path / "pool").glob("trajectories-*"))[0]
     # a symlink to a copy outside (same bytes): refused by where it leads
     outside = tmp_path / "outside.arrow"
     outside.write_bytes(shard.read_bytes())
@@ -221,7 +221,7 @@ def test_links_leading_out_are_refused_and_the_hub_cache_layout_loads(tmp_path, 
         link.symlink_to(blob)
     assert ExperiencePool.load(str(snapshot)).content_hash() == pool.content_hash()
     elsewhere = tmp_path / "cache" / "other-blob"
-    first = sorted((snapshot / "trajectories").iterdir())[0]
+    first = sorted(snapshot.glob("trajectories-*"))[0]
     elsewhere.write_bytes(first.read_bytes())
     first.unlink()
     first.symlink_to(elsewhere)  # inside the cache, but not in this repository's blobs/
@@ -292,7 +292,7 @@ def test_a_trainer_removes_the_live_pool_a_killed_run_left_in_its_output_dir(tmp
     child = subprocess.Popen([sys.executable, "-c", _HOLD_A_POOL, str(work)], stdout=subprocess.PIPE, text=True)
     try:
         folder = child.stdout.readline().strip()
-        assert os.listdir(os.path.join(folder, "trajectories"))
+        assert [n for n in os.listdir(folder) if n.startswith("trajectories-")]
     finally:
         child.kill()
         child.wait()
@@ -338,12 +338,12 @@ def test_a_pool_without_fingerprint_is_refused_with_a_tokenizer_unless_allowed(t
 def test_saving_over_another_format_or_a_damaged_state_says_so(tmp_path):
     pool = saved_pool(tmp_path / "old")
     edit_state(tmp_path / "old", lambda s: s.update(format_version=2), reseal=True)
-    with pytest.raises(ValueError, match="Not saving into .*old: .*format_version 2 is not the one .* development"):
+    with pytest.raises(ValueError, match="Not saving into .*old: .*format_version 2 is not 5, .* development"):
         pool.save(str(tmp_path / "old"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "state.json").write_text("garbage")
     with pytest.raises(ValueError, match="Not saving into .*bad: its state.json is not that of a usable"):
         pool.save(str(tmp_path / "bad"))
     edit_state(tmp_path / "old", lambda s: s.update(format_version=9), reseal=False)
-    with pytest.raises(PoolFormatError, match="format_version 9 .* upgrade trl_exreplay"):
+    with pytest.raises(PoolFormatError, match="format_version 9 is not 5, .* a newer trl_exreplay"):
         ExperiencePool.load(str(tmp_path / "old"))

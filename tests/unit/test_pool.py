@@ -16,6 +16,7 @@ import pytest
 from helpers import reseal_pool
 
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, task_key
+from trl_exreplay.pool.check import PoolFormatError
 from trl_exreplay.pool.persistence import read_state, state_files
 from trl_exreplay.pool.store import TRAJECTORY_SCHEMA, read_arrow
 
@@ -575,10 +576,10 @@ def test_interrupted_save_leaves_the_previous_pool(tmp_path):
     committed = files_of(path)
     assert committed == sorted(state_files(read_state(str(path))))
     # what a save killed before its commit leaves: new shards and tasks table, temporary files, a half state.json
-    shard = next(name for name in committed if name.startswith("trajectories/"))
-    os.link(path / shard, path / "trajectories" / "traj-999999-0123456789ab.arrow")
-    (path / "tasks" / "00000002-0123456789ab.arrow").write_bytes(b"ARROW1 half a table")
-    (path / "tasks" / ".00000002-abc.arrow.tmp-0123").write_bytes(b"partial")
+    shard = next(name for name in committed if name.startswith("trajectories-"))
+    os.link(path / shard, path / "trajectories-0123456789abcdef.arrow")
+    (path / "tasks-0123456789abcdef.arrow").write_bytes(b"ARROW1 half a table")
+    (path / ".tasks-0123456789abcdef.arrow.tmp-0123").write_bytes(b"partial")
     (path / ".state.json.tmp-0123456789ab").write_text('{"format_version": 2, "snap')
     assert_same_pool(ExperiencePool.load(str(path)), pool)
     pool.record_outcome(outcome("b", 4))
@@ -667,7 +668,7 @@ def _rewrite_rows(path, edit):
     """Replace the trajectory shards of the pool saved at `path` by `edit(rows)` of their rows (a new file under
     the same name: the shards are hard links shared with the live pool, which must not change)."""
     for name in state_files(read_state(path)):
-        if not name.startswith("trajectories/"):
+        if not name.startswith("trajectories-"):
             continue
         file = os.path.join(path, name)
         rows = edit(read_arrow(file).to_pylist())
@@ -703,7 +704,8 @@ def test_row_with_bad_shape_is_rejected_not_fatal(tmp_path):
 @pytest.mark.parametrize(
     "column", ["prompt_ids", "logps", "rewards", "reward", "entropy", "policy_version", "traj_id"]
 )
-def test_row_with_null_field_is_rejected(tmp_path, column):
+def test_a_null_in_a_shard_refuses_the_pool_naming_file_and_column(tmp_path, column):
+    # The pool never writes a null: one is a hand-made file, refused as a whole, with a clear error.
     pool = build_pool()
     path = str(tmp_path / "pool")
     pool.save(path)
@@ -712,16 +714,12 @@ def test_row_with_null_field_is_rejected(tmp_path, column):
     def edit(rows):
         for row in rows:
             if row["traj_id"] == bad_id:
-                row[column] = None
+                row[column] = [1, None] if column in ("prompt_ids", "logps", "rewards") else None
         return rows
 
     _rewrite_rows(path, edit)
-    loaded = ExperiencePool.load(path)
-    assert loaded.rejected_rows == 1
-    assert loaded.candidates("b") == []
-    assert loaded.num_trajectories == pool.num_trajectories - 1
-    loaded.save(str(tmp_path / "again"))  # what was accepted can be saved again
-    assert ExperiencePool.load(str(tmp_path / "again")).content_hash() == loaded.content_hash()
+    with pytest.raises(PoolFormatError, match=rf"trajectories-[0-9a-f]{{16}}\.arrow: column `{column}` holds a null"):
+        ExperiencePool.load(path)
 
 
 def test_stale_trajectories_are_evicted_first_under_max_policy_age():

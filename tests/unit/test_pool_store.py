@@ -62,7 +62,7 @@ def files_of(path) -> list[str]:
 
 
 def shards_of(path) -> set[str]:
-    return {n for n in files_of(path) if n.startswith("trajectories/")}
+    return {n for n in files_of(path) if n.startswith("trajectories-")}
 
 
 def inode(path) -> int:
@@ -71,7 +71,7 @@ def inode(path) -> int:
 
 def rows_on_disk(folder) -> int:
     """Rows in the Arrow files of `folder`, read from the files themselves."""
-    return sum(read_arrow(str(p)).num_rows for p in Path(folder).glob("*.arrow"))
+    return sum(read_arrow(str(p)).num_rows for p in Path(folder).glob("*.arrow") if not p.name.startswith("tasks-"))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
     assert (stats["trajectory_shards"], stats["trajectory_rows"], stats["trajectory_pending_rows"]) == (3, 5, 0)
     (scratch,) = [p for p in tmp_path.iterdir() if p.name.startswith("exreplay-pool-")]
     rows = []
-    for shard in sorted((scratch / "trajectories").iterdir()):
+    for shard in sorted(scratch.iterdir()):
         assert re.fullmatch(r"trajectories-[0-9a-f]{16}\.arrow", shard.name)
         table = datasets.Dataset.from_file(str(shard))  # memory-mapped by `datasets` itself
         assert table.features == TRAJECTORY_FEATURES
@@ -166,7 +166,7 @@ def test_rows_are_pending_until_they_fill_a_shard_written_on_the_calling_thread(
     assert writes == [(threading.current_thread(), 4)] * 2  # written while record_outcome ran
     stats = pool.storage_stats()
     assert (stats["trajectory_shards"], stats["trajectory_rows"], stats["trajectory_pending_rows"]) == (2, 8, 1)
-    assert rows_on_disk(Path(pool.scratch_folder()) / "trajectories") == 8
+    assert rows_on_disk(Path(pool.scratch_folder())) == 8
     assert entropies(pool, "a") == [f32(0.1 * i) for i in range(9)]  # 8 read from the files, 1 pending
     pool.flush()
     assert writes[2:] == [(threading.current_thread(), 1)]
@@ -205,7 +205,7 @@ def test_evicted_rows_stay_in_their_shard_until_compaction_removes_them(tmp_path
     pool.flush()  # the first shard is 3/4 dead now: its live row rewritten by this write's compaction, the rest kept
     stats = pool.storage_stats()
     assert (stats["trajectory_dead_rows"], stats["trajectory_rows"]) == (0, 8)
-    assert rows_on_disk(Path(pool.scratch_folder()) / "trajectories") == 8  # the rewritten shard's file is gone
+    assert rows_on_disk(Path(pool.scratch_folder())) == 8  # the rewritten shard's file is gone
     assert pool.content_hash() == unflushed.content_hash()  # storage layout is not content
     assert [entropies(pool, t) for t in "abcd"] == [[f32(0.4)], [f32(0.3)], [f32(0.3)], [f32(0.5)]]
     # the pool saved before the compaction is intact: it has its own links to the old shards
@@ -273,14 +273,14 @@ def test_a_log_compacts_the_shards_more_dead_than_live_and_counts_a_moved_rows_d
     log.write()  # "g": a third shard, then the compaction: "d" rewritten into a shard of its own, the old file gone
     assert not os.path.exists(first)
     assert log.stats() == {"shards": 3, "rows": 4, "dead_rows": 0, "pending_rows": 0}
-    assert rows_on_disk(scratch.folder("notes")) == 4
+    assert rows_on_disk(scratch.folder()) == 4
     assert log.read([6, 3, 5, 4, 3], ("text",)) == [{"text": t} for t in "gdfed"]
     log.delete(3)  # the moved row: a dead row of its new shard, not of the removed one
     assert log.stats() == {"shards": 3, "rows": 4, "dead_rows": 1, "pending_rows": 0}
     log.delete(5)  # "ef" half dead: kept by the compaction after a write ...
     log.compact()  # ... but not by an explicit one, which also drops the shard left with no live row
     assert log.stats() == {"shards": 2, "rows": 2, "dead_rows": 0, "pending_rows": 0}
-    assert rows_on_disk(scratch.folder("notes")) == 2
+    assert rows_on_disk(scratch.folder()) == 2
     assert log.read([4, 6], ("text",)) == [{"text": "e"}, {"text": "g"}]
     log.put(3, note("d again"))  # a freed key holds a new row
     assert log.read([3], ("text",)) == [{"text": "d again"}] and log.stats()["pending_rows"] == 1
@@ -321,11 +321,11 @@ def test_under_eviction_churn_the_files_stay_within_twice_the_live_rows(tmp_path
         stats = pool.storage_stats()
         assert stats["trajectory_rows"] <= 2 * pool.num_trajectories + shard_rows, (step, stats)
         if step % 100 == 99:  # the files themselves: compaction removes what it rewrote
-            assert rows_on_disk(folder / "trajectories") == stats["trajectory_rows"]
+            assert rows_on_disk(folder) == stats["trajectory_rows"]
     assert pool.num_trajectories == 20 and pool.index.stored_count == 1200  # the churn: 1180 evicted
     pool.save(str(tmp_path / "pool"))
     assert ExperiencePool.load(str(tmp_path / "pool")).content_hash() == pool.content_hash()
-    assert rows_on_disk(tmp_path / "pool" / "trajectories") <= 2 * 20 + shard_rows
+    assert rows_on_disk(tmp_path / "pool") <= 2 * 20 + shard_rows
 
 
 def test_a_failed_write_in_a_compaction_loses_no_row(tmp_path, monkeypatch):
@@ -368,7 +368,7 @@ def test_a_save_compacts_the_shards_more_dead_than_live_even_with_no_row_pending
     pool.save(str(tmp_path / "pool"))  # "after each write, and before a save" (store.py)
     stats = pool.storage_stats()
     assert stats["trajectory_rows"] <= 2 * pool.num_trajectories == 4, stats
-    assert rows_on_disk(tmp_path / "pool" / "trajectories") <= 4
+    assert rows_on_disk(tmp_path / "pool") <= 4
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -579,7 +579,7 @@ def test_a_missing_shard_is_a_clear_error_naming_it(tmp_path):
     record(pool, "b", 2, [0.3, 0.4])  # second shard
     path = tmp_path / "pool"
     pool.save(str(path))
-    first = sorted(n for n in files_of(path) if n.startswith("trajectories/"))[0]
+    first = sorted(n for n in files_of(path) if n.startswith("trajectories-"))[0]
     os.remove(path / first)
     with pytest.raises(PoolFormatError, match=f"{first}: cannot be read"):
         ExperiencePool.load(str(path))
@@ -616,7 +616,7 @@ def test_a_first_format_pool_is_refused_clearly_on_load_and_save(tmp_path):
     old = tmp_path / "old"
     old.mkdir()
     (old / STATE_FILE).write_text(json.dumps({"format_version": 1, "settings": {}, "num_trajectories": 0}))
-    with pytest.raises(PoolFormatError, match=r"format_version 1 is not the one .* development format"):
+    with pytest.raises(PoolFormatError, match=r"format_version 1 is not 5, the one .* development formats"):
         ExperiencePool.load(str(old))
     with pytest.raises(ValueError, match="Not saving into"):
         ExperiencePool().save(str(old))
@@ -631,8 +631,9 @@ def test_a_tasks_row_is_its_latest_and_is_saved_in_the_tasks_table(tmp_path):
     assert pool.task_row("a") == json.loads(row("a", variant=1)) and pool.task_row("c") is None
     assert [task for task, _ in pool.replayable_tasks()] == ["a", "b"]  # a task without a row cannot roll out again
     pool.save(str(tmp_path / "pool"))
-    assert sorted(os.listdir(tmp_path / "pool")) == ["state.json", "tasks", "trajectories"]
-    (tasks,) = (tmp_path / "pool" / "tasks").iterdir()
+    state = read_state(str(tmp_path / "pool"))
+    assert sorted(os.listdir(tmp_path / "pool")) == sorted(state_files(state))
+    tasks = tmp_path / "pool" / state["tasks"]["name"]
     assert read_arrow(str(tasks)).column("task_row").to_pylist() == [row("a", variant=1), row("b"), None]
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     assert {t: loaded.task_row(t) for t in "abc"} == {t: pool.task_row(t) for t in "abc"}
@@ -655,11 +656,11 @@ def test_a_pool_reads_the_files_it_mapped_even_if_a_saved_copy_is_replaced(tmp_p
     (shard,) = loaded._trajectories.shards.values()
     assert shard.path.startswith(str(tmp_path / ("work" if into_scratch else "first")))
     loaded.save(str(tmp_path / "second"))
-    (name,) = [n for n in files_of(tmp_path / "second") if n.startswith("trajectories/")]
+    (name,) = [n for n in files_of(tmp_path / "second") if n.startswith("trajectories-")]
     other = ExperiencePool(experience_rbound=8)
     record(other, "a", 2, [0.7, 0.8])
     other.save(str(tmp_path / "third"))
-    (foreign,) = [n for n in files_of(tmp_path / "third") if n.startswith("trajectories/")]
+    (foreign,) = [n for n in files_of(tmp_path / "third") if n.startswith("trajectories-")]
     for folder in ("first", "second"):  # another file under the saved names (one is the mapped file's, unlinked)
         shutil.copyfile(tmp_path / "third" / foreign, tmp_path / "third.arrow")
         os.replace(tmp_path / "third.arrow", tmp_path / folder / name)
@@ -740,13 +741,13 @@ def test_a_loaded_pool_names_its_new_files_apart_from_the_loaded_ones(tmp_path):
     pool.close()
     loaded = ExperiencePool.load(str(tmp_path / "saved"), work_dir=str(tmp_path))
     scratch = Path(loaded.scratch_folder())
-    linked = {str(p.relative_to(scratch)): inode(p) for p in scratch.rglob("*.arrow")}
+    linked = {p.name: inode(p) for p in scratch.glob("*.arrow")}
     assert set(linked) == shards_of(tmp_path / "saved")
     assert all(linked[name] == inode(tmp_path / "saved" / name) for name in linked)  # links, not copies
     fill_alike([loaded], "ijklmnop", version=1)
     loaded.flush()
     new = {str(p.relative_to(scratch)) for p in scratch.rglob("*.arrow")} - set(linked)
-    assert new and all(re.fullmatch(r"trajectories/trajectories-[0-9a-f]{16}\.arrow", name) for name in new)
+    assert new and all(re.fullmatch(r"trajectories-[0-9a-f]{16}\.arrow", name) for name in new)
     assert {name: inode(scratch / name) for name in linked} == linked
     assert ExperiencePool.load(str(tmp_path / "saved")).rejected_rows == 0
     loaded.save(str(tmp_path / "saved"))

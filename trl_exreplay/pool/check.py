@@ -1,48 +1,22 @@
-"""What a saved experience pool must be before any of it is trusted: pure checks of its metadata, names and rows.
+"""A saved pool is untrusted input (pools are shared on the Hub): the checks `ExperiencePool.load` runs before it maps
+or uses anything, as pure functions.
 
-A pool folder is untrusted input (pools are downloaded from the Hub and shared), so `ExperiencePool.load` runs
-these, in this order, before it maps or uses anything:
+1. `parse_state`: ``state.json`` (types, ranges, settings a pool can run with, its own checksum).
+2. `PoolFolder.verify`: each file the state names is a plain name of the pool folder that resolves inside it (or inside
+   the ``blobs/`` of the Hugging Face cache entry it was downloaded to), of the recorded size and xxh3-64 checksum.
+3. `check_arrow`: an Arrow file's schema, offsets and strings, before any column is read.
+4. `check_tasks_table`: the per-task table, which is the index itself.
+5. `bad_trajectory_rows`: rows a model cannot train on, counted by reason and left out, never trained.
 
-1. `parse_state`: ``state.json`` parsed into a validated structure (types, ranges, settings a pool can run with),
-   its own checksum included, so that a damaged or hand-edited state is one clear error.
-2. `PoolFolder.file`: every name the state gives is a plain relative name in one of the pool's folders, and the
-   file it resolves to (through symlinks) stays inside the pool folder, or inside the ``blobs/`` folder of the
-   Hugging Face cache entry the pool was downloaded to: nothing wider.
-3. `PoolFolder.verify`: each file's size (before it is mapped: a truncated file is never mapped past its end) and
-   its xxh3-64 checksum, recorded at save. A hard link cannot be told from its target, so links are checked by
-   content: a file whose bytes are not those the pool recorded is refused, wherever it lives.
-4. `check_arrow`: the Arrow file's schema, and its offsets and strings (``validate(full=True)``), before any column is
-   read.
-5. `bad_trajectory_rows`: row values a model could not train on (non-finite log-probs or rewards, a mask other than
-   0/1, token ids outside the vocabulary): such rows are rejected and counted by reason, never trained.
-
-Every refusal is a `PoolFormatError` (a `ValueError`) that names the file and what is wrong.
-
-Example:
-
-```python
-from trl_exreplay.pool.check import PoolFormatError, check_settings
-
-check_settings({"max_trajectories_per_task": 5, "experience_lbound": 0, "experience_rbound": 8,
-                "exp_select_mode": "argmin", "pool_store_mode": "all", "max_policy_age": None,
-                "replay_window": None, "seed": 0}, "state.json")
-try:
-    check_settings({"max_trajectories_per_task": 5, "experience_lbound": 0, "experience_rbound": -1,
-                    "exp_select_mode": "argmin", "pool_store_mode": "all", "max_policy_age": None,
-                    "replay_window": None, "seed": 0}, "state.json")
-except PoolFormatError as e:
-    assert "experience_rbound" in str(e)
-```
+Every refusal is a `PoolFormatError` (a `ValueError`) naming the file and what is wrong.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections import Counter
-from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -51,19 +25,8 @@ import xxhash
 
 from .index import COUNTERS
 
-__all__ = [
-    "PoolFormatError",
-    "PoolFolder",
-    "bad_trajectory_rows",
-    "check_arrow",
-    "check_settings",
-    "check_tasks_table",
-    "file_checksum",
-    "invalid_rows",
-    "parse_state",
-    "state_checksum",
-    "trajectory_problem",
-]
+__all__ = ["PoolFolder", "PoolFormatError", "bad_trajectory_rows", "check_arrow", "check_settings",
+           "check_tasks_table", "file_checksum", "parse_state", "state_checksum"]  # fmt: skip
 
 CHECKSUM = "xxh3_64"
 SELECT_MODES = ("argmin", "argmax", "random")
@@ -84,9 +47,23 @@ _SETTING_RULES = {
     "seed": (lambda v, s: _is_int(v), "an integer"),
 }
 SETTINGS = tuple(_SETTING_RULES)
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+_NAME = re.compile(r"(tasks|trajectories)-[A-Za-z0-9._-]{1,180}\.arrow")  # no folder, no '..', nothing hidden
 _HEX = re.compile(r"[0-9a-f]{16}")
 _CHUNK = 8 << 20
+# The per-task table of a save: each task's state, its dataset row (JSON; null: none) and its trajectories' ids in
+# store order.
+TASKS_SCHEMA = pa.schema(
+    [
+        ("task_id", pa.string()),
+        ("difficulty", pa.int32()),
+        ("difficulty_order", pa.int64()),
+        ("bucket_pos", pa.int32()),
+        ("skip_order", pa.int64()),
+        ("store_order", pa.int64()),
+        ("task_row", pa.string()),
+        ("traj_ids", pa.list_(pa.int64())),
+    ]
+)
 
 
 class PoolFormatError(ValueError):
@@ -97,28 +74,6 @@ class PoolFormatError(ValueError):
         super().__init__(f"Experience pool file {file}: {problem}")
 
 
-# ------------------------------------------------------------------------------------------------------ checksums
-def file_checksum(path: str) -> str:
-    """xxh3-64 of the file's bytes, as 16 hex digits (~10 GB/s: the disk, not the hash, sets the cost)."""
-    digest = xxhash.xxh3_64()
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buffer)
-            if not n:
-                break
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
-def state_checksum(state: dict) -> str:
-    """xxh3-64 of the state's canonical JSON, without its own ``checksum`` field."""
-    body = {k: v for k, v in state.items() if k != "checksum"}
-    return xxhash.xxh3_64(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------------- the state
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -128,15 +83,43 @@ def _need(condition: bool, file: str, problem: str) -> None:
         raise PoolFormatError(file, problem)
 
 
-def _int(mapping: dict, key: str, file: str, low: int = 0, where: str = "") -> int:
+def _int(mapping: dict, key: str, file: str, where: str = "", low: int = 0) -> int:
     value = mapping.get(key)
     _need(_is_int(value) and value >= low, file, f"`{where}{key}` must be an integer >= {low}, got {value!r}.")
     return value
 
 
+def file_checksum(path: str) -> str:
+    """xxh3-64 of the file's bytes, as 16 hex digits (~10 GB/s: the disk, not the hash, sets the cost)."""
+    digest = xxhash.xxh3_64()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def state_checksum(state: dict) -> str:
+    """xxh3-64 of the state's canonical JSON, without its own ``checksum`` field."""
+    body = {k: v for k, v in state.items() if k != "checksum"}
+    return xxhash.xxh3_64(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def check_settings(settings, file: str, where: str = "settings.") -> dict:
     """The pool settings saved in a state (or given to `ExperiencePool`), refused unless a pool can run with them;
-    `where` prefixes the names in messages (``settings.`` in a state file)."""
+    `where` prefixes the names in messages.
+
+    ```python
+    from trl_exreplay.pool.check import PoolFormatError, check_settings
+
+    settings = {"max_trajectories_per_task": 5, "experience_lbound": 0, "experience_rbound": 1,
+                "exp_select_mode": "argmin", "pool_store_mode": "all", "max_policy_age": None,
+                "replay_window": None, "seed": 0}
+    try:
+        check_settings(settings, "state.json")
+    except PoolFormatError as e:
+        assert "experience_rbound" in str(e)
+    ```
+    """
     _need(isinstance(settings, dict), file, f"`settings` must be an object, got {type(settings).__name__}.")
     unknown = sorted(set(settings) - set(SETTINGS))
     _need(not unknown, file, f"unknown settings {unknown}; allowed: {list(SETTINGS)}.")
@@ -147,46 +130,42 @@ def check_settings(settings, file: str, where: str = "settings.") -> dict:
     return settings
 
 
-def _check_name(name, file: str, folder: str, what: str) -> str:
-    """`name` must be ``<folder>/<plain name>`` (no other folder, no ``..``, nothing absolute, no hidden file)."""
-    _need(isinstance(name, str), file, f"{what} must be a string, got {name!r}.")
-    parts = name.split("/")
+def _check_file_entry(entry, file: str, where: str, kind: str) -> None:
+    _need(isinstance(entry, dict), file, f"`{where}` must be an object.")
+    name = entry.get("name")
     _need(
-        len(parts) == 2
-        and parts[0] == folder
-        and _NAME.fullmatch(parts[1]) is not None
-        and parts[1].endswith(".arrow"),
+        isinstance(name, str) and _NAME.fullmatch(name) is not None and name.startswith(kind + "-"),
         file,
-        f"{what} {name!r} is not a file name inside `{folder}/` (allowed: {folder}/<letters, digits, '.', '_', "
-        "'-'>.arrow; no '..', no absolute path, no other folder).",
+        f"`{where}.name` {name!r} is not a file name of the pool folder (allowed: {kind}-<letters, digits, '.', '_', "
+        "'-'>.arrow; no folder, no '..', nothing absolute).",
     )
-    return name
+    _int(entry, "size", file, f"{where}.")
+    _need(
+        isinstance(entry.get(CHECKSUM), str) and _HEX.fullmatch(entry[CHECKSUM]) is not None,
+        file,
+        f"`{where}.{CHECKSUM}` must be 16 hex digits, got {entry.get(CHECKSUM)!r}.",
+    )
 
 
-def parse_state(text: bytes | str, file: str, version: int, folders: Sequence[str], tasks_folder: str) -> dict:
-    """``state.json`` parsed and validated; refuses anything else with `PoolFormatError`.
-
-    `version` is the format this code writes; `folders` are the shard folders, `tasks_folder` the tasks tables' folder.
-    """
+def parse_state(text: bytes | str, file: str, version: int) -> dict:
+    """``state.json`` parsed and validated (`version`: the format this code reads); anything else is refused."""
     try:
         state = json.loads(text)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting too deep to parse
         raise PoolFormatError(file, f"not valid JSON ({e}).") from None
     _need(isinstance(state, dict), file, f"must hold a JSON object, got {type(state).__name__}.")
     found = state.get("format_version")
-    _need(_is_int(found), file, f"`format_version` must be an integer, got {found!r}.")
     _need(
-        found == version,
+        found == version and _is_int(found),
         file,
-        f"format_version {found} is not the one this version of trl_exreplay reads ({version}); "
-        + (
-            "upgrade trl_exreplay." if found > version else "it is a development format from before the first release."
-        ),
+        f"format_version {found!r} is not {version}, the one this version of trl_exreplay reads (a newer format needs "
+        "a newer trl_exreplay; the older ones are development formats from before the first release).",
     )
-    recorded = state.get("checksum")
-    _need(isinstance(recorded, str), file, "`checksum` is missing (every save records one).")
-    _need(recorded == state_checksum(state), file, "checksum mismatch: the file was damaged or edited.")
-    _int(state, "snapshot", file, 1)
+    _need(
+        state.get("checksum") == state_checksum(state),
+        file,
+        "checksum missing or wrong: the file was damaged or edited.",
+    )
     check_settings(state.get("settings"), file)
     fingerprint = state.get("tokenizer_fingerprint")
     _need(
@@ -197,50 +176,21 @@ def parse_state(text: bytes | str, file: str, version: int, folders: Sequence[st
     counters = state.get("counters")
     _need(isinstance(counters, dict), file, "`counters` must be an object.")
     for key in COUNTERS:
-        _int(counters, key, file, 0, "counters.")
-    _int(state, "num_trajectories", file, 0)
-    _int(state, "num_tasks", file, 0)
-    _check_name(state.get("tasks_file"), file, tasks_folder, "`tasks_file`")
+        _int(counters, key, file, "counters.")
+    _check_file_entry(state.get("tasks"), file, "tasks", "tasks")
     shards = state.get("shards")
-    _need(isinstance(shards, dict) and sorted(shards) == sorted(folders), file, f"`shards` must have keys {folders}.")
-    for folder in folders:
-        entries = shards[folder]
-        _need(isinstance(entries, list), file, f"`shards.{folder}` must be a list.")
-        names = set()
-        for i, entry in enumerate(entries):
-            where = f"shards.{folder}[{i}]."
-            _need(isinstance(entry, dict), file, f"`{where[:-1]}` must be an object.")
-            name = _check_name(f"{folder}/{entry.get('name')}", file, folder, f"`{where}name`")
-            _need(name not in names, file, f"`{where}name` {name!r} is listed twice.")
-            names.add(name)
-            rows = _int(entry, "rows", file, 0, where)
-            live = _int(entry, "live", file, 0, where)
-            _need(live <= rows, file, f"`{where}live` ({live}) exceeds `{where}rows` ({rows}).")
-    live = sum(entry["live"] for entry in shards[folders[0]])
-    _need(
-        live == state["num_trajectories"],
-        file,
-        f"`num_trajectories` ({state['num_trajectories']}) is not the live rows of its shards ({live}).",
-    )
-    files = state.get("files")
-    expected = [state["tasks_file"]] + [f"{k}/{e['name']}" for k in folders for e in shards[k]]
-    _need(
-        isinstance(files, dict) and sorted(files) == sorted(expected),
-        file,
-        "`files` must give the size and checksum of exactly the files the state names.",
-    )
-    for name, entry in files.items():
-        _need(isinstance(entry, dict), file, f"`files[{name!r}]` must be an object.")
-        _int(entry, "size", file, 0, f"files[{name!r}].")
-        _need(
-            isinstance(entry.get(CHECKSUM), str) and _HEX.fullmatch(entry[CHECKSUM]) is not None,
-            file,
-            f"`files[{name!r}].{CHECKSUM}` must be 16 hex digits, got {entry.get(CHECKSUM)!r}.",
-        )
+    _need(isinstance(shards, list), file, "`shards` must be a list.")
+    names = set()
+    for i, entry in enumerate(shards):
+        where = f"shards[{i}]"
+        _check_file_entry(entry, file, where, "trajectories")
+        _need(entry["name"] not in names, file, f"`{where}.name` {entry['name']!r} is listed twice.")
+        names.add(entry["name"])
+        live = _int(entry, "live", file, f"{where}.")
+        _need(live <= _int(entry, "rows", file, f"{where}."), file, f"`{where}.live` exceeds `{where}.rows`.")
     return state
 
 
-# ------------------------------------------------------------------------------------------------------ the folder
 def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
@@ -256,15 +206,14 @@ class PoolFolder:
         self.path = os.path.abspath(path)
         self.roots = [os.path.realpath(self.path)]
         parent = os.path.dirname(self.path)
-        if os.path.basename(parent) == "snapshots":
-            blobs = os.path.join(os.path.dirname(parent), "blobs")
-            if os.path.isdir(blobs):
-                self.roots.append(os.path.realpath(blobs))
+        blobs = os.path.join(os.path.dirname(parent), "blobs")
+        if os.path.basename(parent) == "snapshots" and os.path.isdir(blobs):
+            self.roots.append(os.path.realpath(blobs))
 
     def file(self, name: str) -> str:
-        """The path of pool file `name` (already checked by `parse_state` to be ``<folder>/<plain name>``), refused
-        when it resolves outside the pool folder (or its cache's blobs)."""
-        path = os.path.join(self.path, *name.split("/"))
+        """The path of pool file `name` (a plain name: `parse_state` checked it), refused when it resolves outside the
+        pool folder (or its cache's blobs)."""
+        path = os.path.join(self.path, name)
         real = os.path.realpath(path)
         _need(
             any(_within(real, root) for root in self.roots),
@@ -273,194 +222,100 @@ class PoolFolder:
         )
         return path
 
-    def verify(self, state: dict, name: str, checksum: bool = True) -> str:
-        """Path of `name` after checking it is a regular file of the recorded size (and, with `checksum`, bytes)."""
-        path = self.file(name)
+    def verify(self, entry: dict, checksum: bool = True) -> str:
+        """Path of the file of a state's `entry` after checking that it is a regular file of the recorded size (and,
+        with `checksum`, bytes). A hard link cannot be told from its target, so files are checked by content."""
+        path = self.file(entry["name"])
         try:
-            info = os.stat(path)
+            size = os.stat(path).st_size
         except OSError as e:
             raise PoolFormatError(path, f"cannot be read ({e.strerror}).") from None
         _need(os.path.isfile(path), path, "is not a regular file.")
-        entry = state["files"][name]
-        _need(info.st_size == entry["size"], path, f"has {info.st_size} bytes; the pool recorded {entry['size']}.")
+        _need(size == entry["size"], path, f"has {size} bytes; the pool recorded {entry['size']}.")
         if checksum:
             found = file_checksum(path)
             _need(found == entry[CHECKSUM], path, f"checksum mismatch ({found} != {entry[CHECKSUM]}): damaged.")
         return path
 
 
-# ----------------------------------------------------------------------------------------------------- Arrow files
 def check_arrow(table: pa.Table, schema: pa.Schema, file: str, full: bool = True) -> None:
     """The table of an Arrow file must have exactly `schema`'s columns and types, and (`full`) valid offsets and strings
     (checked before any column is read: a bad offset would otherwise be followed out of the file)."""
     found = [(f.name, str(f.type)) for f in table.schema]
     expected = [(f.name, str(f.type)) for f in schema]
     _need(found == expected, file, f"columns {found} are not the expected {expected}.")
-    if not full:
-        return
-    try:
-        table.validate(full=True)
-    except (pa.ArrowInvalid, pa.ArrowException) as e:
-        raise PoolFormatError(file, f"invalid Arrow data ({e}).") from None
+    if full:
+        try:
+            table.validate(full=True)
+        except (pa.ArrowInvalid, pa.ArrowException) as e:
+            raise PoolFormatError(file, f"invalid Arrow data ({e}).") from None
 
 
-def _rows_with(values: np.ndarray, bad: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Which of `rows` have a True of `bad` (one per list value) among their values (`offsets`: the list offsets)."""
-    if not bad.any():
-        return np.zeros(len(rows), bool)
-    cumulative = np.concatenate([[0], np.cumsum(bad, dtype=np.int64)])
-    return cumulative[offsets[rows + 1]] > cumulative[offsets[rows]]
+def check_no_nulls(table: pa.Table, file: str, nullable: tuple[str, ...] = ()) -> None:
+    """No null in `table`, in a column or inside a list, but in the `nullable` columns (a pool never writes one)."""
+    for name, column in zip(table.column_names, table.columns):
+        values = [c.values for c in column.chunks] if pa.types.is_list(column.type) else []
+        nulls = column.null_count * (name not in nullable) + sum(v.null_count for v in values)
+        _need(nulls == 0, file, f"column `{name}` holds a null value.")
 
 
-def invalid_rows(table: pa.Table, rows: np.ndarray, required: Sequence[str], same_length: Sequence[str]) -> np.ndarray:
-    """Which of `rows` are bad: beyond the table, a null in a `required` column (or inside a list of one), or lists
-    of unequal length among `same_length`. Reads only offsets and validity bitmaps (no row data)."""
-    if table.num_rows == 0:
-        return np.ones(len(rows), bool)
-    bad = (rows < 0) | (rows >= table.num_rows)
-    rows = np.where(bad, 0, rows)
-    for name in required:
-        column = table.column(name)
-        if column.null_count:
-            bad |= column.is_null().to_numpy(zero_copy_only=False)[rows]
-        if pa.types.is_list(column.type) and any(chunk.values.null_count for chunk in column.chunks):
-            # A null inside a list (a hand-edited file): rare, so checked row by row.
-            inside = np.array([value is not None and None in value for value in column.to_pylist()], bool)
-            bad |= inside[rows]
-    lengths = [
-        pc.list_value_length(table.column(name)).fill_null(-1).to_numpy(zero_copy_only=False)[rows]
-        for name in same_length
-    ]
-    for other in lengths[1:]:
-        bad |= other != lengths[0]
-    return bad
+def check_tasks_table(tasks: pa.Table, state: dict, file: str) -> None:
+    """A save's tasks table must be one a pool could have written: its schema, no null (but the row of a task that has
+    none), task ids and trajectory ids unique, orders within the state's counters, no task above the capacity. Damage
+    here is an error, not a rejected row: the table is the pool's index itself."""
+    check_arrow(tasks, TASKS_SCHEMA, file)
+    check_no_nulls(tasks, file, nullable=("task_row",))
+    _need(len(set(tasks.column("task_id").to_pylist())) == tasks.num_rows, file, "lists a task id twice.")
+    counters = state["counters"]
+    for name in ("difficulty", "difficulty_order", "skip_order", "store_order"):
+        values = tasks.column(name).to_numpy()
+        high = np.iinfo(np.int32).max if name == "difficulty" else counters["stamp"]
+        _need(((values >= -1) & (values <= high)).all(), file, f"`{name}` holds a value outside [-1, {high}].")
+    ids = tasks.column("traj_ids").combine_chunks()
+    capacity = state["settings"]["max_trajectories_per_task"]
+    _need(
+        (np.diff(ids.offsets.to_numpy()) <= capacity).all(), file, f"a task holds more than {capacity} trajectories."
+    )
+    ids = ids.values.to_numpy()
+    _need(len(ids) == len(np.unique(ids)), file, "lists a trajectory id twice.")
+    _need(((ids >= 0) & (ids < counters["next_traj_id"])).all(), file, "`traj_ids` outside [0, next_traj_id).")
 
 
-def bad_trajectory_rows(
-    table: pa.Table, rows: np.ndarray, vocab_size: int | None, skip: np.ndarray | None = None
-) -> tuple[np.ndarray, Counter]:
-    """Which of `rows` (valid row numbers of a checked trajectory table, `skip`: those already refused) a model cannot
-    be trained on, and the count of each reason.
+def bad_trajectory_rows(table: pa.Table, rows: np.ndarray, vocab_size: int | None) -> tuple[np.ndarray, Counter]:
+    """Which of `rows` (row numbers of a checked trajectory table without nulls) a model cannot be trained on, and the
+    count of each reason (each row counted once).
 
-    Refused: a non-finite ``logps``, ``rewards``, ``reward`` or ``entropy``; a ``completion_mask`` value other than
-    0 or 1; a negative token id, or one >= `vocab_size` (when known), in ``prompt_ids`` or ``completion_ids``.
-    Reads the columns once, vectorised (a shard of 1k trajectories of 1k tokens: a few ms).
+    Refused: ``completion_ids``, ``completion_mask`` and ``logps`` of unequal lengths; a non-finite ``logps``,
+    ``rewards``, ``reward`` or ``entropy``; a ``completion_mask`` value other than 0 or 1; a negative token id, or one
+    >= `vocab_size` (when known). Vectorised: a shard of 1k trajectories of 1k tokens takes a few ms.
     """
-    skip = np.zeros(len(rows), bool) if skip is None else skip
-    bad = skip.copy()
+    rows = np.asarray(rows, np.int64)
+    bad = np.zeros(len(rows), bool)
     reasons: Counter = Counter()
 
     def flag(mask: np.ndarray, reason: str) -> None:
         new = mask & ~bad
         if new.any():
             reasons[reason] += int(new.sum())
-        bad[:] |= mask
+            bad[:] |= new
 
-    def listed(name: str):
+    def in_rows(name: str, test) -> np.ndarray:
+        """Whether each of `rows` has a value of list column `name` for which `test` is True."""
         column = table.column(name).combine_chunks()
-        offsets = column.offsets.to_numpy().astype(np.int64)
-        values = column.values.to_numpy(zero_copy_only=False)
-        return values, offsets
+        hits = np.concatenate([[0], np.cumsum(test(column.values.to_numpy(zero_copy_only=False)), dtype=np.int64)])
+        offsets = column.offsets.to_numpy()
+        return hits[offsets[rows + 1]] > hits[offsets[rows]]
 
-    for name in ("logps", "rewards"):
-        values, offsets = listed(name)
-        flag(_rows_with(values, ~np.isfinite(values), offsets, rows), f"non-finite {name}")
-    for name in ("reward", "entropy"):
-        values = table.column(name).to_numpy()[rows]
-        flag(~np.isfinite(values), f"non-finite {name}")
-    values, offsets = listed("completion_mask")
-    flag(_rows_with(values, (values != 0) & (values != 1), offsets, rows), "completion_mask not 0/1")
-    for name in ("prompt_ids", "completion_ids"):
-        values, offsets = listed(name)
-        out = values < 0 if vocab_size is None else (values < 0) | (values >= vocab_size)
-        flag(_rows_with(values, out, offsets, rows), "token id outside the vocabulary")
-    return bad & ~skip, reasons
-
-
-def trajectory_problem(trajectory, vocab_size: int | None) -> str | None:
-    """Why a model cannot be trained on `trajectory` (a `pool.Trajectory`), as `bad_trajectory_rows` judges a
-    stored row; None when it can. Plain Python over the lists (~30 us for 1k tokens: it runs on every stored one)."""
-    for name in ("reward", "entropy"):
-        if not math.isfinite(getattr(trajectory, name)):
-            return f"non-finite {name}"
-    for name in ("logps", "rewards"):
-        values = getattr(trajectory, name)
-        # A sum is finite when every value is (log-probs are <= 0 and rewards small: no overflow to inf).
-        if not math.isfinite(sum(values)) and not all(map(math.isfinite, values)):
-            return f"non-finite {name}"
-    mask = trajectory.completion_mask
-    if mask.count(1) + mask.count(0) != len(mask):
-        return "completion_mask not 0/1"
-    for name in ("prompt_ids", "completion_ids"):
-        ids = getattr(trajectory, name)
-        if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
-            return "token id outside the vocabulary"
-    return None
-
-
-# --------------------------------------------------------------------------------------------------- tasks tables
-# The per-task table of a snapshot (`ExperiencePool._tasks_table`): task state and where its rows are.
-TASKS_SCHEMA = pa.schema(
-    [
-        ("task_id", pa.string()),
-        ("difficulty", pa.int32()),
-        ("difficulty_order", pa.int64()),
-        ("bucket_pos", pa.int32()),
-        ("skip_order", pa.int64()),
-        ("store_order", pa.int64()),
-        ("task_row", pa.string()),  # the task's dataset row as JSON (null: none), to roll a replayed task out again
-        ("traj_shard", pa.list_(pa.int32())),
-        ("traj_row", pa.list_(pa.int32())),
-        ("traj_id", pa.list_(pa.int64())),
+    lengths = [
+        pc.list_value_length(table.column(n)).to_numpy()[rows] for n in ("completion_ids", "completion_mask", "logps")
     ]
-)
-
-
-def _min(values: np.ndarray, empty: int) -> int:
-    return int(values.min()) if len(values) else empty
-
-
-def _max(values: np.ndarray, empty: int) -> int:
-    return int(values.max()) if len(values) else empty
-
-
-def check_tasks_table(tasks: pa.Table, state: dict, file: str, trajectories: str) -> None:
-    """A snapshot's tasks table must be one a pool could have written: its schema, no null (but the row of a task that
-    has none), one row per task, task and trajectory ids unique, orders within the state's counters, slot lists that
-    agree, no task above the capacity, and shard numbers that exist (`trajectories`: the state's shard folder). Damage
-    here is an error, not a rejected row: the table is the pool's index itself."""
-    check_arrow(tasks, TASKS_SCHEMA, file)
-
-    def need(condition: bool, problem: str) -> None:
-        _need(condition, file, problem)
-
-    need(tasks.num_rows == state["num_tasks"], f"has {tasks.num_rows} tasks; the state records {state['num_tasks']}.")
-    for name, column in zip(tasks.column_names, tasks.columns):
-        need(column.null_count == 0 or name == "task_row", "holds a null value.")
-        if pa.types.is_list(column.type):
-            need(all(chunk.values.null_count == 0 for chunk in column.chunks), "holds a null value in a list.")
-    need(len(set(tasks.column("task_id").to_pylist())) == tasks.num_rows, "lists a task id twice.")
-    stamp = state["counters"]["stamp"]
-    for name in ("difficulty", "difficulty_order", "skip_order", "store_order"):
-        values = tasks.column(name).to_numpy()
-        need(_min(values, -1) >= -1, f"`{name}` holds a value below -1.")
-        if name != "difficulty":
-            need(_max(values, -1) <= stamp, f"`{name}` holds a value above counters.stamp ({stamp}).")
-    lists = [tasks.column(name).combine_chunks() for name in ("traj_shard", "traj_row", "traj_id")]
-    offsets = [c.offsets.to_numpy() for c in lists]
-    need(
-        all(np.array_equal(offsets[0], o) for o in offsets[1:]),
-        "`traj_shard`, `traj_row`, `traj_id` differ in length.",
-    )
-    counts = np.diff(offsets[0])
-    capacity = state["settings"]["max_trajectories_per_task"]
-    need(
-        _max(counts, 0) <= capacity,
-        f"a task holds {_max(counts, 0)} trajectories, above max_trajectories_per_task={capacity}.",
-    )
-    shard, row, traj_id = (c.values.to_numpy() for c in lists)
-    need(_min(shard, 0) >= 0 and _max(shard, -1) < len(state["shards"][trajectories]), "`traj_shard` out of range.")
-    need(_min(row, 0) >= 0, "`traj_row` holds a value below 0.")
-    need(len(traj_id) == len(np.unique(traj_id)), "lists a trajectory id twice.")
-    next_id = state["counters"]["next_traj_id"]
-    need(_min(traj_id, 0) >= 0 and _max(traj_id, -1) < next_id, "`traj_id` outside [0, counters.next_traj_id).")
+    flag((lengths[1] != lengths[0]) | (lengths[2] != lengths[0]), "lists of unequal length")
+    for name in ("reward", "entropy"):
+        flag(~np.isfinite(table.column(name).to_numpy()[rows]), f"non-finite {name}")
+    for name in ("logps", "rewards"):
+        flag(in_rows(name, lambda v: ~np.isfinite(v)), f"non-finite {name}")
+    flag(in_rows("completion_mask", lambda v: (v != 0) & (v != 1)), "completion_mask not 0/1")
+    high = np.iinfo(np.int64).max if vocab_size is None else vocab_size
+    for name in ("prompt_ids", "completion_ids"):
+        flag(in_rows(name, lambda v: (v < 0) | (v >= high)), "token id outside the vocabulary")
+    return bad, reasons

@@ -13,7 +13,7 @@ import tempfile
 
 from .check import PoolFolder
 from .experience_pool import ExperiencePool
-from .persistence import STATE_FILE, TRAJECTORIES_DIR, read_state, state_files
+from .persistence import STATE_FILE, read_state, state_files
 from .store import TRAJECTORY_FEATURES
 
 __all__ = ["create_commit", "fenced", "pool_from_hub", "push_pool"]
@@ -47,8 +47,8 @@ def _pool_state(pool_dir: str) -> dict:
         )
     state = read_state(pool_dir)
     folder = PoolFolder(pool_dir)
-    for name in state_files(state)[1:]:
-        folder.verify(state, name)
+    for entry in [state["tasks"], *state["shards"]]:
+        folder.verify(entry)
     return state
 
 
@@ -57,47 +57,34 @@ def _pool_card(repo_id: str, state: dict) -> str:
 
     # Lets `datasets.load_dataset(repo_id)` and the Hub viewer read the trajectories as a plain table. The files are
     # named, not globbed: shards of earlier pushes to the repository stay in it (commits only add files).
-    files = [f"{TRAJECTORIES_DIR}/{e['name']}" for e in state["shards"][TRAJECTORIES_DIR]]
+    files = [entry["name"] for entry in state["shards"]]
     configs = {"configs": [{"config_name": "default", "data_files": files}]} if files else {}
     data = DatasetCardData(tags=["trl", "exreplay"], **configs)
-    settings = state.get("settings", {})
-    body = "\n".join(
-        [
-            f"# {repo_id.rstrip('/').split('/')[-1]}",
-            "",
-            "An experience pool saved by trl-exreplay's `ExReplayGRPOTrainer` "
-            "(`ExperiencePool.save`): the successful trajectories of partly solved tasks that GRPO with experience "
-            "replay (ExGRPO, AgentEvolver) replays, with each task's difficulty bucket and the skip set of fully "
-            "solved tasks.",
-            "",
-            f"- trajectories: {state.get('num_trajectories', 0)}",
-            f"- tasks: {state.get('num_tasks', 0)}",
-            f"- tokenizer fingerprint: `{state.get('tokenizer_fingerprint')}`",
-            *(f"- {k}: {json.dumps(v)}" for k, v in sorted(settings.items())),
-            "",
-            f"`{STATE_FILE}` holds the pool state and names its files; `{TRAJECTORIES_DIR}/` holds Arrow shards, one "
-            "row per trajectory, with columns: " + ", ".join(f"`{c}`" for c in TRAJECTORY_FEATURES) + f"; "
-            "`tasks/` each task's state and dataset row (JSON), so a replayed task can be rolled out again. "
-            f"`{STATE_FILE}` records every file's size and xxh3-64 checksum: `pool_from_hub` verifies them all before it "
-            "maps anything.",
-            "",
-            "## Usage",
-            "",
-            fenced(
-                "from trl_exreplay.pool import ExperiencePool, pool_from_hub\n\n"
-                f'pool = pool_from_hub("{repo_id}", tokenizer=tokenizer)  # refuses another tokenizer\n\n'
-                "# or, from a local copy:\n"
-                "from huggingface_hub import snapshot_download\n\n"
-                f'pool = ExperiencePool.load(snapshot_download("{repo_id}", repo_type="dataset"))\n\n'
-                "# the trajectories as a plain table:\n"
-                "import datasets\n\n"
-                f'trajectories = datasets.load_dataset("{repo_id}", split="train")',
-                "python",
-            ),
-            "",
-        ]
+    usage = (
+        "from trl_exreplay.pool import pool_from_hub\n\n"
+        f'pool = pool_from_hub("{repo_id}", tokenizer=tokenizer)  # verifies every file; refuses another tokenizer\n\n'
+        "import datasets  # or the trajectories as a plain table\n\n"
+        f'trajectories = datasets.load_dataset("{repo_id}", split="train")'
     )
-    return str(DatasetCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
+    body = [
+        f"# {repo_id.rstrip('/').split('/')[-1]}",
+        "",
+        "An experience pool of trl-exreplay's `ExReplayGRPOTrainer`: successful trajectories of partly solved tasks "
+        "that GRPO with experience replay (ExGRPO, AgentEvolver) replays, one row per trajectory (columns: "
+        + ", ".join(f"`{c}`" for c in TRAJECTORY_FEATURES)
+        + f"). `{STATE_FILE}` holds the pool's settings and counters and names its files with their xxh3-64 "
+        "checksums; the `tasks-*.arrow` file holds each task's bucket and dataset row.",
+        "",
+        f"- trajectories: {sum(entry['live'] for entry in state['shards'])}",
+        f"- tokenizer fingerprint: `{state['tokenizer_fingerprint']}`",
+        *(f"- {k}: {json.dumps(v)}" for k, v in sorted(state["settings"].items())),
+        "",
+        "## Usage",
+        "",
+        fenced(usage, "python"),
+        "",
+    ]
+    return str(DatasetCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)))
 
 
 def push_pool(
@@ -126,7 +113,7 @@ def push_pool(
     if isinstance(pool, ExperiencePool):
         pool.compact()
         with tempfile.TemporaryDirectory(
-            prefix="export-", dir=pool._scratch.folder("exports"), ignore_cleanup_errors=True
+            prefix="export-", dir=pool._scratch.folder(), ignore_cleanup_errors=True
         ) as export:
             pool.save(export)  # on the pool's own disk: hard links
             return push_pool(
@@ -140,7 +127,7 @@ def push_pool(
             )
     pool_dir = os.path.abspath(pool)
     state = _pool_state(pool_dir)
-    if any(e["live"] < e["rows"] for es in state["shards"].values() for e in es):
+    if any(entry["live"] < entry["rows"] for entry in state["shards"]):
         with ExperiencePool.load(pool_dir) as loaded:
             loaded.compact()
             loaded.save(pool_dir)

@@ -313,23 +313,22 @@ class PoolIndex:
         )
 
     # -------------------------------------------------------------------------------------------------- state
-    def to_state(self) -> tuple[dict[str, int], dict[str, np.ndarray], np.ndarray, np.ndarray]:
-        """What a save records: the counters, the per-task columns (`STATE_COLUMNS`, plus ``task_id`` and ``has_row``),
-        and each task's trajectory keys in store order as (offsets, keys)."""
+    def to_state(self) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """What a save records: the per-task columns (`STATE_COLUMNS`, ``task_id`` and ``has_row``), and each task's
+        trajectory keys in store order as (offsets, keys)."""
         n = len(self.task_ids)
-        counters = {name: int(getattr(self, name)) for name in COUNTERS}
         columns = {"task_id": self.task_ids, "has_row": self.has_row[:n]}
         columns.update({name: getattr(self, name)[:n] for name in STATE_COLUMNS})
         offsets = np.zeros(n + 1, np.int32)
         np.cumsum(self.count[:n], out=offsets[1:])
         slots = self.slots[:n]
-        return counters, columns, offsets, slots[slots >= 0].astype(np.int64)
+        return columns, offsets, slots[slots >= 0].astype(np.int64)
 
     @classmethod
     def from_state(
         cls, capacity: int, counters: dict, columns: dict, entry_task: np.ndarray, entry_key: np.ndarray
     ) -> PoolIndex:
-        """The index a save recorded (`to_state`'s counters and columns, ``has_row`` those of the loaded rows),
+        """The index a save recorded (its counters and `to_state`'s columns, ``has_row`` those of the loaded rows),
         with the trajectory keys `entry_key` of tasks `entry_task`, listed task by task in store order (the keys'
         own arrays are set by the caller, `set_key` or directly)."""
         index = cls(capacity, **{name: int(counters[name]) for name in COUNTERS})

@@ -40,7 +40,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from .check import PoolFormatError, check_arrow, file_checksum
+from .check import CHECKSUM, PoolFormatError, check_arrow, file_checksum
 from .index import grow
 
 __all__ = ["Log", "Scratch", "Shard", "TRAJECTORY_FEATURES", "TRAJECTORY_SCHEMA", "fsync_path",
@@ -241,7 +241,7 @@ class Log:
 
     def _new_shard(self, table: pa.Table, keys: np.ndarray) -> None:
         name = f"{self.kind}-{uuid.uuid4().hex[:16]}.arrow"
-        path = os.path.join(self.scratch.folder(self.kind), name)
+        path = os.path.join(self.scratch.folder(), name)
         try:
             write_arrow(path, table.combine_chunks())  # one record batch (a compaction's rows come one a chunk)
             shard = Shard.open(name, path, self.schema)
@@ -285,21 +285,21 @@ class Log:
                 os.remove(shard.path)  # the mapping stays readable; saved copies keep their links
 
     def save_into(self, folder: str) -> list[dict]:
-        """Write what is pending, compact, and put every shard in `folder`; returns the state's entries."""
+        """Write what is pending, compact, and put every shard that holds a live row in `folder`; returns their entries
+        in a saved state (name, rows, live rows, size, checksum)."""
         self.write()
-        os.makedirs(folder, exist_ok=True)
         entries = []
-        for number, shard in self.shards.items():
+        for shard in self.shards.values():
             if shard.live:
                 size, checksum = shard.save_into(folder)
-                entries.append({"name": shard.name, "rows": shard.rows, "live": shard.live, "shard": number,
-                                "size": size, "checksum": checksum})  # fmt: skip
+                entries.append({"name": shard.name, "rows": shard.rows, "live": shard.live, "size": size,
+                                CHECKSUM: checksum})  # fmt: skip
         return entries
 
     def adopt(self, shard: Shard) -> None:
         """Give a loaded shard a hard link in the scratch folder, so that it outlives the folder it came from (a
         checkpoint TRL rotates away); on another file system it stays mapped, and a save writes it from the mapping."""
-        dest = os.path.join(self.scratch.folder(self.kind), shard.name)
+        dest = os.path.join(self.scratch.folder(), shard.name)
         try:
             os.link(os.path.realpath(shard.path), dest)  # link(2) would link a symlink (the Hub cache's) itself
         except OSError:
@@ -327,15 +327,13 @@ class Scratch:
         self.path: str | None = None
         self._made_parent = False  # then removed with the pool's folder, when no other pool (rank) uses it
 
-    def folder(self, kind: str) -> str:
+    def folder(self) -> str:
         if self.path is None:
             if not os.path.isdir(self.parent):
                 os.makedirs(self.parent, exist_ok=True)
                 self._made_parent = True
             self.path = tempfile.mkdtemp(prefix=self.PREFIX, dir=self.parent)
-        folder = os.path.join(self.path, kind)
-        os.makedirs(folder, exist_ok=True)
-        return folder
+        return self.path
 
     def remove(self) -> None:
         if self.path is not None:
