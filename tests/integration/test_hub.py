@@ -445,7 +445,10 @@ def test_push_pool_compacts_a_folder_with_evicted_rows_in_place(hub, tmp_path):
     files = hub.repos[("me/pool", None)]
     assert shard_rows(files) == 3
     assert sorted(files) == sorted([*files_under(folder), "README.md"])  # the folder is the compacted snapshot
-    assert [(e["rows"], e["live"]) for e in json.loads((folder / STATE_FILE).read_text())["shards"]] == [(1, 1), (2, 2)]
+    assert [(e["rows"], e["live"]) for e in json.loads((folder / STATE_FILE).read_text())["shards"]] == [
+        (1, 1),
+        (2, 2),
+    ]
     assert ExperiencePool.load(str(folder)).content_hash() == pool.content_hash()
 
 
