@@ -185,12 +185,12 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
     # own cost from theirs.
     import trl_exreplay.pool.experience_pool as pool_module
 
-    checks = pool_module.trajectory_problem
-    pool_module.trajectory_problem = lambda trajectory, vocab_size: None
+    checks = pool_module.bad_trajectory_rows
+    pool_module.bad_trajectory_rows = lambda table, rows, vocab_size: (np.zeros(len(rows), bool), {})
     try:
         unchecked_ms = statistics.median(add(5 + i)[0] for i in range(5))
     finally:
-        pool_module.trajectory_problem = checks
+        pool_module.bad_trajectory_rows = checks
 
     # The write of 512 buffered rows: one Arrow shard file, then the compaction of the shards more dead than live, on
     # the calling thread (a training step pays it when its rows fill a shard of `shard_rows`).

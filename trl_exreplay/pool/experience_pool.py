@@ -1,15 +1,10 @@
 """`ExperiencePool`: the replay pool, and the queries the trainer makes of it.
 
-The pool applies the ExGRPO rules (`rules.py`) to one step's task outcomes: buckets by difficulty, the skip set, what
-is stored and what is evicted; and answers the trainer's replay queries: which tasks can be replayed
-(`replay_buckets`, drawn from by `planner.plan_replay` in O(batch)), and which of a task's trajectories
-(`choose`, by the current or the saved entropy).
-
-RAM holds the index (`index.PoolIndex`): per trajectory its task, entropy, policy version, id and store rank (~40
-bytes); per task its bucket, order stamps and the keys of its trajectories; and each task's dataset row (JSON). The
-trajectories live in Arrow files that `datasets` memory-maps (`store.py`). `save` / `load` (`persistence.py`) are incremental,
-atomic and checked (no pickle anywhere), and `hub.py` shares a pool as a `datasets` dataset repository. A pool refuses
-a tokenizer other than the one it was recorded with.
+The pool applies the ExGRPO rules (`rules.py`) to each task outcome, on its index in RAM (`index.PoolIndex`: ~40 bytes
+a trajectory, and each task's dataset row as JSON); the trajectories live in Arrow files that `datasets` memory-maps
+(`store.py`). It answers which tasks can be replayed (`replay_buckets`, drawn from by `planner.plan_replay` in
+O(batch)) and which of a task's trajectories (`choose`). `save` / `load` (`persistence.py`) are incremental, atomic and
+checked, and `hub.py` shares a pool as a dataset repository. A pool refuses a tokenizer other than its own.
 """
 
 from __future__ import annotations
@@ -529,13 +524,9 @@ class ExperiencePool:
 
     # ------------------------------------------------------------------------------------------ persistence
     def save(self, path: str) -> None:
-        """Save the pool to folder `path`: incrementally and atomically.
-
-        Only what the folder lacks is written: shards new since the last save to it (hard links to the live pool's
-        files when on the same file system, so no trajectory is ever written twice) and the small per-task state.
-        The commit is the atomic replacement of ``state.json``; a process killed at any instant of a save leaves
-        the previous snapshot complete and loadable. The files only the previous snapshot used are deleted after
-        the commit (a checkpoint keeps one snapshot; TRL's `save_total_limit` rotates whole checkpoints).
+        """Save the pool to folder `path`, incrementally and atomically (`persistence.py`): only the shards new since
+        the last save (hard links to the live pool's files on the same file system) and the tasks table are written,
+        then ``state.json`` is replaced, so a process killed at any instant leaves the previous save complete.
         """
         if not self.holds_rows:
             raise RuntimeError(_INDEX_ONLY)
@@ -554,20 +545,14 @@ class ExperiencePool:
         work_dir: str | None = None,
         shard_rows: int = 1024,
     ) -> ExperiencePool:
-        """Load the pool saved at `path`.
-
-        The folder is untrusted input (`trl_exreplay.pool.check`): ``state.json`` is validated, every file must be
-        named inside the folder and resolve inside it, have its recorded size and (with `verify`, the default) its
-        recorded xxh3-64 checksum, and a valid Arrow layout, before anything is mapped. Any damage raises one
-        `PoolFormatError` (a `ValueError`) naming the file. Each shard is read into memory and checked, one at a time,
-        then memory-mapped: RAM keeps the index and the task rows. A row a model cannot train on (null field, lists
-        of unequal length, wrong trajectory id, non-finite log-prob or reward, a mask value other than 0/1, a token id
-        < 0 or >= `vocab_size`), or a task row that is not JSON, is left out, counted in `rejected_rows` (by reason in `rejected_reasons`) and logged.
+        """Load the pool saved at `path`, an untrusted folder (`check.py`): its state, file names, sizes, checksums
+        (unless ``verify=False``, for a trusted local disk) and Arrow layouts are checked before anything is mapped;
+        damage raises one `PoolFormatError` (a `ValueError`) naming the file. A row a model cannot train on (see
+        `check.bad_trajectory_rows`, with `vocab_size`), missing, or of another task, and a task row that is not
+        JSON, are left out and counted in `rejected_reasons`.
 
         Given a `tokenizer`, a pool recorded with another one is refused (`ValueError`), and so is a pool recorded
-        with none, unless `allow_missing_fingerprint`. ``verify=False`` skips the checksums (sizes, names, layouts
-        and row values are still checked): for a local pool on a trusted disk (`benchmarks/pool_scale.py` measures
-        both). `pool.hub.pool_from_hub` always verifies.
+        with none, unless `allow_missing_fingerprint`. `pool.hub.pool_from_hub` always verifies.
         """
         state, folder, tasks = read_committed(path, verify)
         pool = cls(**state["settings"], work_dir=work_dir, shard_rows=shard_rows)

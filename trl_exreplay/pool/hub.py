@@ -97,16 +97,13 @@ def push_pool(
     revision: str | None = None,
     commit_message: str = "Upload experience pool from trl-exreplay",
 ) -> str:
-    """Upload a pool to a dataset repository, in one commit: `pool` is an `ExperiencePool`, or the folder of one saved
-    with `ExperiencePool.save` (a checkpoint's ``exreplay_pool``). A live pool is compacted and saved to a temporary
-    folder on its own disk first (hard links: no trajectory is copied).
+    """Upload a pool to a dataset repository, in one commit; returns the commit URL. `pool` is an `ExperiencePool`
+    (compacted and saved to a temporary folder on its own disk first: hard links, no trajectory copied), or the folder
+    of one saved with `ExperiencePool.save` (a checkpoint's ``exreplay_pool``), refused unless complete and intact.
 
-    Uploaded: the committed snapshot's files with their layout, so `pool_from_hub(repo_id)` (or
-    ``ExperiencePool.load(snapshot_download(repo_id, repo_type="dataset"))``) reads the pool back, and a
-    ``README.md`` (`card`, or a default dataset card whose configs let ``datasets.load_dataset(repo_id)`` read the
-    trajectories). When the snapshot's shards still hold evicted rows, the folder is first compacted in place (a new
-    snapshot of the same pool), so that table holds exactly the pool's trajectories. Returns the commit URL. Raises
-    when `pool` is a folder that is not a complete saved pool.
+    Uploaded: the saved files, which `pool_from_hub(repo_id)` reads back, and a ``README.md`` (`card`, or a dataset
+    card whose configs let ``datasets.load_dataset(repo_id)`` read the trajectories). A folder whose shards still hold
+    evicted rows is first compacted in place (a new save of the same pool), so that table holds exactly the pool's.
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
@@ -116,15 +113,8 @@ def push_pool(
             prefix="export-", dir=pool._scratch.folder(), ignore_cleanup_errors=True
         ) as export:
             pool.save(export)  # on the pool's own disk: hard links
-            return push_pool(
-                export,
-                repo_id,
-                card=card,
-                private=private,
-                token=token,
-                revision=revision,
-                commit_message=commit_message,
-            )
+            return push_pool(export, repo_id, card=card, private=private, token=token, revision=revision,
+                             commit_message=commit_message)  # fmt: skip
     pool_dir = os.path.abspath(pool)
     state = _pool_state(pool_dir)
     if any(entry["live"] < entry["rows"] for entry in state["shards"]):

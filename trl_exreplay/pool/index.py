@@ -2,13 +2,11 @@
 `from_state`); `TaskBuckets`: the view of its buckets that replay draws from.
 
 Per task (dense index ``t``): its bucket (difficulty, -1: none), order stamps (bucket, skip set, store; -1: not in
-that set), the key of its dataset row in the task row log, and the keys of its stored trajectories in store order
-(`slots`, `count`). Per trajectory key (given by the trajectory log): its task, entropy, policy version, id and store
-rank. Tasks that hold trajectories also sit in one array per bucket (`members`), kept as tasks move (O(1) each: a
-leaving task's place takes its array's last one), so that a replay draw costs O(batch), not O(tasks).
-
-The index knows nothing of files: the pool writes trajectories to its logs and records their keys here; a save writes
-`to_state()` (and where each key's row is), a load rebuilds the index with `from_state`.
+that set), whether its dataset row is known, and the keys of its stored trajectories in store order (`slots`, `count`).
+Per trajectory key: its task, entropy, policy version, id and store rank. Tasks that hold trajectories also sit in one
+array per bucket (`members`), kept as tasks move (O(1) each: a leaving task's place takes its array's last one), so
+that a replay draw costs O(batch), not O(tasks). The index knows nothing of files: the pool keeps each key's row in its
+log (`store.Log`).
 """
 
 from __future__ import annotations

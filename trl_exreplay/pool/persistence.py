@@ -166,6 +166,7 @@ def load_index(folder: PoolFolder, state: dict, tasks: pa.Table, log: Log, capac
     by_id = np.argsort(entry_id)
     found, ok = np.zeros(len(entry_id), bool), np.zeros(len(entry_id), bool)
     values = {name: np.zeros(len(entry_id), dtype) for name, dtype in _INDEX_COLUMNS}
+    task_names = tasks.column("task_id").combine_chunks()
     adopted = []
     for entry in state["shards"]:
         file = folder.verify(entry, verify)
@@ -182,7 +183,7 @@ def load_index(folder: PoolFolder, state: dict, tasks: pa.Table, log: Log, capac
         found[entries] = True
         bad, why = check.bad_trajectory_rows(table, rows, vocab_size)
         reasons.update(why)
-        listed_by = pa.array(columns["task_id"], pa.string()).take(entry_task[entries])
+        listed_by = task_names.take(entry_task[entries])
         wrong = ~pc.equal(table.column("task_id").take(rows), listed_by).to_numpy(zero_copy_only=False) & ~bad
         reasons["row of another task"] += int(wrong.sum())
         bad |= wrong

@@ -1,9 +1,8 @@
 """Where a live pool's rows are: Arrow files in a scratch folder, read back through `datasets`.
 
-A pool of a million trajectories of a thousand tokens is ~10 GB, so RAM holds only the index (`index.PoolIndex`). The
-rows go to Arrow IPC stream files of `shard_rows` rows, the format `datasets` memory-maps (`Dataset.from_file`, which
-also reads the features written in the schema's metadata). A file never changes once written, so a checkpoint shares it
-with the live pool through a hard link and a save writes only what is new (`persistence.py`).
+RAM holds only the index (`index.PoolIndex`): the rows go to Arrow IPC stream files of `shard_rows` rows, the format
+`datasets` memory-maps (`Dataset.from_file`, which also reads the features written in the schema's metadata). A file
+never changes once written, so a checkpoint shares it with the live pool through a hard link (`persistence.py`).
 
 `Log`: the rows of one schema under the integer keys the index hands out. A row waits as a one-row table until
 `shard_rows` of them are written as one file, on the calling thread. A deleted row stays in its file until compaction
