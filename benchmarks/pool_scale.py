@@ -22,11 +22,6 @@ token, 5 per task, N / 5 tasks), each step in a fresh process so that memory is 
   eviction), sample 64 as ExGRPO's code does (``random.sample`` of the valid task list, `sample_experience_uids` in
   `verl/mix_src/experience/experience_helpers.py`; argmin entropy), save = ``pickle.dump`` of the whole dict.
 * baseline, load: RSS growth of ``pickle.load``.
-* `datasets` only (issue 26's question: does the hand-written store earn its keep?): the same trajectories in shards
-  written with `datasets` (`Dataset.from_dict(...).save_to_disk`, one per flush; the fill in shards of 10,000 rows),
-  read memory-mapped (`load_from_disk`) and concatenated (`concatenate_datasets`), a Python index of [row, entropy]
-  per task, the index saved as JSON: add 512, flush 512 (on the calling thread), sample 64 (`select`, then read),
-  incremental save, load and RSS growth, printed beside ours with the ratio.
 
 Prints a table and writes JSON (figures, machine, versions). Data lives in a temporary folder, removed at the end.
 
@@ -408,200 +403,6 @@ def baseline_load(size: int, folder: str, prompt_tokens: int, completion_tokens:
     }
 
 
-# ------------------------------------------------------------------------------------------------- datasets only
-DATASETS_SHARD_ROWS = 10_000  # rows a fill shard holds (the trainer's flushes write shards of one step's rows)
-
-
-def _datasets_features():
-    from datasets import Features, Sequence, Value
-
-    return Features(
-        {
-            "task_id": Value("string"),
-            "prompt_ids": Sequence(Value("int32")),
-            "completion_ids": Sequence(Value("int32")),
-            "completion_mask": Sequence(Value("int8")),
-            "logps": Sequence(Value("float32")),
-            "rewards": Sequence(Value("float32")),
-            "reward": Value("float32"),
-            "entropy": Value("float32"),
-            "policy_version": Value("int32"),
-        }
-    )
-
-
-class DatasetsPool:
-    """The pool's storage built only on `datasets`, as a plain implementation would: new trajectories are buffered and
-    written as a shard with `Dataset.from_dict(...).save_to_disk` (Arrow files), the shards are read memory-mapped
-    (`load_from_disk`) and concatenated (`concatenate_datasets`); a Python index maps each task to its [row, entropy]
-    pairs (the same rule as ours: keep the `per_task` of lowest entropy); an evicted row only leaves the index (its
-    bytes stay in its shard, as ours until compaction). Saving writes the index (JSON) beside the shards."""
-
-    def __init__(self, folder: str, per_task: int):
-        self.folder, self.per_task = folder, per_task
-        self.shards: list[str] = []
-        self.data = None  # the written shards, concatenated
-        self.pending: list[dict] = []
-        self.index: dict[str, list[list]] = {}
-        self.rows = 0
-
-    def add(self, trajectory: dict) -> None:
-        entries = self.index.setdefault(trajectory["task_id"], [])
-        entries.append([self.rows, trajectory["entropy"]])
-        self.rows += 1
-        self.pending.append(trajectory)
-        if len(entries) > self.per_task:
-            entries.pop(max(range(len(entries)), key=lambda j: entries[j][1]))
-
-    def write_shard(self, columns: dict) -> None:
-        from datasets import Dataset, concatenate_datasets, load_from_disk
-
-        name = f"shard-{len(self.shards):06d}"
-        path = os.path.join(self.folder, name)
-        Dataset.from_dict(columns, features=_datasets_features()).save_to_disk(path)
-        self.shards.append(name)
-        shard = load_from_disk(path)
-        self.data = shard if self.data is None else concatenate_datasets([self.data, shard])
-
-    def flush(self) -> None:
-        if self.pending:
-            self.write_shard({name: [t[name] for t in self.pending] for name in _datasets_features()})
-            self.pending = []
-
-    def choose_rows(self, num: int, rng: random.Random) -> list[int]:
-        tasks = rng.sample(list(self.index), num)
-        return [min(self.index[t], key=lambda e: e[1])[0] for t in tasks]
-
-    def sample(self, num: int, rng: random.Random):
-        return self.data.select(self.choose_rows(num, rng))  # rows stay in Arrow until read
-
-    def save(self) -> None:
-        self.flush()
-        temporary = os.path.join(self.folder, "index.json.tmp")
-        with open(temporary, "w") as f:
-            json.dump({"shards": self.shards, "rows": self.rows, "index": self.index}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, os.path.join(self.folder, "index.json"))
-
-    @classmethod
-    def load(cls, folder: str, per_task: int) -> DatasetsPool:
-        from datasets import concatenate_datasets, load_from_disk
-
-        pool = cls(folder, per_task)
-        with open(os.path.join(folder, "index.json")) as f:
-            state = json.load(f)
-        pool.shards, pool.rows, pool.index = state["shards"], state["rows"], state["index"]
-        pool.data = concatenate_datasets([load_from_disk(os.path.join(folder, name)) for name in pool.shards])
-        return pool
-
-
-def _datasets_record(base: dict, task_id: str, entropy: float, version: int) -> dict:
-    return {**base, "task_id": task_id, "entropy": entropy, "policy_version": version}
-
-
-def datasets_build(size: int, folder: str, prompt_tokens: int, completion_tokens: int) -> dict:
-    parts = template(prompt_tokens, completion_tokens)
-    base = {**parts, "rewards": [1.0], "reward": 1.0}
-    rng = np.random.default_rng(1)
-    before = rss_mb()
-    pool = DatasetsPool(folder, PER_TASK)
-    start = time.perf_counter()
-    tasks = size // PER_TASK
-    for first in range(0, tasks * PER_TASK, DATASETS_SHARD_ROWS):  # setup: the same content as ours, in big shards
-        rows = range(first, min(first + DATASETS_SHARD_ROWS, tasks * PER_TASK))
-        entropies = [entropy_of(rng) for _ in rows]
-        for row, entropy in zip(rows, entropies):
-            pool.index.setdefault(f"task-{row // PER_TASK:07d}", []).append([row, entropy])
-        columns = {name: [value] * len(rows) for name, value in base.items()}
-        columns.update(
-            task_id=[f"task-{row // PER_TASK:07d}" for row in rows], entropy=entropies, policy_version=[0] * len(rows)
-        )
-        pool.write_shard(columns)
-        pool.rows += len(rows)
-    pool.save()
-    fill_s = time.perf_counter() - start
-    os.sync()
-
-    def add(i):
-        batch = [
-            _datasets_record(base, f"task-{int(t):07d}", entropy_of(rng), 1 + i) for t in rng.integers(0, tasks, ADD)
-        ]
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        for trajectory in batch:
-            pool.add(trajectory)
-        result = (time.perf_counter() - start) * 1e3, (time.thread_time() - start_cpu) * 1e3
-        pool.flush()
-        return result
-
-    adds = [add(i) for i in range(5)]
-    add_ms, add_cpu_ms = statistics.median(a for a, _ in adds), statistics.median(c for _, c in adds)
-    for trajectory in [_datasets_record(base, f"task-{t:07d}", entropy_of(rng), 99) for t in range(ADD)]:
-        pool.add(trajectory)
-    start = time.perf_counter()
-    pool.flush()  # on the calling thread, as ours
-    flush_ms = (time.perf_counter() - start) * 1e3
-    sample_ms, sample_cpu_ms = median_ms(lambda i: pool.sample(SAMPLE, random.Random(i)), 50, cpu=True)
-    touched_ms, touched_cpu_ms = median_ms(lambda i: pool.sample(SAMPLE, random.Random(50 + i))[:], 50, True)
-
-    def incremental(_):
-        for trajectory in [
-            _datasets_record(base, f"task-{int(t):07d}", entropy_of(rng), 200) for t in rng.integers(0, tasks, ADD)
-        ]:
-            pool.add(trajectory)
-        pool.flush()  # as ours: the rows are written before the save is timed
-        start = time.perf_counter()
-        pool.save()
-        return (time.perf_counter() - start) * 1e3
-
-    save_ms = statistics.median(incremental(i) for i in range(3))
-    gc.collect()
-    memory = rss_mb()
-    return {
-        "fill_s": fill_s,
-        "add_ms": add_ms,
-        "add_cpu_ms": add_cpu_ms,
-        "flush_ms": flush_ms,
-        "sample_ms": sample_ms,
-        "sample_cpu_ms": sample_cpu_ms,
-        "sample_touched_ms": touched_ms,
-        "sample_touched_cpu_ms": touched_cpu_ms,
-        "save_ms": save_ms,
-        "rss_empty_mb": before,
-        "rss_mb": memory,
-        "rss_growth_mb": memory["VmRSS"] - before["VmRSS"],
-        "disk_gb": sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(folder) for n in ns) / 1e9,
-    }
-
-
-def datasets_load(size: int, folder: str, prompt_tokens: int, completion_tokens: int) -> dict:
-    """As `ours_load`: a first load brings the files into the page cache, then the timed load, a sample of 64 (rows
-    selected, not read), 512 adds and a save; RSS growth over all of it."""
-    DatasetsPool.load(folder, PER_TASK)  # warm the page cache, as ours_load's first loads do
-    gc.collect()
-    before = rss_mb()
-    start = time.perf_counter()
-    pool = DatasetsPool.load(folder, PER_TASK)
-    load_s = time.perf_counter() - start
-    assert len(pool.data) >= size
-    sample_ms, sample_cpu_ms = median_ms(lambda i: pool.sample(SAMPLE, random.Random(100 + i)), 50, cpu=True)
-    rng = np.random.default_rng(2)
-    base = {**template(prompt_tokens, completion_tokens), "rewards": [1.0], "reward": 1.0}
-    for t in rng.integers(0, size // PER_TASK, ADD):
-        pool.add(_datasets_record(base, f"task-{int(t):07d}", entropy_of(rng), 300))
-    pool.save()
-    gc.collect()
-    memory = rss_mb()
-    return {
-        "load_s": load_s,
-        "sample_after_load_ms": sample_ms,
-        "sample_after_load_cpu_ms": sample_cpu_ms,
-        "rss_empty_mb": before,
-        "rss_mb": memory,
-        "rss_growth_mb": memory["VmRSS"] - before["VmRSS"],
-    }
-
-
 # ------------------------------------------------------------------------------------------------------------ ranks
 def io_bytes() -> dict[str, int]:
     """This process's I/O counters: bytes handed to write calls (`wchar`) and bytes sent to the block device."""
@@ -770,8 +571,6 @@ WORKERS = {
     "ours_load": ours_load,
     "baseline_build": baseline_build,
     "baseline_load": baseline_load,
-    "datasets_build": datasets_build,
-    "datasets_load": datasets_load,
 }
 
 
@@ -903,45 +702,6 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def datasets_table(results: dict) -> str:
-    """Ours against the store built only on `datasets`, side by side, with the ratio datasets / ours."""
-    lines = [
-        "Ours against a store built only on `datasets` (wall time; calling thread's CPU time in parentheses). "
-        "`read 64: chosen`: the 64 rows chosen (for `datasets`, a `select` whose rows stay in Arrow; ours reads them); "
-        "`rows read`: with every value read into Python.",
-        "",
-        "| trajectories | store | add 512 | flush 512 | read 64: chosen | read 64: rows read | incremental save | load "
-        "| read 64 after load | RSS growth after load | disk |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for size, r in results.items():
-        if "datasets" not in r:
-            continue
-        rows = []
-        for label, figures in (("sharded (ours)", r["ours"]), ("`datasets` only", r["datasets"])):
-            b, lo = figures["build"], figures["load"]
-            rows.append(
-                (
-                    b["add_ms"],
-                    b["flush_ms"],
-                    b["sample_ms"],
-                    b["sample_touched_ms"],
-                    b["save_ms"],
-                    lo["load_s"] * 1e3,
-                    lo["sample_after_load_ms"],
-                    lo["rss_growth_mb"],
-                )
-            )
-            lines.append(
-                f"| {int(size):,} | {label} | {both(b, 'add')} | {fmt_ms(b['flush_ms'])} | {both(b, 'sample')} "
-                f"| {both(b, 'sample_touched')} | {fmt_ms(b['save_ms'])} | {lo['load_s']:.2f} s "
-                f"| {fmt_ms(lo['sample_after_load_ms'])} | {lo['rss_growth_mb']:.0f} MB | {b['disk_gb']:.2f} GB |"
-            )
-        ratios = [f"{d / o:.2g}x" if o > 0 else "-" for o, d in zip(*rows)]
-        lines.append("| | datasets / ours | " + " | ".join(ratios) + " | |")
-    return "\n".join(lines)
-
-
 def main_ranks(args, size: int, worlds: list[int]) -> None:
     by_world, load_before = {}, os.getloadavg()
     root = tempfile.mkdtemp(prefix="pool-scale-ranks-", dir=args.tmp)
@@ -1037,9 +797,6 @@ def main() -> None:
         "--no-baseline", action="store_true", help="measure ours only (the baseline needs ~13 GB of RAM at 1M)"
     )
     parser.add_argument(
-        "--no-datasets", action="store_true", help="skip the store built only on `datasets` (issue 26's baseline)"
-    )
-    parser.add_argument(
         "--ranks",
         default=None,
         help="comma-separated numbers of ranks (e.g. 1,2,4,8): measure the pool kept on every rank, as in training, "
@@ -1078,13 +835,6 @@ def main() -> None:
             ours["load"] = run_worker("ours_load", size, ours_dir, args)
             shutil.rmtree(ours_dir)
             results[str(size)] = {"ours": ours}
-            if not args.no_datasets:
-                datasets_dir = os.path.join(root, f"datasets-{size}")
-                os.makedirs(datasets_dir)
-                plain = {"build": run_worker("datasets_build", size, datasets_dir, args)}
-                plain["load"] = run_worker("datasets_load", size, datasets_dir, args)
-                shutil.rmtree(datasets_dir)
-                results[str(size)]["datasets"] = plain
             if args.no_baseline:
                 continue
             base = {"build": run_worker("baseline_build", size, base_dir, args)}
@@ -1108,9 +858,6 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     print()
-    if not args.no_datasets:
-        print(datasets_table(results))
-        print()
     if args.no_baseline:
         for size, r in results.items():
             b, lo = r["ours"]["build"], r["ours"]["load"]
