@@ -122,6 +122,7 @@ def reseal_pool(path: str) -> None:
     import os
 
     from trl_exreplay.pool.check import file_checksum, state_checksum
+    from trl_exreplay.pool.store import read_arrow
 
     state_path = os.path.join(path, "state.json")
     with open(state_path) as f:
@@ -130,6 +131,9 @@ def reseal_pool(path: str) -> None:
         file = os.path.join(path, entry["name"])
         if os.path.isfile(file):
             entry.update(size=os.path.getsize(file), xxh3_64=file_checksum(file))
+            rows = read_arrow(file).num_rows if "rows" in entry else None
+            if rows is not None and rows != entry["rows"]:  # a shard with rows added or removed
+                entry.update(rows=rows, live=min(entry["live"], rows))
     state["checksum"] = state_checksum(state)
     with open(state_path, "w") as f:
         json.dump(state, f)

@@ -701,6 +701,34 @@ def test_row_with_bad_shape_is_rejected_not_fatal(tmp_path):
     assert loaded.buckets() == pool.buckets() and loaded.skip_set == pool.skip_set
 
 
+def test_rows_are_found_by_id_and_a_row_of_another_task_or_a_missing_one_is_counted(tmp_path):
+    pool = build_pool()
+    path = str(tmp_path / "pool")
+    pool.save(path)
+    b_id, (c_first, c_second) = pool.candidates("b")[0].traj_id, ids(pool, "c")
+
+    def edit(rows):
+        for row in rows:
+            if row["traj_id"] == b_id:
+                row["task_id"] = "c"  # the row claims another task than the one that lists it
+        rows.reverse()  # where a row is does not matter: it is found by its id
+        return [row for row in rows if row["traj_id"] != c_first]  # a listed trajectory no shard holds
+
+    _rewrite_rows(path, edit)
+    loaded = ExperiencePool.load(path)
+    assert loaded.rejected_reasons == {"row of another task": 1, "missing row": 1}
+    assert loaded.candidates("b") == [] and ids(loaded, "c") == [c_second]
+    for task_id in ("a", "f"):
+        assert loaded.candidates(task_id) == pool.candidates(task_id)
+
+    def duplicate(rows):
+        return rows + [rows[0]]
+
+    _rewrite_rows(path, duplicate)
+    with pytest.raises(PoolFormatError, match="holds a trajectory that another row of the pool holds too"):
+        ExperiencePool.load(path)
+
+
 @pytest.mark.parametrize(
     "column", ["prompt_ids", "logps", "rewards", "reward", "entropy", "policy_version", "traj_id"]
 )
