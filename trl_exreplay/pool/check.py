@@ -302,7 +302,10 @@ def bad_trajectory_rows(table: pa.Table, rows: np.ndarray, vocab_size: int | Non
     def in_rows(name: str, test) -> np.ndarray:
         """Whether each of `rows` has a value of list column `name` for which `test` is True."""
         column = table.column(name).combine_chunks()
-        hits = np.concatenate([[0], np.cumsum(test(column.values.to_numpy(zero_copy_only=False)), dtype=np.int64)])
+        hit = test(column.values.to_numpy(zero_copy_only=False))
+        if not hit.any():  # the usual case: no prefix sum over every value
+            return np.zeros(len(rows), bool)
+        hits = np.concatenate([[0], np.cumsum(hit, dtype=np.int64)])
         offsets = column.offsets.to_numpy()
         return hits[offsets[rows + 1]] > hits[offsets[rows]]
 
