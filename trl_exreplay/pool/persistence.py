@@ -180,6 +180,10 @@ def load_index(folder: PoolFolder, state: dict, tasks: pa.Table, log: Log, capac
         entries = by_id[at[rows]]
         if found[entries].any() or len(np.unique(entries)) < len(entries):
             raise PoolFormatError(file, "holds a trajectory that another row of the pool holds too.")
+        if len(entries) != entry["live"]:  # `push_pool` trusts it to tell a folder that needs compacting
+            raise PoolFormatError(
+                file, f"holds {len(entries)} trajectories a task lists; the state says {entry['live']}."
+            )
         found[entries] = True
         bad, why = check.bad_trajectory_rows(table, rows, vocab_size)
         reasons.update(why)
