@@ -579,7 +579,7 @@ def test_interrupted_save_leaves_the_previous_pool(tmp_path):
     shard = next(name for name in committed if name.startswith("trajectories-"))
     os.link(path / shard, path / "trajectories-0123456789abcdef.arrow")
     (path / "tasks-0123456789abcdef.arrow").write_bytes(b"ARROW1 half a table")
-    (path / ".tasks-0123456789abcdef.arrow.tmp-0123").write_bytes(b"partial")
+    (path / ".tasks-0123456789abcdef.arrow.tmp-0123456789ab").write_bytes(b"partial")
     (path / ".state.json.tmp-0123456789ab").write_text('{"format_version": 2, "snap')
     assert_same_pool(ExperiencePool.load(str(path)), pool)
     pool.record_outcome(outcome("b", 4))
@@ -771,3 +771,61 @@ def test_configure_reports_changed_settings_and_refuses_unknown_ones():
     assert pool.exp_select_mode == "argmax"
     with pytest.raises(ValueError, match="capacity"):
         pool.configure(capacity=3)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_save_that_fails_after_its_commit_keeps_what_it_committed(tmp_path, monkeypatch, first):
+    """An error after `state.json` was replaced (a signal in the last fsync) must not prune the files it names."""
+    import trl_exreplay.pool.persistence as persistence
+
+    pool, path = build_pool(), str(tmp_path / "pool")
+    if not first:
+        ExperiencePool(experience_rbound=4).save(path)
+    real = persistence.fsync_path
+
+    def fsync(target):
+        committed = os.path.exists(os.path.join(path, "state.json")) and read_state(path)
+        if target == path and committed and committed["counters"]["num_outcomes"] == pool.index.num_outcomes:
+            raise KeyboardInterrupt  # the commit is done: this is its final fsync
+        real(target)
+
+    monkeypatch.setattr(persistence, "fsync_path", fsync)
+    with pytest.raises(KeyboardInterrupt):
+        pool.save(path)
+    monkeypatch.setattr(persistence, "fsync_path", real)
+    assert ExperiencePool.load(path).content_hash() == pool.content_hash()
+
+
+def test_a_row_no_task_lists_must_have_an_id_below_next_traj_id(tmp_path):
+    # An unlisted row is an evicted one; with an id the pool has yet to hand out, a later save would hold it twice.
+    pool, path = build_pool(), str(tmp_path / "pool")
+    pool.save(path)
+    _rewrite_rows(path, lambda rows: rows + [{**rows[0], "traj_id": pool.index.next_traj_id}])
+    with pytest.raises(PoolFormatError, match=r"holds a trajectory id outside \[0, counters.next_traj_id\)"):
+        ExperiencePool.load(path)
+
+
+def test_a_save_removes_only_the_files_it_writes(tmp_path):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    theirs = ["tasks-todo.txt", "trajectories-notes.md", "tasks-0123.arrow"]
+    for name in theirs:
+        (folder / name).write_text("mine")
+    (folder / "trajectories-old").mkdir()
+    pool = build_pool()
+    pool.save(str(folder))
+    pool.record_outcome(outcome("z", 2, entropies=[0.4]))
+    pool.save(str(folder))
+    assert ExperiencePool.load(str(folder)).content_hash() == pool.content_hash()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [*theirs, "trajectories-old", *state_files(read_state(str(folder)))]
+    )
+
+
+def test_a_lowered_capacity_keeps_the_best_of_each_task_and_saves_a_pool_its_load_accepts(tmp_path):
+    pool = build_pool(max_trajectories_per_task=3)
+    assert entropies(pool, "c") == [f32(0.5), f32(0.25), f32(0.125)]
+    assert pool.configure(max_trajectories_per_task=1) == ["max_trajectories_per_task"]
+    assert entropies(pool, "c") == [f32(0.125)] and entropies(pool, "a") == [f32(0.05)]  # argmin: the lowest
+    pool.save(str(tmp_path / "pool"))
+    assert ExperiencePool.load(str(tmp_path / "pool")).content_hash() == pool.content_hash()

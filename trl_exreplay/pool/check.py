@@ -44,10 +44,10 @@ _SETTING_RULES = {
     "pool_store_mode": (lambda v, s: v in STORE_MODES, f"one of {list(STORE_MODES)}"),
     "max_policy_age": (lambda v, s: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
     "replay_window": (lambda v, s: v is None or (_is_int(v) and v >= 1), "null or an integer >= 1"),
-    "seed": (lambda v, s: _is_int(v), "an integer"),
+    "seed": (lambda v, s: _is_int(v) and v >= 0, "an integer >= 0"),
 }
 SETTINGS = tuple(_SETTING_RULES)
-_NAME = re.compile(r"(tasks|trajectories)-[A-Za-z0-9._-]{1,180}\.arrow")  # no folder, no '..', nothing hidden
+_NAME = re.compile(r"(tasks|trajectories)-[0-9a-f]{16}\.arrow")  # the names a save writes: no folder, no '..'
 _HEX = re.compile(r"[0-9a-f]{16}")
 _CHUNK = 8 << 20
 # The per-task table of a save: each task's state, its dataset row (JSON; null: none) and its trajectories' ids in
@@ -136,8 +136,7 @@ def _check_file_entry(entry, file: str, where: str, kind: str) -> None:
     _need(
         isinstance(name, str) and _NAME.fullmatch(name) is not None and name.startswith(kind + "-"),
         file,
-        f"`{where}.name` {name!r} is not a file name of the pool folder (allowed: {kind}-<letters, digits, '.', '_', "
-        "'-'>.arrow; no folder, no '..', nothing absolute).",
+        f"`{where}.name` {name!r} is not a file name of the pool folder (allowed: {kind}-<16 hex digits>.arrow).",
     )
     _int(entry, "size", file, f"{where}.")
     _need(
@@ -176,7 +175,7 @@ def parse_state(text: bytes | str, file: str, version: int) -> dict:
     counters = state.get("counters")
     _need(isinstance(counters, dict), file, "`counters` must be an object.")
     for key in COUNTERS:
-        _int(counters, key, file, "counters.")
+        _need(_int(counters, key, file, "counters.") < 2**62, file, f"`counters.{key}` must be below 2**62.")
     _check_file_entry(state.get("tasks"), file, "tasks", "tasks")
     shards = state.get("shards")
     _need(isinstance(shards, list), file, "`shards` must be a list.")

@@ -128,14 +128,7 @@ class ExperiencePool:
                 index.skip_order[t] = index.next_stamp()
             index.set_difficulty(t, -1)
             index.difficulty_order[t] = -1
-            keys = index.clear(t)
-            order = self._selection_order(
-                index.key_entropy[keys].tolist(), index.key_traj_id[keys].tolist(), min(keep_solved, len(keys)), None
-            )
-            kept = [keys[i] for i in order]
-            for key in kept:
-                index.append_slot(t, key)
-            self._drop([key for key in keys if key not in kept])
+            kept = self._keep_best(t, min(keep_solved, int(index.count[t])))
             wanted = min(keep_solved - len(kept), len(outcome.successful))
             if wanted > 0:  # too few stored: this outcome's best successes make up the rest
                 rng = np.random.default_rng([self.seed, index.num_outcomes])
@@ -274,7 +267,22 @@ class ExperiencePool:
             if getattr(self, name) != value:
                 changed.append(name)
                 setattr(self, name, value)
+        index = self.index
+        for t in np.nonzero(index.count[: len(index.task_ids)] > self.max_trajectories_per_task)[0].tolist():
+            self._keep_best(t, self.max_trajectories_per_task)  # a lowered capacity: what a save's load accepts
         return changed
+
+    def _keep_best(self, t: int, num: int) -> list[int]:
+        """Keep only the `num` of task `t`'s trajectories that `exp_select_mode` picks first, in that order (the task's
+        store is made anew); returns their keys."""
+        index = self.index
+        keys = index.clear(t)
+        order = self._selection_order(index.key_entropy[keys].tolist(), index.key_traj_id[keys].tolist(), num, None)
+        kept = [keys[i] for i in order]
+        for key in kept:
+            index.append_slot(t, key)
+        self._drop([key for key in keys if key not in kept])
+        return kept
 
     def bind_tokenizer(self, fingerprint: str, source: str = "this experience pool") -> None:
         """Record the tokenizer (its `tokenizer_fingerprint`) the pool's token ids belong to; refuse another one."""

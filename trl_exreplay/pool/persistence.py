@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import uuid
 from collections import Counter
 
@@ -63,11 +64,14 @@ def state_files(state: dict) -> list[str]:
     return [STATE_FILE, state["tasks"]["name"]] + [entry["name"] for entry in state["shards"]]
 
 
+# The names a save writes (`store.Log` names its shards so), and those of `write_atomic`'s temporary files.
+_OURS = re.compile(r"\.?(tasks|trajectories)-[0-9a-f]{16}\.arrow(\.tmp-[0-9a-f]{12})?|\.state\.json\.tmp-[0-9a-f]{12}")
+
+
 def _prune(path: str, keep: set[str]) -> None:
-    """Delete the pool's files in `path` that are not in `keep`, and the temporary files of interrupted saves."""
+    """Delete the files a save writes in `path` that are not in `keep`, and the temporary files of interrupted saves."""
     for name in os.listdir(path):
-        ours = name.startswith(("tasks-", "trajectories-", ".tasks-", ".trajectories-", f".{STATE_FILE}.tmp-"))
-        if ours and name not in keep:
+        if _OURS.fullmatch(name) and name not in keep and not os.path.isdir(os.path.join(path, name)):
             os.remove(os.path.join(path, name))
 
 
@@ -76,24 +80,28 @@ def save_folder(path: str, log: Log, task_rows: dict[int, str], index: PoolIndex
     folder `path`; `header` holds its ``settings`` and ``tokenizer_fingerprint``. See `ExperiencePool.save`."""
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
-    previous = _committed_state(path)
+    _committed_state(path)  # refuses a folder that holds something else
     try:
         shards = log.save_into(path)
         for entry in shards:
             fsync_path(os.path.join(path, entry["name"]))  # a scratch file's bytes may not be on disk yet
         tasks = {"name": f"tasks-{uuid.uuid4().hex[:16]}.arrow"}
-        write_atomic(os.path.join(path, tasks["name"]), lambda tmp: write_arrow(tmp, _tasks_table(index, task_rows)))
+        table = _tasks_table(index, task_rows)
+        write_atomic(os.path.join(path, tasks["name"]), lambda tmp: write_arrow(tmp, table))
         tasks.update(size=os.path.getsize(os.path.join(path, tasks["name"])))
         tasks[CHECKSUM] = check.file_checksum(os.path.join(path, tasks["name"]))
         counters = {name: int(getattr(index, name)) for name in COUNTERS}
         state = {"format_version": FORMAT_VERSION, **header, "counters": counters, "tasks": tasks, "shards": shards}
         state["checksum"] = check.state_checksum(state)
-        check.parse_state(json.dumps(state), STATE_FILE, FORMAT_VERSION)  # commit only a state its load accepts
+        # Commit only what its load accepts.
+        check.check_tasks_table(table, check.parse_state(json.dumps(state), STATE_FILE, FORMAT_VERSION), tasks["name"])
+        fsync_path(path)  # the new files' names, before the state that names them
         write_json_atomic(os.path.join(path, STATE_FILE), state)  # the commit
         fsync_path(path)
     except BaseException:
-        try:  # remove what this save added; the committed snapshot is untouched
-            _prune(path, set(state_files(previous)) if previous else set())
+        try:  # remove what this save added, unless it got as far as its commit
+            committed = _committed_state(path)
+            _prune(path, set(state_files(committed)) if committed else set())
         except Exception:  # noqa: BLE001 - the save's own error is the one to report
             logger.exception("trl_exreplay: cleaning up after a failed pool save")
         raise
@@ -175,6 +183,8 @@ def load_index(folder: PoolFolder, state: dict, tasks: pa.Table, log: Log, capac
             raise PoolFormatError(file, f"has {table.num_rows} rows; the pool recorded {entry['rows']}.")
         # The rows a task lists (the others are evicted trajectories), and the place of each in the tasks table.
         row_ids = table.column("traj_id").to_numpy()
+        if len(row_ids) and (row_ids.min() < 0 or row_ids.max() >= state["counters"]["next_traj_id"]):
+            raise PoolFormatError(file, "holds a trajectory id outside [0, counters.next_traj_id).")  # ids to come
         at = np.searchsorted(entry_id, row_ids, sorter=by_id).clip(max=max(len(entry_id) - 1, 0))
         rows = np.nonzero(entry_id[by_id[at]] == row_ids)[0] if len(entry_id) else np.zeros(0, np.int64)
         entries = by_id[at[rows]]
