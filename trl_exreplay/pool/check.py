@@ -275,8 +275,8 @@ def check_tasks_table(tasks: pa.Table, state: dict, file: str) -> None:
     _need(
         (np.diff(ids.offsets.to_numpy()) <= capacity).all(), file, f"a task holds more than {capacity} trajectories."
     )
-    ids = ids.values.to_numpy()
-    _need(len(ids) == len(np.unique(ids)), file, "lists a trajectory id twice.")
+    ids = np.sort(ids.values.to_numpy())  # (np.unique is 10x slower here: 0.6 s for 1M ids)
+    _need(not (ids[1:] == ids[:-1]).any(), file, "lists a trajectory id twice.")
     _need(((ids >= 0) & (ids < counters["next_traj_id"])).all(), file, "`traj_ids` outside [0, next_traj_id).")
 
 
