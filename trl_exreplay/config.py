@@ -131,8 +131,8 @@ class ExReplayGRPOConfig(GRPOConfig):
             Folder where the live pool writes its shards (rank 0 alone holds them, in a subfolder for the runs of this
             output_dir, removed at the end; what a killed run left there is removed by the next run of the same
             output_dir). None: `output_dir/_exreplay_pool_work`. Point it at a local disk of each machine when
-            `output_dir` is on a network filesystem; checkpoint saves hard-link the shards when both folders are on one filesystem and copy them
-            otherwise.
+            `output_dir` is on a network filesystem; checkpoint saves hard-link the shards when both folders are on one
+            filesystem and copy them otherwise.
 
         > Selection: which stored trajectory
 

@@ -76,7 +76,7 @@ def fsync_path(path: str) -> None:
 
 def write_atomic(path: str, write: Callable[[str], None]) -> None:
     """`write(tmp)`, then fsync and rename to `path`: `path` appears complete or not at all. The hidden temporary name
-    is never taken for a pool's file; a save's `prune` removes those a killed process left."""
+    is never taken for a pool's file; a pool's next save (`persistence._prune`) removes those a killed process left."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         write(tmp)
