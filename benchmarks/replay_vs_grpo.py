@@ -11,6 +11,12 @@ then its warm start), trains with the same batch size for the same number of opt
 fewer fresh rollouts per step, so curves are drawn against **fresh rollouts consumed** (generated completions, or
 environment episodes), not steps.
 
+The methods of a seed run back to back in one process (their order turning by one each seed), so that their training
+seconds were spent under the same machine load; each run records that load (`run.load`: the 1-minute load average
+before and after it), the cores it was allowed, and the commit of the harness and of the `trl_exreplay` it imported.
+For time-axis figures run one call at a time, pinned to a core nothing else uses (`taskset -c 1 ...`); per-seed calls
+made apart (other cores, other machines) are merged with `--merge DIR... --out DIR`.
+
 `grpo` is `ExReplayGRPOTrainer` with `enable_experience_replay=False`. For the first seed of a testbed TRL's own
 `GRPOTrainer` can train (the single-turn one; multi-turn testbeds use this library's `text_env_factory`), the harness also
 trains `GRPOTrainer` on the same run and records whether every logged loss and every point of its curve is identical
@@ -45,7 +51,9 @@ call whose testbed settings differ from those of the runs already there is refus
                   "zero_std_fresh": [float | null per step],  # replay/zero_std_fresh: the share of groups whose
                                  # fresh rollouts alone have no reward spread (null where not logged, e.g. without
                                  # replay; absent in older runs)
-                  "run": {"command": str, "commit": str, "versions": {...}, "machine": {...}, "date": str}
+                  "run": {"command": str, "commit": str, "versions": {...}, "machine": {...}, "date": str,
+                          "library": {"path": str, "commit": str}, "load": {"before": float, "after": float}}
+                                 # library and load: absent in runs recorded before them
                 }
               }
             }
@@ -185,28 +193,37 @@ def _gpu_name() -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
-def run_record() -> dict:
-    """Where and how a run was made: the command, commit, versions and machine."""
+def git_commit(folder: Path) -> str:
+    """The commit checked out where `folder` lies, "+dirty" when tracked files differ from it; "unknown" outside git."""
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-            cwd=Path(__file__).parent, check=True,
-        ).stdout.strip()  # fmt: skip
-        commit += "+dirty" if dirty else ""
+
+        def git(*args):
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=folder, check=True).stdout
+
+        commit = git("rev-parse", "HEAD").strip()
+        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        return "unknown"
+
+
+def run_record(load: dict | None = None) -> dict:
+    """Where and how a run was made: the command, the harness's commit and the imported library's (a run from one
+    worktree may import `trl_exreplay` installed from another), versions, machine, and the machine's load around it."""
+    import trl_exreplay
+
+    library = Path(trl_exreplay.__file__).resolve().parent
     return {
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "commit": commit,
+        "commit": git_commit(Path(__file__).resolve().parent),
+        "library": {"path": str(library), "commit": git_commit(library)},
+        "load": load or {},
         "versions": {name: version(name) for name in ("trl", "transformers", "torch", "accelerate", "datasets")},
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "gpu": _gpu_name(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "cores_allowed": len(os.sched_getaffinity(0)),  # 1 when pinned (taskset), as the time-axis runs are
             "python": platform.python_version(),
         },
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -299,6 +316,7 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
 
     from trl_exreplay import ExReplayGRPOConfig, ExReplayGRPOTrainer, GuidanceSettings, MultiTurnSettings
 
+    load_before = os.getloadavg()[0]  # the machine's 1-minute load: runs compare on time only under similar loads
     model, tokenizer = copy.deepcopy(initial[0]), initial[1]
     preset = dict(PRESETS[method])
     from_testbed = preset.pop("experience_from_testbed", False)
@@ -352,7 +370,7 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
         "wall_s": round(wall, 3),
         "step_s": round(wall / max_steps, 4),
         "settings": {k: v for k, v in settings.items() if k not in COMMON},  # what this run trained with
-        "run": run_record(),
+        "run": run_record({"before": load_before, "after": os.getloadavg()[0]}),
     }
 
 
@@ -491,6 +509,40 @@ def record_run(out: Path, testbed, method: str, seed: int, run: dict) -> dict:
         method_entry = testbed_entry(results, testbed)["methods"].setdefault(method, {"runs": {}})
         method_entry["preset"] = PRESETS[method]
         method_entry["runs"][str(seed)] = run
+
+    return update_results(out, change)
+
+
+def merge_results(sources: list[Path], out: Path) -> dict:
+    """Merge the runs of the results folders `sources` (e.g. one per seed, made on several machines or cores) into
+    `out/results.json`. Refused, before anything is written: a testbed whose settings (training fields, model,
+    evaluation) differ between two folders, a method whose preset differs, and one (testbed, method, seed) recorded
+    twice with different runs; the same run found twice is kept once."""
+    incoming = [(source, load_results(source)) for source in sources]
+
+    def change(results):
+        for source, other in incoming:
+            for name, theirs in other["testbeds"].items():
+                ours = results["testbeds"].get(name)
+                if ours is None:
+                    results["testbeds"][name] = copy.deepcopy(theirs)
+                    continue
+                for key in ("training", "model", "eval_every", "rows_per_step"):
+                    if ours.get(key) != theirs.get(key):
+                        raise ValueError(f"{source}: testbed {name}'s {key} {theirs.get(key)} differs from "
+                                         f"{ours.get(key)} in the runs merged before it; merge it into another --out")  # fmt: skip
+                if "trl_check" in theirs:
+                    ours.setdefault("trl_check", theirs["trl_check"])
+                for method, method_entry in theirs["methods"].items():
+                    mine = ours["methods"].setdefault(method, {"preset": method_entry["preset"], "runs": {}})
+                    if mine["preset"] != method_entry["preset"]:
+                        raise ValueError(f"{source}: {name} method {method}'s preset {method_entry['preset']} differs "
+                                         f"from {mine['preset']} in the runs merged before it")  # fmt: skip
+                    for seed, run in method_entry["runs"].items():
+                        if mine["runs"].get(seed, run) != run:
+                            raise ValueError(f"{source}: {name} {method} seed {seed} is recorded twice, with "
+                                             "different runs; merge only one of them")  # fmt: skip
+                        mine["runs"][seed] = run
 
     return update_results(out, change)
 
@@ -1187,6 +1239,9 @@ def parse_args(argv=None):
                         help="Skip the run of TRL's GRPOTrainer on the first seed.")  # fmt: skip
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bars.")
     parser.add_argument("--report", action="store_true", help="Only print the tables and redraw the plots of --out.")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR",
+                        help="Merge the runs of these results folders into --out (refusing runs that disagree), then "
+                             "redraw its plots.")  # fmt: skip
     parser.add_argument("--baseline", default="grpo",
                         help="With --report: the method the paired differences and rollout ratios are taken against.")  # fmt: skip
     parser.add_argument("--mean-curve", metavar="LEVELS",
@@ -1194,8 +1249,8 @@ def parse_args(argv=None):
                              "seeds, at these comma-separated levels ('final': the baseline's mean final), to show how "
                              "fragile it is. Not an endpoint: the tables' figures are per seed.")  # fmt: skip
     options = parser.parse_args(argv)
-    if not options.report and options.testbed is None:
-        parser.error("--testbed is required unless --report")
+    if not options.report and not options.merge and options.testbed is None:
+        parser.error("--testbed is required unless --report or --merge")
     options.methods = [m for m in options.methods.split(",") if m]
     unknown = [m for m in options.methods if m not in PRESETS]
     if unknown:
@@ -1209,7 +1264,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     options = parse_args(argv)
-    if options.report:
+    if options.merge:
+        merge_results(options.merge, options.out)
+    if options.report or options.merge:
         levels = [level for level in (options.mean_curve or "").split(",") if level]
         print(report(options.out, options.baseline, levels))
         return load_results(options.out)
@@ -1226,9 +1283,12 @@ def main(argv=None) -> dict:
     check_same_settings(options.out, testbed)
     results = None
     try:
-        for seed in options.seeds:
+        for k, seed in enumerate(options.seeds):
             initial = testbed.build(seed)
-            for method in options.methods:
+            # The methods of a seed run back to back in this process, so that their training seconds compare (the
+            # same machine load); their order turns by one each seed, so that no method always runs first.
+            turn = k % len(options.methods)
+            for method in options.methods[turn:] + options.methods[:turn]:
                 run = train_one(testbed, method, seed, initial, progress=options.progress)
                 results = record_run(options.out, testbed, method, seed, run)
                 if method == "grpo" and options.trl_check and testbed.trl_comparable and seed == options.seeds[0]:

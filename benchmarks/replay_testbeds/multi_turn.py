@@ -86,7 +86,9 @@ class MultiTurn(Testbed):
         per_device_train_batch_size=64,
         num_generations=8,
         max_steps=300,
-        learning_rate=1e-2,
+        # GRPO's best rate on the tuning seeds 50-54 (docs/results.md, "every group teaches"); 1e-2, the earlier
+        # tests' rate, collapsed GRPO's policy on 3 of those 5 seeds. Runs made at 1e-2 keep it in their results.json.
+        learning_rate=3.3e-3,
         temperature=1.0,
         beta=0.0,
     )

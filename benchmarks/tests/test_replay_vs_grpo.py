@@ -6,6 +6,7 @@ that replay wins: that is a measurement (`docs/results.md`)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import load_script
@@ -57,6 +58,16 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     # `--set replay_start_ratio=0.25` is a replay setting of the testbed's: the replay method is named by it ("over" them:
     # its preset, replay alone, sets fields on top).
     assert "| `exreplay` (over the testbed's replay settings) | " in table and "replay_start_ratio=0.25" in table
+    # Each run names the library it imported (a worktree's harness may import another checkout's library), and the
+    # machine's load before and after it.
+    import trl_exreplay
+
+    for run in (grpo, replay):
+        record = run["run"]
+        assert record["library"]["path"] == str(Path(trl_exreplay.__file__).resolve().parent)
+        assert record["library"]["commit"] == harness.git_commit(Path(trl_exreplay.__file__).parent) != ""
+        assert set(record["load"]) == {"before", "after"} and all(v >= 0 for v in record["load"].values())
+        assert record["machine"]["cores_allowed"] >= 1
     # One value per step of the fresh rollouts' own zero-spread share (logged by replay runs; None where not logged).
     assert len(replay["zero_std_fresh"]) == 4 == len(grpo["zero_std_fresh"]) == len(replay["zero_std_groups"])
 
@@ -192,3 +203,75 @@ def test_the_report_says_which_seeds_collapsed_replayed_and_retired(harness):
         "- `exgrpo` (3 seeds): collapsed: 10; first replayed at step 2-3; never replayed: 2; skip set at the end 1-5 "
         "tasks; zero-spread groups recorded on seeds 1, 10",
     ]
+
+
+def _results(runs: dict, training: dict | None = None, preset: dict | None = None) -> dict:
+    """A results file of testbed "t" with `runs` {method: {seed: final held-out success}}."""
+
+    def run(final):
+        return {"points": [{"step": 0, "fresh_rollouts": 0, "heldout_success": 0.0, "train_success": None,
+                            "wall_s": 0.0},
+                           {"step": 1, "fresh_rollouts": 8, "heldout_success": final, "train_success": None,
+                            "wall_s": 1.0}],
+                "losses": [0.0], "replay": {"rows_fraction": []}, "wall_s": 1.0, "step_s": 1.0, "settings": {"per_device_train_batch_size": 8},
+                "run": {"command": "", "commit": "", "versions": {}, "machine": {}, "date": ""}}  # fmt: skip
+
+    methods = {
+        m: {"preset": preset or {}, "runs": {str(s): run(v) for s, v in seeds.items()}} for m, seeds in runs.items()
+    }
+    return {"schema": 1, "testbeds": {"t": {"summary": "s", "training": training or {"learning_rate": 1.0},
+                                            "model": {}, "eval_every": 1, "rows_per_step": 8, "methods": methods}}}  # fmt: skip
+
+
+def test_merge_joins_per_seed_folders_and_refuses_runs_that_disagree(harness, tmp_path, capsys):
+    """`--merge` is the committed way per-seed folders (one per core or machine) become one results file."""
+    folders = []
+    for name, runs in {"a": {"grpo": {1: 0.5}, "teach": {1: 0.6}}, "b": {"grpo": {2: 0.4}, "teach": {2: 0.3}},
+                       "again": {"grpo": {1: 0.5}}}.items():  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(_results(runs)))
+        folders.append(tmp_path / name)
+    out = tmp_path / "merged"
+    harness.main(["--merge", *map(str, folders), "--out", str(out)])
+    merged = harness.load_results(out)["testbeds"]["t"]["methods"]
+    assert {m: {s: r["points"][-1]["heldout_success"] for s, r in e["runs"].items()} for m, e in merged.items()} == {
+        "grpo": {"1": 0.5, "2": 0.4}, "teach": {"1": 0.6, "2": 0.3}}  # fmt: skip
+    assert "| `teach` |" in capsys.readouterr().out  # the report of the merged folder
+    before = (out / "results.json").read_bytes()
+    conflicts = {
+        "same seed, another run": (_results({"grpo": {2: 0.9}}), "t grpo seed 2 is recorded twice"),
+        "other settings": (_results({"grpo": {3: 0.9}}, training={"learning_rate": 2.0}), "learning_rate"),
+        "other preset": (_results({"teach": {3: 0.9}}, preset={"replay_rescue": 0}), "preset"),
+    }
+    for case, (results, message) in conflicts.items():
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        (tmp_path / "bad" / "results.json").write_text(json.dumps(results))
+        with pytest.raises(ValueError, match=message):
+            harness.main(["--merge", str(tmp_path / "bad"), "--out", str(out)])
+        assert (out / "results.json").read_bytes() == before, case  # nothing written
+
+
+def test_the_methods_of_a_seed_run_back_to_back_in_turning_order(harness, tmp_path, monkeypatch):
+    ran = []
+
+    class Testbed:
+        name, trl_comparable = "t", False
+
+        def build(self, seed):
+            return None
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(harness.TESTBEDS, "t", Testbed)
+    monkeypatch.setattr(harness, "check_same_settings", lambda out, testbed: None)
+    monkeypatch.setattr(harness, "train_one", lambda testbed, method, seed, initial, **kw: ran.append((seed, method)))
+    monkeypatch.setattr(harness, "record_run", lambda *args: {"testbeds": {"t": {}}})
+    monkeypatch.setattr(harness, "plot", lambda *args: None)
+    monkeypatch.setattr(harness, "markdown_table", lambda *args: "")
+    monkeypatch.setattr(harness, "parse_args", lambda argv: __import__("argparse").Namespace(
+        report=False, merge=None, testbed="t", set=None, model=None, max_steps=None, methods=["a", "b", "c"],
+        seeds=[1, 2, 3, 4], progress=False, trl_check=False, out=tmp_path))  # fmt: skip
+    harness.main([])
+    assert ran == [(1, "a"), (1, "b"), (1, "c"), (2, "b"), (2, "c"), (2, "a"), (3, "c"), (3, "a"), (3, "b"),
+                   (4, "a"), (4, "b"), (4, "c")]  # fmt: skip
