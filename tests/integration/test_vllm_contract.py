@@ -129,3 +129,29 @@ def test_the_vllm_stand_ins_keep_trls_signatures():
             theirs = list(inspect.signature(getattr(VLLMGeneration, name)).parameters)
             ours = list(inspect.signature(getattr(stand_in, name)).parameters)
             assert ours == theirs, (stand_in.__name__, name, theirs)
+
+
+def test_rescued_rows_get_a_neutral_vllm_ratio_at_sequence_level(tmp_path):
+    """A rescued row's tokens are a stored success, not the failed rollout vLLM sampled: its vLLM importance ratio is
+    1, at TRL's sequence level (one ratio per row, shape (B, 1)) as at token level, like a replayed row's; the fresh
+    rows keep TRL's ratio. Replay never starts here (start ratio 1), so every row the loss marks replayed is rescued."""
+    trainer = make_trainer(tmp_path, trainer_cls=RecordingTrainer, max_steps=12, replay_start_ratio=1.0,
+                           vllm_importance_sampling_correction=True,
+                           vllm_importance_sampling_mode="sequence_truncate")  # fmt: skip
+    tokenizer = trainer.processing_class
+    words = [tokenizer.convert_tokens_to_ids(w) for w in ("red", "green", "blue", "cat", "dog", "sun", "say")]
+    trainer.use_vllm, trainer.vllm_mode, trainer.vllm_generation = True, "server", ServerModeStandIn(words)
+    trainer.vllm_importance_sampling_correction, trainer._last_loaded_step = True, -1
+    trainer.train()
+    rescued_steps = 0
+    for output, _ in trainer.batches:
+        ratio = output["importance_sampling_ratio"]
+        assert ratio.shape == (16, 1)
+        rescued = output["exreplay_replayed"].bool()
+        if rescued.any():
+            rescued_steps += 1
+            assert torch.equal(ratio[rescued], torch.ones_like(ratio[rescued]))
+        # the fresh rows' ratios are TRL's own: vLLM's uniform log-probs against the model's, not 1
+        assert not torch.equal(ratio[~rescued], torch.ones_like(ratio[~rescued]))
+    assert rescued_steps >= 1
+    assert sum(e.get("replay/rescued_groups", 0) for e in trainer.state.log_history) > 0
