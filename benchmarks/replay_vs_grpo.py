@@ -693,6 +693,33 @@ def to_baseline_final(run: dict, base_run: dict) -> dict:
             "ratio": need / base_need}  # fmt: skip
 
 
+def median_counting_never(final: dict[str, dict]) -> float | None:
+    """The median ratio to the baseline's final over every scoreable seed, a seed that never reached it counted as
+    never (infinite: the median is infinite when half the seeds or more never do); None without a scoreable seed.
+    The median over the seeds that reached it alone leaves out the seeds where a method did worst."""
+    ratios = [
+        f["ratio"] if f["status"] == "reached" else math.inf for f in final.values() if f["status"] != "not scoreable"
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
+def interval_side(differences: list[float]) -> str:
+    """Where the 95% t interval of the mean difference lies: "above 0", "below 0" or "contains 0"."""
+    interval = paired_interval(differences)
+    if interval is None:
+        return "contains 0"
+    return "above 0" if interval["low"] > 0 else "below 0" if interval["high"] < 0 else "contains 0"
+
+
+def leave_one_out(differences: dict[str, float]) -> dict:
+    """How fragile a paired interval's verdict is: its side of 0 on every seed, and the seeds whose removal alone (one
+    at a time) moves it to another side."""
+    side = interval_side(list(differences.values()))
+    flips = [seed for seed in differences
+             if interval_side([d for s, d in differences.items() if s != seed]) != side]  # fmt: skip
+    return {"side": side, "flips": sorted(flips, key=int), "seeds": len(differences)}
+
+
 def ratio_summary(ratios: list[float]) -> dict | None:
     """Median and geometric mean of per-seed ratios (None without any)."""
     if not ratios:
@@ -767,8 +794,9 @@ def summarize(entry: dict, baseline: str = "grpo", levels: tuple[float, ...] = (
         auc = {}
         for axis in AXES:
             mine, theirs = aucs[axis][name], aucs[axis].get(baseline, {})
+            differences = {s: mine[s] - theirs[s] for s in shared if s in mine and s in theirs}
             auc[axis] = {"per_seed": mine, "mean": sum(mine.values()) / len(mine) if mine else None,
-                         "paired": paired([mine[s] - theirs[s] for s in shared if s in mine and s in theirs])}  # fmt: skip
+                         "paired": paired(list(differences.values())), "leave_one_out": leave_one_out(differences)}  # fmt: skip
         final = {s: to_baseline_final(runs[s], base_runs[s]) for s in shared}
         generated = [  # the share of each run's rows that were generated, not replayed
             run["points"][-1]["fresh_rollouts"] / (rows_per_step(run["settings"]) * run["points"][-1]["step"])
@@ -801,6 +829,7 @@ def summarize(entry: dict, baseline: str = "grpo", levels: tuple[float, ...] = (
             "to_final": {
                 "per_seed": final,
                 "ratio": ratio_summary([f["ratio"] for f in final.values() if f["status"] == "reached"]),
+                "median_counting_never": median_counting_never(final),
                 "never": sum(f["status"] == "never" for f in final.values()),
                 "not_scoreable": sum(f["status"] == "not scoreable" for f in final.values()),
             },
@@ -885,6 +914,10 @@ def _ratio_cell(summary: dict | None) -> str:
     return "no seed" if summary is None else f"{summary['median']:.2f}x ({summary['geometric_mean']:.2f}x)"
 
 
+def _times(value: float | None) -> str:
+    return "no seed" if value is None else "never" if math.isinf(value) else f"{value:.2f}x"
+
+
 def _rollouts(value: float | None) -> str:
     return "never" if value is None or math.isinf(value) else f"{value:,.0f}"
 
@@ -923,15 +956,15 @@ def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
         "only one of the two collapsed.)",
         "",
         f"| method | rollouts to {b}'s final on the same seed: median ratio (geometric mean) | reached / never / not "
-        "scoreable |" + "".join(f" to {level:.2f}: median rollouts; never / not scoreable "
+        "scoreable | median ratio, never counted as never |" + "".join(f" to {level:.2f}: median rollouts; never / not scoreable "
                                   f"| to {level:.2f}: ratio vs {b}, median (geometric mean); seeds |"
                                   for level in levels),
-        "|---|---|---|" + "---|---|" * len(levels),
+        "|---|---|---|---|" + "---|---|" * len(levels),
     ]  # fmt: skip
     for r in rows:
         f = r["to_final"]
         cells = [_ratio_cell(f["ratio"]), f"{f['ratio']['seeds'] if f['ratio'] else 0} / {f['never']} / "
-                 f"{f['not_scoreable']}"]  # fmt: skip
+                 f"{f['not_scoreable']}", _times(f["median_counting_never"])]  # fmt: skip
         for level in r["levels"]:
             cells += [f"{_rollouts(level['median'])}; {level['never']} / {level['not_scoreable']}",
                       f"{_ratio_cell(level['ratio'])}; {level['ratio']['seeds'] if level['ratio'] else 0}"]  # fmt: skip
@@ -940,10 +973,12 @@ def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
         "",
         f"(Ratio: the fresh rollouts a method needs to first reach the target on a seed (linear between evaluation "
         f"points) over those {b} needs on that seed, summarised over the seeds where it reached it; never: seeds "
-        "where it did not; not scoreable: seeds where the target is at or below the initial success. A median of "
-        'rollouts is "never" when half the seeds or more never reach the level.)',
+        "where it did not; not scoreable: seeds where the target is at or below the initial success; never counted "
+        "as never: the median over every scoreable seed, a seed that never reached it counted as infinite. A median "
+        'is "never" when half the seeds or more never reach the target.)',
     ]
     lines += collapse_lines(rows, baseline)
+    lines += leave_one_out_lines(rows, baseline)
     lines += zero_spread_lines(rows, label)
     lines += per_seed_lines(rows, baseline)
     lines += label_lines(name, entry, rows, label)
@@ -985,6 +1020,23 @@ def collapse_lines(rows: list[dict], baseline: str) -> list[str]:
                  f"where only `{baseline}` collapsed, {test['losses']} where only `{r['method']}` did)")  # fmt: skip
         lines.append(cell)
     return ["", "Final success and AUC by collapse (per seed):", *lines] if lines else []
+
+
+def leave_one_out_lines(rows: list[dict], baseline: str) -> list[str]:
+    """Per method, how many single seeds, dropped alone, move the AUC difference's 95% interval (fresh rollouts, and
+    training time) to another side of 0: a verdict that one seed can flip is a fragile one."""
+    lines = []
+    for r in rows:
+        if r["method"] == baseline or r["auc"]["rollouts"]["paired"] is None:
+            continue
+        cells = []
+        for axis, label in (("rollouts", "fresh rollouts"), ("time", "training time")):
+            loo = r["auc"][axis]["leave_one_out"]
+            dropped = f" ({', '.join(loo['flips'])})" if loo["flips"] else ""
+            cells.append(f"over {label}, {loo['side']} on {loo['seeds']} seeds; dropping one seed moves it on "
+                         f"{len(loo['flips'])} of {loo['seeds']}{dropped}")  # fmt: skip
+        lines.append(f"- `{r['method']}` - `{baseline}`: " + "; ".join(cells))
+    return ["", "AUC difference's 95% interval, leaving one seed out:", *lines] if lines else []
 
 
 def zero_spread_lines(rows: list[dict], label: dict) -> list[str]:

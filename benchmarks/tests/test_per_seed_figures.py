@@ -92,7 +92,7 @@ def test_every_figure_is_read_per_seed_on_a_small_fixture(harness):
     assert (replay["zero_std_fresh"], replay["zero_std_fresh_source"]) == (pytest.approx(0.7), "recorded")
 
     table = harness.markdown_table("t", {**FIXTURE, "summary": "fixture"}, "grpo")
-    assert "| `replay` | 0.45x (0.45x) | 1 / 0 / 1 |" in table
+    assert "| `replay` | 0.45x (0.45x) | 1 / 0 / 1 | 0.45x |" in table
     assert "| 1 | 0.100 | 0.500 / 0.280 / 200 | 0.400 / 0.375 / 0.45x |" in table
     assert "| 2 | 0.100 | 0.100 / 0.100 / n/s | 0.300 / 0.250 / n/s |" in table
     assert "| `replay` | 25.0% | 70.0% |" in table and "| `grpo` | 75.0% | 75.0% (every group fresh) |" in table
@@ -175,3 +175,35 @@ def test_labels_say_what_ran(harness):
     assert (min(early.values()), max(early.values())) == (34, 296)
     assert rows["exgrpo"]["before_bucket_clip"] == {} and rows["exreplay"]["before_bucket_clip"] == {}
     assert "| `exgrpo-noretire` † |" in harness.markdown_table("single-turn", single)
+
+
+def test_the_median_counts_never_as_never_and_one_seed_dropped_can_flip_an_interval(harness):
+    """The median ratio to the baseline's final over the seeds that reached it hides the ones that did not: counted as
+    never (infinite), 3 never among 5 seeds make it "never", 1 among 4 moves it up. And the leave-one-out count: an
+    interval above 0 that one seed carries."""
+
+    def final(*statuses):
+        return {str(i): ({"status": "reached", "ratio": v} if isinstance(v, float) else {"status": v})
+                for i, v in enumerate(statuses)}  # fmt: skip
+
+    assert harness.median_counting_never(final(0.5, 0.6, "never", "never", "never")) == math.inf
+    assert harness.median_counting_never(final(0.5, 0.6, 0.7, "never", "not scoreable")) == pytest.approx(0.65)
+    assert harness.median_counting_never(final("not scoreable")) is None
+
+    # an interval above 0 by a hair: dropping any of the five larger gains moves it to contain 0
+    differences = {"1": 0.01, "2": 0.012, "3": 0.008, "4": 0.011, "5": 0.003, "6": -0.004, "7": 0.001}
+    loo = harness.leave_one_out(differences)
+    assert loo["side"] == harness.interval_side(list(differences.values())) == "above 0"
+    by_hand = []
+    for seed in differences:
+        rest = [d for s, d in differences.items() if s != seed]
+        mean = sum(rest) / len(rest)
+        half = (
+            harness.T975[len(rest) - 2]
+            * (sum((d - mean) ** 2 for d in rest) / (len(rest) - 1)) ** 0.5
+            / len(rest) ** 0.5
+        )
+        if mean - half <= 0:
+            by_hand.append(seed)
+    assert loo["flips"] == by_hand == ["1", "2", "3", "4", "5"]
+    assert harness.leave_one_out({"1": 0.1, "2": 0.1, "3": 0.1})["flips"] == []  # no spread: no seed carries it
