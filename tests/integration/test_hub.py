@@ -24,6 +24,7 @@ from trl import GRPOTrainer
 from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 from trl_exreplay.hub import CITATIONS, MODEL_FILE_PATTERNS, model_card, model_files, push_model
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory, pool_from_hub, push_pool, tokenizer_fingerprint
+from trl_exreplay.pool.check import PoolFormatError, state_checksum
 from trl_exreplay.pool.persistence import STATE_FILE
 from trl_exreplay.pool.store import TRAJECTORY_FEATURES
 
@@ -485,4 +486,34 @@ def test_push_pool_rejects_a_folder_that_is_not_a_pool(hub, tmp_path):
         shard.unlink()
     with pytest.raises(ValueError, match="incomplete/trajectories-[0-9a-f]{16}.arrow: cannot be read"):
         push_pool(str(incomplete), "me/pool")
+    assert hub.create_repo == [] and hub.create_commit == []
+
+
+def test_push_pool_uploads_nothing_from_a_hub_snapshot_whose_blobs_is_a_link(hub, tmp_path):
+    """Issue 71: ``<repo>/blobs`` is a place a snapshot's files may lead only as a folder; a link to ``/`` made every
+    file anywhere one of the pool's, and `push_pool` uploaded the files it led to."""
+    make_pool().save(str(tmp_path / "pool"))
+    repo = tmp_path / "cache" / "datasets--me--pool"
+    snapshot = repo / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    for file in (tmp_path / "pool").iterdir():
+        os.replace(file, tmp_path / "elsewhere" / file.name)
+        (snapshot / file.name).symlink_to(tmp_path / "elsewhere" / file.name)
+    (repo / "blobs").symlink_to("/")
+    with pytest.raises(PoolFormatError, match=r"snapshots/abc/state.json: resolves to .* outside the pool folder"):
+        push_pool(str(snapshot), "me/pool")
+    assert hub.create_repo == [] and hub.create_commit == []
+
+
+def test_push_pool_refuses_a_state_without_a_tokenizer_fingerprint(hub, tmp_path):
+    """Issue 71: the card names the fingerprint; without the field, the push failed with a raw KeyError."""
+    folder = tmp_path / "pool"
+    make_pool().save(str(folder))
+    state = json.loads((folder / STATE_FILE).read_text())
+    del state["tokenizer_fingerprint"]
+    state["checksum"] = state_checksum(state)
+    (folder / STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(PoolFormatError, match=r"state.json: the state lacks the fields \['tokenizer_fingerprint'\]"):
+        push_pool(str(folder), "me/pool")
     assert hub.create_repo == [] and hub.create_commit == []

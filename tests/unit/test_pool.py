@@ -801,7 +801,7 @@ def test_a_row_no_task_lists_must_have_an_id_below_next_traj_id(tmp_path):
     pool, path = build_pool(), str(tmp_path / "pool")
     pool.save(path)
     _rewrite_rows(path, lambda rows: rows + [{**rows[0], "traj_id": pool.index.next_traj_id}])
-    with pytest.raises(PoolFormatError, match=r"holds a trajectory id outside \[0, counters.next_traj_id\)"):
+    with pytest.raises(PoolFormatError, match=r"holds a `traj_id` outside \[0, counters.next_traj_id\)"):
         ExperiencePool.load(path)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections import Counter
 
 import numpy as np
@@ -26,7 +27,7 @@ import xxhash
 from .index import COUNTERS
 
 __all__ = ["PoolFolder", "PoolFormatError", "bad_trajectory_rows", "check_arrow", "check_settings",
-           "check_tasks_table", "file_checksum", "parse_state", "state_checksum"]  # fmt: skip
+           "check_tasks_table", "compressed", "file_checksum", "parse_state", "state_checksum"]  # fmt: skip
 
 CHECKSUM = "xxh3_64"
 SELECT_MODES = ("argmin", "argmax", "random")
@@ -34,7 +35,8 @@ STORE_MODES = ("all", "best")
 # The settings a saved pool records (the `ExperiencePool` constructor's keyword arguments), in this order, with what
 # each must be: ``(value, settings) -> ok`` and its description for messages.
 _SETTING_RULES = {
-    "max_trajectories_per_task": (lambda v, s: _is_int(v) and v >= 1, "an integer >= 1"),
+    # at most int32's: the index counts a task's trajectories in int32 (and allocates by the lists a load finds)
+    "max_trajectories_per_task": (lambda v, s: _is_int(v) and 1 <= v < 2**31, "an integer in [1, 2**31 - 1]"),
     "experience_lbound": (lambda v, s: _is_int(v) and v >= 0, "an integer >= 0"),
     "experience_rbound": (
         lambda v, s: _is_int(v) and _is_int(s["experience_lbound"]) and v >= s["experience_lbound"] + 2,
@@ -47,6 +49,10 @@ _SETTING_RULES = {
     "seed": (lambda v, s: _is_int(v) and v >= 0, "an integer >= 0"),
 }
 SETTINGS = tuple(_SETTING_RULES)
+# The fields a save writes, all of them: a state without one, or with another, is not one a pool wrote.
+STATE_FIELDS = ("format_version", "settings", "tokenizer_fingerprint", "counters", "tasks", "shards", "checksum")
+TASKS_FIELDS = ("name", "size", CHECKSUM)
+SHARD_FIELDS = ("name", "rows", "live", "size", CHECKSUM)
 _NAME = re.compile(r"(tasks|trajectories)-[0-9a-f]{16}\.arrow")  # the names a save writes: no folder, no '..'
 _HEX = re.compile(r"[0-9a-f]{16}")
 _CHUNK = 8 << 20
@@ -81,6 +87,15 @@ def _is_int(value) -> bool:
 def _need(condition: bool, file: str, problem: str) -> None:
     if not condition:
         raise PoolFormatError(file, problem)
+
+
+def _fields(mapping: dict, allowed: tuple[str, ...], file: str, what: str) -> None:
+    """`mapping` (`what`, in messages) must hold exactly the fields `allowed`: an unknown one would be ignored (or
+    uploaded by `push_pool`), a missing one fail later as a bare `KeyError`."""
+    unknown = sorted(set(mapping) - set(allowed))
+    _need(not unknown, file, f"{what} holds unknown fields {unknown}; allowed: {list(allowed)}.")
+    missing = [name for name in allowed if name not in mapping]
+    _need(not missing, file, f"{what} lacks the fields {missing}; a save writes all of {list(allowed)}.")
 
 
 def _int(mapping: dict, key: str, file: str, where: str = "", low: int = 0) -> int:
@@ -121,17 +136,15 @@ def check_settings(settings, file: str, where: str = "settings.") -> dict:
     ```
     """
     _need(isinstance(settings, dict), file, f"`settings` must be an object, got {type(settings).__name__}.")
-    unknown = sorted(set(settings) - set(SETTINGS))
-    _need(not unknown, file, f"unknown settings {unknown}; allowed: {list(SETTINGS)}.")
-    missing = [name for name in SETTINGS if name not in settings]
-    _need(not missing, file, f"settings {missing} are missing.")
+    _fields(settings, SETTINGS, file, "`settings`")
     for name, (ok, allowed) in _SETTING_RULES.items():
         _need(ok(settings[name], settings), file, f"`{where}{name}` must be {allowed}, got {settings[name]!r}.")
     return settings
 
 
-def _check_file_entry(entry, file: str, where: str, kind: str) -> None:
+def _check_file_entry(entry, file: str, where: str, kind: str, fields: tuple[str, ...]) -> None:
     _need(isinstance(entry, dict), file, f"`{where}` must be an object.")
+    _fields(entry, fields, file, f"`{where}`")
     name = entry.get("name")
     _need(
         isinstance(name, str) and _NAME.fullmatch(name) is not None and name.startswith(kind + "-"),
@@ -160,29 +173,31 @@ def parse_state(text: bytes | str, file: str, version: int) -> dict:
         f"format_version {found!r} is not {version}, the one this version of trl_exreplay reads (a newer format needs "
         "a newer trl_exreplay; the older ones are development formats from before the first release).",
     )
+    _fields(state, STATE_FIELDS, file, "the state")
     _need(
         state.get("checksum") == state_checksum(state),
         file,
         "checksum missing or wrong: the file was damaged or edited.",
     )
-    check_settings(state.get("settings"), file)
-    fingerprint = state.get("tokenizer_fingerprint")
+    check_settings(state["settings"], file)
+    fingerprint = state["tokenizer_fingerprint"]
     _need(
         fingerprint is None or (isinstance(fingerprint, str) and len(fingerprint) <= 128),
         file,
-        f"`tokenizer_fingerprint` must be null or a string, got {fingerprint!r}.",
+        f"`tokenizer_fingerprint` must be null or a string of at most 128 characters, got {fingerprint!r}.",
     )
-    counters = state.get("counters")
+    counters = state["counters"]
     _need(isinstance(counters, dict), file, "`counters` must be an object.")
+    _fields(counters, COUNTERS, file, "`counters`")
     for key in COUNTERS:
         _need(_int(counters, key, file, "counters.") < 2**62, file, f"`counters.{key}` must be below 2**62.")
-    _check_file_entry(state.get("tasks"), file, "tasks", "tasks")
-    shards = state.get("shards")
+    _check_file_entry(state["tasks"], file, "tasks", "tasks", TASKS_FIELDS)
+    shards = state["shards"]
     _need(isinstance(shards, list), file, "`shards` must be a list.")
     names = set()
     for i, entry in enumerate(shards):
         where = f"shards[{i}]"
-        _check_file_entry(entry, file, where, "trajectories")
+        _check_file_entry(entry, file, where, "trajectories", SHARD_FIELDS)
         _need(entry["name"] not in names, file, f"`{where}.name` {entry['name']!r} is listed twice.")
         names.add(entry["name"])
         live = _int(entry, "live", file, f"{where}.")
@@ -198,16 +213,22 @@ class PoolFolder:
     """The files of the pool saved at `path`: names confined to it, sizes and checksums checked on request.
 
     A folder ``<repo>/snapshots/<revision>`` of the Hugging Face cache (what `snapshot_download` returns) holds
-    symlinks into ``<repo>/blobs/``: exactly that folder is also accepted as a place the files may resolve to.
+    symlinks into ``<repo>/blobs/``: exactly that folder is also accepted as a place the files may resolve to, found
+    from the folder's real path and only when it is a directory, not a link (a ``blobs`` link to ``/`` would make every
+    file "within" the pool).
     """
 
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
-        self.roots = [os.path.realpath(self.path)]
-        parent = os.path.dirname(self.path)
-        blobs = os.path.join(os.path.dirname(parent), "blobs")
-        if os.path.basename(parent) == "snapshots" and os.path.isdir(blobs):
-            self.roots.append(os.path.realpath(blobs))
+        real = os.path.realpath(self.path)
+        self.roots = [real]
+        blobs = os.path.join(os.path.dirname(os.path.dirname(real)), "blobs")
+        try:
+            is_folder = stat.S_ISDIR(os.lstat(blobs).st_mode)  # lstat: a link is not followed
+        except OSError:
+            is_folder = False
+        if os.path.basename(os.path.dirname(real)) == "snapshots" and is_folder:
+            self.roots.append(blobs)  # every part above it is real (`real`'s), and it is no link: its real path
 
     def file(self, name: str) -> str:
         """The path of pool file `name` (a plain name: `parse_state` checked it), refused when it resolves outside the
@@ -217,7 +238,7 @@ class PoolFolder:
         _need(
             any(_within(real, root) for root in self.roots),
             path,
-            f"resolves to {real}, outside the pool folder {self.path}: a pool's files must stay in its folder.",
+            f"resolves to {real!r}, outside the pool folder {self.path}: a pool's files must stay in its folder.",
         )
         return path
 
@@ -240,14 +261,39 @@ class PoolFolder:
 def check_arrow(table: pa.Table, schema: pa.Schema, file: str, full: bool = True) -> None:
     """The table of an Arrow file must have exactly `schema`'s columns and types, and (`full`) valid offsets and strings
     (checked before any column is read: a bad offset would otherwise be followed out of the file)."""
-    found = [(f.name, str(f.type)) for f in table.schema]
     expected = [(f.name, str(f.type)) for f in schema]
+    try:
+        found = [(f.name, str(f.type)) for f in table.schema]  # (a nested name that is not UTF-8 reads as U+FFFD)
+    except UnicodeDecodeError:
+        raise PoolFormatError(file, f"a column name is not UTF-8; the columns must be {expected}.") from None
     _need(found == expected, file, f"columns {found} are not the expected {expected}.")
     if full:
         try:
             table.validate(full=True)
         except (pa.ArrowInvalid, pa.ArrowException) as e:
             raise PoolFormatError(file, f"invalid Arrow data ({e}).") from None
+
+
+def compressed(metadata: pa.Buffer) -> bool:
+    """Whether the metadata of an Arrow IPC message (a flatbuffer ``Message``, which Arrow verified when it read it)
+    declares compressed body buffers: its ``RecordBatch`` header has field 3, ``compression``. pyarrow does not say,
+    and it decompresses in ``read_record_batch``, before any size could be checked (13 KB of zstd can hold 256 MiB)."""
+    data = metadata.to_pybytes()
+
+    def at(pos: int, size: int, signed: bool = False) -> int:
+        return int.from_bytes(data[pos : pos + size], "little", signed=signed)
+
+    def field(table: int, i: int) -> int:
+        """Where field `i` of the flatbuffer table at `table` is, relative to it (0: absent)."""
+        vtable = table - at(table, 4, signed=True)
+        return at(vtable + 4 + 2 * i, 2) if 4 + 2 * i < at(vtable, 2) else 0
+
+    message = at(0, 4)
+    header = field(message, 2)  # Message: version, header_type, header, bodyLength, custom_metadata
+    if not header:
+        return False
+    batch = message + header + at(message + header, 4)  # RecordBatch: length, nodes, buffers, compression, ...
+    return field(batch, 3) != 0
 
 
 def check_no_nulls(table: pa.Table, file: str, nullable: tuple[str, ...] = ()) -> None:

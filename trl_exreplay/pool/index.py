@@ -34,6 +34,9 @@ _KEY_ARRAYS = (("key_task", np.int32), ("key_entropy", np.float32), ("key_versio
                ("key_traj_id", np.int64), ("key_seq", np.int64))  # fmt: skip
 # What a save records per task (besides its trajectories' keys), in the tasks table's column order.
 STATE_COLUMNS = ("difficulty", "difficulty_order", "bucket_pos", "skip_order", "store_order")
+# The slots a task has at first (its capacity if lower); `append_slot` doubles them when a task needs more. Not the
+# capacity itself: a pool's settings (a saved one's are untrusted) would then size a tasks x capacity matrix.
+_FIRST_WIDTH = 8
 
 
 def grow(array: np.ndarray, size: int, fill) -> np.ndarray:
@@ -100,7 +103,7 @@ class PoolIndex:
             setattr(self, name, np.empty(0, dtype))
         for name, dtype in _KEY_ARRAYS:
             setattr(self, name, np.empty(0, dtype))
-        self.slots = np.full((0, max(1, self.capacity)), -1, np.int32)  # trajectory keys, store order
+        self.slots = np.full((0, max(1, min(self.capacity, _FIRST_WIDTH))), -1, np.int32)  # keys, in store order
 
     # ------------------------------------------------------------------------------------------------- growth
     def next_stamp(self) -> int:
@@ -201,7 +204,7 @@ class PoolIndex:
     # -------------------------------------------------------------------------------------------------- slots
     def append_slot(self, t: int, key: int) -> None:
         n = int(self.count[t])
-        if n == self.slots.shape[1]:  # capacity raised by `ExperiencePool.configure`
+        if n == self.slots.shape[1]:  # a task with more trajectories than it had slots for (`_FIRST_WIDTH`)
             self.slots = np.concatenate([self.slots, np.full((len(self.slots), n), -1, np.int32)], axis=1)
         self.slots[t, n] = key
         self.count[t] = n + 1
@@ -337,7 +340,7 @@ class PoolIndex:
         for name in ("has_row", *STATE_COLUMNS):
             getattr(index, name)[:n] = columns[name]
         counts = np.bincount(entry_task, minlength=n).astype(np.int32) if n else np.zeros(0, np.int32)
-        width = max(1, capacity, int(counts.max(initial=0)))
+        width = max(1, min(capacity, _FIRST_WIDTH), int(counts.max(initial=0)))  # the lists found, not capacity
         index.slots = np.full((len(index.difficulty), width), -1, np.int32)
         starts = np.cumsum(counts) - counts
         index.slots[entry_task, np.arange(len(entry_key)) - starts[entry_task]] = entry_key

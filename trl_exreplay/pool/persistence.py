@@ -181,10 +181,14 @@ def load_index(folder: PoolFolder, state: dict, tasks: pa.Table, log: Log, capac
         table = _read_checked(file, TRAJECTORY_SCHEMA)
         if table.num_rows != entry["rows"]:
             raise PoolFormatError(file, f"has {table.num_rows} rows; the pool recorded {entry['rows']}.")
+        # An id or a store rank the pool has yet to hand out, even in a row no task lists: a later trajectory would
+        # take it (the next load would find the id twice; a rank also decides the replay window).
+        for column, counter in (("traj_id", "next_traj_id"), ("store_seq", "stored_count")):
+            given, high = table.column(column).to_numpy(), state["counters"][counter]
+            if len(given) and (given.min() < 0 or given.max() >= high):
+                raise PoolFormatError(file, f"holds a `{column}` outside [0, counters.{counter}) = [0, {high}).")
         # The rows a task lists (the others are evicted trajectories), and the place of each in the tasks table.
         row_ids = table.column("traj_id").to_numpy()
-        if len(row_ids) and (row_ids.min() < 0 or row_ids.max() >= state["counters"]["next_traj_id"]):
-            raise PoolFormatError(file, "holds a trajectory id outside [0, counters.next_traj_id).")  # ids to come
         at = np.searchsorted(entry_id, row_ids, sorter=by_id).clip(max=max(len(entry_id) - 1, 0))
         rows = np.nonzero(entry_id[by_id[at]] == row_ids)[0] if len(entry_id) else np.zeros(0, np.int64)
         entries = by_id[at[rows]]

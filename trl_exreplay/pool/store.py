@@ -39,7 +39,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from .check import CHECKSUM, PoolFormatError, check_arrow, file_checksum
+from .check import CHECKSUM, PoolFormatError, check_arrow, compressed, file_checksum
 from .index import grow
 
 __all__ = ["Log", "Scratch", "Shard", "TRAJECTORY_FEATURES", "TRAJECTORY_SCHEMA", "fsync_path",
@@ -104,9 +104,22 @@ def write_arrow(path: str, table: pa.Table) -> None:
 
 def read_arrow(path: str) -> pa.Table:
     """The table of an Arrow IPC stream file, read into memory: a load checks a file this way before it maps it, so
-    that its checks leave no page of the file counted in the process's resident memory."""
+    that its checks leave no page of the file counted in the process's resident memory. Refused: a message other than
+    a record batch, and compressed buffers, before they are decompressed (a pool writes neither; the file's size,
+    checked against the state, then bounds what the table holds)."""
     with pa.OSFile(path) as source:
-        return pa.ipc.open_stream(source).read_all()
+        data = source.read_buffer()
+    messages = list(pa.ipc.MessageReader.open_stream(data))  # slices of `data`: nothing is decoded yet
+    if not messages or messages[0].type != "schema":
+        raise PoolFormatError(path, "is not an Arrow stream: it does not start with a schema.")
+    schema = pa.ipc.read_schema(messages[0])
+    batches = []
+    for message in messages[1:]:
+        if message.type != "record batch" or compressed(message.metadata):
+            raise PoolFormatError(path, f"holds a {message.type} message that is compressed or not a record batch; "
+                                  "the pool writes uncompressed record batches only.")  # fmt: skip
+        batches.append(pa.ipc.read_record_batch(message, schema))
+    return pa.Table.from_batches(batches, schema)
 
 
 @dataclass(eq=False)

@@ -1,0 +1,256 @@
+"""A saved pool folder crafted by someone who can write it (issue 71): each file it names is rewritten and the pool
+resealed (`reseal_pool`: sizes and checksums recomputed), so that what is refused here is the check behind the
+checksums. Every case is a `PoolFormatError` naming the file and the field; none loads as other data."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pytest
+from helpers import reseal_pool
+
+from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory
+from trl_exreplay.pool.check import PoolFormatError, file_checksum, state_checksum
+from trl_exreplay.pool.persistence import read_state
+from trl_exreplay.pool.store import TRAJECTORY_SCHEMA, read_arrow
+
+FINGERPRINT = "0" * 64
+
+
+def trajectory(task: str, entropy: float) -> Trajectory:
+    return Trajectory(task, [1, 2], [3, 4], [1, 1], [-0.5, -0.25], [1.0], 1.0, entropy, policy_version=0)
+
+
+def saved_pool(path) -> ExperiencePool:
+    """Tasks a (3 trajectories, one more evicted from a written shard), b (1) and c (2), store ranks 0-6."""
+    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4, shard_rows=2)
+    pool.bind_tokenizer(FINGERPRINT)
+    for task, entropies in (("a", (0.1, 0.2)), ("b", (0.3,)), ("c", (0.4, 0.5)), ("a", (0.05, 0.06))):
+        successes = [trajectory(task, e) for e in entropies]
+        pool.record_outcome(TaskOutcome(task, len(successes), 4, successes, task_row=json.dumps({"p": task})))
+    assert pool.index.stored_count == 7 and pool.num_trajectories == 6  # a's 0.2 (rank 1) evicted
+    pool.save(str(path))
+    return pool
+
+
+def edit_state(path, edit, reseal: bool = True) -> None:
+    """`edit(state)` of the pool's ``state.json``, then the pool resealed (with `reseal`) or the state's checksum."""
+    with open(path / "state.json") as f:
+        state = json.load(f)
+    edit(state)
+    state["checksum"] = state_checksum(state)
+    with open(path / "state.json", "w") as f:
+        json.dump(state, f)
+    if reseal:
+        reseal_pool(str(path))
+
+
+def shards(path) -> list[str]:
+    return [entry["name"] for entry in read_state(str(path))["shards"]]
+
+
+def tasks_file(path) -> str:
+    return read_state(str(path))["tasks"]["name"]
+
+
+def rewrite(file, table: pa.Table, options: pa.ipc.IpcWriteOptions | None = None) -> None:
+    """`file` replaced by a new file holding `table` (never written through: a live pool may map it)."""
+    os.remove(file)
+    with pa.OSFile(str(file), "wb") as sink, pa.ipc.new_stream(sink, table.schema, options=options) as writer:
+        writer.write_table(table)
+
+
+def edit_rows(path, edit) -> None:
+    """Each shard's rows replaced by `edit(rows)`, then the pool resealed."""
+    for name in shards(path):
+        rows = edit(read_arrow(str(path / name)).to_pylist())
+        rewrite(path / name, pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA))
+    reseal_pool(str(path))
+
+
+# ------------------------------------------------------------------------------------ 1: the Hub cache's blobs
+def hub_snapshot(tmp_path, pool_dir, blobs_target):
+    """The files of the pool at `pool_dir` as a Hub cache snapshot ``<repo>/snapshots/abc``, each a link to a copy
+    outside the cache, and ``<repo>/blobs`` a link to `blobs_target` (a folder holding those copies)."""
+    repo = tmp_path / "cache" / "datasets--me--pool"
+    snapshot = repo / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for file in sorted(pool_dir.iterdir()):
+        (elsewhere / file.name).write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(elsewhere / file.name)
+    (repo / "blobs").symlink_to(blobs_target)
+    return snapshot
+
+
+@pytest.mark.parametrize("blobs", ["/", "the folder above the files"])
+def test_a_hub_snapshot_whose_blobs_is_a_link_lets_no_file_resolve_outside(tmp_path, blobs):
+    saved_pool(tmp_path / "pool")
+    snapshot = hub_snapshot(tmp_path, tmp_path / "pool", "/" if blobs == "/" else tmp_path)
+    with pytest.raises(
+        PoolFormatError, match=r"snapshots/abc/state.json: resolves to .*elsewhere/state.json.*outside"
+    ):
+        ExperiencePool.load(str(snapshot))
+
+
+def test_a_hub_snapshot_is_found_from_its_real_path(tmp_path):
+    """Given through a link, the snapshot's real ``<repo>/blobs`` (a folder) is still where its files may lead."""
+    pool = saved_pool(tmp_path / "pool")
+    repo = tmp_path / "cache" / "datasets--me--pool"
+    snapshot = repo / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for i, file in enumerate(sorted((tmp_path / "pool").iterdir())):
+        (repo / "blobs" / str(i)).write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(os.path.join("..", "..", "blobs", str(i)))  # relative, as the Hub's
+    (tmp_path / "latest").symlink_to(snapshot)
+    assert ExperiencePool.load(str(tmp_path / "latest")).content_hash() == pool.content_hash()
+
+
+def test_a_link_out_is_named_printably_whatever_its_bytes(tmp_path):
+    saved_pool(tmp_path / "pool")
+    shard = tmp_path / "pool" / shards(tmp_path / "pool")[0]
+    target = os.path.join(os.fsencode(tmp_path), b"out-\xff.arrow")
+    with open(target, "wb") as f:
+        f.write(shard.read_bytes())
+    shard.unlink()
+    os.symlink(target, os.fsencode(shard))
+    with pytest.raises(PoolFormatError, match="outside the pool folder") as error:
+        ExperiencePool.load(str(tmp_path / "pool"))
+    assert "out-\\udcff.arrow" in str(error.value)
+    str(error.value).encode("utf-8")  # a log file or a terminal can write it
+
+
+# ---------------------------------------------------------------------------------------------- 2: store ranks
+@pytest.mark.parametrize(
+    "case",
+    ["stored_count at the last rank", "stored_count below the ranks", "a row's rank at stored_count",
+     "an evicted row's rank at stored_count", "a negative rank"],
+)  # fmt: skip
+def test_store_ranks_must_be_below_stored_count(tmp_path, case):
+    path = tmp_path / "pool"
+    saved_pool(path)
+
+    def rank(rows, seq, value):
+        for row in rows:
+            if row["store_seq"] == seq:
+                row["store_seq"] = value
+        return rows
+
+    if case == "stored_count at the last rank":  # the next trajectory would take rank 6 again
+        edit_state(path, lambda s: s["counters"].update(stored_count=6))
+    elif case == "stored_count below the ranks":
+        edit_state(path, lambda s: s["counters"].update(stored_count=2))
+    elif case == "a row's rank at stored_count":
+        edit_rows(path, lambda rows: rank(rows, 4, 7))
+    elif case == "an evicted row's rank at stored_count":
+        edit_rows(path, lambda rows: rank(rows, 1, 7))
+    else:
+        edit_rows(path, lambda rows: rank(rows, 3, -1))
+    with pytest.raises(
+        PoolFormatError,
+        match=r"trajectories-[0-9a-f]{16}\.arrow: holds a `store_seq` outside \[0, counters.stored_count\)",
+    ):
+        ExperiencePool.load(str(path))
+
+
+# ------------------------------------------------------------------------------------ 3: names that are not UTF-8
+def write_with_raw_name(file, table: pa.Table, column: str, raw: bytes, nested: bool) -> None:
+    """`table` written to `file` with the name of `column` (`nested`: of its list's item) replaced by the bytes `raw`,
+    which pyarrow cannot write itself: a placeholder of the same length is written, then its bytes replaced."""
+    placeholder = "Z" * len(raw)
+    at = table.schema.get_field_index(column)
+    if nested:
+        item = pa.list_(pa.field(placeholder, table.schema.field(at).type.value_type))
+        table = table.set_column(at, column, table.column(column).cast(item))
+    else:
+        table = table.rename_columns([placeholder if name == column else name for name in table.column_names])
+    rewrite(file, table)
+    data = open(file, "rb").read()
+    assert data.count(placeholder.encode()) == 1
+    os.remove(file)
+    with open(file, "wb") as f:
+        f.write(data.replace(placeholder.encode(), raw))
+
+
+@pytest.mark.parametrize(
+    "which, column, nested",
+    [("tasks", "task_id", False), ("tasks", "traj_ids", True), ("shard", "prompt_ids", False),
+     ("shard", "logps", True)],
+)  # fmt: skip
+def test_a_column_name_that_is_not_utf8_is_refused_naming_the_file(tmp_path, which, column, nested):
+    path = tmp_path / "pool"
+    saved_pool(path)
+    file = path / (tasks_file(path) if which == "tasks" else shards(path)[0])
+    write_with_raw_name(file, read_arrow(str(file)), column, b"\xff\xfe\x80" + b"z" * 4, nested)
+    reseal_pool(str(path))
+    # a nested name is read with U+FFFD in place of its bytes: not the expected type
+    problem = "columns .*list<\ufffd+zzzz: .* are not the expected" if nested else "a column name is not UTF-8"
+    with pytest.raises(PoolFormatError, match=f"{file.name}: (?s:{problem})"):
+        ExperiencePool.load(str(path))
+
+
+# ------------------------------------------------------------------------ 4 and the rest: every field of the state
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (lambda s: s.pop("tokenizer_fingerprint"), r"the state lacks the fields \['tokenizer_fingerprint'\]"),
+        (lambda s: s.update(note="hi"), r"the state holds unknown fields \['note'\]"),
+        (lambda s: s["counters"].update(evicted=3), r"`counters` holds unknown fields \['evicted'\]"),
+        (lambda s: s["tasks"].update(live=9), r"`tasks` holds unknown fields \['live'\]"),
+        (lambda s: s["shards"][1].update(sha256="x"), r"`shards\[1\]` holds unknown fields \['sha256'\]"),
+        (lambda s: s["shards"][0].pop("live"), r"`shards\[0\]` lacks the fields \['live'\]"),
+    ],
+)
+def test_a_state_must_hold_exactly_the_fields_a_save_writes(tmp_path, edit, problem):
+    path = tmp_path / "pool"
+    saved_pool(path)
+    edit_state(path, edit)
+    with pytest.raises(PoolFormatError, match=f"state.json: {problem}"):
+        ExperiencePool.load(str(path))
+
+
+@pytest.mark.parametrize("capacity", [2**31, 2**62])
+def test_a_capacity_past_what_a_task_can_count_is_refused(tmp_path, capacity):
+    path = tmp_path / "pool"
+    saved_pool(path)
+    edit_state(path, lambda s: s["settings"].update(max_trajectories_per_task=capacity))
+    with pytest.raises(PoolFormatError, match=r"`settings.max_trajectories_per_task` must be an integer in \[1, "):
+        ExperiencePool.load(str(path))
+
+
+def test_the_index_takes_memory_by_the_lists_it_holds_not_by_the_capacity(tmp_path):
+    path = tmp_path / "pool"
+    pool = saved_pool(path)
+    edit_state(path, lambda s: s["settings"].update(max_trajectories_per_task=2**31 - 1))
+    loaded = ExperiencePool.load(str(path))  # a tasks x capacity matrix would be 2 TB
+    assert loaded.index.slots.nbytes < 1 << 20
+    assert [loaded.candidates(t) for t in "abc"] == [pool.candidates(t) for t in "abc"]
+    for entropy in (0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07):  # a's list grows past its first slots
+        loaded.add(trajectory("a", entropy))
+    assert len(loaded.candidates("a")) == 10 and loaded.index.slots.nbytes < 1 << 20
+    big = ExperiencePool(max_trajectories_per_task=10**9)  # the same in code
+    big.add(trajectory("a", 0.5))
+    assert big.index.slots.nbytes < 1 << 20
+
+
+@pytest.mark.parametrize("which", ["tasks", "shard"])
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_a_compressed_arrow_file_is_refused_before_it_is_decompressed(tmp_path, which, codec):
+    """The pool never writes compressed buffers, and a few KB of them can decompress to GBs."""
+    path = tmp_path / "pool"
+    saved_pool(path)
+    file = path / (tasks_file(path) if which == "tasks" else shards(path)[0])
+    rewrite(file, read_arrow(str(file)), pa.ipc.IpcWriteOptions(compression=codec))
+
+    def record(state):  # the new file's size and checksum (`reseal_pool` would read its rows with the pool's reader)
+        for entry in [state["tasks"], *state["shards"]]:
+            if entry["name"] == file.name:
+                entry.update(size=file.stat().st_size, xxh3_64=file_checksum(str(file)))
+
+    edit_state(path, record, reseal=False)
+    with pytest.raises(PoolFormatError, match=f"{file.name}: holds a record batch message that is compressed"):
+        ExperiencePool.load(str(path))
