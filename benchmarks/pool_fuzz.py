@@ -12,7 +12,9 @@ read and hashed in a forked child process (`os.fork`: no interpreter start per m
 * ``counted_rejections``: it loaded with rows refused and counted (``rejected_rows > 0``);
 * ``unchanged``: it loaded the very same pool (the mutation touched nothing it reads);
 * ``unclear_errors``: any other exception (a raw `KeyError`, an Arrow error without a file name...);
-* ``hangs``: the child ran past ``--timeout``.
+* ``hangs``: the child ran past ``--timeout``;
+* ``escapes``: a case whose files lead out of the pool folder loaded, or passed `push_pool`'s check of the folder
+  (it would have uploaded them): never acceptable, whatever the bytes read.
 
 Mutations: byte flips, truncations, appended bytes, swapped files, edits of ``state.json`` (kept as edited, so its
 checksum no longer matches, or resealed with fresh checksums as a careful attacker would: then only values no pool
@@ -25,7 +27,14 @@ twice, one moved to another task's list, an evicted row's id listed under anothe
 nulls, a task over the capacity, format 4's columns). A resealed edit to a value a pool can legitimately have (its seed, say) is what an owner of the pool may
 do, so none is made.
 
+Issue 71's kinds, resealed too: the pool laid out as a Hub cache snapshot whose ``blobs`` is a link (to ``/``, above
+the files) or a folder of links out (and, as a control, a real download's layout, which must load); store ranks the
+pool has yet to hand out (``counters.stored_count`` at or below the rows' ``store_seq``, or a row's past it); column
+names that are not UTF-8; a field of the state, its counters or a file entry dropped (``tokenizer_fingerprint``...) or
+added; a capacity past int32; Arrow files with compressed buffers (a few KB of zstd that hold 64 MiB, too).
+
     OMP_NUM_THREADS=1 python benchmarks/pool_fuzz.py --mutations 2000
+    OMP_NUM_THREADS=1 python benchmarks/pool_fuzz.py --kinds traversal,symlink,hardlink,hub_layout --mutations 300
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import pyarrow as pa  # noqa: E402
 from trl_exreplay.demo.tiny import build_tiny_tokenizer  # noqa: E402
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory  # noqa: E402
 from trl_exreplay.pool.check import PoolFormatError, file_checksum, state_checksum  # noqa: E402
+from trl_exreplay.pool.hub import _pool_state as pool_state  # noqa: E402
 from trl_exreplay.pool.store import TRAJECTORY_SCHEMA, read_arrow, write_arrow  # noqa: E402
 
 OUTCOMES = (
@@ -60,6 +70,7 @@ OUTCOMES = (
     "unchanged",
     "unclear_errors",
     "hangs",
+    "escapes",
 )
 VOCAB = 64
 
@@ -283,7 +294,7 @@ def traversal(folder, rng, outside):
     shutil.copyfile(os.path.join(folder, source), copy)
     entry["name"] = rng.choice([os.path.relpath(copy, folder), copy, f"../{os.path.basename(copy)}"])
     _write_state(folder, state, reseal=True)
-    return f"traversal name {entry['name']!r} for {where}"
+    return f"traversal name {entry['name']!r} for {where}", folder, True
 
 
 def symlink_out(folder, rng, outside):
@@ -297,7 +308,7 @@ def symlink_out(folder, rng, outside):
             f.write(b"x")
     os.remove(path)
     os.symlink(copy, path)
-    return f"symlink {name} -> outside"
+    return f"symlink {name} -> outside", folder, True
 
 
 def hardlink_out(folder, rng, outside):
@@ -468,6 +479,146 @@ def crafted_tasks(folder, rng, outside):
     return f"crafted tasks table ({what})"
 
 
+def hub_layout(folder, rng, outside):
+    """The pool as a Hub cache snapshot ``<repo>/snapshots/abc`` made of links (the files' bytes unchanged): into a
+    real ``blobs`` folder, as a download lays it out (must load as the pool), or to the files moved outside, with
+    ``blobs`` a link to ``/``, to the folder above them or to theirs, or a folder of links to them (escapes if it
+    loads or passes `push_pool`'s check: issue 71, item 1)."""
+    repo = os.path.join(folder, "hub", "datasets--me--pool")
+    snapshot, blobs = os.path.join(repo, "snapshots", "abc"), os.path.join(repo, "blobs")
+    os.makedirs(snapshot)
+    targets = {"/": "/", "above the files": os.path.dirname(outside), "the files' folder": outside}
+    what = rng.choice(["a folder (a download)", "a folder of links out", *(f"a link to {t}" for t in targets)])
+    if what.startswith("a folder"):
+        os.makedirs(blobs)
+    else:
+        os.symlink(targets[what.removeprefix("a link to ")], blobs)
+    for i, name in enumerate(n for n in _files(folder) if not n.startswith("hub")):
+        if what == "a folder (a download)":
+            os.replace(os.path.join(folder, name), os.path.join(blobs, str(i)))
+            os.symlink(os.path.join("..", "..", "blobs", str(i)), os.path.join(snapshot, name))
+            continue
+        os.replace(os.path.join(folder, name), os.path.join(outside, name))
+        if what == "a folder of links out":
+            os.symlink(os.path.join(outside, name), os.path.join(blobs, str(i)))
+            os.symlink(os.path.join("..", "..", "blobs", str(i)), os.path.join(snapshot, name))
+        else:
+            os.symlink(os.path.join(outside, name), os.path.join(snapshot, name))
+    return f"hub snapshot, blobs {what}", snapshot, what != "a folder (a download)"
+
+
+def store_ranks(folder, rng, outside):
+    """A store rank the pool has yet to hand out (issue 71, item 2), resealed: ``counters.stored_count`` at or below
+    the rows' ``store_seq``, or a live or evicted row's ``store_seq`` at or past it, or negative."""
+    state = _state(folder)
+    count = state["counters"]["stored_count"]
+    what = rng.choice(
+        ["stored_count at the last rank", "stored_count below the ranks", "a live row's rank at stored_count",
+         "a live row's rank past stored_count", "an evicted row's rank at stored_count", "a negative rank"]
+    )  # fmt: skip
+    shards = {e["name"]: read_arrow(os.path.join(folder, e["name"])).to_pylist() for e in state["shards"]}
+    if what.startswith("stored_count"):
+        last = max(r["store_seq"] for rows in shards.values() for r in rows)
+        state["counters"]["stored_count"] = last if what.endswith("last rank") else rng.randrange(last)
+        _write_state(folder, state, reseal=True)
+        return f"store ranks: {what}"
+    live, evicted = _live_ids(folder, state), what.startswith("an evicted")
+    name, row = rng.choice([(n, r) for n, rows in shards.items() for r in rows if (r["traj_id"] in live) != evicted])
+    row["store_seq"] = -1 if what == "a negative rank" else count + (rng.randrange(1, 2**40) if "past" in what else 0)
+    _rewrite(os.path.join(folder, name), pa.Table.from_pylist(shards[name], schema=TRAJECTORY_SCHEMA))
+    _write_state(folder, state, reseal=True)
+    return f"store ranks: {what}"
+
+
+def write_with_raw_name(path: str, table: pa.Table, column: str, raw: bytes, nested: bool) -> None:
+    """`table` written to `path` with the name of `column` (`nested`: of its list's item) replaced by the bytes `raw`,
+    which pyarrow cannot write itself: a placeholder of the same length is written, then its bytes replaced."""
+    placeholder = "Z" * len(raw)
+    at = table.schema.get_field_index(column)
+    if nested:
+        item = pa.list_(pa.field(placeholder, table.schema.field(at).type.value_type))
+        table = table.set_column(at, column, table.column(column).cast(item))
+    else:
+        table = table.rename_columns([placeholder if name == column else name for name in table.column_names])
+    _rewrite(path, table)
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data.count(placeholder.encode()) == 1, "the placeholder must be found once"
+    os.remove(path)
+    with open(path, "wb") as f:
+        f.write(data.replace(placeholder.encode(), raw))
+
+
+def non_utf8_names(folder, rng, outside):
+    """A column name of the tasks table or a shard, or its list's item name, whose bytes are not UTF-8 (issue 71,
+    item 3), resealed."""
+    state = _state(folder)
+    entry = rng.choice([state["tasks"], *state["shards"]])
+    path = os.path.join(folder, entry["name"])
+    table = read_arrow(path)
+    nested = rng.random() < 0.5
+    column = rng.choice([f.name for f in table.schema if pa.types.is_list(f.type) or not nested])
+    raw = bytes(rng.randrange(0x80, 0x100) for _ in range(rng.randint(1, 3))) + b"z" * 4  # a stray continuation byte
+    write_with_raw_name(path, table, column, raw, nested)
+    _write_state(folder, state, reseal=True)
+    return f"name not UTF-8: {'the item of ' if nested else ''}{column} in {entry['name']}"
+
+
+def state_fields(folder, rng, outside):
+    """A field a save writes dropped (``tokenizer_fingerprint``: issue 71, item 4), or one it never writes added, at
+    the top of the state, in its counters or in a file entry, resealed."""
+    state = _state(folder)
+    where = rng.choice(["the state", "counters", "tasks", "a shard"])
+    target = {"the state": state, "counters": state["counters"], "tasks": state["tasks"]}.get(where)
+    target = target if target is not None else rng.choice(state["shards"])
+    if rng.random() < 0.5:  # (not the fields a reseal writes again)
+        key = rng.choice(sorted(set(target) - {"checksum", "size", "xxh3_64"}))
+        del target[key]
+        what = f"{where} without {key}"
+    else:
+        key = rng.choice(sorted({"note", "rows", "live", "evicted", "sha256", "version"} - set(target)))
+        target[key] = rng.choice([0, 7, "x", None, [1]])
+        what = f"{where} with {key}"
+    _write_state(folder, state, reseal=True)
+    return f"state fields: {what}"
+
+
+def capacity(folder, rng, outside):
+    """A capacity past what the index counts a task's trajectories in (int32), resealed: it sized a tasks x capacity
+    matrix (numpy's memory error)."""
+    state = _state(folder)
+    state["settings"]["max_trajectories_per_task"] = rng.choice([2**31, 2**40, 2**62, 2**63])
+    _write_state(folder, state, reseal=True)
+    return f"capacity {state['settings']['max_trajectories_per_task']}"
+
+
+def compressed(folder, rng, outside):
+    """The tasks table or a shard written with compressed buffers (zstd or lz4; the pool writes none), or a shard whose
+    evicted row holds 64 MiB of zeros in a few KB of zstd, resealed: refused before anything is decompressed."""
+    state = _state(folder)
+    entry = rng.choice([state["tasks"], *state["shards"]])
+    codec = rng.choice(["zstd", "lz4"])
+    what = f"{entry['name']} in {codec}"
+    table = read_arrow(os.path.join(folder, entry["name"]))
+    if rng.random() < 0.3:  # the bomb, in the shard of the evicted row
+        live = _live_ids(folder, state)
+        tables = {e["name"]: read_arrow(os.path.join(folder, e["name"])) for e in state["shards"]}
+        entry = next(e for e in state["shards"] if not live >= set(tables[e["name"]].column("traj_id").to_pylist()))
+        table = tables[entry["name"]]
+        at = next(i for i, traj_id in enumerate(table.column("traj_id").to_pylist()) if traj_id not in live)
+        zeros = pa.ListArray.from_arrays([0, 1 << 24], pa.array(np.zeros(1 << 24, np.int32)))
+        column = table.schema.get_field_index("prompt_ids")
+        bomb = table.slice(at, 1).set_column(column, "prompt_ids", zeros)  # 64 MiB of token 0, in a row no task lists
+        table = pa.concat_tables([table.slice(0, at), bomb, table.slice(at + 1)])
+        codec, what = "zstd", f"{entry['name']} with 64 MiB of zeros in zstd"
+    os.remove(os.path.join(folder, entry["name"]))
+    with pa.OSFile(os.path.join(folder, entry["name"]), "wb") as sink:
+        with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression=codec)) as writer:
+            writer.write_table(table)
+    _write_state(folder, state, reseal=True)
+    return f"compressed: {what}"
+
+
 MUTATIONS = {
     "flip": (flip, 30),
     "truncate": (truncate, 10),
@@ -480,12 +631,19 @@ MUTATIONS = {
     "hardlink": (hardlink_out, 5),
     "crafted_rows": (crafted_rows, 8),
     "crafted_tasks": (crafted_tasks, 6),
+    "hub_layout": (hub_layout, 4),  # issue 71
+    "store_ranks": (store_ranks, 4),
+    "non_utf8_names": (non_utf8_names, 3),
+    "state_fields": (state_fields, 4),
+    "capacity": (capacity, 2),
+    "compressed": (compressed, 3),
 }
 
 
 # -------------------------------------------------------------------------------------------------------- children
-def load_in_child(folder: str, tokenizer, timeout: float) -> tuple[str, dict]:
-    """Load, read and hash the pool at `folder` in a forked child; returns (outcome, details)."""
+def load_in_child(folder: str, tokenizer, timeout: float, leads_out: bool = False) -> tuple[str, dict]:
+    """Load, read and hash the pool at `folder` in a forked child, and (`leads_out`: for a case whose files lead out of
+    the folder) run `push_pool`'s check of the folder; returns (outcome, details)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, then leave without running the parent's cleanup
@@ -498,6 +656,12 @@ def load_in_child(folder: str, tokenizer, timeout: float) -> tuple[str, dict]:
             result = {"ok": False, "type": type(e).__name__, "message": str(e)[:500],
                       "clear": isinstance(e, PoolFormatError)
                       or (isinstance(e, (ValueError, FileNotFoundError)) and folder in str(e))}  # fmt: skip
+        if leads_out:
+            try:
+                pool_state(folder)  # what `push_pool` checks before it uploads the files the state names
+                result["pushed"] = True
+            except BaseException:  # noqa: BLE001 - refused, as it must be
+                result["pushed"] = False
         os.write(write, json.dumps(result).encode())
         os.close(write)
         os._exit(0)
@@ -516,7 +680,9 @@ def load_in_child(folder: str, tokenizer, timeout: float) -> tuple[str, dict]:
     return "reported", json.loads(b"".join(chunks) or b"{}")
 
 
-def classify(report: dict, reference: str) -> str:
+def classify(report: dict, reference: str, leads_out: bool = False) -> str:
+    if leads_out and (report.get("ok") or report.get("pushed")):
+        return "escapes"
     if not report.get("ok"):
         return "clear_errors" if report.get("clear") else "unclear_errors"
     if report["rejected"] > 0:
@@ -527,6 +693,7 @@ def classify(report: dict, reference: str) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mutations", type=int, default=2000)
+    parser.add_argument("--kinds", help=f"comma-separated kinds to draw from (default: all): {', '.join(MUTATIONS)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a child may take")
     parser.add_argument("--json", help="write the counts and every non-benign case here")
@@ -550,7 +717,11 @@ def _fuzz(args) -> dict:
         build_pool(pristine, tokenizer)
         with ExperiencePool.load(pristine, tokenizer=tokenizer, vocab_size=VOCAB) as pool:
             reference = fingerprint_of(pool)
-        names, weights = zip(*((name, weight) for name, (_, weight) in MUTATIONS.items()))
+        kinds = args.kinds.split(",") if args.kinds else list(MUTATIONS)
+        unknown = sorted(set(kinds) - set(MUTATIONS))
+        if unknown:
+            raise SystemExit(f"unknown kinds {unknown}; known: {', '.join(MUTATIONS)}")
+        names, weights = zip(*((name, MUTATIONS[name][1]) for name in kinds))
         counts: Counter = Counter()
         by_kind: dict[str, Counter] = {name: Counter() for name in names}
         bad_cases = []
@@ -565,11 +736,12 @@ def _fuzz(args) -> dict:
             os.makedirs(outside)
             shutil.copytree(pristine, case)
             what = MUTATIONS[kind][0](case, rng, outside)
-            status, report = load_in_child(case, tokenizer, args.timeout)
-            outcome = status if status != "reported" else classify(report, reference)
+            what, folder, leads_out = what if isinstance(what, tuple) else (what, case, False)
+            status, report = load_in_child(folder, tokenizer, args.timeout, leads_out)
+            outcome = status if status != "reported" else classify(report, reference, leads_out)
             counts[outcome] += 1
             by_kind[kind][outcome] += 1
-            if outcome in ("signals", "silent_differences", "unclear_errors", "hangs"):
+            if outcome in ("signals", "silent_differences", "unclear_errors", "hangs", "escapes"):
                 bad_cases.append({"i": i, "mutation": what, "outcome": outcome, "report": report})
             if args.verbose:
                 print(f"{i:5d} {outcome:20s} {what}  {report.get('message', '')[:160]}", flush=True)
@@ -591,4 +763,4 @@ def _fuzz(args) -> dict:
 
 if __name__ == "__main__":
     outcome = main()
-    sys.exit(1 if outcome["signals"] or outcome["silent_differences"] else 0)
+    sys.exit(1 if outcome["signals"] or outcome["silent_differences"] or outcome["escapes"] else 0)

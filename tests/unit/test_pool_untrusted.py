@@ -9,7 +9,7 @@ import os
 
 import pyarrow as pa
 import pytest
-from helpers import reseal_pool
+from helpers import load_script, reseal_pool
 
 from trl_exreplay.pool import ExperiencePool, TaskOutcome, Trajectory
 from trl_exreplay.pool.check import PoolFormatError, file_checksum, state_checksum
@@ -158,24 +158,6 @@ def test_store_ranks_must_be_below_stored_count(tmp_path, case):
 
 
 # ------------------------------------------------------------------------------------ 3: names that are not UTF-8
-def write_with_raw_name(file, table: pa.Table, column: str, raw: bytes, nested: bool) -> None:
-    """`table` written to `file` with the name of `column` (`nested`: of its list's item) replaced by the bytes `raw`,
-    which pyarrow cannot write itself: a placeholder of the same length is written, then its bytes replaced."""
-    placeholder = "Z" * len(raw)
-    at = table.schema.get_field_index(column)
-    if nested:
-        item = pa.list_(pa.field(placeholder, table.schema.field(at).type.value_type))
-        table = table.set_column(at, column, table.column(column).cast(item))
-    else:
-        table = table.rename_columns([placeholder if name == column else name for name in table.column_names])
-    rewrite(file, table)
-    data = open(file, "rb").read()
-    assert data.count(placeholder.encode()) == 1
-    os.remove(file)
-    with open(file, "wb") as f:
-        f.write(data.replace(placeholder.encode(), raw))
-
-
 @pytest.mark.parametrize(
     "which, column, nested",
     [("tasks", "task_id", False), ("tasks", "traj_ids", True), ("shard", "prompt_ids", False),
@@ -185,7 +167,8 @@ def test_a_column_name_that_is_not_utf8_is_refused_naming_the_file(tmp_path, whi
     path = tmp_path / "pool"
     saved_pool(path)
     file = path / (tasks_file(path) if which == "tasks" else shards(path)[0])
-    write_with_raw_name(file, read_arrow(str(file)), column, b"\xff\xfe\x80" + b"z" * 4, nested)
+    fuzz = load_script("benchmarks/pool_fuzz.py", "pool_fuzz")  # (its writer of such names)
+    fuzz.write_with_raw_name(str(file), read_arrow(str(file)), column, b"\xff\xfe\x80" + b"z" * 4, nested)
     reseal_pool(str(path))
     # a nested name is read with U+FFFD in place of its bytes: not the expected type
     problem = "columns .*list<\ufffd+zzzz: .* are not the expected" if nested else "a column name is not UTF-8"
@@ -254,3 +237,12 @@ def test_a_compressed_arrow_file_is_refused_before_it_is_decompressed(tmp_path, 
     edit_state(path, record, reseal=False)
     with pytest.raises(PoolFormatError, match=f"{file.name}: holds a record batch message that is compressed"):
         ExperiencePool.load(str(path))
+
+
+def test_the_fuzz_finds_no_escape_crash_silent_difference_or_unclear_error_in_these_kinds():
+    fuzz = load_script("benchmarks/pool_fuzz.py", "pool_fuzz")
+    kinds = "hub_layout,store_ranks,non_utf8_names,state_fields,capacity,compressed"
+    result = fuzz.main(["--kinds", kinds, "--mutations", "60", "--seed", "71"])
+    bad = ("signals", "silent_differences", "unclear_errors", "hangs", "escapes")
+    assert {k: result[k] for k in bad} == dict.fromkeys(bad, 0), result["bad_cases"]
+    assert result["clear_errors"] >= 50 and result["unchanged"] >= 1  # a real download's layout loads
