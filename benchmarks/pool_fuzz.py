@@ -594,7 +594,7 @@ def capacity(folder, rng, outside):
 
 def compressed(folder, rng, outside):
     """The tasks table or a shard written with compressed buffers (zstd or lz4; the pool writes none), or a shard whose
-    evicted row holds 64 MiB of zeros in a few KB of zstd, resealed: refused before anything is decompressed."""
+    evicted row holds 64 MiB of zeros in 2.5 KB of zstd, resealed: refused before anything is decompressed."""
     state = _state(folder)
     entry = rng.choice([state["tasks"], *state["shards"]])
     codec = rng.choice(["zstd", "lz4"])

@@ -277,7 +277,7 @@ def check_arrow(table: pa.Table, schema: pa.Schema, file: str, full: bool = True
 def compressed(metadata: pa.Buffer) -> bool:
     """Whether the metadata of an Arrow IPC message (a flatbuffer ``Message``, which Arrow verified when it read it)
     declares compressed body buffers: its ``RecordBatch`` header has field 3, ``compression``. pyarrow does not say,
-    and it decompresses in ``read_record_batch``, before any size could be checked (13 KB of zstd can hold 256 MiB)."""
+    and it decompresses in ``read_record_batch``, before any size could be checked (8.7 KB of zstd holds 256 MiB of zeros)."""
     data = metadata.to_pybytes()
 
     def at(pos: int, size: int, signed: bool = False) -> int:

@@ -285,7 +285,7 @@ class PoolIndex:
         )
         aged = max_policy_age is not None and current_step is not None
         if (aged or window is not None) and ok.any():
-            # Count the candidates of the tasks still in: O(tasks x capacity) on the index, no trajectory read.
+            # Count the candidates of the tasks still in: O(tasks x slots) on the index, no trajectory read.
             checked = tasks[ok]
             slots = self.slots[checked]
             valid = slots >= 0
