@@ -218,6 +218,13 @@ def test_the_index_takes_memory_by_the_lists_it_holds_not_by_the_capacity(tmp_pa
     big = ExperiencePool(max_trajectories_per_task=10**9)  # the same in code
     big.add(trajectory("a", 0.5))
     assert big.index.slots.nbytes < 1 << 20
+    ten = ExperiencePool(max_trajectories_per_task=10)  # 8 slots at first, then up to the capacity, not 16
+    for entropy in range(12):
+        ten.add(trajectory("a", -entropy))
+    assert ten.index.slots.shape[1] == 10 and len(ten.candidates("a")) == 10
+    ten.configure(max_trajectories_per_task=12)
+    ten.add(trajectory("a", -20.0))
+    assert ten.index.slots.shape[1] == 12 and len(ten.candidates("a")) == 11
 
 
 @pytest.mark.parametrize("which", ["tasks", "shard"])

@@ -268,6 +268,7 @@ class ExperiencePool:
                 changed.append(name)
                 setattr(self, name, value)
         index = self.index
+        index.capacity = self.max_trajectories_per_task  # how far its slots may grow
         for t in np.nonzero(index.count[: len(index.task_ids)] > self.max_trajectories_per_task)[0].tolist():
             self._keep_best(t, self.max_trajectories_per_task)  # a lowered capacity: what a save's load accepts
         return changed

@@ -205,7 +205,8 @@ class PoolIndex:
     def append_slot(self, t: int, key: int) -> None:
         n = int(self.count[t])
         if n == self.slots.shape[1]:  # a task with more trajectories than it had slots for (`_FIRST_WIDTH`)
-            self.slots = np.concatenate([self.slots, np.full((len(self.slots), n), -1, np.int32)], axis=1)
+            more = max(1, min(n, self.capacity - n))  # doubled, up to the capacity
+            self.slots = np.concatenate([self.slots, np.full((len(self.slots), more), -1, np.int32)], axis=1)
         self.slots[t, n] = key
         self.count[t] = n + 1
         self.num_live += 1
