@@ -56,9 +56,9 @@ def task_outcomes(
 
 
 def zero_spread_share(totals: torch.Tensor, fresh_rows: list[int], group_size: int) -> float:
-    """The share of the groups with a fresh row (at least one: `fresh_rows` is not empty) whose fresh rows' total rewards are all equal: the groups that teach
-    nothing before any replayed row is put in (TRL's `frac_reward_zero_std` is taken after; for plain GRPO the two
-    are the same). A group with one fresh row has no spread."""
+    """The share of the groups with a row in `fresh_rows` (not empty) whose rows there have equal total rewards: the
+    groups that teach nothing by those rows alone (`replay/zero_std_rescued` gives it the rescued rows' stored
+    rewards). A group with one such row has no spread."""
     groups: dict[int, list[float]] = {}
     for row, total in zip(fresh_rows, totals[fresh_rows].tolist()):
         groups.setdefault(row // group_size, []).append(total)

@@ -245,6 +245,7 @@ class ReplayController:
         if revisits:  # a revisited group keeps its retired task (a key no task has is never redirected)
             group_keys = [None if g in revisits else key for g, key in enumerate(group_keys)]
         redirect = redirect_retired_groups(group_keys, self._retired, self._dataset_keys, seed=[*seed, 2])
+        # a current count (not the batch's new retirements): it falls when a failed revisit brings a question back
         metrics["replay/retired_tasks"].append(float(len(self._retired)))
         metrics["replay/redirected_groups"].append(float(len(redirect)))
         if not redirect:
@@ -408,9 +409,8 @@ class ReplayController:
                     self.settings.replay_success_threshold, rewards_per_func.size(1), fresh_totals.min().item(),
                     fresh_totals.max().item(),
                 )  # fmt: skip
-        if fresh_rows:
+        if fresh_rows:  # TRL's `reward` less the episodes the environment failed (multi-turn): what the pool counts
             metrics["replay/fresh_reward"].append(totals[fresh_rows].nanmean().item())
-            metrics["replay/zero_std_fresh"].append(zero_spread_share(totals, fresh_rows, self.num_generations))
         replayed_rows = []
         if self.settings.replay_count_replayed_successes:  # ExGRPO: a replayed task's bucket is (s + k) of G
             replayed_rows = [r for r in range(len(row_tasks)) if step.plan.is_replayed(r) and not missing[r]]

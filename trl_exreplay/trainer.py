@@ -24,7 +24,7 @@ from .distributed import any_rank_active, check_multi_turn_vllm, generation_is_c
 from .hub import CITATIONS
 from .keeper import POOL_DIR, POOL_WORK_DIR, PoolKeeper
 from .loss import OffPolicyOptions, off_policy_loss, reduce_as_trl
-from .metrics import FaultCounts, log_off_policy
+from .metrics import FaultCounts, log_fresh_completions, log_off_policy, trl_reward_metrics
 from .parts import Policy, StepHooks
 from .pool import ExperiencePool
 from .replay import ReplayController
@@ -56,7 +56,10 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     * `_get_train_sampler`: to draw each epoch's rows by the epoch's number (`schedule.EpochSeededSampler`), so that a
       resumed run draws the rows of the run that was not stopped (TRL's sampler starts again from the first epoch);
     * `_generate_and_score_completions`: to swap the planned replay tasks into their groups (the plan is drawn on
-      global rows, identical on every rank) and to tag the batch's replayed rows for the loss and queue its outcomes;
+      global rows, identical on every rank), to tag the batch's replayed rows for the loss and queue its outcomes, and
+      to take TRL's reward figures (`reward`, `frac_reward_zero_std`, ...) over the fresh rollouts, as `GRPOTrainer`
+      means them (the batch as trained goes to `replay/trained_reward`, `replay/zero_std_trained`);
+    * `_generate`: to take TRL's completion figures (lengths, clipped ratio) over the fresh rows too;
     * `_generate_single_turn`: to generate the fresh rows only and splice in the replayed completions, and to give
       the guided rows of `discard` tasks their prompt without the experience in the list TRL trains on;
     * `_tokenize_prompts`: to tokenize the guided copies of experience-guided rows (TRL's own tokenisation, called
@@ -253,6 +256,19 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             self._log_tool_text()
         return output
 
+    def _generate(self, prompts: list):
+        result = super()._generate(prompts)
+        step = self._generation
+        if step is not None and step.plan is not None and step.plan.replay_groups:  # the plan is global: every rank
+            # TRL's completion figures, over the fresh rows as in GRPOTrainer (replayed rows are stored trajectories)
+            _, completion_ids, tool_mask = result[:3]
+            fresh = [i not in step.replayed_local for i in range(len(completion_ids))]
+            eos_and_pad = [*self.eos_token_ids, self._tokenizer.pad_token_id]
+            log_fresh_completions(
+                self._metrics["train"], self.accelerator, completion_ids, tool_mask, fresh, eos_and_pad
+            )
+        return result
+
     def _generate_unplanned(self, inputs):
         """Evaluation, or training without a plan: TRL's generation on the rows as they are (a part may rewrite them:
         multi-turn rows get their placeholder prompt); in evaluation, the parts take part (guided evaluation)."""
@@ -306,6 +322,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         for part in off_policy_parts:
             part.mark_off_policy_rows(output, step)
         metrics, global_step = self._metrics["train"], self.state.global_step
+        if self._replay_enabled:
+            self._log_fresh_rewards(step, metrics)
         success, fresh_rows, records = self._replay.queue_outcomes(
             output, step, reward_weights=self.reward_weights, global_step=global_step, metrics=metrics
         )
@@ -314,6 +332,25 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                                 metrics=metrics, global_step=global_step)  # fmt: skip
         if self._replay_enabled:
             self._replay.log_generation(step, metrics, global_step=global_step, max_steps=self.state.max_steps)
+
+    def _log_fresh_rewards(self, step: GenerationStep, metrics) -> None:
+        """TRL's reward figures of this batch, as `GRPOTrainer` means them: over the fresh rollouts, a rescued row with
+        its own (failed) reward. TRL took them over the batch as trained, replayed and rescued rows with their recorded
+        rewards: those values go to `replay/trained_reward` and `replay/zero_std_trained`. A batch with neither keeps
+        TRL's values as they are."""
+        trained = {
+            "replay/trained_reward": metrics["reward"][-1],
+            "replay/zero_std_trained": metrics["frac_reward_zero_std"][-1],
+        }
+        if step.plan.replay_groups or step.rescued:  # global: the same on every rank; no collective
+            fresh = step.rewards.clone()  # as scored (rescued rows are the failures they were), replayed rows recorded
+            fresh[step.plan.replayed_rows()] = torch.nan  # left out, as TRL leaves out a row no function scored
+            figures = trl_reward_metrics(fresh, self.reward_weights, self.reward_func_names, self.num_generations,
+                                         self.scale_rewards, self.multi_objective_aggregation)  # fmt: skip
+            for name, value in figures.items():
+                metrics[name][-1] = value
+        for name, value in trained.items():
+            metrics[name].append(value)
 
     def _flush_pending(self) -> None:
         """The last step's outcomes into the pool, what the parts attached to them back to the parts. Collective."""

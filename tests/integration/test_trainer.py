@@ -304,6 +304,8 @@ def test_replay_metrics_are_logged(tmp_path):
         "replay/policy_age",
         "replay/generated_rows",
         "replay/fresh_reward",
+        "replay/trained_reward",
+        "replay/zero_std_trained",
     }
     assert expected <= logged, expected - logged
     assert any(key.startswith("replay/bucket_") for key in logged)

@@ -113,6 +113,8 @@ PROFILE_SETTINGS = {
     "teach": {},
     None: {"replay_rescue": 0, "replay_retire_solved": False},
 }
+TRL_FIGURES = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio",
+               "replay/fresh_reward", "replay/trained_reward", "replay/zero_std_trained")  # fmt: skip
 TRL_OPTIONS = dict(loss_type="cispo", top_entropy_quantile=0.5, entropy_coef=0.01, off_policy_mask_threshold=0.5)
 EPISODES = MultiTurnSettings(max_tokens_per_turn=4, max_turns=5)
 
@@ -215,6 +217,8 @@ def train(out_dir: str, options: list[str]) -> None:
                         "returned_tasks",
                     )
                 },
+                # TRL's figures, the fresh rollouts' (issue 70), and the batch's as trained: the same on every rank
+                "trl_figures": [{k: e.get(k) for k in TRL_FIGURES} for e in history if "loss" in e],
                 "experience": [r.as_dict() for r in guided.experience.records()] if guided else [],
                 "guided_fraction": logged("guide/guided_fraction"),
                 "discarded_fraction": logged("guide/discarded_fraction"),
