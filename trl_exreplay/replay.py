@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -87,9 +88,11 @@ class ReplayController:
         self._rows_per_task: Counter[str] = Counter()  # the dataset's rows of each task
         self._active_count = 0  # the dataset's rows whose task is not retired
         self.exhausted = False  # every training question is retired
+        self.stops_after: int | None = None  # then, the step that trains the last batch: the trainer stops after it
         self.pending: PendingOutcomes | None = None  # the last step's outcomes, not yet in the pool
         self._said_task_ids = not (self.enabled or parts_plan)  # said once, where ids matter
         self._said_all_solved = False
+        self._said_changes = not self.enabled
 
     @classmethod
     def for_trainer(cls, trainer, keeper: PoolKeeper, faults: FaultCounts, *, policy_forward: Callable,
@@ -147,6 +150,57 @@ class ReplayController:
             return started is not None and global_step > started
         return global_step / max(max_steps, 1) >= self.settings.replay_start_ratio
 
+    def first_replay_step(self, max_steps: int) -> int | None:
+        """With replay_start='steps': the first optimizer step (counted from 1, as logged) that replays, or None when
+        none of the run's `max_steps` does. The same test as `started`, from the step replay_start_ratio points at."""
+        step = max(0, math.ceil(self.settings.replay_start_ratio * max_steps) - 1)  # a step early: rounding
+        while step < max_steps and not self.started(step, max_steps):
+            step += 1
+        return step + 1 if step < max_steps else None
+
+    def what_replay_changes(self, max_steps: int) -> str:
+        """One line: what replay changes in this run against `GRPOTrainer`, with these settings, and how to train as
+        `GRPOTrainer` does (exactly, or until replay starts)."""
+        s, G = self.settings, self.num_generations
+        from_start = []
+        if self.rescue_rows:
+            from_start.append(
+                f"an all-fail group gets {_successes(self.rescue_rows)} of its task in place of its last failed "
+                f"rollout{'s' if self.rescue_rows > 1 else ''} (replay_rescue={self.rescue_rows})"
+            )
+        if self.retiring:
+            returns = (f"{s.replay_revisit_ratio:.0%} of its draws coming back as revisits" if s.replay_revisit_ratio
+                       else "for good")  # fmt: skip
+            from_start.append(
+                f"a question every fresh rollout solved leaves the fresh stream, {returns} (replay_retire_solved=True, "
+                f"replay_revisit_ratio={s.replay_revisit_ratio:g})"
+            )
+        replay = (f"{s.replay_ratio:.0%} of the groups train on {_successes(s.replay_trajectories_per_group)} among "
+                  f"their {G} rows (replay_ratio={s.replay_ratio:g})")  # fmt: skip
+        if s.replay_unclipped_fresh:
+            replay += ", fresh tokens without TRL's clip (replay_unclipped_fresh)"
+        if not s.replay_ratio:
+            later = " Nothing is replayed (replay_ratio=0)."
+        elif s.replay_start == "solved":
+            later = (f" From the step after the first generation batch whose fresh rollouts succeed more than "
+                     f"{s.replay_start_solved_fraction:.0%} of the time (replay_start='solved'): {replay}.")  # fmt: skip
+        else:
+            first = self.first_replay_step(max_steps)
+            ratio = f"replay_start_ratio={s.replay_start_ratio:g}"
+            later = (f" From step {first} of {max_steps} ({ratio}): {replay}." if first is not None
+                     else f" Nothing is replayed within max_steps={max_steps} ({ratio}).")  # fmt: skip
+        if from_start:
+            changes = f" From step 1: {'; '.join(from_start)}.{later}"
+            exact = ("GRPOTrainer exactly: enable_experience_replay=False; GRPOTrainer until replay starts: "
+                     "replay_rescue=0, replay_retire_solved=False.")  # fmt: skip
+        else:
+            changes = f"{later} Until then it trains as GRPOTrainer while the pool fills."
+            exact = "GRPOTrainer exactly: enable_experience_replay=False."
+        return (
+            f"trl_exreplay: experience replay changes training from GRPOTrainer's.{changes} TRL's reward and "
+            f"completion metrics stay the fresh rollouts'; what the loss trained on is under replay/*. {exact}"
+        )
+
     def plan(
         self, inputs: list[dict], *, global_step: int, max_steps: int, micro_step: int, metrics
     ) -> GenerationStep:
@@ -159,12 +213,16 @@ class ReplayController:
         if not self._said_task_ids:
             self._said_task_ids = True
             say_task_id_source(inputs, self.settings.task_id_column)
+        if not self._said_changes:
+            self._said_changes = True
+            if self._accelerator.is_main_process:  # said once a run, at its first batch, when max_steps is known
+                logger.warning(self.what_replay_changes(max_steps))
         row_keys = gather_object([task_key(x, self.settings.task_id_column) for x in inputs])
         draw_seed = [args.seed, global_step, micro_step]
         revisits = []
         if self.retiring:
             inputs, row_keys, revisits = self._redirect_retired(inputs, row_keys, offset, draw_seed, metrics,
-                                                                global_step)  # fmt: skip
+                                                                global_step, max_steps)  # fmt: skip
         group_keys = row_keys[::G]
 
         plan = ReplayPlan(G, self.settings.replay_trajectories_per_group, {})
@@ -215,7 +273,8 @@ class ReplayController:
             metrics["replay/revisited_groups"].append(float(len(step.revisited)))
         return step
 
-    def _redirect_retired(self, inputs: list, row_keys: list, offset: int, seed: list, metrics, global_step: int):
+    def _redirect_retired(self, inputs: list, row_keys: list, offset: int, seed: list, metrics, global_step: int,
+                          max_steps: int):  # fmt: skip
         """ExGRPO's retired questions (`trl_exreplay.schedule`): the groups whose task is in the pool's skip set take
         other dataset rows, the same on every rank (the batch's keys are gathered, the pool is rank-identical)."""
         G = self.num_generations
@@ -233,10 +292,16 @@ class ReplayController:
             self._active_count = len(self._dataset_keys) - sum(self._rows_per_task[key] for key in retired)
             if not self._active_count and not self.settings.replay_revisit_ratio:
                 self.exhausted = True  # this last batch is of retired tasks: its outcomes stay out of the pool
+                self.stops_after = self._last_step_of_batch(global_step, micro_step=seed[2])
                 logger.warning(
                     "trl_exreplay: every training question is retired (solved by all its fresh rollouts: %d tasks, "
-                    "replay_retire_solved=True), so no fresh rollout is left to make; training stops after step %d.",
-                    len(retired), global_step + 1,
+                    "replay_retire_solved=True, replay_revisit_ratio=0), so no fresh rollout is left to make; training "
+                    "stops after step %d of max_steps=%d, once this batch is trained. To go on training solved "
+                    "questions, set replay_revisit_ratio above 0 (they come back as revisits) or "
+                    "replay_retire_solved=False; if they are not really solved (a reward every rollout gets, such as a "
+                    "format reward, lifts every total to the threshold), set replay_success_threshold to the total a "
+                    "solved rollout gets.",
+                    len(retired), self.stops_after, max_steps,
                 )  # fmt: skip
         group_keys = row_keys[::G]
         revisits = revisited_groups(group_keys, self._retired, self.settings.replay_revisit_ratio, [*seed, 3])
@@ -256,6 +321,14 @@ class ReplayController:
         ]
         row_keys = [self._dataset_keys[redirect[r // G]] if r // G in redirect else k for r, k in enumerate(row_keys)]
         return inputs, row_keys, revisits
+
+    def _last_step_of_batch(self, global_step: int, micro_step: int) -> int:
+        """The optimizer step (counted from 1, as logged) that trains the last micro-batch of the generation batch
+        planned at `global_step`'s `micro_step`: TRL trains a generation batch over steps_per_generation *
+        num_iterations micro-batches, gradient_accumulation_steps of them a step."""
+        args = self._args
+        micro_batches = args.steps_per_generation * args.num_iterations
+        return global_step + (micro_step + micro_batches - 1) // args.gradient_accumulation_steps + 1
 
     # ----------------------------------------------------------------------------------------- generation
     def generate(self, step: GenerationStep, prompt_ids: list, generate: Callable, num_generations: int, *,
@@ -396,18 +469,18 @@ class ReplayController:
             if faulted is None:
                 faulted = gather_row_flags(self._accelerator, step.faulted_rows, num_local)
             fresh_rows = [r for r in fresh_rows if not faulted[r]]
-        if fresh_rows and not self._said_all_solved and all(success[r] for r in fresh_rows):
+        if self.enabled and fresh_rows and not self._said_all_solved and all(success[r] for r in fresh_rows):
             fresh_totals = totals[fresh_rows]
             if fresh_totals.min() < fresh_totals.max():  # the rewards tell rollouts apart; the threshold does not
                 self._said_all_solved = True
                 logger.warning(
                     "trl_exreplay: every fresh rollout of this generation batch counted as a success (total reward "
                     ">= replay_success_threshold=%g, the total being the weighted sum over the %d reward function(s); "
-                    "here it ranged %g-%g), so every task goes to the skip set and nothing is stored or replayed. If "
-                    "a reward function gives every rollout something (a format reward), set replay_success_threshold "
-                    "to the total a solved rollout gets.",
+                    "here it ranged %g-%g), so every task counts as solved: it goes to the skip set, nothing of it is "
+                    "stored or replayed%s%s. If a reward function gives every rollout something (a format reward), set "
+                    "replay_success_threshold to the total a solved rollout gets.",
                     self.settings.replay_success_threshold, rewards_per_func.size(1), fresh_totals.min().item(),
-                    fresh_totals.max().item(),
+                    fresh_totals.max().item(), self._kept_for_rescue(), self._retirement_then(),
                 )  # fmt: skip
         if fresh_rows:  # TRL's `reward` less the episodes the environment failed (multi-turn): what the pool counts
             metrics["replay/fresh_reward"].append(totals[fresh_rows].nanmean().item())
@@ -449,15 +522,39 @@ class ReplayController:
         self.pending = PendingOutcomes(outcomes, records, offset)
         return success, fresh_rows, records
 
+    def _kept_for_rescue(self) -> str:
+        """What a solved task keeps, said in the warning that every rollout succeeded."""
+        n = self.rescue_rows
+        return (
+            f" (but the {n} success{'es' if n > 1 else ''} a solved task keeps for rescue, replay_rescue={n})"
+            if n
+            else ""
+        )
+
+    def _retirement_then(self) -> str:
+        """What retirement then does, said in the warning that every rollout succeeded."""
+        if not self.retiring:
+            return ""
+        ratio = self.settings.replay_revisit_ratio
+        if ratio:
+            return (f"; and, with replay_retire_solved=True, it is retired: it comes back only as a revisit "
+                    f"(replay_revisit_ratio={ratio:g} of its draws)")  # fmt: skip
+        return ("; and, with replay_retire_solved=True and replay_revisit_ratio=0, it is retired for good: training "
+                "stops once every question is")  # fmt: skip
+
     def flush(self) -> list[dict]:
         """Record the queued outcomes in the pool. Returns the summary inputs guided rollouts attached to the records
         (every rank's, in row order). Collective: every rank calls it at the same points."""
         pending, self.pending = self.pending, None
         ready, uncaptured = pending.captured() if pending is not None else ([], 0)
         if uncaptured:
-            self._faults.count(
-                "uncaptured_rows", "a successful row was never seen by the loss; not stored", uncaptured
-            )
+            # Records get their log-probs from the loss forward of their micro-batch. A row it never reached: training
+            # was stopped inside an optimizer step (a callback's should_training_stop between micro-batches), or an
+            # override of `_compute_loss` / `_get_per_token_logps_and_entropies` skipped ours.
+            message = ("a successful row was not stored: the loss never trained it, so it has no log-probs (training "
+                       "stopped between the micro-batches of a step, or an override of _compute_loss or "
+                       "_get_per_token_logps_and_entropies did not call super())")  # fmt: skip
+            self._faults.count("uncaptured_rows", message, uncaptured)
         merged = dict(gather_object(ready)) if self._accelerator.num_processes > 1 else dict(ready)
         summaries = [merged[row].pop("summary") for row in sorted(merged) if "summary" in merged[row]]
         if self.enabled and pending is not None:
@@ -470,6 +567,10 @@ class ReplayController:
         metrics["replay/started"].append(float(self.started(global_step, max_steps)))
         ages = [global_step - t.policy_version for ts in step.selected.values() for t in ts]
         log_generation(metrics, step.plan, len(step.row_tasks), ages, self.pool.stats(), self._faults.totals)
+
+
+def _successes(n: int) -> str:
+    return f"{n} stored success{'es' if n > 1 else ''}"
 
 
 def dataset_task_keys(dataset, column: str) -> list[str]:

@@ -209,7 +209,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             parts_plan=parts_plan,
         )  # fmt: skip
         if self._replay_enabled or self._parts:
-            self.add_callback(_AtTrainEnd(self))
+            self.add_callback(_TrainingEvents(self))
 
     def _attach_parts(self, text_env_factory, multi_turn, guidance, experience_provider, trl_paths):
         """The optional parts the arguments ask for, each made by its own factory (which reads this trainer once) and
@@ -299,8 +299,6 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         state = self.state
         step = self._replay.plan(inputs, global_step=state.global_step, max_steps=state.max_steps,
                                  micro_step=micro_step, metrics=self._metrics["train"])  # fmt: skip
-        if self._replay.exhausted:
-            self.control.should_training_stop = True
         step.rows = [self._row(row) for row in step.task_rows]
         # When TRL runs its old-log-probs forward (right after generation), its entropies are the generating policy's.
         step.wants_entropies = self._trl_computes_old_logps()
@@ -639,11 +637,19 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 part.resume(checkpoint)
 
 
-class _AtTrainEnd(TrainerCallback):
-    """Flush the last step's outcomes (no further generation step would) and close idle environments."""
+class _TrainingEvents(TrainerCallback):
+    """Stop once the last batch of a run whose questions are all retired is trained; at the end of training, flush the
+    last step's outcomes (no further generation step would) and close idle environments."""
 
     def __init__(self, trainer: ExReplayGRPOTrainer):
         self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # Not when the batch is planned: the Trainer would stop after the micro-batch in progress, leaving the rest of
+        # the batch's micro-batches (and the optimizer step) undone.
+        stops_after = self.trainer._replay.stops_after
+        if stops_after is not None and state.global_step >= stops_after:
+            control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.trainer._reads_outcomes:

@@ -128,6 +128,58 @@ def test_a_threshold_every_rollout_passes_is_said_once(tmp_path, caplog):
         trainer.train()
     said = [r.getMessage() for r in caplog.records if "counted as a success" in r.getMessage()]
     assert len(said) == 1 and "replay_success_threshold=1" in said[0] and "ranged 1-2" in said[0]
+    # what follows from it with the defaults: the success kept for rescue, and retirement with revisits
+    assert "(but the 1 success a solved task keeps for rescue, replay_rescue=1)" in said[0]
+    assert "it is retired: it comes back only as a revisit (replay_revisit_ratio=0.5 of its draws)" in said[0]
     # every task is "solved" from the first batch: nothing is replayed, and each keeps only the one success rescue
     # keeps of a solved task (replay_rescue=1, the default)
     assert trainer.pool.skip_set and trainer.pool.num_trajectories == len(trainer.pool.skip_set)
+
+
+def test_a_format_reward_that_retires_every_question_stops_the_run_after_the_step_it_names(tmp_path, caplog):
+    """Without revisits, every question retired after the first batch (an always-1 format reward): the run says it
+    stops after the step that trains the last batch, and does: that step's two micro-batches (gradient accumulation)
+    and its optimizer step run, so every row of the batch is trained and nothing is left uncaptured."""
+
+    def format_reward(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    with caplog.at_level(logging.WARNING, logger="trl_exreplay"):
+        trainer = make_trainer(tmp_path, max_steps=20, reward_funcs=[said_target, format_reward],
+                               replay_revisit_ratio=0.0, gradient_accumulation_steps=2,
+                               per_device_train_batch_size=8)  # fmt: skip
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "every training question is retired" in r.getMessage()]
+    assert len(said) == 1
+    assert (
+        f"training stops after step {trainer.state.global_step} of max_steps=20, once this batch is trained" in said[0]
+    )
+    assert "set replay_revisit_ratio above 0" in said[0] and "set replay_success_threshold" in said[0]
+    assert "it is retired for good: training stops once every question is" in caplog.text  # said at the first batch
+    assert 1 < trainer.state.global_step < 20
+    assert trainer._faults.totals["uncaptured_rows"] == 0 and "not stored" not in caplog.text
+    assert len([e for e in trainer.state.log_history if "loss" in e]) == trainer.state.global_step
+
+
+def test_the_run_says_once_at_its_start_what_replay_changes(tmp_path, caplog):
+    """The defaults: rescue and retirement with revisits from step 1, replay from the step replay_start_ratio names
+    (0.3 of 6 steps: the third, the first whose `replay/started` is 1), and how to train as GRPOTrainer."""
+    with caplog.at_level(logging.WARNING, logger="trl_exreplay"):
+        trainer = make_trainer(tmp_path, max_steps=6)
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "experience replay changes training" in r.getMessage()]
+    assert said == [
+        "trl_exreplay: experience replay changes training from GRPOTrainer's. From step 1: an all-fail group gets 1 "
+        "stored success of its task in place of its last failed rollout (replay_rescue=1); a question every fresh "
+        "rollout solved leaves the fresh stream, 50% of its draws coming back as revisits (replay_retire_solved=True, "
+        "replay_revisit_ratio=0.5). From step 3 of 6 (replay_start_ratio=0.3): 50% of the groups train on 1 stored "
+        "success among their 4 rows (replay_ratio=0.5). TRL's reward and completion metrics stay the fresh "
+        "rollouts'; what the loss trained on is under replay/*. GRPOTrainer exactly: enable_experience_replay=False; "
+        "GRPOTrainer until replay starts: replay_rescue=0, replay_retire_solved=False."
+    ]
+    started = [e["replay/started"] for e in trainer.state.log_history if "replay/started" in e]
+    assert started.index(1.0) + 1 == 3
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_exreplay"):
+        make_trainer(tmp_path / "off", max_steps=2, enable_experience_replay=False).train()
+    assert "experience replay changes training" not in caplog.text  # GRPOTrainer: nothing to say

@@ -1,8 +1,12 @@
-"""What a new user is told once at run time: where task ids come from, and the fallbacks to a prompt hash."""
+"""What a new user is told once at run time: where task ids come from, and the fallbacks to a prompt hash; what replay
+changes in the run, with its settings."""
 
 import logging
 
-from trl_exreplay.replay import say_task_id_source
+from trl_exreplay import ExReplayGRPOConfig
+from trl_exreplay.config import replay_settings
+from trl_exreplay.metrics import FaultCounts
+from trl_exreplay.replay import ReplayController, say_task_id_source
 
 
 def test_the_task_id_source_and_its_fallbacks_are_said(caplog):
@@ -14,3 +18,36 @@ def test_the_task_id_source_and_its_fallbacks_are_said(caplog):
     assert "task ids from the dataset's 'task_id' column" in first
     assert "no 'task_id' column" in second and "['prompt', 'taskid']" in second and "hash of its prompt" in second
     assert "1 of the first batch's 2 rows have no 'task_id' value" in third
+
+
+def _controller(tmp_path, **fields) -> ReplayController:
+    """The replay side of a run with these config fields, made as the trainer makes it, without a trainer: what it
+    says needs only the settings, the dataset and TRL's beta."""
+    args = ExReplayGRPOConfig(output_dir=str(tmp_path), use_cpu=True, num_generations=8, report_to="none", **fields)
+    return ReplayController(
+        replay_settings(args), None, args=args, accelerator=None, num_generations=8, train_dataset=[{"prompt": "a"}],
+        policy_forward=None, faults=FaultCounts(),
+    )  # fmt: skip
+
+
+def test_what_replay_changes_is_said_for_the_settings_in_force(tmp_path):
+    defaults = _controller(tmp_path).what_replay_changes(max_steps=24)
+    assert "From step 1: an all-fail group gets 1 stored success of its task" in defaults
+    assert "50% of its draws coming back as revisits" in defaults
+    assert "From step 10 of 24 (replay_start_ratio=0.35): 50% of the groups train on 1 stored success" in defaults
+    assert defaults.endswith("GRPOTrainer until replay starts: replay_rescue=0, replay_retire_solved=False.")
+    # 0.35 of 20 steps is step 7 exactly (7 / 20 >= 0.35, although 0.35 * 20 rounds above 7): the eighth, counted from 1
+    assert "From step 8 of 20" in _controller(tmp_path).what_replay_changes(max_steps=20)
+    replay_only = _controller(tmp_path, replay_rescue=0, replay_retire_solved=False, replay_start_ratio=1.0)
+    said = replay_only.what_replay_changes(max_steps=10)
+    assert "From step 1" not in said and "Nothing is replayed within max_steps=10 (replay_start_ratio=1)" in said
+    assert said.endswith("GRPOTrainer exactly: enable_experience_replay=False.")
+    exgrpo = _controller(tmp_path, replay_profile="exgrpo").what_replay_changes(max_steps=10)
+    assert "an all-fail group" not in exgrpo and "leaves the fresh stream, for good" in exgrpo
+    assert "succeed more than 35% of the time (replay_start='solved')" in exgrpo
+    assert "fresh tokens without TRL's clip (replay_unclipped_fresh)" in exgrpo
+    # TRL's KL term turns rescue off (with a warning of its own): the line does not claim it
+    assert "an all-fail group" not in _controller(tmp_path, beta=0.04).what_replay_changes(max_steps=10)
+    assert "2 stored successes of its task in place of its last failed rollouts (replay_rescue=2)" in _controller(
+        tmp_path, replay_rescue=2
+    ).what_replay_changes(max_steps=10)
