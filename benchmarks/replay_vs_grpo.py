@@ -837,6 +837,7 @@ def summarize(entry: dict, baseline: str = "grpo", levels: tuple[float, ...] = (
             "zero_std_groups": after, "zero_std_fresh": fresh, "zero_std_fresh_source": fresh_source,
             "generation_saved": 1 - sum(generated) / len(generated),
             "step_s": sum(run["step_s"] for run in runs.values()) / len(runs),
+            "step_ratios": [runs[s]["step_s"] / base_runs[s]["step_s"] for s in shared if base_runs[s]["step_s"] > 0],
             "before_bucket_clip": early,
         })  # fmt: skip
     return rows
@@ -979,6 +980,7 @@ def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
     ]
     lines += collapse_lines(rows, baseline)
     lines += leave_one_out_lines(rows, baseline)
+    lines += step_time_lines(rows, baseline)
     lines += zero_spread_lines(rows, label)
     lines += per_seed_lines(rows, baseline)
     lines += label_lines(name, entry, rows, label)
@@ -1037,6 +1039,15 @@ def leave_one_out_lines(rows: list[dict], baseline: str) -> list[str]:
                          f"{len(loo['flips'])} of {loo['seeds']}{dropped}")  # fmt: skip
         lines.append(f"- `{r['method']}` - `{baseline}`: " + "; ".join(cells))
     return ["", "AUC difference's 95% interval, leaving one seed out:", *lines] if lines else []
+
+
+def step_time_lines(rows: list[dict], baseline: str) -> list[str]:
+    """Per method, its seconds per step over the baseline's on the same seed: the median and range over seeds. Read
+    only where the runs of a seed shared one machine load (the harness runs a seed's methods back to back)."""
+    lines = [f"- `{r['method']}`: median {statistics.median(r['step_ratios']):.2f} (range {min(r['step_ratios']):.2f}-"
+             f"{max(r['step_ratios']):.2f}, {len(r['step_ratios'])} seeds)"
+             for r in rows if r["method"] != baseline and r["step_ratios"]]  # fmt: skip
+    return ["", f"Seconds per step over `{baseline}`'s on the same seed:", *lines] if lines else []
 
 
 def zero_spread_lines(rows: list[dict], label: dict) -> list[str]:

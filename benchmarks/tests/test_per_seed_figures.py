@@ -93,6 +93,8 @@ def test_every_figure_is_read_per_seed_on_a_small_fixture(harness):
 
     table = harness.markdown_table("t", {**FIXTURE, "summary": "fixture"}, "grpo")
     assert "| `replay` | 0.45x (0.45x) | 1 / 0 / 1 | 0.45x |" in table
+    # seconds per step over the baseline's on the same seed (the fixture's runs: 1 s a step each)
+    assert "- `replay`: median 1.00 (range 1.00-1.00, 2 seeds)" in table
     assert "| 1 | 0.100 | 0.500 / 0.280 / 200 | 0.400 / 0.375 / 0.45x |" in table
     assert "| 2 | 0.100 | 0.100 / 0.100 / n/s | 0.300 / 0.250 / n/s |" in table
     assert "| `replay` | 25.0% | 70.0% |" in table and "| `grpo` | 75.0% | 75.0% (every group fresh) |" in table
