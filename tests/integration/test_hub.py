@@ -517,3 +517,41 @@ def test_push_pool_refuses_a_state_without_a_tokenizer_fingerprint(hub, tmp_path
     with pytest.raises(PoolFormatError, match=r"state.json: the state lacks the fields \['tokenizer_fingerprint'\]"):
         push_pool(str(folder), "me/pool")
     assert hub.create_repo == [] and hub.create_commit == []
+
+
+def test_the_readmes_hub_snippet_pushes_the_model_and_the_pool_and_starts_a_run_from_it(hub, tmp_path, monkeypatch):
+    """README's "Push the model and the pool", run as written after a short training run (the Hub recorded): the
+    model's files and the pool go up, and a new trainer starts from the pool it downloads."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from helpers import make_trainer
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "push_pool(" in b)
+    pushed, started = snippet.split("\n# later:")
+    started = started.split("\n", 1)[1]  # the comment's own line
+    # transformers reads the repository's id off create_repo's answer, and uploads the model with upload_folder
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
+                        lambda self, repo_id, **kw: huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}"))  # fmt: skip
+    models = []
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        models.append((repo_id, sorted(os.listdir(folder_path))))
+        return SimpleNamespace(commit_url="recorded", oid="0", pr_url=None)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    trainer = make_trainer(tmp_path / "run", max_steps=4, replay_start_ratio=0.25, push_to_hub=True,
+                           hub_model_id="you/Qwen2.5-0.5B-GRPO")  # fmt: skip
+    names = {"trainer": trainer, "exit_distributed": lambda: None}
+    exec(pushed, names)
+    assert trainer.pool.num_trajectories > 0
+    assert [(repo, "model.safetensors" in files) for repo, files in models] == [("you/Qwen2.5-0.5B-GRPO", True)]
+    assert shard_rows(hub.repos[("you/Qwen2.5-0.5B-GRPO-pool", None)]) == trainer.pool.num_trajectories
+    names.pop("__builtins__", None)
+    trainer.save_model(str(tmp_path / "model"))  # the model as the README's script names it: a path (or Hub id)
+    later = {"tokenizer": trainer.processing_class, "GRPOTrainer": type(trainer), "model": str(tmp_path / "model"),
+             "accuracy_reward": trainer.reward_funcs[0], "args": trainer.args, "dataset": trainer.train_dataset}  # fmt: skip
+    later = {**names, **later}  # the snippet's imports, at its top, hold for both parts
+    exec(started, later)
+    assert later["trainer"] is not trainer and later["trainer"].pool.content_hash() == trainer.pool.content_hash()
