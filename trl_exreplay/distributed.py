@@ -23,12 +23,16 @@ from trl_exreplay.distributed import exit_distributed
 
 exit_distributed()  # ends the process when a gloo process group was used
 ```
+
+A run whose script does not end so is told at its exit (`advise_exit_distributed`, from the trainer's end of training),
+and a launch that starts fewer processes than it was asked for is told at the start (`warn_launch_shortfall`).
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import os
 import sys
 import threading
@@ -38,6 +42,10 @@ from typing import TypeVar
 T = TypeVar("T")
 
 GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+
+logger = logging.getLogger(__name__)
+_exit_distributed_called = False  # the script ends as it should: no advice at exit
+_advice_registered = False
 
 
 def gloo_worker_threads() -> int | None:
@@ -75,6 +83,8 @@ def exit_distributed(status: int = 0) -> None:
     `os._exit(status)`. Without a process group it does nothing and returns."""
     import torch.distributed as dist
 
+    global _exit_distributed_called
+    _exit_distributed_called = True
     if not (dist.is_available() and dist.is_initialized()):
         return
     used_gloo = "gloo" in str(dist.get_backend()).lower()
@@ -84,6 +94,74 @@ def exit_distributed(status: int = 0) -> None:
     if workers == 0 or (workers is None and not used_gloo):
         return
     _finish_and_exit(status)
+
+
+def advise_exit_distributed() -> None:
+    """At this process's exit, unless `exit_distributed()` was called by then, log how to end a gloo run safely: the
+    trainer calls it at the end of training on the main process of a multi-process gloo run. Said at exit, not at the
+    end of training, because only then is it known whether the script ended as it should (an `atexit` handler runs
+    before the finalization in which the abort would come). Registered once."""
+    global _advice_registered
+    if not _advice_registered:
+        _advice_registered = True
+        atexit.register(_advise_at_exit)
+
+
+def _advise_at_exit() -> None:
+    if not _exit_distributed_called:
+        logger.warning(
+            "trl_exreplay: this multi-process (gloo) run is ending without "
+            "trl_exreplay.distributed.exit_distributed(). Its training is done; if the process aborts now with "
+            "'terminate called without an active exception', that is a gloo worker thread at interpreter exit, not a "
+            "failure of the run. To end without that risk, make `exit_distributed()` the last line of the script, on "
+            "every rank (after save_model() or push_to_hub())."
+        )
+
+
+def launch_shortfall(environ: dict, num_processes: int, parent_environ: dict | None) -> str | None:
+    """What says that the launch asked for more processes than this run has (`num_processes`, accelerate's), or None.
+    `environ` is this process's environment, `parent_environ` its parent's (None where it cannot be read).
+
+    - `accelerate launch` sets WORLD_SIZE for the processes it starts with torch's launcher; a process that runs with
+      fewer (accelerate's state came up without a process group: on a CPU machine, `--multi_gpu` with a config that
+      leaves the trainer's `use_cpu` out) trains alone, as do the others.
+    - `accelerate launch --num_processes N` without `--multi_gpu`, or a config with `distributed_type: MULTI_CPU`, on a
+      machine without GPUs starts ONE process (its simple launcher; several only through MPI). It sets no WORLD_SIZE,
+      but it sets MASTER_ADDR only when asked for more than one process: a MASTER_ADDR in this process's environment
+      that its parent (the launcher) does not have, beside the ACCELERATE_* variables the launcher sets.
+    """
+    world = environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > num_processes:
+        return f"this process was launched as one of WORLD_SIZE={world} processes but runs as {num_processes}"
+    launched = "ACCELERATE_DYNAMO_BACKEND" in environ and "MASTER_ADDR" in environ and not world
+    if launched and parent_environ is not None and "MASTER_ADDR" not in parent_environ and num_processes == 1:
+        return "`accelerate launch` was asked for more than one process (it set MASTER_ADDR) but started only this one"
+    return None
+
+
+def parent_environment() -> dict | None:
+    """The parent process's environment variables (Linux's /proc), or None where they cannot be read."""
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return None
+    return dict(entry.decode(errors="replace").split("=", 1) for entry in entries if b"=" in entry)
+
+
+def warn_launch_shortfall(num_processes: int) -> None:
+    """Warn when the launch asked for more processes than this run has (`launch_shortfall`), naming a command that runs
+    them on a CPU machine."""
+    reason = launch_shortfall(dict(os.environ), num_processes, parent_environment())
+    if reason is not None:
+        logger.warning(
+            "trl_exreplay: %s, so it trains alone. On a machine without GPUs, accelerate starts one process for "
+            "`--num_processes N` without `--multi_gpu` and for `distributed_type: MULTI_CPU` (without MPI). To run "
+            "2 processes on CPU (gloo DDP): `accelerate launch --config_file recipes/accelerate/ddp_cpu.yaml "
+            "script.py` (its `distributed_type: MULTI_GPU`, `use_cpu: false` resolve to gloo on a CPU machine), or "
+            "`accelerate launch --multi_gpu --num_processes 2 script.py`, with `use_cpu=True` in the trainer's config.",
+            reason,
+        )
 
 
 def _finish_and_exit(status: int) -> None:

@@ -20,7 +20,14 @@ from trl import GRPOTrainer
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
 from .config import ReplaySettings, replay_settings
 from .custom_rollouts import fresh_rows_rollout
-from .distributed import any_rank_active, check_multi_turn_vllm, generation_is_collective, uses_gloo_group
+from .distributed import (
+    advise_exit_distributed,
+    any_rank_active,
+    check_multi_turn_vllm,
+    generation_is_collective,
+    uses_gloo_group,
+    warn_launch_shortfall,
+)
 from .hub import CITATIONS
 from .keeper import POOL_DIR, POOL_WORK_DIR, PoolKeeper
 from .loss import OffPolicyOptions, off_policy_loss, reduce_as_trl
@@ -170,6 +177,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )  # fmt: skip
+        warn_launch_shortfall(self.accelerator.num_processes)  # a launch of N processes that runs fewer says so
         self.settings: ReplaySettings = replay_settings(self.args)  # made and checked once, read as attributes
         if self._is_vlm and self.settings.enable_experience_replay:
             # The pool stores token ids, not the images a replayed row would need: the run trains as GRPOTrainer.
@@ -655,14 +663,9 @@ class _TrainingEvents(TrainerCallback):
         if self.trainer._reads_outcomes:
             self.trainer._flush_pending()
         if state.is_world_process_zero and uses_gloo_group():
-            # The trainer cannot end the process for the script: an `atexit` hook would not know the script's exit
-            # status (a `sys.exit(1)` would become 0), and without ending it the gloo abort stays possible.
-            logger.warning(
-                "trl_exreplay: a multi-process gloo run: make `trl_exreplay.distributed.exit_distributed()` the LAST "
-                "line of this script, on every rank, after save_model() or push_to_hub(): it ends the process "
-                "(os._exit) so that a gloo worker thread cannot abort it at exit after the work is done; nothing "
-                "written after it runs."
-            )
+            # Said at exit, only if the script did not end with exit_distributed(); the trainer cannot end the process
+            # for the script: an `atexit` hook would not know the script's exit status (a `sys.exit(1)` would become 0).
+            advise_exit_distributed()
         for part in self.trainer._parts:
             part.train_ended()
 

@@ -1,7 +1,8 @@
 """The bounded `accelerate launch` of the multi-process tests: a hang fails with each rank's stack and leaves nothing
 running, a JIT-build lock left by the killed launch does not outlive it, and one left by another run is not waited on.
 And the end of a launched rank: a gloo worker thread that frees a Python object during interpreter finalization aborts
-the process, which `trl_exreplay.distributed.exit_distributed()` prevents."""
+the process, which `trl_exreplay.distributed.exit_distributed()` prevents, and a script that does not end with it is
+told so as it exits. A launch that starts fewer processes than it was asked for says so."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from launching import accelerate_launch, extensions_dir, finished
 DEEPSPEED_START = REPOSITORY / "tests" / "scripts" / "deepspeed_start.py"
 GLOO_EXIT = REPOSITORY / "tests" / "scripts" / "gloo_exit.py"
 OWN_LAUNCH = REPOSITORY / "tests" / "scripts" / "own_launch.py"
+LAUNCH_MESSAGES = REPOSITORY / "tests" / "scripts" / "launch_messages.py"
 
 HANGING_RANK = """
 import os, sys, time
@@ -126,3 +128,51 @@ def test_a_stage_launched_before_the_process_group_exists_is_refused(monkeypatch
         RuntimeError, match="one of 2 launched ranks, but its distributed state has 1; set the process"
     ):
         run_as_own_launch("json.tool", "--help")
+
+
+MULTI_CPU_OF_2 = """compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_CPU
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+mixed_precision: 'no'
+use_cpu: true
+"""
+SHORTFALL = "so it trains alone. On a machine without GPUs, accelerate starts one process"
+EXIT_ADVICE = "this multi-process (gloo) run is ending without trl_exreplay.distributed.exit_distributed()"
+
+
+def test_a_launch_of_two_processes_that_starts_one_says_so(tmp_path):
+    """`distributed_type: MULTI_CPU` (as `--num_processes 2` without `--multi_gpu`) on a machine without GPUs: accelerate
+    starts one process and exits 0 with its results; the trainer says so, naming the config that runs two."""
+    config = tmp_path / "multi_cpu.yaml"
+    config.write_text(MULTI_CPU_OF_2)
+    result = accelerate_launch(str(config), LAUNCH_MESSAGES, tmp_path / "out", "plain", timeout=300)
+    assert result.stdout.count("process ") == 1 and "process 0 of 1" in result.stdout
+    assert result.stderr.count(SHORTFALL) == 1
+    assert "`accelerate launch` was asked for more than one process (it set MASTER_ADDR)" in result.stderr
+    assert "--config_file recipes/accelerate/ddp_cpu.yaml" in result.stderr
+    assert EXIT_ADVICE not in result.stderr  # one process: no gloo group
+
+
+def test_a_gloo_run_that_ends_without_exit_distributed_is_told_so_as_it_exits(tmp_path):
+    """Two processes (ddp_cpu.yaml: nothing to say at the start). A script that just ends is told, once, at its exit,
+    how to end safely; one that ends with exit_distributed() is not."""
+    plain = accelerate_launch("recipes/accelerate/ddp_cpu.yaml", LAUNCH_MESSAGES, tmp_path / "a", "plain",
+                              timeout=300, check=False)  # fmt: skip
+    assert "process 0 of 2" in plain.stdout and "process 1 of 2" in plain.stdout
+    assert SHORTFALL not in plain.stderr
+    assert plain.stderr.count(EXIT_ADVICE) == 1, plain.stderr[-3000:]  # rank 0's (it may then abort: not asserted)
+    ended = accelerate_launch("recipes/accelerate/ddp_cpu.yaml", LAUNCH_MESSAGES, tmp_path / "b", "exit_distributed",
+                              timeout=300)  # fmt: skip
+    assert "process 0 of 2" in ended.stdout and "process 1 of 2" in ended.stdout
+    assert "exit_distributed" not in ended.stderr and SHORTFALL not in ended.stderr  # no advice, at the end or exit
+
+
+def test_launched_processes_that_each_come_up_alone_say_so(tmp_path):
+    """ddp_cpu.yaml with a script whose config leaves `use_cpu` out: on a CPU machine accelerate gives each of the two
+    processes a state of its own (one process, no group), and each would train alone; each says so."""
+    result = accelerate_launch("recipes/accelerate/ddp_cpu.yaml", LAUNCH_MESSAGES, tmp_path / "out",
+                               "exit_distributed", "no-use-cpu", timeout=300)  # fmt: skip
+    assert result.stdout.count("process 0 of 1") == 2
+    assert result.stderr.count("this process was launched as one of WORLD_SIZE=2 processes but runs as 1") == 2

@@ -1,10 +1,11 @@
 """What a new user is told once at run time: where task ids come from, and the fallbacks to a prompt hash; what replay
-changes in the run, with its settings."""
+changes in the run, with its settings; a launch that runs fewer processes than it was asked for."""
 
 import logging
 
 from trl_exreplay import ExReplayGRPOConfig
 from trl_exreplay.config import replay_settings
+from trl_exreplay.distributed import launch_shortfall
 from trl_exreplay.metrics import FaultCounts
 from trl_exreplay.replay import ReplayController, say_task_id_source
 
@@ -51,3 +52,21 @@ def test_what_replay_changes_is_said_for_the_settings_in_force(tmp_path):
     assert "2 stored successes of its task in place of its last failed rollouts (replay_rescue=2)" in _controller(
         tmp_path, replay_rescue=2
     ).what_replay_changes(max_steps=10)
+
+
+# What `accelerate launch` (1.15) puts in a process's environment, seen from the process it starts on a CPU machine.
+LAUNCHER = {"ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "False"}
+SIMPLE_LAUNCH_OF_2 = {**LAUNCHER, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # --num_processes 2, MULTI_CPU
+TORCH_LAUNCH_OF_2 = {**SIMPLE_LAUNCH_OF_2, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}  # --multi_gpu
+
+
+def test_a_launch_that_runs_fewer_processes_than_asked_is_told_apart():
+    parent = {"PATH": "/bin"}  # the launcher's own environment: no MASTER_ADDR
+    assert "asked for more than one process" in launch_shortfall(SIMPLE_LAUNCH_OF_2, 1, parent)
+    assert launch_shortfall(TORCH_LAUNCH_OF_2, 2, parent) is None  # two processes, as asked
+    assert "one of WORLD_SIZE=2 processes but runs as 1" in launch_shortfall(TORCH_LAUNCH_OF_2, 1, parent)
+    assert launch_shortfall(LAUNCHER, 1, parent) is None  # a launch of one process
+    assert launch_shortfall({}, 1, None) is None  # python script.py
+    # a MASTER_ADDR the user exported is the launcher's too: not a sign of a launch of several
+    assert launch_shortfall(SIMPLE_LAUNCH_OF_2, 1, {"MASTER_ADDR": "127.0.0.1"}) is None
+    assert launch_shortfall(SIMPLE_LAUNCH_OF_2, 1, None) is None  # the parent's environment unreadable: not said
