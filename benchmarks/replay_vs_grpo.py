@@ -47,10 +47,14 @@ call whose testbed settings differ from those of the runs already there is refus
                                                  # GUIDE_SERIES, only in experience-guided runs
                   "wall_s": float, "step_s": float,   # training time (evaluation excluded), per optimizer step
                   "losses": [float per step], "settings": {every config field this run set},
-                  "zero_std_groups": [float per step],  # TRL's frac_reward_zero_std (absent in older runs)
-                  "zero_std_fresh": [float | null per step],  # replay/zero_std_fresh: the share of groups whose
-                                 # fresh rollouts alone have no reward spread (null where not logged, e.g. without
-                                 # replay; absent in older runs)
+                  "zero_std_groups": [float per step],  # after rescued and replayed rows are in the groups:
+                                 # replay/zero_std_trained (TRL's frac_reward_zero_std before the library kept TRL's
+                                 # meaning, and in runs without replay; absent in older runs)
+                  "zero_std_fresh": [float | null per step],  # the share of groups whose fresh rollouts alone
+                                 # have no reward spread (TRL's frac_reward_zero_std since the library keeps TRL's
+                                 # meaning; replay/zero_std_fresh before; null without replay; absent in older runs)
+                  "split": {"all_fail_fresh": [...], "all_win_fresh": [...]},  # the fresh groups whose rollouts all
+                                 # failed / all won, per step (replay runs since issue 69; absent otherwise)
                   "run": {"command": str, "commit": str, "versions": {...}, "machine": {...}, "date": str,
                           "library": {"path": str, "commit": str}, "load": {"before": float, "after": float}}
                                  # library and load: absent in runs recorded before them
@@ -181,6 +185,7 @@ def rows_per_step(settings: dict) -> int:
 REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "skip_set", "importance_ratio_mean", "policy_age")
 # What every group teaching (the defaults) logs (rescue, retired questions and their revisits), per step, in runs that log them
 # (None where a step does not: `returned_tasks` only in steps with a revisit).
+SPLIT_SERIES = ("all_fail_fresh", "all_win_fresh")  # per step: the fresh groups whose rollouts all failed, all won
 TEACH_SERIES = ("rescued_groups", "zero_std_rescued", "retired_tasks", "revisited_groups", "returned_tasks")
 # The `guide/` metrics of experience-guided runs, per step (None where a step has no value, e.g. no guided row).
 GUIDE_SERIES = ("guided_fraction", "discarded_fraction", "records_per_rollout", "success_guided", "success_unguided",
@@ -250,6 +255,7 @@ class _Recorder:
         self.testbed, self.tokenizer = testbed, tokenizer
         self.rows_per_step, self.max_steps = rows_per_step, max_steps
         self.points, self.losses, self.zero_std_groups, self.zero_std_fresh = [], [], [], []
+        self.split = {name: [] for name in SPLIT_SERIES}
         self.replay = {name: [] for name in REPLAY_SERIES}
         self.guidance = {name: [] for name in GUIDE_SERIES}
         self.fresh = 0
@@ -284,8 +290,13 @@ class _Recorder:
         # One generation per optimizer step (steps_per_generation = gradient_accumulation_steps), logged every step.
         self.fresh += int(round(logs.get("replay/generated_rows", self.rows_per_step)))
         self.losses.append(logs["loss"])
-        self.zero_std_groups.append(logs.get("frac_reward_zero_std"))  # after replayed rows are in the groups
-        self.zero_std_fresh.append(logs.get("replay/zero_std_fresh"))  # the fresh rollouts alone (replay runs)
+        # TRL's frac_reward_zero_std is the fresh rollouts' share (the library keeps TRL's meaning); the share after
+        # rescued and replayed rows are in the groups is replay/zero_std_trained (runs with replay)
+        trained = logs.get("replay/zero_std_trained")
+        self.zero_std_groups.append(logs.get("frac_reward_zero_std") if trained is None else trained)
+        self.zero_std_fresh.append(logs.get("frac_reward_zero_std") if "replay/rows_fraction" in logs else None)
+        for name in SPLIT_SERIES:  # the fresh groups that teach nothing, by cause (replay runs)
+            self.split[name].append(logs.get(f"replay/{name}"))
         train_success = logs.get("replay/fresh_reward", logs.get("env/success_rate", logs.get("reward")))
         if "replay/rows_fraction" in logs:
             for name in REPLAY_SERIES:
@@ -365,6 +376,7 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
         "losses": recorder.losses,
         "zero_std_groups": recorder.zero_std_groups,
         "zero_std_fresh": recorder.zero_std_fresh,
+        **({"split": recorder.split} if any(v is not None for vs in recorder.split.values() for v in vs) else {}),
         "replay": recorder.replay,
         **({"guidance": recorder.guidance} if recorder.guidance["guided_fraction"] else {}),
         "wall_s": round(wall, 3),
@@ -835,6 +847,8 @@ def summarize(entry: dict, baseline: str = "grpo", levels: tuple[float, ...] = (
             },
             "levels": [to_level(runs, base_runs, level) for level in levels],
             "zero_std_groups": after, "zero_std_fresh": fresh, "zero_std_fresh_source": fresh_source,
+            "split": {name: _mean_of_series(run.get("split", {}).get(name) for run in runs.values())
+                      for name in SPLIT_SERIES},
             "generation_saved": 1 - sum(generated) / len(generated),
             "step_s": sum(run["step_s"] for run in runs.values()) / len(runs),
             "step_ratios": [runs[s]["step_s"] / base_runs[s]["step_s"] for s in shared if base_runs[s]["step_s"] > 0],
@@ -1051,17 +1065,21 @@ def step_time_lines(rows: list[dict], baseline: str) -> list[str]:
 
 
 def zero_spread_lines(rows: list[dict], label: dict) -> list[str]:
-    """Zero-spread groups, by cause: TRL's share (after replayed rows are in the groups) and the fresh rollouts' own."""
+    """Zero-spread groups: after rescued and replayed rows are in the groups, among the fresh rollouts alone, and the
+    fresh groups by cause (every rollout failed, or won; recorded by replay runs since issue 69)."""
     if all(r["zero_std_groups"] is None and r["zero_std_fresh"] is None for r in rows):
         return ["", "Zero-spread groups: not recorded by these runs."]
-    lines = ["", "| method | zero-spread groups, after replayed rows are inserted (TRL's `frac_reward_zero_std`) "
-             "| zero-spread groups, fresh rollouts only (`replay/zero_std_fresh`) |", "|---|---|---|"]  # fmt: skip
+    lines = ["", "| method | zero-spread groups, after rescued and replayed rows are inserted "
+             "| zero-spread groups, fresh rollouts only | of the fresh groups: all failed / all won |",
+             "|---|---|---|---|"]  # fmt: skip
     for r in rows:
         after = "not recorded" if r["zero_std_groups"] is None else f"{100 * r['zero_std_groups']:.1f}%"
         fresh = {"every group fresh": f"{after} (every group fresh)", "not recorded": "not recorded"}.get(
             r["zero_std_fresh_source"], f"{100 * (r['zero_std_fresh'] or 0):.1f}%"
         )
-        lines.append(f"| {_cell_name(label[r['method']])} | {after} | {fresh} |")
+        fail, win = (r["split"][name] for name in SPLIT_SERIES)
+        split = "not recorded" if fail is None or win is None else f"{100 * fail:.1f}% / {100 * win:.1f}%"
+        lines.append(f"| {_cell_name(label[r['method']])} | {after} | {fresh} | {split} |")
     return lines
 
 

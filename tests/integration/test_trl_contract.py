@@ -17,6 +17,7 @@ from trl_exreplay.compat import TRL_BELOW, TRL_MIN, TRL_SUPPORTED, check_trl_ver
 OVERRIDDEN = {
     "_get_train_sampler": ["self", "dataset"],
     "_generate_and_score_completions": ["self", "inputs"],
+    "_generate": ["self", "prompts"],
     "_get_per_token_logps_and_entropies": [
         "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
         "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
