@@ -96,6 +96,27 @@ class ExReplayGRPOConfig(GRPOConfig):
             that a forgotten task can be rescued. A rescued row's reference log-probs would be those of the failed
             rollout, so with beta != 0 rescue is off (one warning naming both fields). 0: off; below num_generations.
             None: the profile's; 1 without one.
+        replay_spread_plan (`bool`, *optional*, defaults to `False`):
+            Fresh rollouts where they teach (`trl_exreplay.spread`): before generation, the batch's groups go to the
+            tasks whose groups are most likely to have a reward spread (a success and a failure), by a per-task Beta
+            posterior of fresh success learnt from every fresh outcome of the run (MoPPS) and a Thompson draw: the
+            sampler's groups and replay_spread_candidates - 1 times as many rows drawn from the dataset compete for
+            them. A task with a stored success counts its all-fail groups as teaching (rescue fills them). The batch
+            keeps its shape; a map-style dataset only (an iterable one trains without it, with a warning). The
+            estimates travel with checkpoints.
+        replay_spread_candidates (`int`, *optional*, defaults to `4`):
+            replay_spread_plan only: candidate rows per group, the sampler's own included. >= 1; 1 only reorders
+            nothing (every group keeps its row, but for replay_spread_max_groups).
+        replay_spread_half_life (`float`, *optional*, defaults to `50.0`):
+            replay_spread_plan only: optimizer steps after which a task's evidence counts half, so that the estimate
+            follows the policy as it changes. > 0.
+        replay_spread_explore (`float`, *optional*, defaults to `0.1`):
+            replay_spread_plan only: the share of the sampler's groups kept as drawn whatever their estimate, so that
+            no task is shut out for good (GRESO's re-exploration). In [0, 1]; 1 plans nothing.
+        replay_spread_max_groups (`int`, *optional*, defaults to `1`):
+            replay_spread_plan only: at most this many groups of one task in a generation batch (more lets a task
+            likely to teach take the budget of others, as Knapsack RL moves rollouts to hard-but-solvable tasks).
+            >= 1; the sampler's own repeats of a task are kept.
         replay_trajectories_per_group (`int`, *optional*, defaults to `1`):
             k: replayed trajectories per replay task; the task's group gets num_generations - k fresh rollouts. 1 <= k <
             num_generations.
@@ -207,6 +228,11 @@ class ExReplayGRPOConfig(GRPOConfig):
     replay_retire_solved: bool | None = None
     replay_revisit_ratio: float | None = None
     replay_rescue: int | None = None
+    replay_spread_plan: bool = False
+    replay_spread_candidates: int = 4
+    replay_spread_half_life: float = 50.0
+    replay_spread_explore: float = 0.1
+    replay_spread_max_groups: int = 1
     replay_trajectories_per_group: int = 1
     replay_bucket_weighting: str | None = None
     replay_count_replayed_successes: bool | None = None
@@ -371,6 +397,7 @@ def _validate(s: ReplaySettings, num_generations: int | None) -> None:
         "replay_retire_solved",
         "replay_count_replayed_successes",
         "replay_unclipped_fresh",
+        "replay_spread_plan",
     ):
         value = getattr(s, name)
         _check(value is None or isinstance(value, bool), name, value, "True or False (a bool, not a string)")
@@ -389,6 +416,13 @@ def _validate(s: ReplaySettings, num_generations: int | None) -> None:
         solved = s.replay_start_solved_fraction
         _check(_is_number(solved) and 0.0 <= solved < 1.0, "replay_start_solved_fraction", solved,
                "numbers in [0, 1)")  # fmt: skip
+    for name, allowed, ok in (
+        ("replay_spread_candidates", "integers >= 1", lambda v: _is_int(v) and v >= 1),
+        ("replay_spread_half_life", "numbers > 0", lambda v: _is_number(v) and math.isfinite(v) and v > 0),
+        ("replay_spread_explore", "numbers in [0, 1]", lambda v: _is_number(v) and 0.0 <= v <= 1.0),
+        ("replay_spread_max_groups", "integers >= 1", lambda v: _is_int(v) and v >= 1),
+    ):
+        _check(ok(getattr(s, name)), name, getattr(s, name), allowed)
     scratch = s.replay_scratch_dir
     _check(scratch is None or (isinstance(scratch, str) and scratch.strip() != ""), "replay_scratch_dir", scratch,
            "None or a folder's path")  # fmt: skip

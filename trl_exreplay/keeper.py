@@ -19,6 +19,7 @@ from .distributed import from_main_process
 from .pool import ExperiencePool, tokenizer_fingerprint
 from .pool.store import Scratch
 from .schedule import ReplaySchedule
+from .spread import ESTIMATES_FILE, SuccessEstimates
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class PoolKeeper:
         self._accelerator = accelerator
         self._output_dir = output_dir
         self.schedule = ReplaySchedule()  # ExGRPO's start step, saved with checkpoints
+        # replay_spread_plan's per-task estimates of fresh success, saved with checkpoints (the same on every rank)
+        spreading = settings.enable_experience_replay and settings.replay_spread_plan
+        self.estimates = SuccessEstimates(settings.replay_spread_half_life) if spreading else None
         s = settings
         self._pool_settings = dict(
             max_trajectories_per_task=s.replay_max_trajectories_per_task,
@@ -148,11 +152,24 @@ class PoolKeeper:
                 self.pool.save(os.path.join(output_dir, POOL_DIR))
             if self.schedule != ReplaySchedule():
                 self.schedule.save(output_dir)
+            if self.estimates is not None:
+                self.estimates.save(output_dir)
 
     def resume(self, checkpoint: str) -> None:
         """Take the pool saved in `checkpoint` (or, where there is none, say loudly that the run resumes empty) and
         ExGRPO's start step. Collective: rank 0 loads the pool (`_take_pool`)."""
         self.schedule = ReplaySchedule.load(checkpoint)  # the step replay started at, if it did
+        if self.estimates is not None:  # rank 0 reads them, every rank takes the same (a checkpoint may be rank 0's)
+
+            def read() -> dict:
+                if not self.estimates.load(checkpoint):
+                    logger.warning(
+                        "trl_exreplay: the checkpoint %s holds no replay_spread_plan estimates (%s): the plan starts "
+                        "again from the prior, as a new run's.", checkpoint, ESTIMATES_FILE,
+                    )  # fmt: skip
+                return self.estimates.columns()
+
+            self.estimates.restore(self.on_main(read))
         path = os.path.join(checkpoint, POOL_DIR)
 
         def load() -> ExperiencePool:

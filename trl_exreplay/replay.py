@@ -31,6 +31,7 @@ from .pool import task_key
 from .pool.rules import is_solved
 from .schedule import redirect_retired_groups, revisited_groups, starts_replay
 from .selection import select_trajectories
+from .spread import plan_groups
 from .step import GenerationStep
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,15 @@ class ReplayController:
         self._said_task_ids = not (self.enabled or parts_plan)  # said once, where ids matter
         self._said_all_solved = False
         self._said_changes = not self.enabled
+        self.spreading = self.enabled and settings.replay_spread_plan
+        if self.spreading and not hasattr(train_dataset, "__getitem__"):
+            self.spreading = False
+            logger.warning(
+                "trl_exreplay: replay_spread_plan needs a dataset whose rows can be read by index (a map-style "
+                "`datasets.Dataset`); with this %s, the sampler's groups are trained as drawn.",
+                type(train_dataset).__name__,
+            )
+        self._spread_predicted: dict[int, float] = {}  # the planned groups' predicted spread, until their outcomes
 
     @classmethod
     def for_trainer(cls, trainer, keeper: PoolKeeper, faults: FaultCounts, *, policy_forward: Callable,
@@ -223,6 +233,8 @@ class ReplayController:
         if self.retiring:
             inputs, row_keys, revisits = self._redirect_retired(inputs, row_keys, offset, draw_seed, metrics,
                                                                 global_step, max_steps)  # fmt: skip
+        if self.spreading:
+            inputs, row_keys = self._plan_spread(inputs, row_keys, offset, draw_seed, metrics, global_step)
         group_keys = row_keys[::G]
 
         plan = ReplayPlan(G, self.settings.replay_trajectories_per_group, {})
@@ -284,10 +296,7 @@ class ReplayController:
         retired = set(self.pool.skip_set)
         if retired != self._retired:
             self._retired = retired
-            if self._dataset_keys is None:
-                column = self.settings.task_id_column
-                self._dataset_keys = dataset_task_keys(self._train_dataset, column)
-                self._rows_per_task = Counter(self._dataset_keys)
+            self._keys_of_dataset()
             # rows left to the fresh stream, counted over the retired tasks (not the dataset's rows: O(retired))
             self._active_count = len(self._dataset_keys) - sum(self._rows_per_task[key] for key in retired)
             if not self._active_count and not self.settings.replay_revisit_ratio:
@@ -313,14 +322,51 @@ class ReplayController:
         # a current count (not the batch's new retirements): it falls when a failed revisit brings a question back
         metrics["replay/retired_tasks"].append(float(len(self._retired)))
         metrics["replay/redirected_groups"].append(float(len(redirect)))
+        inputs, row_keys = self._take_rows(inputs, row_keys, redirect, offset)
+        return inputs, row_keys, revisits
+
+    def _take_rows(self, inputs: list, row_keys: list, redirect: dict[int, int], offset: int) -> tuple[list, list]:
+        """The batch with each group of `redirect` (group -> dataset row) taking that row: this rank's rows, and the
+        global row keys."""
         if not redirect:
-            return inputs, row_keys, revisits
+            return inputs, row_keys
+        G = self.num_generations
         inputs = [
             self._train_dataset[redirect[(offset + i) // G]] if (offset + i) // G in redirect else row
             for i, row in enumerate(inputs)
         ]
         row_keys = [self._dataset_keys[redirect[r // G]] if r // G in redirect else k for r, k in enumerate(row_keys)]
-        return inputs, row_keys, revisits
+        return inputs, row_keys
+
+    def _keys_of_dataset(self) -> list[str]:
+        if self._dataset_keys is None:
+            self._dataset_keys = dataset_task_keys(self._train_dataset, self.settings.task_id_column)
+            self._rows_per_task = Counter(self._dataset_keys)
+        return self._dataset_keys
+
+    def _plan_spread(self, inputs: list, row_keys: list, offset: int, seed: list, metrics, global_step: int):
+        """Fresh rollouts where they teach (`trl_exreplay.spread`): the batch's groups go to the candidates (the
+        sampler's groups, and more dataset rows drawn with the step's seed; retired tasks left out) whose groups are
+        most likely to have a reward spread under the run's estimates. The same on every rank: the keys are gathered,
+        the estimates are updated from gathered outcomes, the draws are seeded by the step."""
+        s, G = self.settings, self.num_generations
+        group_keys = row_keys[::G]
+        dataset_keys = self._keys_of_dataset()
+        rng = np.random.default_rng([*seed, 5])
+        drawn = rng.integers(len(dataset_keys), size=(s.replay_spread_candidates - 1) * len(group_keys)).tolist()
+        retired = self._retired if self.retiring and self._retired else set()
+        extra = [row for row in drawn if dataset_keys[row] not in retired]
+        keys = group_keys + [dataset_keys[row] for row in extra]
+        alpha, beta = self.keeper.estimates.posterior(keys, global_step)
+        k, age = self.rescue_rows, s.replay_max_policy_age
+        rescuable = np.array([bool(k) and self.pool.num_candidates(key, global_step, age, None) >= k for key in keys])
+        plan = plan_groups(keys, alpha, beta, rescuable, num_groups=len(group_keys), group_size=G,
+                           explore=s.replay_spread_explore, max_groups_per_task=s.replay_spread_max_groups,
+                           seed=[*seed, 6])  # fmt: skip
+        redirect = {g: extra[c - len(group_keys)] for g, c in plan.replaced().items()}
+        self._spread_predicted = dict(enumerate(plan.predicted))
+        metrics["replay/spread_replanned_groups"].append(float(len(redirect)))
+        return self._take_rows(inputs, row_keys, redirect, offset)
 
     def _last_step_of_batch(self, global_step: int, micro_step: int) -> int:
         """The optimizer step (counted from 1, as logged) that trains the last micro-batch of the generation batch
@@ -487,6 +533,13 @@ class ReplayController:
         replayed_rows = []
         if self.settings.replay_count_replayed_successes:  # ExGRPO: a replayed task's bucket is (s + k) of G
             replayed_rows = [r for r in range(len(row_tasks)) if step.plan.is_replayed(r) and not missing[r]]
+        fresh = task_outcomes(row_tasks, fresh_rows, success, self.num_generations)  # one per group, fresh rows only
+        if self.enabled and fresh:  # the groups that teach nothing, by cause (every rollout failed, or won)
+            metrics["replay/all_fail_fresh"].append(sum(s == 0 for _, s, _, _ in fresh) / len(fresh))
+            metrics["replay/all_win_fresh"].append(sum(s == n for _, s, n, _ in fresh) / len(fresh))
+        if self.spreading:
+            self.keeper.estimates.update([(task, s, n) for task, s, n, _ in fresh], global_step)
+            self._log_calibration(step, fresh_rows, success, metrics)
         outcomes = task_outcomes(row_tasks, fresh_rows, success, self.num_generations, replayed_rows)
         local_winners = sorted(r - offset for *_, rows in outcomes for r in rows if 0 <= r - offset < num_local)
         records = trajectory_records(
@@ -521,6 +574,21 @@ class ReplayController:
             metrics["replay/returned_tasks"].append(float(len(returned)))
         self.pending = PendingOutcomes(outcomes, records, offset)
         return success, fresh_rows, records
+
+    def _log_calibration(self, step: GenerationStep, fresh_rows: list[int], success: list, metrics) -> None:
+        """The plan's predicted spread against the one observed, over the groups it planned that stayed fresh
+        (not replay groups): whether their fresh rollouts both won and failed."""
+        G, predicted = self.num_generations, self._spread_predicted
+        rows_of: dict[int, list[bool]] = {}
+        for r in fresh_rows:
+            if r // G in predicted and r // G not in step.plan.replay_groups:
+                rows_of.setdefault(r // G, []).append(bool(success[r]))
+        if rows_of:
+            metrics["replay/spread_predicted_fresh"].append(float(np.mean([predicted[g] for g in rows_of])))
+            metrics["replay/spread_observed_fresh"].append(
+                float(np.mean([any(v) and not all(v) for v in rows_of.values()]))
+            )
+        self._spread_predicted = {}
 
     def _kept_for_rescue(self) -> str:
         """What a solved task keeps, said in the warning that every rollout succeeded."""

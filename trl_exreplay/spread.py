@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from .pool.store import read_arrow, write_arrow, write_atomic
+
 PRIOR = (1.0, 1.0)  # Beta(1, 1): a task never seen is as likely to succeed as not (MoPPS's prior)
 ESTIMATES_FILE = "exreplay_estimates.arrow"
 ESTIMATES_SCHEMA = pa.schema(
@@ -72,7 +74,8 @@ def spread_probability(alpha, beta, group_size: int, rescuable=None) -> np.ndarr
 class GroupPlan:
     """Which candidate fills each group of a generation batch: `chosen[g]` is the candidate index (into the list
     given to `plan_groups`, whose first `num_groups` are the sampler's own groups) of group g, and `predicted[g]` the
-    expected spread probability of that group under the estimates (not the Thompson draw)."""
+    probability that its fresh rollouts have a spread under the estimates (the posterior's, not the Thompson draw's;
+    rescue not counted): what the observed spread is compared with."""
 
     chosen: list[int]
     predicted: list[float]
@@ -127,8 +130,7 @@ def plan_groups(
     chosen = [g if kept[g] or g in picks else -1 for g in range(num_groups)]
     others = iter(c for c in picks if c >= num_groups)
     chosen = [c if c >= 0 else next(others, g) for g, c in enumerate(chosen)]
-    expected = spread_probability(alpha[chosen], beta[chosen], group_size, rescuable[chosen])
-    return GroupPlan(chosen, expected.tolist())
+    return GroupPlan(chosen, spread_probability(alpha[chosen], beta[chosen], group_size).tolist())
 
 
 class SuccessEstimates:
@@ -151,7 +153,7 @@ class SuccessEstimates:
         return len(self._index)
 
     def _decay(self, rows: np.ndarray, step: int) -> np.ndarray:
-        return np.exp2(-(step - self._step[rows]) / self.half_life)
+        return np.exp2(-np.maximum(step - self._step[rows], 0) / self.half_life)
 
     def posterior(self, keys: Sequence[str], step: int) -> tuple[np.ndarray, np.ndarray]:
         """Each task's (alpha, beta) at `step`; a task never seen has the prior."""
@@ -194,37 +196,41 @@ class SuccessEstimates:
 
     def save(self, folder: str) -> None:
         """Write the estimates to `folder` (a checkpoint) as an Arrow file, whole or not at all."""
-        from .pool.store import write_arrow, write_atomic
-
         write_atomic(os.path.join(folder, ESTIMATES_FILE), lambda tmp: write_arrow(tmp, self.table()))
 
-    def load(self, folder: str, max_step: int) -> bool:
+    def load(self, folder: str) -> bool:
         """Replace the estimates with those saved in `folder`; False (unchanged) when it holds none. Raises
-        `ValueError` naming the file and field on content no save writes: another schema, a repeated task, a
-        non-finite or negative count, a step past `max_step` (the checkpoint's own)."""
+        `ValueError` naming the file and field on content no save writes: another schema, a null, a repeated task, a
+        non-finite or negative count or step."""
         path = os.path.join(folder, ESTIMATES_FILE)
         if not os.path.isfile(path):
             return False
-        from .pool.store import read_arrow
-
         try:
             table = read_arrow(path)
-        except (OSError, pa.ArrowException) as error:
-            raise ValueError(f"{path}: not an Arrow stream file ({error})") from None
+        except (OSError, ValueError, pa.ArrowException) as error:
+            raise ValueError(f"{path}: not an Arrow stream file of estimates ({error})") from None
         if table.schema != ESTIMATES_SCHEMA:
             raise ValueError(f"{path}: schema {table.schema}; allowed: {ESTIMATES_SCHEMA}")
         if any(column.null_count for column in table.columns):
             raise ValueError(f"{path}: null values; every column is required")
-        keys = table.column("task").to_pylist()
-        alpha, beta = table.column("alpha").to_numpy(), table.column("beta").to_numpy()
-        step = table.column("step").to_numpy()
-        if len(set(keys)) != len(keys):
+        columns = table.to_pydict()
+        if len(set(columns["task"])) != len(columns["task"]):
             raise ValueError(f"{path}: `task` lists a task twice")
-        for name, values in (("alpha", alpha), ("beta", beta)):
+        for name in ("alpha", "beta", "step"):
+            values = np.asarray(columns[name], dtype=np.float64)
             if not np.isfinite(values).all() or (values < 0).any():
                 raise ValueError(f"{path}: `{name}` holds a non-finite or negative value; allowed: finite, >= 0")
-        if len(step) and (step.min() < 0 or step.max() > max_step):
-            raise ValueError(f"{path}: `step` outside [0, {max_step}] (the checkpoint's step)")
-        self._index = {k: i for i, k in enumerate(keys)}
-        self._alpha, self._beta, self._step = alpha.copy(), beta.copy(), step.copy()
+        self.restore(columns)
         return True
+
+    def columns(self) -> dict[str, list]:
+        """The estimates as plain columns (task, alpha, beta, step): what a checkpoint holds, and what rank 0 sends
+        the other ranks on resume."""
+        return self.table().to_pydict()
+
+    def restore(self, columns: dict[str, list]) -> None:
+        """Take the estimates of `columns` (from `columns()`)."""
+        self._index = {k: i for i, k in enumerate(columns["task"])}
+        self._alpha = np.asarray(columns["alpha"], dtype=np.float64)
+        self._beta = np.asarray(columns["beta"], dtype=np.float64)
+        self._step = np.asarray(columns["step"], dtype=np.int64)

@@ -45,6 +45,11 @@ DEFAULTS = {
     "replay_rescue": 1,
     "replay_count_replayed_successes": False,
     "replay_unclipped_fresh": False,
+    "replay_spread_plan": False,
+    "replay_spread_candidates": 4,
+    "replay_spread_half_life": 50.0,
+    "replay_spread_explore": 0.1,
+    "replay_spread_max_groups": 1,
     "replay_trajectories_per_group": 1,
     "replay_max_trajectories_per_task": 5,
     "replay_store_lbound": 0,
@@ -97,9 +102,10 @@ def test_defaults(tmp_path):
     assert {f.name: f.default for f in fields(GuidanceSettings)} == GUIDANCE_DEFAULTS
 
 
-def test_our_fields_are_at_most_30():
-    """The config's own fields (issue 57: 51 before, the optional parts' settings then moved to the parts)."""
-    assert len(OWN_FIELDS) <= 30
+def test_our_fields_are_at_most_35():
+    """The config's own fields (issue 57: 51 before, the optional parts' settings then moved to the parts: 30; issue
+    69's spread plan, a core option, added its five)."""
+    assert len(OWN_FIELDS) <= 35
 
 
 def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_path):
@@ -180,6 +186,11 @@ def test_boundary_values_are_valid(tmp_path):
 
 INVALID = [
     ("replay_profile", dict(replay_profile="ExGRPO"), "None, 'exgrpo'"),
+    ("replay_spread_plan", dict(replay_spread_plan="yes"), "True or False"),
+    ("replay_spread_candidates", dict(replay_spread_candidates=0), "integers >= 1"),
+    ("replay_spread_half_life", dict(replay_spread_half_life=float("inf")), "numbers > 0"),
+    ("replay_spread_explore", dict(replay_spread_explore=-0.1), "numbers in [0, 1]"),
+    ("replay_spread_max_groups", dict(replay_spread_max_groups=1.5), "integers >= 1"),
     ("replay_start", dict(replay_start="capability"), "'steps', 'solved'"),
     (
         "replay_start_solved_fraction",
