@@ -127,6 +127,13 @@ PRESETS: dict[str, dict] = {
     # runs' `teach-revisit50`, today's `teach`): revisits at 0.25 (the grid's `teach`), rescue alone
     "teach-revisit25": {"replay_revisit_ratio": 0.25},
     "teach-rescue-only": {"replay_retire_solved": False},
+    # Rollouts where they teach (issue 69): today's defaults with the spread plan (`replay_spread_plan`), and the grid
+    # of its pre-registered test's tuning seeds (60-64): more exploration, two groups a task, the plan instead of
+    # retirement (docs/results.md, "Rollouts where they teach").
+    "spread": {"replay_spread_plan": True},
+    "spread-explore25": {"replay_spread_plan": True, "replay_spread_explore": 0.25},
+    "spread-cap2": {"replay_spread_plan": True, "replay_spread_max_groups": 2},
+    "spread-noretire": {"replay_spread_plan": True, "replay_retire_solved": False},
     # Candidates tried on the tuning seeds (0-4); see docs/results.md for what they showed.
     "exreplay-k4": {**REPLAY_ONLY, "replay_trajectories_per_group": 4},  # half of a replayed task's group is replayed
     "exreplay-early": {**REPLAY_ONLY, "replay_start_ratio": 0.1},
@@ -256,6 +263,7 @@ class _Recorder:
         self.rows_per_step, self.max_steps = rows_per_step, max_steps
         self.points, self.losses, self.zero_std_groups, self.zero_std_fresh = [], [], [], []
         self.split = {name: [] for name in SPLIT_SERIES}
+        self.pending_split: dict[str, float] = {}
         self.replay = {name: [] for name in REPLAY_SERIES}
         self.guidance = {name: [] for name in GUIDE_SERIES}
         self.fresh = 0
@@ -295,8 +303,9 @@ class _Recorder:
         trained = logs.get("replay/zero_std_trained")
         self.zero_std_groups.append(logs.get("frac_reward_zero_std") if trained is None else trained)
         self.zero_std_fresh.append(logs.get("frac_reward_zero_std") if "replay/rows_fraction" in logs else None)
-        for name in SPLIT_SERIES:  # the fresh groups that teach nothing, by cause (replay runs)
-            self.split[name].append(logs.get(f"replay/{name}"))
+        probed, self.pending_split = self.pending_split, {}  # runs without replay: `_split_probe`'s
+        for name in SPLIT_SERIES:  # the fresh groups that teach nothing, by cause
+            self.split[name].append(logs.get(f"replay/{name}", probed.get(name)))
         train_success = logs.get("replay/fresh_reward", logs.get("env/success_rate", logs.get("reward")))
         if "replay/rows_fraction" in logs:
             for name in REPLAY_SERIES:
@@ -318,6 +327,25 @@ class _Recorder:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def _split_probe(trainer_cls, recorder, group_size: int):
+    """`trainer_cls` that records, for a run without replay (whose trainer logs no replay/* metric, as GRPOTrainer),
+    the share of each generation batch's groups whose rollouts all failed or all won: the same split replay runs log
+    as replay/all_fail_fresh and replay/all_win_fresh, from the gathered rewards (every row is fresh there). It reads
+    what TRL computed and changes nothing."""
+
+    class SplitProbe(trainer_cls):
+        def _calculate_rewards(self, *args, **kwargs):
+            rewards = super()._calculate_rewards(*args, **kwargs)
+            weights = self.reward_weights.to(rewards.device)
+            threshold = getattr(self.args, "replay_success_threshold", 1.0)
+            won = ((rewards * weights).nansum(dim=1) >= threshold).view(-1, group_size)
+            recorder.pending_split = {"all_fail_fresh": (~won).all(dim=1).float().mean().item(),
+                                      "all_win_fresh": won.all(dim=1).float().mean().item()}  # fmt: skip
+            return rewards
+
+    return SplitProbe
 
 
 def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool = True, trl: bool = False) -> dict:
@@ -356,6 +384,8 @@ def train_one(testbed, method: str, seed: int, initial: tuple, *, progress: bool
         provider = testbed.experience_provider() if from_testbed else None
         if provider is not None:
             kwargs["experience_provider"] = provider
+        if not trl and settings.get("enable_experience_replay") is False:
+            trainer_cls = _split_probe(trainer_cls, recorder, settings["num_generations"])
         trainer = trainer_cls(
             model=model,
             reward_funcs=testbed.reward_funcs(),

@@ -70,6 +70,16 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
         assert record["machine"]["cores_allowed"] >= 1
     # One value per step of the fresh rollouts' own zero-spread share (logged by replay runs; None where not logged).
     assert len(replay["zero_std_fresh"]) == 4 == len(grpo["zero_std_fresh"]) == len(replay["zero_std_groups"])
+    # The split of the fresh groups that teach nothing, per step: logged by replay, probed for GRPO; for GRPO (every
+    # group fresh) the two shares add up to its zero-spread share
+    for run in (grpo, replay):
+        assert set(run["split"]) == {"all_fail_fresh", "all_win_fresh"} and all(
+            len(v) == 4 for v in run["split"].values()
+        )
+    for fail, win, zero in zip(
+        grpo["split"]["all_fail_fresh"], grpo["split"]["all_win_fresh"], grpo["zero_std_groups"]
+    ):
+        assert fail + win == pytest.approx(zero)
 
     # A call with another model or other training fields is refused before it trains: one entry, one set of settings.
     assert entry["model"] == {"hidden_size": 64, "num_layers": 2, "num_heads": 4}
