@@ -75,11 +75,12 @@ def zero3_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def zero3(zero3_root) -> dict[str, list[dict]]:
-    """The four ZeRO-3 runs, trained in one launch."""
+    """The five ZeRO-3 runs, trained in one launch."""
     root = zero3_root
     runs = {
         "exgrpo": ["exgrpo"],
         "teach": ["teach"],
+        "spread": ["teach", "spread"],
         "guided": ["trl-options", "guided"],
         "multi-turn": ["multi-turn"],
     }
@@ -89,9 +90,10 @@ def zero3(zero3_root) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def zero3_resumed(zero3, zero3_root) -> dict[str, list[dict]]:
-    """The exgrpo and default runs resumed from their step-6 checkpoints, in a launch of their own."""
+    """The exgrpo, default and spread-plan runs resumed from their step-6 checkpoints, in a launch of their own."""
     root = zero3_root
-    runs = {name: [name, f"resume={root / name / 'run' / 'checkpoint-6'}"] for name in ("exgrpo", "teach")}
+    runs = {name: [*options, f"resume={root / name / 'run' / 'checkpoint-6'}"]
+            for name, options in (("exgrpo", ["exgrpo"]), ("teach", ["teach"]), ("spread", ["teach", "spread"]))}  # fmt: skip
     ranks = launch_runs(ZERO3, {str(root / f"{name}-resumed"): options for name, options in runs.items()})
     return {name: ranks[str(root / f"{name}-resumed")] for name in runs}
 
@@ -152,6 +154,23 @@ def test_every_group_teaching_is_rank_identical_and_resumes_exactly_under_zero3(
     losses, pool and metrics of the run that was not stopped."""
     check_every_group_teaching(zero3["teach"], zero3_root / "teach" / "final" / "model.safetensors")
     check_resumed(zero3["teach"], zero3_resumed["teach"], 6, TEACHING)
+
+
+@pytest.mark.slow
+def test_the_spread_plan_is_rank_identical_and_resumes_exactly_under_zero3(zero3, zero3_resumed, zero3_root):
+    """replay_spread_plan on the defaults under ZeRO-3: both ranks plan the same groups (from gathered keys and
+    outcomes), hold the same estimates, and a run resumed from its step-6 checkpoint (which holds them) plans, trains
+    and estimates as the run that was not stopped."""
+    whole = zero3["spread"]
+    check_rank_identical(whole)
+    rank0, rank1 = whole
+    for name in ("spread_replanned_groups", "spread_observed_fresh", "spread_estimates"):
+        assert rank0[name] == rank1[name], name
+    assert sum(rank0["spread_replanned_groups"]) > 0 and len(rank0["spread_estimates"]["task"]) == 3
+    assert (zero3_root / "spread" / "run" / "checkpoint-6" / "exreplay_estimates.arrow").is_file()
+    resumed = zero3_resumed["spread"]
+    check_resumed(whole, resumed, 6, ("spread_replanned_groups", *TEACHING))
+    assert [r["spread_estimates"] for r in resumed] == [r["spread_estimates"] for r in whole]
 
 
 @pytest.mark.slow

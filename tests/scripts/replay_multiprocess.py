@@ -12,7 +12,7 @@ clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_poli
 live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared. `small-shards`: the
 trainer gets a pool whose shards hold 2 rows, so that files are written during training. `ratio=R`: `replay_ratio` (default 1). `exgrpo` (that `replay_profile`) or `teach` (the library's defaults:
 rescue, retired questions revisited) for 12 steps on a dataset of 6 rows (an epoch of 2 steps, so questions retire
-during the run); without either, the former defaults (no rescue, no retirement), which the other tests' figures assume. `guided`: experience-guided rollouts too (mixed, half
+during the run), with `spread` also the spread plan (`replay_spread_plan`, no exploration floor); without either, the former defaults (no rescue, no retirement), which the other tests' figures assume. `guided`: experience-guided rollouts too (mixed, half
 the tasks keep, the offline provider updated every step; evaluation guided every 3 steps, one group spanning both
 ranks); each rank records every allocation it draws.
 
@@ -157,6 +157,7 @@ def train(out_dir: str, options: list[str]) -> None:
         **(TRL_OPTIONS if "trl-options" in options else {}),
         **({k: v for k, v in GUIDED.items() if not k.startswith("guidance_")} if "guided" in options else {}),
         **PROFILE_SETTINGS[profile],
+        **({"replay_spread_plan": True, "replay_spread_explore": 0.0} if "spread" in options else {}),
     )
     guidance = {}
     if "guided" in options:
@@ -215,8 +216,13 @@ def train(out_dir: str, options: list[str]) -> None:
                         "rescued_groups",
                         "revisited_groups",
                         "returned_tasks",
+                        "spread_replanned_groups",
+                        "spread_observed_fresh",
                     )
                 },
+                "spread_estimates": (
+                    trainer._pool_keeper.estimates.columns() if trainer._pool_keeper.estimates is not None else None
+                ),
                 # TRL's figures, the fresh rollouts' (issue 70), and the batch's as trained: the same on every rank
                 "trl_figures": [{k: e.get(k) for k in TRL_FIGURES} for e in history if "loss" in e],
                 "experience": [r.as_dict() for r in guided.experience.records()] if guided else [],
