@@ -68,14 +68,10 @@ class ReplayController:
         self._multi_turn = multi_turn
         self._max_completion_length = max_completion_length
         self._train_dataset = train_dataset
-        self.retiring = self.enabled and settings.replay_retire_solved
-        if self.retiring and not hasattr(train_dataset, "__getitem__"):
-            self.retiring = False
-            logger.warning(
-                "trl_exreplay: replay_retire_solved needs a dataset whose rows can be read by index (a map-style "
-                "`datasets.Dataset`); with this %s, solved questions stay in the fresh stream.",
-                type(train_dataset).__name__,
-            )
+        self.retiring = self._reads_rows_by_index(
+            self.enabled and settings.replay_retire_solved, "replay_retire_solved", "solved questions stay in the fresh "
+            "stream"
+        )  # fmt: skip
         self.rescue_rows = settings.replay_rescue if self.enabled else 0
         if self.rescue_rows and args.beta != 0.0:
             self.rescue_rows = 0
@@ -94,15 +90,26 @@ class ReplayController:
         self._said_task_ids = not (self.enabled or parts_plan)  # said once, where ids matter
         self._said_all_solved = False
         self._said_changes = not self.enabled
-        self.spreading = self.enabled and settings.replay_spread_plan
-        if self.spreading and not hasattr(train_dataset, "__getitem__"):
-            self.spreading = False
-            logger.warning(
-                "trl_exreplay: replay_spread_plan needs a dataset whose rows can be read by index (a map-style "
-                "`datasets.Dataset`); with this %s, the sampler's groups are trained as drawn.",
-                type(train_dataset).__name__,
-            )
+        self.spreading = self._reads_rows_by_index(
+            self.enabled and settings.replay_spread_plan,
+            "replay_spread_plan",
+            "the sampler's groups are trained as drawn",
+        )
         self._spread_predicted: dict[int, float] = {}  # the planned groups' predicted spread, until their outcomes
+
+    def _reads_rows_by_index(self, wanted: bool, field: str, otherwise: str) -> bool:
+        """Whether an option that takes dataset rows by index (`field`) can act: a map-style dataset; else one warning
+        saying what happens instead."""
+        dataset = self._train_dataset
+        # `datasets.IterableDataset` has a `__getitem__` too (a column by name), but no rows by index
+        map_style = hasattr(dataset, "__len__") and not isinstance(dataset, torch.utils.data.IterableDataset)
+        if wanted and not map_style:
+            logger.warning(
+                "trl_exreplay: %s needs a dataset whose rows can be read by index (a map-style `datasets.Dataset`); "
+                "with this %s, %s.", field, type(dataset).__name__, otherwise,
+            )  # fmt: skip
+            return False
+        return wanted
 
     @classmethod
     def for_trainer(cls, trainer, keeper: PoolKeeper, faults: FaultCounts, *, policy_forward: Callable,
@@ -185,6 +192,11 @@ class ReplayController:
                 f"a question every fresh rollout solved leaves the fresh stream, {returns} (replay_retire_solved=True, "
                 f"replay_revisit_ratio={s.replay_revisit_ratio:g})"
             )
+        if self.spreading:
+            from_start.append(
+                "the batch's groups go to the tasks most likely to have a reward spread, by estimates learnt from every "
+                f"fresh group (replay_spread_plan=True, {s.replay_spread_explore:.0%} of the groups kept as drawn)"
+            )
         replay = (f"{s.replay_ratio:.0%} of the groups train on {_successes(s.replay_trajectories_per_group)} among "
                   f"their {G} rows (replay_ratio={s.replay_ratio:g})")  # fmt: skip
         if s.replay_unclipped_fresh:
@@ -201,8 +213,9 @@ class ReplayController:
                      else f" Nothing is replayed within max_steps={max_steps} ({ratio}).")  # fmt: skip
         if from_start:
             changes = f" From step 1: {'; '.join(from_start)}.{later}"
+            spread = ", replay_spread_plan=False" if self.spreading else ""
             exact = ("GRPOTrainer exactly: enable_experience_replay=False; GRPOTrainer until replay starts: "
-                     "replay_rescue=0, replay_retire_solved=False.")  # fmt: skip
+                     f"replay_rescue=0, replay_retire_solved=False{spread}.")  # fmt: skip
         else:
             changes = f"{later} Until then it trains as GRPOTrainer while the pool fills."
             exact = "GRPOTrainer exactly: enable_experience_replay=False."
@@ -246,7 +259,7 @@ class ReplayController:
             plan = plan_replay(
                 group_keys,
                 self.pool.replay_buckets(  # drawn from in O(batch), whatever the pool's size
-                    plan.num_replayed, global_step, self.settings.replay_max_policy_age, None
+                    plan.num_replayed, global_step, self.settings.replay_max_policy_age
                 ),
                 num_tasks=replay_groups_due(self.settings.replay_ratio, len(group_keys), batch_index),
                 num_generations=G,
@@ -359,7 +372,7 @@ class ReplayController:
         keys = group_keys + [dataset_keys[row] for row in extra]
         alpha, beta = self.keeper.estimates.posterior(keys, global_step)
         k, age = self.rescue_rows, s.replay_max_policy_age
-        rescuable = np.array([bool(k) and self.pool.num_candidates(key, global_step, age, None) >= k for key in keys])
+        rescuable = np.array([bool(k) and self.pool.num_candidates(key, global_step, age) >= k for key in keys])
         plan = plan_groups(keys, alpha, beta, rescuable, num_groups=len(group_keys), group_size=G,
                            explore=s.replay_spread_explore, max_groups_per_task=s.replay_spread_max_groups,
                            seed=[*seed, 6])  # fmt: skip
@@ -463,14 +476,14 @@ class ReplayController:
         group_keys = step.row_tasks[::G]
         kept = {r // G for r in skip_rows}  # groups that are another part's experiment (guided rows)
         age = self.settings.replay_max_policy_age
-        has = [self.pool.num_candidates(task, global_step, age, None) >= k for task in group_keys]
+        has = [self.pool.num_candidates(task, global_step, age) >= k for task in group_keys]
         groups = plan_rescue(row_success, group_keys, G, k, has, skip_groups=[*step.plan.replay_groups, *kept])
         counted = [r for r, flag in enumerate(row_success) if flag is not None]
         rescued = rewards_per_func
         if groups:
             tasks = sorted(set(groups.values()))
             rng = np.random.default_rng([*step.seed, 4])  # replay_select_mode="random": a draw of this step's
-            chosen = self._on_main(lambda: self.pool.choose(tasks, k, global_step, age, None, rng=rng))
+            chosen = self._on_main(lambda: self.pool.choose(tasks, k, global_step, age, rng=rng))
             rescued = rewards_per_func.clone()
             limit = self._max_completion_length
             for group, task in groups.items():

@@ -108,10 +108,17 @@ def test_with_an_evaluation_dataset(tmp_path):
     assert replayed_on_alternate_batches(tasks), tasks
 
 
-def test_with_an_iterable_dataset(tmp_path):
+def test_with_an_iterable_dataset(tmp_path, caplog):
+    """An iterable dataset trains, replay on; the options that take dataset rows by index (retired questions, the
+    spread plan) say once that they are off, and what happens instead."""
     dataset = prompt_only(conversational=False).to_iterable_dataset()
-    _, tasks = train(tmp_path, dataset=dataset)
+    with caplog.at_level("WARNING", logger="trl_exreplay.replay"):
+        _, tasks = train(tmp_path, dataset=dataset, replay_spread_plan=True)
     assert replayed_on_alternate_batches(tasks), tasks
+    said = [r.getMessage() for r in caplog.records if "read by index" in r.getMessage()]
+    assert len(said) == 2
+    assert "replay_retire_solved" in said[0] and "solved questions stay in the fresh stream" in said[0]
+    assert "replay_spread_plan" in said[1] and "the sampler's groups are trained as drawn" in said[1]
 
 
 def test_with_a_reward_model(tmp_path):

@@ -52,6 +52,11 @@ def test_what_replay_changes_is_said_for_the_settings_in_force(tmp_path):
     assert "2 stored successes of its task in place of its last failed rollouts (replay_rescue=2)" in _controller(
         tmp_path, replay_rescue=2
     ).what_replay_changes(max_steps=10)
+    spread = _controller(tmp_path, replay_spread_plan=True).what_replay_changes(max_steps=10)
+    assert "the batch's groups go to the tasks most likely to have a reward spread" in spread
+    assert "(replay_spread_plan=True, 10% of the groups kept as drawn)" in spread
+    assert spread.endswith("replay_rescue=0, replay_retire_solved=False, replay_spread_plan=False.")
+    assert "reward spread" not in defaults
 
 
 # What `accelerate launch` (1.15) puts in a process's environment, seen from the process it starts on a CPU machine.
