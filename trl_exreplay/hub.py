@@ -9,12 +9,13 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 from trl import GRPOTrainer
 
 from .pool.hub import create_commit, fenced
+from .pool.store import write_atomic
 
 CITATIONS: dict[str, str] = {
     "ExGRPO": """@misc{zhan2025exgrpo,
@@ -178,21 +179,6 @@ def model_files(output_dir: str) -> list[str]:
     )
 
 
-def _write_atomic(path: str, text: str) -> None:
-    # A crash mid-write must not leave a truncated README that a later push would publish.
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def push_model(
     output_dir: str,
     repo_id: str,
@@ -219,7 +205,8 @@ def push_model(
             f"No model weights in {output_dir}: expected *.safetensors at its top level (save_pretrained with "
             "safetensors; pickled *.bin weights are not uploaded)."
         )
-    _write_atomic(os.path.join(output_dir, "README.md"), card)
+    # A crash mid-write must not leave a truncated README that a later push would publish.
+    write_atomic(os.path.join(output_dir, "README.md"), lambda tmp: Path(tmp).write_text(card, encoding="utf-8"))
     operations = [
         CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(output_dir, name)) for name in files
     ]

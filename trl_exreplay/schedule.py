@@ -133,14 +133,10 @@ class ReplaySchedule:
     started_at: int | None = None  # the global step replay started at (replay_start="solved")
 
     def save(self, folder: str) -> None:
-        """Write `exreplay_schedule.json` in `folder`, whole or not at all (a temporary file, then a rename)."""
-        path = os.path.join(folder, SCHEDULE_FILE)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"format_version": 1, **asdict(self)}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        """Write `exreplay_schedule.json` in `folder`, whole or not at all (`write_atomic`: no temporary left on failure)."""
+        from .pool.store import write_json_atomic  # the package's one atomic writer
+
+        write_json_atomic(os.path.join(folder, SCHEDULE_FILE), {"format_version": 1, **asdict(self)})
 
     @classmethod
     def load(cls, folder: str) -> ReplaySchedule:

@@ -57,7 +57,6 @@ TRAJECTORY_FEATURES = datasets.Features(
         "entropy": datasets.Value("float32"),
         "policy_version": datasets.Value("int64"),
         "traj_id": datasets.Value("int64"),
-        "store_seq": datasets.Value("int64"),  # rank of the trajectory among all ever stored (replay_window)
     }
 )
 # The features in the schema's metadata, as `datasets` writes them: `load_dataset` and the Hub viewer read them back.
@@ -75,20 +74,35 @@ def fsync_path(path: str) -> None:
 
 
 def write_atomic(path: str, write: Callable[[str], None]) -> None:
-    """`write(tmp)`, then fsync and rename to `path`: `path` appears complete or not at all. The hidden temporary name
-    is never taken for a pool's file; a pool's next save (`persistence._prune`) removes those a killed process left."""
+    """`write(tmp)`, then fsync and rename to `path`: `path` appears complete or not at all, and a failure leaves neither
+    a half-written `path` nor the temporary. `write` may write a file or a folder (a saved model) at `tmp`; a folder's
+    files are fsynced with it, and `path` must then not be a folder already (no rename replaces a non-empty one).
+
+    The package's one atomic writer (the pool is a library of its own, so it lives here and the rest imports it). The
+    temporary is hidden, beside `path` (a rename within one filesystem), and never taken for a pool's file; a pool's
+    next save (`persistence._prune`) removes those a killed process left."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         write(tmp)
-        fsync_path(tmp)
+        if os.path.isdir(tmp):
+            for root, _, names in os.walk(tmp):
+                for name in names:
+                    fsync_path(os.path.join(root, name))
+                fsync_path(root)  # the names in it
+        else:
+            fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.lexists(tmp):
             os.remove(tmp)
         raise
 
 
 def write_json_atomic(path: str, data: dict) -> None:
+    """`data` as JSON at `path`, through `write_atomic`."""
+
     def write(tmp):
         with open(tmp, "w") as f:
             json.dump(data, f)

@@ -18,10 +18,14 @@ def model_init_kwargs(model_args) -> dict:
 
 
 def save_atomically(path: str, model, tokenizer) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, path)
+    """`model` and `tokenizer` saved to the folder `path`, whole or not at all (`write_atomic`)."""
+    from ..pool.store import write_atomic  # imported here: loading this module stays free of `datasets`
+
+    def save(tmp: str) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    write_atomic(path, save)
 
 
 # transformers keeps only a weak reference to the DeepSpeed config it registers: the one re-registered after a whole
