@@ -15,6 +15,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from . import compat  # noqa: F401 - refuses a TRL outside the supported range
+from .loss import off_policy_shapings  # the registry, not a list of its own: a registered shaping can be selected
 from .parameters import check as _check
 from .parameters import document_fields
 from .parameters import is_int as _is_int
@@ -24,7 +25,6 @@ from .pool.check import SELECT_MODES, STORE_MODES  # one list of each, shared wi
 
 logger = logging.getLogger(__name__)
 
-SHAPING_MODES = ("clip", "exgrpo")
 BUCKET_WEIGHTINGS = ("uniform", "normal", "linear")
 REPLAY_STARTS = ("steps", "solved")
 # TRL's tool loop has no episode a spelled token could refuse (a tool result is not an environment fault there).
@@ -171,9 +171,10 @@ class ExReplayGRPOConfig(GRPOConfig):
             Use the recorded behaviour log-probs as the old log-probs of replayed tokens (importance sampling). When
             False, the current log-probs are used (ratio 1, plain policy gradient on replay).
         replay_shaping (`str | None`, *optional*, defaults to `None`):
-            Objective on replayed tokens: 'clip' (dual-clip PPO with replay_clip_high and replay_dual_clip_c) or
-            'exgrpo' (-A * w / (w + replay_shaping_beta), w the importance ratio, no clip). None: the profile's; 'clip'
-            without one.
+            Objective on replayed tokens: 'clip' (dual-clip PPO with replay_clip_high and replay_dual_clip_c),
+            'exgrpo' (-A * w / (w + replay_shaping_beta), w the importance ratio, no clip), or a shaping of your own
+            registered before the config is made (`trl_exreplay.loss.register_off_policy_loss(name,
+            registry=OFF_POLICY_SHAPINGS)`). None: the profile's; 'clip' without one.
         replay_clip_high (`float | None`, *optional*, defaults to `None`):
             replay_shaping='clip' only: upper clip of the replayed tokens' ratio: clamp(ratio, 1 - epsilon_low, 1 +
             this). >= 0. None: 1.0.
@@ -354,9 +355,8 @@ def _settings_of(args: Any) -> ReplaySettings:
            "None, " + ", ".join(map(repr, REPLAY_PROFILES)))  # fmt: skip
     values.update(profile_values(profile, values))
     _check(values["replay_start"] in REPLAY_STARTS, "replay_start", values["replay_start"], _names(REPLAY_STARTS))
-    _check(
-        values["replay_shaping"] in SHAPING_MODES, "replay_shaping", values["replay_shaping"], _names(SHAPING_MODES)
-    )
+    shapings = off_policy_shapings()
+    _check(values["replay_shaping"] in shapings, "replay_shaping", values["replay_shaping"], _names(shapings))
     mode = values["replay_select_mode"]
     _check(mode in SELECT_MODES, "replay_select_mode", mode, _names(SELECT_MODES))
     for name, (chooser, modes, default) in MODE_FIELDS.items():

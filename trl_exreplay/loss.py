@@ -170,6 +170,12 @@ OFF_POLICY_LOSSES: dict[str, OffPolicyFormula] = {}  # TRL loss type -> its repl
 OFF_POLICY_SHAPINGS: dict[str, OffPolicyFormula | None] = {"clip": None}  # None: the loss type's own formula
 
 
+def off_policy_shapings() -> tuple[str, ...]:
+    """The values `replay_shaping` accepts: the shapings registered when it is called, a user's included (the config
+    checks its field against these, so that a shaping registered before the config is made can be selected)."""
+    return tuple(OFF_POLICY_SHAPINGS)
+
+
 def register_off_policy_loss(*loss_types: str, registry: dict | None = None):
     """Register the decorated formula for `loss_types` (TRL loss types; or, with `registry=OFF_POLICY_SHAPINGS`, a
     shaping that replaces every type's formula), as verl's `register_policy_loss` does."""
@@ -294,7 +300,7 @@ def off_policy_loss(
     o = OffPolicyOptions() if options is None else options
     _check_choice("loss_type", o.loss_type, LOSS_TYPES)
     _check_choice("importance_sampling_level", o.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-    _check_choice("replay_shaping", o.replay_shaping, tuple(OFF_POLICY_SHAPINGS))
+    _check_choice("replay_shaping", o.replay_shaping, off_policy_shapings())
     if per_token_logps.dim() != 2:
         raise ValueError(f"per_token_logps must be (B, T), got shape {tuple(per_token_logps.shape)}.")
     shape = per_token_logps.shape

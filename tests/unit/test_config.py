@@ -387,6 +387,37 @@ def test_replay_settings_of_replay_config_are_its_fields_frozen(tmp_path):
         replay_settings(c)
 
 
+def test_a_shaping_registered_at_runtime_can_be_selected(tmp_path, monkeypatch):
+    """The config reads the valid `replay_shaping` values from the loss's registry (not a list of its own): a user's
+    shaping registered before the config is made is accepted, reaches the loss through the settings, and an unknown
+    one is refused naming every registered one."""
+    import torch
+
+    from trl_exreplay import loss
+    from trl_exreplay.loss import OffPolicyOptions, off_policy_loss
+
+    monkeypatch.setattr(loss, "OFF_POLICY_SHAPINGS", dict(loss.OFF_POLICY_SHAPINGS))  # undone after the test
+    with pytest.raises(ValueError, match="`replay_shaping`"):
+        make(tmp_path, replay_shaping="reinforce")  # not yet registered
+
+    @loss.register_off_policy_loss("reinforce", registry=loss.OFF_POLICY_SHAPINGS)
+    def reinforce(ratio, advantages, logps, raw_log_ratio, replayed_f, options):
+        return -advantages * logps, torch.zeros_like(logps, dtype=torch.bool), ratio
+
+    c = make(tmp_path, replay_shaping="reinforce")
+    settings = replay_settings(c)
+    assert settings.replay_shaping == "reinforce"
+    assert (settings.replay_clip_high, settings.replay_shaping_beta) == (None, None)  # the built-ins' own fields
+    options = OffPolicyOptions(loss_type="grpo", replay_shaping=settings.replay_shaping)
+    logp = torch.tensor([[-1.0, -2.0]])
+    per_token, _ = off_policy_loss(logp, logp - 5.0, torch.tensor([2.0]), torch.ones(1, 2), options)
+    assert torch.equal(per_token, -2.0 * logp)  # the registered formula, whatever the ratio (e^5 here)
+
+    with pytest.raises(ValueError) as info:
+        make(tmp_path, replay_shaping="ppo")
+    assert "'ppo'" in str(info.value) and "'clip', 'exgrpo', 'reinforce'" in str(info.value)
+
+
 def test_replay_settings_of_plain_grpo_config_are_the_defaults(tmp_path):
     settings = replay_settings(make(tmp_path, config_cls=GRPOConfig))
     assert settings == replay_settings(make(tmp_path))
