@@ -28,9 +28,8 @@ nulls, a task over the capacity, format 4's columns). A resealed edit to a value
 do, so none is made.
 
 Issue 71's kinds, resealed too: the pool laid out as a Hub cache snapshot whose ``blobs`` is a link (to ``/``, above
-the files) or a folder of links out (and, as a control, a real download's layout, which must load); store ranks the
-pool has yet to hand out (``counters.stored_count`` at or below the rows' ``store_seq``, or a row's past it); column
-names that are not UTF-8; a field of the state, its counters or a file entry dropped (``tokenizer_fingerprint``...) or
+the files) or a folder of links out (and, as a control, a real download's layout, which must load); column names that
+are not UTF-8; a field of the state, its counters or a file entry dropped (``tokenizer_fingerprint``...) or
 added; a capacity past int32; Arrow files with compressed buffers (a few KB of zstd that hold 64 MiB, too).
 
     OMP_NUM_THREADS=1 python benchmarks/pool_fuzz.py --mutations 2000
@@ -507,29 +506,6 @@ def hub_layout(folder, rng, outside):
     return f"hub snapshot, blobs {what}", snapshot, what != "a folder (a download)"
 
 
-def store_ranks(folder, rng, outside):
-    """A store rank the pool has yet to hand out (issue 71, item 2), resealed: ``counters.stored_count`` at or below
-    the rows' ``store_seq``, or a live or evicted row's ``store_seq`` at or past it, or negative."""
-    state = _state(folder)
-    count = state["counters"]["stored_count"]
-    what = rng.choice(
-        ["stored_count at the last rank", "stored_count below the ranks", "a live row's rank at stored_count",
-         "a live row's rank past stored_count", "an evicted row's rank at stored_count", "a negative rank"]
-    )  # fmt: skip
-    shards = {e["name"]: read_arrow(os.path.join(folder, e["name"])).to_pylist() for e in state["shards"]}
-    if what.startswith("stored_count"):
-        last = max(r["store_seq"] for rows in shards.values() for r in rows)
-        state["counters"]["stored_count"] = last if what.endswith("last rank") else rng.randrange(last)
-        _write_state(folder, state, reseal=True)
-        return f"store ranks: {what}"
-    live, evicted = _live_ids(folder, state), what.startswith("an evicted")
-    name, row = rng.choice([(n, r) for n, rows in shards.items() for r in rows if (r["traj_id"] in live) != evicted])
-    row["store_seq"] = -1 if what == "a negative rank" else count + (rng.randrange(1, 2**40) if "past" in what else 0)
-    _rewrite(os.path.join(folder, name), pa.Table.from_pylist(shards[name], schema=TRAJECTORY_SCHEMA))
-    _write_state(folder, state, reseal=True)
-    return f"store ranks: {what}"
-
-
 def write_with_raw_name(path: str, table: pa.Table, column: str, raw: bytes, nested: bool) -> None:
     """`table` written to `path` with the name of `column` (`nested`: of its list's item) replaced by the bytes `raw`,
     which pyarrow cannot write itself: a placeholder of the same length is written, then its bytes replaced."""
@@ -632,7 +608,6 @@ MUTATIONS = {
     "crafted_rows": (crafted_rows, 8),
     "crafted_tasks": (crafted_tasks, 6),
     "hub_layout": (hub_layout, 4),  # issue 71
-    "store_ranks": (store_ranks, 4),
     "non_utf8_names": (non_utf8_names, 3),
     "state_fields": (state_fields, 4),
     "capacity": (capacity, 2),

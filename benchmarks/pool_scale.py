@@ -95,12 +95,12 @@ def template(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def replay_plan(pool, step: int, replayable=None):
     """The trainer's draw of one step's replay tasks, with the defaults of `ExReplayGRPOConfig` (128 groups of G = 8,
-    replay_ratio 0.5, k = 1, uniform bucket weighting, no age limit nor window)."""
+    replay_ratio 0.5, k = 1, uniform bucket weighting, no age limit)."""
     from trl_exreplay.planner import plan_replay
 
     return plan_replay(
         [f"group-{g}" for g in range(2 * SAMPLE)],
-        pool.replay_buckets(1, step, None, None) if replayable is None else replayable(),
+        pool.replay_buckets(1, step, None) if replayable is None else replayable(),
         num_tasks=SAMPLE,  # replay_ratio 0.5 of 2 * SAMPLE groups
         num_generations=8,
         num_replayed=1,
@@ -114,7 +114,7 @@ def replay_read(pool, step: int) -> dict:
     trajectory by saved entropy, since scoring candidates under the current policy needs a model): the plan, then
     `choose`, which reads the chosen trajectories from the shards."""
     plan = replay_plan(pool, step)
-    return pool.choose(list(plan.replay_groups.values()), 1, step, None, None, np.random.default_rng([0, step, 0, 1]))
+    return pool.choose(list(plan.replay_groups.values()), 1, step, None, np.random.default_rng([0, step, 0, 1]))
 
 
 def make_trajectory(base, task_id: str, entropy: float, version: int):
@@ -207,7 +207,7 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
     )
     plan_ms, plan_cpu_ms = median_ms(lambda i: replay_plan(pool, step + i), 20, cpu=True)
     sample_ms, sample_cpu_ms = median_ms(lambda i: replay_read(pool, step + i), 50, cpu=True)
-    listed_ms = median_ms(lambda i: replay_plan(pool, step + i, lambda: pool.replayable_tasks(1, step, None, None)), 5)
+    listed_ms = median_ms(lambda i: replay_plan(pool, step + i, lambda: pool.replayable_tasks(1, step, None)), 5)
 
     def incremental(target):
         for trajectory in [

@@ -23,14 +23,14 @@ def select_trajectories(
     `on_main(read)` runs `read` on rank 0 and sends its result to every rank. Collective when `plan` replays."""
     if not plan.replay_groups:
         return {}
-    k, age, window = plan.num_replayed, settings.replay_max_policy_age, None  # `settings`: the run's ReplaySettings
+    k, age = plan.num_replayed, settings.replay_max_policy_age  # `settings`: the run's ReplaySettings
     rng = np.random.default_rng([*seed, 1])
     tasks = list(plan.replay_groups.values())
     if not settings.replay_select_by_current_entropy:  # None under replay_select_mode="random"
         # By saved entropy (or at random): chosen on the pool's index; only the chosen trajectories are read.
-        return on_main(lambda: pool.choose(tasks, k, step, age, window, rng))
+        return on_main(lambda: pool.choose(tasks, k, step, age, rng))
     # By entropy under the current policy: every candidate of a task with more than k is scored.
-    candidates = on_main(lambda: {t: pool.candidates(t, step, age, window) for t in tasks})
+    candidates = on_main(lambda: {t: pool.candidates(t, step, age) for t in tasks})
     entropies: dict[str, list[float]] = {}
     ranked = [t for t in candidates if len(candidates[t]) > k]
     flat = [trajectory for t in ranked for trajectory in candidates[t]]

@@ -336,7 +336,7 @@ def dataset_rows(folder, cache_dir) -> list[dict]:
     data_files = [str(Path(folder) / name) for name in default["data_files"]]
     table = datasets.load_dataset("arrow", data_files=data_files, split="train", cache_dir=str(cache_dir))
     assert table.features == TRAJECTORY_FEATURES  # the features the shards declare
-    return sorted(({k: v for k, v in row.items() if k != "store_seq"} for row in table), key=lambda r: r["traj_id"])
+    return sorted(table, key=lambda r: r["traj_id"])
 
 
 def trajectory(task_id, entropy, version=0):

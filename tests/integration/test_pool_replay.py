@@ -96,7 +96,7 @@ def test_live_and_loaded_pools_keep_the_same_bucket_arrays_and_draws(tmp_path, r
 
 def limited_pool():
     """Tasks in three buckets with every reason not to be replayable: skip set, no task row, too few trajectories,
-    too old (versions 0..9), out of the window."""
+    too old (versions 0..9)."""
     pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4)
     rnd = random.Random(11)
     for i in range(300):
@@ -113,8 +113,7 @@ LIMITS = [
     {},
     {"min_trajectories": 2},
     {"min_trajectories": 1, "current_step": 10, "max_policy_age": 2},
-    {"min_trajectories": 1, "window": 120},
-    {"min_trajectories": 2, "current_step": 9, "max_policy_age": 5, "window": 400},
+    {"min_trajectories": 2, "current_step": 9, "max_policy_age": 5},
 ]
 
 
@@ -187,13 +186,11 @@ def test_choose_is_select_over_the_candidates(mode, tmp_path):
             record(pool, task, 3, [round(rnd.random(), 1) for _ in range(2)], version=step)
         if step == 8:
             pool.flush()  # some read from shard files, the last ones still pending
-    for limits in ({}, {"current_step": 11, "max_policy_age": 3}, {"window": 9}, {"current_step": 11, "window": 5}):
+    for limits in ({}, {"current_step": 11, "max_policy_age": 3}):
         k = 1 if limits else 2
 
         def candidates(task, limits=limits):
-            return pool.candidates(
-                task, limits.get("current_step"), limits.get("max_policy_age"), limits.get("window")
-            )
+            return pool.candidates(task, limits.get("current_step"), limits.get("max_policy_age"))
 
         tasks = [t for t in ("c", "a", "d", "b") if len(candidates(t)) >= k]  # those a plan can hold
         assert len(tasks) >= 2, limits

@@ -77,7 +77,7 @@ def test_damage_is_one_error_naming_the_file(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(PoolFormatError, match=f"{shard.name}: checksum mismatch"):
         ExperiencePool.load(str(tmp_path / "pool"))
-    (tmp_path / "pool" / "state.json").write_text('{"format_version": 5, "settings": ')
+    (tmp_path / "pool" / "state.json").write_text('{"format_version": 6, "settings": ')
     with pytest.raises(PoolFormatError, match="state.json: not valid JSON"):
         ExperiencePool.load(str(tmp_path / "pool"))
     (tmp_path / "pool" / "state.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion
@@ -338,12 +338,12 @@ def test_a_pool_without_fingerprint_is_refused_with_a_tokenizer_unless_allowed(t
 def test_saving_over_another_format_or_a_damaged_state_says_so(tmp_path):
     pool = saved_pool(tmp_path / "old")
     edit_state(tmp_path / "old", lambda s: s.update(format_version=2), reseal=True)
-    with pytest.raises(ValueError, match="Not saving into .*old: .*format_version 2 is not 5, .* development"):
+    with pytest.raises(ValueError, match="Not saving into .*old: .*format_version 2 is not 6, .* development"):
         pool.save(str(tmp_path / "old"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "state.json").write_text("garbage")
     with pytest.raises(ValueError, match="Not saving into .*bad: its state.json is not that of a usable"):
         pool.save(str(tmp_path / "bad"))
     edit_state(tmp_path / "old", lambda s: s.update(format_version=9), reseal=False)
-    with pytest.raises(PoolFormatError, match="format_version 9 is not 5, .* a newer trl_exreplay"):
+    with pytest.raises(PoolFormatError, match="format_version 9 is not 6, .* a newer trl_exreplay"):
         ExperiencePool.load(str(tmp_path / "old"))

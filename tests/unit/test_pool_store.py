@@ -1,5 +1,5 @@
 """The experience pool's storage: `datasets` Arrow shards written on the calling thread, dead rows and compaction,
-incremental and atomic saves (a writer process killed at random instants), windows, sampling, tokenizer fingerprints.
+incremental and atomic saves (a writer process killed at random instants), sampling, tokenizer fingerprints.
 
 Sizes here are tiny; `benchmarks/pool_scale.py` measures 10k to 1M trajectories.
 """
@@ -78,8 +78,8 @@ def rows_on_disk(folder) -> int:
 # Shards: real `datasets` Arrow files, written on the calling thread
 # --------------------------------------------------------------------------------------------------------------------
 
-# The columns of format 3's shards (state.json's format_version), as every pool saved so far holds them.
-FORMAT_3_COLUMNS = {
+# The columns of the trajectory shards: format 3's (state.json's format_version), less `store_seq` since format 6.
+SHARD_COLUMNS = {
     "trajectories": {
         "task_id": "string",
         "prompt_ids": ["int32"],
@@ -91,17 +91,16 @@ FORMAT_3_COLUMNS = {
         "entropy": "float32",
         "policy_version": "int64",
         "traj_id": "int64",
-        "store_seq": "int64",
     },
 }
 
 
-def test_the_trajectory_shards_schema_is_format_3s_with_the_features_datasets_reads():
+def test_the_trajectory_shards_schema_is_format_3s_less_the_store_rank_with_the_features_datasets_reads():
     """The schema (columns, types and the ``huggingface`` metadata `datasets` reads features from) is the one format
-    3 wrote: `datasets.load_dataset` and the Hub viewer read a pool's trajectories as before (format 4 moved only the
-    task rows, into the tasks table)."""
+    3 wrote, less the store rank (format 6: it served only the removed replay window): `datasets.load_dataset` and the
+    Hub viewer read a pool's trajectories as before (format 4 moved only the task rows, into the tasks table)."""
     for kind, features, schema in (("trajectories", TRAJECTORY_FEATURES, TRAJECTORY_SCHEMA),):
-        columns = FORMAT_3_COLUMNS[kind]
+        columns = SHARD_COLUMNS[kind]
         arrow = {
             name: pa.list_(pa.type_for_alias(dtype[0])) if isinstance(dtype, list) else pa.type_for_alias(dtype)
             for name, dtype in columns.items()
@@ -131,7 +130,7 @@ def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
         table = datasets.Dataset.from_file(str(shard))  # memory-mapped by `datasets` itself
         assert table.features == TRAJECTORY_FEATURES
         rows += table.to_list()
-    want = [dict(t.__dict__, store_seq=i) for i, t in enumerate(pool.candidates("a") + pool.candidates("b"))]
+    want = [t.__dict__ for t in pool.candidates("a") + pool.candidates("b")]
     assert sorted(rows, key=lambda r: r["traj_id"]) == want
     assert want[0] == {
         "task_id": "a",
@@ -144,7 +143,6 @@ def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
         "entropy": f32(0.3),
         "policy_version": 4,
         "traj_id": 0,
-        "store_seq": 0,
     }
     pool.close()
     assert not scratch.exists()  # the live pool's scratch shards go with it
@@ -322,7 +320,7 @@ def test_under_eviction_churn_the_files_stay_within_twice_the_live_rows(tmp_path
         assert stats["trajectory_rows"] <= 2 * pool.num_trajectories + shard_rows, (step, stats)
         if step % 100 == 99:  # the files themselves: compaction removes what it rewrote
             assert rows_on_disk(folder) == stats["trajectory_rows"]
-    assert pool.num_trajectories == 20 and pool.index.stored_count == 1200  # the churn: 1180 evicted
+    assert pool.num_trajectories == 20 and pool.index.next_traj_id == 1200  # the churn: 1180 evicted
     pool.save(str(tmp_path / "pool"))
     assert ExperiencePool.load(str(tmp_path / "pool")).content_hash() == pool.content_hash()
     assert rows_on_disk(tmp_path / "pool") <= 2 * 20 + shard_rows
@@ -518,51 +516,27 @@ def test_a_save_killed_before_any_of_its_filesystem_operations_leaves_a_complete
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Windows and sampling
+# Sampling
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def windowed_pool(**kwargs):
+def sampled_pool(**kwargs):
     pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=8, **kwargs)
-    record(pool, "a", 2, [0.5, 0.4], version=1)  # store ranks 0, 1
+    record(pool, "a", 2, [0.5, 0.4], version=1)  # ids 0, 1
     record(pool, "b", 1, [0.3], version=2)  # 2
     record(pool, "c", 3, [0.9, 0.2, 0.7], version=3)  # 3, 4, 5
     record(pool, "a", 1, [0.1], version=4)  # 6
     return pool
 
 
-def test_replay_window_counts_the_most_recently_stored(tmp_path):
-    pool = windowed_pool()
-    ids = lambda ts: [t.traj_id for t in ts]  # noqa: E731
-    assert ids(pool.candidates("a")) == [0, 1, 6]
-    assert ids(pool.candidates("a", window=1)) == [6]
-    assert ids(pool.candidates("c", window=3)) == [4, 5] and ids(pool.candidates("b", window=4)) == []
-    assert pool.replayable_tasks(window=2) == [("c", 3), ("a", 1)]
-    assert pool.replayable_tasks(window=5) == [("b", 1), ("c", 3), ("a", 1)]
-    assert pool.replayable_tasks(2, window=5) == [("c", 3)]
-    # with the age limit too: ages at step 4 are 3, 2, 1, 0 for versions 1..4
-    assert pool.replayable_tasks(1, current_step=4, max_policy_age=1, window=5) == [("c", 3), ("a", 1)]
-    assert pool.replayable_tasks(2, current_step=4, max_policy_age=1, window=3) == [("c", 3)]
-    assert ids(pool.candidates("c", current_step=5, max_policy_age=1, window=2)) == []
-    record(pool, "a", 4, num_fresh=4)  # evicted ones still count in the window
-    assert pool.replayable_tasks(window=1) == []
-    pool.save(str(tmp_path / "pool"))  # store ranks are saved with the trajectories
-    loaded = ExperiencePool.load(str(tmp_path / "pool"))
-    for window in (1, 2, 3, 5, None):
-        assert loaded.replayable_tasks(window=window) == pool.replayable_tasks(window=window)
-        assert ids(loaded.candidates("c", window=window)) == ids(pool.candidates("c", window=window))
-
-
 @pytest.mark.parametrize(
     "mode, expected", [("argmin", {"a": 6, "b": 2, "c": 4}), ("argmax", {"a": 0, "b": 2, "c": 3})]
 )
-def test_choose_takes_each_tasks_best_trajectory_within_the_window_and_the_age_limit(mode, expected):
-    pool = windowed_pool(exp_select_mode=mode)
+def test_choose_takes_each_tasks_best_trajectory_within_the_age_limit(mode, expected):
+    pool = sampled_pool(exp_select_mode=mode)
     chosen = pool.choose(["a", "b", "c"], 1)
     assert {task: [t.traj_id for t in ts] for task, ts in chosen.items()} == {k: [v] for k, v in expected.items()}
-    # window 2: the two most recently stored (5 of c, 6 of a); at step 4 with age 0, a's version 4 only
-    windowed = pool.choose(["a", "c"], 1, window=2)
-    assert [t.traj_id for ts in windowed.values() for t in ts] == [6, 5]
+    # at step 4 with age 0, a's version 4 only
     assert [t.traj_id for t in pool.choose(["a"], 1, current_step=4, max_policy_age=0)["a"]] == [6]
     with pytest.raises(ValueError, match="Cannot select 1 trajectories out of 0 candidates"):
         pool.choose(["b"], 1, current_step=4, max_policy_age=0)  # b's only one is 2 versions old
@@ -616,7 +590,7 @@ def test_a_first_format_pool_is_refused_clearly_on_load_and_save(tmp_path):
     old = tmp_path / "old"
     old.mkdir()
     (old / STATE_FILE).write_text(json.dumps({"format_version": 1, "settings": {}, "num_trajectories": 0}))
-    with pytest.raises(PoolFormatError, match=r"format_version 1 is not 5, the one .* development formats"):
+    with pytest.raises(PoolFormatError, match=r"format_version 1 is not 6, the one .* development formats"):
         ExperiencePool.load(str(old))
     with pytest.raises(ValueError, match="Not saving into"):
         ExperiencePool().save(str(old))
@@ -702,13 +676,13 @@ def test_an_index_only_pool_decides_as_the_pool_it_copies_and_holds_no_row(tmp_p
         fill_alike([holder, index_only], "abcdefghij"[: 3 + 2 * version], version)
         assert index_only.skip_set == holder.skip_set and index_only.buckets() == holder.buckets()
     assert index_only.index_hash() == holder.index_hash() and holder.num_trajectories == 16
-    assert holder.index.num_keys < holder.index.stored_count  # the keys of evicted trajectories were handed out again
+    assert holder.index.num_keys < holder.index.next_traj_id  # the keys of evicted trajectories were handed out again
     tasks = holder.stored_tasks()
     assert [index_only.index.keys(index_only.index.task(t)) for t in tasks] == [
         holder.index.keys(holder.index.task(t)) for t in tasks
     ]
     assert (index_only.index.num_keys, index_only.index.free_keys) == (holder.index.num_keys, holder.index.free_keys)
-    buckets = [pool.replay_buckets(2, 4, None, None) for pool in (index_only, holder)]
+    buckets = [pool.replay_buckets(2, 4, None) for pool in (index_only, holder)]
     assert [{d: m.tolist() for d, m in b.members.items()} for b in buckets] == [{1: [0, 1, 2, 4, 5, 6, 7, 8, 9]}] * 2
     assert [b.listing()[0].tolist() for b in buckets] == [[0, 1, 2, 4, 5, 6, 7]] * 2  # with 2 trajectories and a row
     assert index_only.stats() == holder.stats()

@@ -24,13 +24,13 @@ def trajectory(task: str, entropy: float) -> Trajectory:
 
 
 def saved_pool(path) -> ExperiencePool:
-    """Tasks a (3 trajectories, one more evicted from a written shard), b (1) and c (2), store ranks 0-6."""
+    """Tasks a (3 trajectories, one more evicted from a written shard), b (1) and c (2), ids 0-6."""
     pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4, shard_rows=2)
     pool.bind_tokenizer(FINGERPRINT)
     for task, entropies in (("a", (0.1, 0.2)), ("b", (0.3,)), ("c", (0.4, 0.5)), ("a", (0.05, 0.06))):
         successes = [trajectory(task, e) for e in entropies]
         pool.record_outcome(TaskOutcome(task, len(successes), 4, successes, task_row=json.dumps({"p": task})))
-    assert pool.index.stored_count == 7 and pool.num_trajectories == 6  # a's 0.2 (rank 1) evicted
+    assert pool.index.next_traj_id == 7 and pool.num_trajectories == 6  # a's 0.2 (id 1) evicted
     pool.save(str(path))
     return pool
 
@@ -124,36 +124,44 @@ def test_a_link_out_is_named_printably_whatever_its_bytes(tmp_path):
     str(error.value).encode("utf-8")  # a log file or a terminal can write it
 
 
-# ---------------------------------------------------------------------------------------------- 2: store ranks
-@pytest.mark.parametrize(
-    "case",
-    ["stored_count at the last rank", "stored_count below the ranks", "a row's rank at stored_count",
-     "an evicted row's rank at stored_count", "a negative rank"],
-)  # fmt: skip
-def test_store_ranks_must_be_below_stored_count(tmp_path, case):
+# ------------------------------------------------------------------ 2: format 5's store ranks (issue 72: removed)
+def with_store_ranks(path) -> None:
+    """Each shard given format 5's `store_seq` column (the rank of a trajectory among all ever stored), resealed."""
+    for name in shards(path):
+        table = read_arrow(str(path / name))
+        ranks = pa.array(table.column("traj_id").to_numpy(), pa.int64())
+        rewrite(path / name, table.append_column("store_seq", ranks))
+    reseal_pool(str(path))
+
+
+def test_a_format_5_pool_is_refused_naming_its_state_and_the_format_this_version_reads(tmp_path):
+    """Format 5 recorded store ranks for the replay window (issue 72 removed both): its pools are refused whole, by
+    their state, before any file is mapped."""
     path = tmp_path / "pool"
     saved_pool(path)
-
-    def rank(rows, seq, value):
-        for row in rows:
-            if row["store_seq"] == seq:
-                row["store_seq"] = value
-        return rows
-
-    if case == "stored_count at the last rank":  # the next trajectory would take rank 6 again
-        edit_state(path, lambda s: s["counters"].update(stored_count=6))
-    elif case == "stored_count below the ranks":
-        edit_state(path, lambda s: s["counters"].update(stored_count=2))
-    elif case == "a row's rank at stored_count":
-        edit_rows(path, lambda rows: rank(rows, 4, 7))
-    elif case == "an evicted row's rank at stored_count":
-        edit_rows(path, lambda rows: rank(rows, 1, 7))
-    else:
-        edit_rows(path, lambda rows: rank(rows, 3, -1))
+    with_store_ranks(path)
+    edit_state(path, lambda s: (s.update(format_version=5), s["counters"].update(stored_count=7)))
     with pytest.raises(
         PoolFormatError,
-        match=r"trajectories-[0-9a-f]{16}\.arrow: holds a `store_seq` outside \[0, counters.stored_count\)",
+        match=r"pool/state\.json: format_version 5 is not 6, the one this version of trl_exreplay reads",
     ):
+        ExperiencePool.load(str(path))
+
+
+@pytest.mark.parametrize("case", ["a store_seq column", "counters.stored_count", "settings.replay_window"])
+def test_format_5s_store_ranks_or_window_in_a_format_6_pool_are_refused_naming_the_file(tmp_path, case):
+    path = tmp_path / "pool"
+    saved_pool(path)
+    if case == "a store_seq column":
+        with_store_ranks(path)
+        match = r"trajectories-[0-9a-f]{16}\.arrow: columns .* are not the expected"
+    elif case == "counters.stored_count":
+        edit_state(path, lambda s: s["counters"].update(stored_count=7))
+        match = r"state\.json: `counters` holds unknown fields \['stored_count'\]; allowed: \['next_traj_id'"
+    else:
+        edit_state(path, lambda s: s["settings"].update(replay_window=None))
+        match = r"state\.json: `settings` holds unknown fields \['replay_window'\]; allowed: \['max_trajectories"
+    with pytest.raises(PoolFormatError, match=match):
         ExperiencePool.load(str(path))
 
 
@@ -248,7 +256,7 @@ def test_a_compressed_arrow_file_is_refused_before_it_is_decompressed(tmp_path, 
 
 def test_the_fuzz_finds_no_escape_crash_silent_difference_or_unclear_error_in_these_kinds():
     fuzz = load_script("benchmarks/pool_fuzz.py", "pool_fuzz")
-    kinds = "hub_layout,store_ranks,non_utf8_names,state_fields,capacity,compressed"
+    kinds = "hub_layout,non_utf8_names,state_fields,capacity,compressed"
     result = fuzz.main(["--kinds", kinds, "--mutations", "60", "--seed", "71"])
     bad = ("signals", "silent_differences", "unclear_errors", "hangs", "escapes")
     assert {k: result[k] for k in bad} == dict.fromkeys(bad, 0), result["bad_cases"]

@@ -45,7 +45,6 @@ _SETTING_RULES = {
     "exp_select_mode": (lambda v, s: v in SELECT_MODES, f"one of {list(SELECT_MODES)}"),
     "pool_store_mode": (lambda v, s: v in STORE_MODES, f"one of {list(STORE_MODES)}"),
     "max_policy_age": (lambda v, s: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
-    "replay_window": (lambda v, s: v is None or (_is_int(v) and v >= 1), "null or an integer >= 1"),
     "seed": (lambda v, s: _is_int(v) and v >= 0, "an integer >= 0"),
 }
 SETTINGS = tuple(_SETTING_RULES)
@@ -127,8 +126,7 @@ def check_settings(settings, file: str, where: str = "settings.") -> dict:
     from trl_exreplay.pool.check import PoolFormatError, check_settings
 
     settings = {"max_trajectories_per_task": 5, "experience_lbound": 0, "experience_rbound": 1,
-                "exp_select_mode": "argmin", "pool_store_mode": "all", "max_policy_age": None,
-                "replay_window": None, "seed": 0}
+                "exp_select_mode": "argmin", "pool_store_mode": "all", "max_policy_age": None, "seed": 0}
     try:
         check_settings(settings, "state.json")
     except PoolFormatError as e:

@@ -50,8 +50,6 @@ class ExperiencePool:
         pool_store_mode: ``"all"`` stores every success of a qualifying task, ``"best"`` only the best by entropy.
         max_policy_age: a full task first evicts trajectories older than this many policy versions; None: no
             limit.
-        replay_window: recorded with the pool's settings: the trainer replays only among the `replay_window` most
-            recently stored trajectories (RLinf's sample window), passing it to `replay_buckets` and `choose`.
         seed: seed of the random choices the pool makes itself (``random`` store/eviction ties and selection).
         work_dir: folder under which the live pool writes its shards (a private subfolder, deleted with the pool);
             None: the system temporary folder. Put it on the disk of your checkpoints, not on a tmpfs.
@@ -81,7 +79,6 @@ class ExperiencePool:
         exp_select_mode: str = "argmin",
         pool_store_mode: str = "all",
         max_policy_age: int | None = None,
-        replay_window: int | None = None,
         seed: int = 0,
         *,
         work_dir: str | None = None,
@@ -93,7 +90,6 @@ class ExperiencePool:
         self.exp_select_mode = exp_select_mode
         self.pool_store_mode = pool_store_mode
         self.max_policy_age = max_policy_age
-        self.replay_window = replay_window
         self.seed = seed
         _check_settings(self._settings())
         self.tokenizer_fingerprint: str | None = None  # of the tokenizer whose ids the trajectories hold
@@ -157,7 +153,7 @@ class ExperiencePool:
         0/1, a token id < 0 or >= `vocab_size`) is refused and counted in `rejected_reasons`.
         """
         index = self.index
-        row = _trajectory_row(trajectory, index.next_traj_id, index.stored_count)  # a copy, in the stored types
+        row = _trajectory_row(trajectory, index.next_traj_id)  # a copy, in the stored types
         bad, why = bad_trajectory_rows(row, np.zeros(1, np.int64), self.vocab_size)
         if bad[0]:
             self._reject(next(iter(why)), 1, f"a trajectory of task {trajectory.task_id!r}")
@@ -206,12 +202,10 @@ class ExperiencePool:
 
     def _store_copy(self, t: int, trajectory: Trajectory, row: pa.Table) -> int:
         """Append `row` (`trajectory` as a one-row table) to the trajectory log and index it; returns its key."""
-        seq = self.index.stored_count
-        self.index.stored_count += 1
         key = self.index.new_key()
         if self._trajectories is not None:
             self._trajectories.put(key, row)
-        self.index.set_key(key, t, trajectory.entropy, trajectory.policy_version, trajectory.traj_id, seq)
+        self.index.set_key(key, t, trajectory.entropy, trajectory.policy_version, trajectory.traj_id)
         return key
 
     def _drop(self, keys: list[int]) -> None:
@@ -350,34 +344,31 @@ class ExperiencePool:
         task_id: str,
         current_step: int | None = None,
         max_policy_age: int | None = None,
-        window: int | None = None,
     ) -> list[Trajectory]:
         """Copies of a task's stored trajectories, in store order (read from the shards); with the arguments, those young
-        enough to replay and among the `window` most recently stored."""
+        enough to replay."""
         t = self.index.task_index.get(task_id)
-        return [] if t is None else self._read_all(self.index.keys(t, current_step, max_policy_age, window))
+        return [] if t is None else self._read_all(self.index.keys(t, current_step, max_policy_age))
 
     def num_candidates(
         self,
         task_id: str,
         current_step: int | None = None,
         max_policy_age: int | None = None,
-        window: int | None = None,
     ) -> int:
         """How many trajectories `candidates` would return (counted on the index: nothing is read)."""
         t = self.index.task_index.get(task_id)
-        return 0 if t is None else len(self.index.keys(t, current_step, max_policy_age, window))
+        return 0 if t is None else len(self.index.keys(t, current_step, max_policy_age))
 
     def replayable_tasks(
         self,
         min_trajectories: int = 1,
         current_step: int | None = None,
         max_policy_age: int | None = None,
-        window: int | None = None,
     ) -> list[tuple[str, int]]:
         """(task, difficulty) of bucketed tasks outside the skip set with enough replayable trajectories, in bucket
         order (vectorized over the index; reads no trajectory). O(tasks): the trainer draws from `replay_buckets`."""
-        tasks, difficulties = self.index.replayable_listing(min_trajectories, current_step, max_policy_age, window)
+        tasks, difficulties = self.index.replayable_listing(min_trajectories, current_step, max_policy_age)
         return list(zip(_gather(self.index.task_ids, tasks.tolist()), difficulties.tolist()))
 
     def replay_buckets(
@@ -385,14 +376,13 @@ class ExperiencePool:
         min_trajectories: int = 1,
         current_step: int | None = None,
         max_policy_age: int | None = None,
-        window: int | None = None,
     ) -> TaskBuckets:
         """The buckets (their tasks that hold trajectories), for `planner.plan_replay` to draw replay tasks from in
         O(batch): the tasks `replayable_tasks` lists (with these arguments) are those the draw can return, with the
         same weights, without listing them. Valid until the pool changes.
         """
         names = lambda tasks: _gather(self.index.task_ids, [int(t) for t in tasks])  # noqa: E731
-        return self.index.buckets(min_trajectories, current_step, max_policy_age, window, names)
+        return self.index.buckets(min_trajectories, current_step, max_policy_age, names)
 
     def select(
         self,
@@ -420,17 +410,16 @@ class ExperiencePool:
         num: int,
         current_step: int | None = None,
         max_policy_age: int | None = None,
-        window: int | None = None,
         rng: np.random.Generator | None = None,
     ) -> dict[str, list[Trajectory]]:
-        """``{task: select(candidates(task, current_step, max_policy_age, window), num, rng=rng)}`` for each of
+        """``{task: select(candidates(task, current_step, max_policy_age), num, rng=rng)}`` for each of
         `task_ids` in turn (the same trajectories and the same use of `rng`), choosing on the index by saved entropy
         and reading only the chosen trajectories, all in one pass over their shards."""
         chosen: dict[str, list[int]] = {}
         index = self.index
         for task_id in task_ids:
             t = index.task_index.get(task_id)
-            keys = [] if t is None else index.keys(t, current_step, max_policy_age, window)
+            keys = [] if t is None else index.keys(t, current_step, max_policy_age)
             # On the index: the entropies and ids the read trajectories would carry.
             order = self._selection_order(index.key_entropy[keys].tolist(), index.key_traj_id[keys].tolist(), num, rng)
             chosen[task_id] = [keys[i] for i in order]
@@ -600,14 +589,14 @@ class ExperiencePool:
 
     def index_hash(self) -> str:
         """SHA-256 of what the index decides with: settings, counters, buckets, skip set, and each stored trajectory's
-        store rank, id, policy version and entropy. Equal on the ranks of a run, whichever of them holds the rows."""
+        id, policy version and entropy. Equal on the ranks of a run, whichever of them holds the rows."""
         index, tasks = self.index, range(len(self.index.task_ids))
         keys = {t: index.keys(t) for t in tasks if index.count[t] > 0}
-        columns = (index.key_seq, index.key_traj_id, index.key_version, index.key_entropy)
+        columns = (index.key_traj_id, index.key_version, index.key_entropy)
         state = {
             "settings": self._settings(),
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
-            "counters": [index.next_traj_id, index.num_outcomes, index.stored_count],
+            "counters": [index.next_traj_id, index.num_outcomes],
             "difficulty": [
                 [index.task_ids[t], int(index.difficulty[t])] for t in index.ordered(index.difficulty_order).tolist()
             ],
@@ -648,8 +637,8 @@ def _gather(items: list, indices: list[int]) -> list:
     return list(operator.itemgetter(*indices)(items))
 
 
-def _trajectory_row(trajectory: Trajectory, traj_id: int, seq: int) -> pa.Table:
-    """`trajectory` as one row of `TRAJECTORY_SCHEMA`, under id `traj_id` and store rank `seq` (pyarrow converts the
-    lists: ~0.13 ms for 1k tokens)."""
-    columns = {name: [getattr(trajectory, name)] for name in TRAJECTORY_SCHEMA.names[:-2]}
-    return pa.table({**columns, "traj_id": [traj_id], "store_seq": [seq]}, schema=TRAJECTORY_SCHEMA)
+def _trajectory_row(trajectory: Trajectory, traj_id: int) -> pa.Table:
+    """`trajectory` as one row of `TRAJECTORY_SCHEMA`, under id `traj_id` (pyarrow converts the lists: ~0.13 ms for
+    1k tokens)."""
+    columns = {name: [getattr(trajectory, name)] for name in TRAJECTORY_SCHEMA.names[:-1]}
+    return pa.table({**columns, "traj_id": [traj_id]}, schema=TRAJECTORY_SCHEMA)

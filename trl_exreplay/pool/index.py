@@ -3,7 +3,7 @@
 
 Per task (dense index ``t``): its bucket (difficulty, -1: none), order stamps (bucket, skip set, store; -1: not in
 that set), whether its dataset row is known, and the keys of its stored trajectories in store order (`slots`, `count`).
-Per trajectory key: its task, entropy, policy version, id and store rank. Tasks that hold trajectories also sit in one
+Per trajectory key: its task, entropy, policy version and id. Tasks that hold trajectories also sit in one
 array per bucket (`members`), kept as tasks move (O(1) each: a leaving task's place takes its array's last one), so
 that a replay draw costs O(batch), not O(tasks). The index knows nothing of files: the pool keeps each key's row in its
 log (`store.Log`).
@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = ["COUNTERS", "PoolIndex", "TaskBuckets", "grow"]
 
-COUNTERS = ("next_traj_id", "num_outcomes", "stored_count", "stamp")
+COUNTERS = ("next_traj_id", "num_outcomes", "stamp")
 # Per-task arrays with their fill for a new task.
 _TASK_ARRAYS = (
     ("difficulty", np.int32, -1),
@@ -31,7 +31,7 @@ _TASK_ARRAYS = (
     ("bucket_pos", np.int32, -1),
 )
 _KEY_ARRAYS = (("key_task", np.int32), ("key_entropy", np.float32), ("key_version", np.int64),
-               ("key_traj_id", np.int64), ("key_seq", np.int64))  # fmt: skip
+               ("key_traj_id", np.int64))  # fmt: skip
 # What a save records per task (besides its trajectories' keys), in the tasks table's column order.
 STATE_COLUMNS = ("difficulty", "difficulty_order", "bucket_pos", "skip_order", "store_order")
 # The slots a task has at first (its capacity if lower); `append_slot` doubles them when a task needs more. Not the
@@ -87,7 +87,6 @@ class PoolIndex:
     capacity: int
     next_traj_id: int = 0
     num_outcomes: int = 0
-    stored_count: int = 0  # trajectories ever stored: store_seq of the next one
     stamp: int = 0  # order of bucket entries, skip set entries and stores (dict insertion order, as numbers)
     task_ids: list[str] = field(default_factory=list)
     task_index: dict[str, int] = field(default_factory=dict)
@@ -143,10 +142,10 @@ class PoolIndex:
         self.ensure_keys(self.num_keys)
         return self.num_keys - 1
 
-    def set_key(self, key: int, task: int, entropy: float, version: int, traj_id: int, seq: int) -> None:
+    def set_key(self, key: int, task: int, entropy: float, version: int, traj_id: int) -> None:
         self.ensure_keys(key + 1)
         self.key_task[key], self.key_entropy[key], self.key_version[key] = task, entropy, version
-        self.key_traj_id[key], self.key_seq[key] = traj_id, seq
+        self.key_traj_id[key] = traj_id
 
     # ------------------------------------------------------------------------------------------------ buckets
     def set_difficulty(self, t: int, difficulty: int) -> None:
@@ -264,19 +263,14 @@ class PoolIndex:
         tasks = np.nonzero(order[:n] >= 0)[0]
         return tasks[np.argsort(order[tasks], kind="stable")]
 
-    def keys(self, t: int, current_step=None, max_policy_age=None, window=None) -> list[int]:
-        """Task `t`'s trajectory keys in store order: those young enough and among the `window` last stored."""
+    def keys(self, t: int, current_step=None, max_policy_age=None) -> list[int]:
+        """Task `t`'s trajectory keys in store order (with both arguments: those young enough to replay)."""
         keys = self.slots[t, : self.count[t]]
-        if window is None and (max_policy_age is None or current_step is None):
+        if max_policy_age is None or current_step is None:
             return keys.tolist()
-        keep = np.ones(len(keys), bool)
-        if max_policy_age is not None and current_step is not None:
-            keep &= current_step - self.key_version[keys] <= max_policy_age
-        if window is not None:
-            keep &= self.key_seq[keys] >= self.stored_count - window
-        return keys[keep].tolist()
+        return keys[current_step - self.key_version[keys] <= max_policy_age].tolist()
 
-    def replayable(self, tasks: np.ndarray, min_trajectories: int, current_step, max_policy_age, window) -> np.ndarray:
+    def replayable(self, tasks: np.ndarray, min_trajectories: int, current_step, max_policy_age) -> np.ndarray:
         """Mask of `tasks` (indices) that are bucketed, outside the skip set, have a row and enough candidates."""
         ok = (
             (self.difficulty[tasks] >= 0)
@@ -284,29 +278,25 @@ class PoolIndex:
             & self.has_row[tasks]
             & (self.count[tasks] >= min_trajectories)
         )
-        aged = max_policy_age is not None and current_step is not None
-        if (aged or window is not None) and ok.any():
+        if max_policy_age is not None and current_step is not None and ok.any():
             # Count the candidates of the tasks still in: O(tasks x slots) on the index, no trajectory read.
             checked = tasks[ok]
             slots = self.slots[checked]
             valid = slots >= 0
             keys = np.where(valid, slots, 0)
-            if aged:
-                valid &= current_step - self.key_version[keys] <= max_policy_age
-            if window is not None:
-                valid &= self.key_seq[keys] >= self.stored_count - window
+            valid &= current_step - self.key_version[keys] <= max_policy_age
             ok[np.nonzero(ok)[0]] = valid.sum(axis=1) >= min_trajectories
         return ok
 
-    def replayable_listing(self, min_trajectories, current_step, max_policy_age, window):
+    def replayable_listing(self, min_trajectories, current_step, max_policy_age):
         """(task indices, difficulties) of the replayable tasks, in bucket order."""
         tasks = self.ordered(self.difficulty_order)
-        tasks = tasks[self.replayable(tasks, min_trajectories, current_step, max_policy_age, window)]
+        tasks = tasks[self.replayable(tasks, min_trajectories, current_step, max_policy_age)]
         return tasks, self.difficulty[tasks]
 
-    def buckets(self, min_trajectories, current_step, max_policy_age, window, names) -> TaskBuckets:
+    def buckets(self, min_trajectories, current_step, max_policy_age, names) -> TaskBuckets:
         """The buckets' tasks that hold trajectories, as `TaskBuckets` (`names`: task indices -> task ids)."""
-        args = (min_trajectories, current_step, max_policy_age, window)
+        args = (min_trajectories, current_step, max_policy_age)
         return TaskBuckets(
             members={d: self.members[d][:n] for d, n in sorted(self.bucket_len.items()) if n},
             replayable=lambda tasks: self.replayable(np.asarray(tasks, np.int64), *args),

@@ -34,12 +34,12 @@ from .check import CHECKSUM, PoolFolder, PoolFormatError
 from .index import COUNTERS, STATE_COLUMNS, PoolIndex
 from .store import TRAJECTORY_SCHEMA, Log, Shard, fsync_path, read_arrow, write_arrow, write_atomic, write_json_atomic
 
-FORMAT_VERSION = (
-    5  # 5: one folder, trajectories found by id; 4: task rows in the tasks table; 3: every file's checksum
-)
+# 6: no store rank (`store_seq` column, `counters.stored_count`: they served only the removed replay window); 5: one
+# folder, trajectories found by id; 4: task rows in the tasks table; 3: every file's checksum
+FORMAT_VERSION = 6
 STATE_FILE = "state.json"
 _MAX_STATE_BYTES = 64 << 20
-_INDEX_COLUMNS = (("entropy", np.float32), ("policy_version", np.int64), ("store_seq", np.int64))  # kept in RAM
+_INDEX_COLUMNS = (("entropy", np.float32), ("policy_version", np.int64))  # kept in RAM
 
 logger = logging.getLogger("trl_exreplay.pool")
 
@@ -181,12 +181,11 @@ def load_index(folder: PoolFolder, state: dict, tasks: pa.Table, log: Log, capac
         table = _read_checked(file, TRAJECTORY_SCHEMA)
         if table.num_rows != entry["rows"]:
             raise PoolFormatError(file, f"has {table.num_rows} rows; the pool recorded {entry['rows']}.")
-        # An id or a store rank the pool has yet to hand out, even in a row no task lists: a later trajectory would
-        # take it (the next load would find the id twice; a rank also decides the replay window).
-        for column, counter in (("traj_id", "next_traj_id"), ("store_seq", "stored_count")):
-            given, high = table.column(column).to_numpy(), state["counters"][counter]
-            if len(given) and (given.min() < 0 or given.max() >= high):
-                raise PoolFormatError(file, f"holds a `{column}` outside [0, counters.{counter}) = [0, {high}).")
+        # An id the pool has yet to hand out, even in a row no task lists: a later trajectory would take it (the next
+        # load would find the id twice).
+        given, high = table.column("traj_id").to_numpy(), state["counters"]["next_traj_id"]
+        if len(given) and (given.min() < 0 or given.max() >= high):
+            raise PoolFormatError(file, f"holds a `traj_id` outside [0, counters.next_traj_id) = [0, {high}).")
         # The rows a task lists (the others are evicted trajectories), and the place of each in the tasks table.
         row_ids = table.column("traj_id").to_numpy()
         at = np.searchsorted(entry_id, row_ids, sorter=by_id).clip(max=max(len(entry_id) - 1, 0))
@@ -224,7 +223,6 @@ def load_index(folder: PoolFolder, state: dict, tasks: pa.Table, log: Log, capac
     index.ensure_keys(kept)
     index.key_task[:kept], index.key_traj_id[:kept] = entry_task[ok], entry_id[ok]
     index.key_entropy[:kept], index.key_version[:kept] = values["entropy"][ok], values["policy_version"][ok]
-    index.key_seq[:kept] = values["store_seq"][ok]
     return index, task_rows, +reasons  # without the zero counts
 
 
