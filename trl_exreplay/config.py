@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from trl import GRPOConfig
@@ -269,16 +269,49 @@ OWN_FIELDS: tuple[str, ...] = tuple(
 )
 document_fields(ExReplayGRPOConfig, skip=frozenset(GRPOConfig.__dataclass_fields__))
 
-ReplaySettings = make_dataclass(
-    "ReplaySettings",
-    [(f.name, f.type, field(default=f.default)) for f in fields(ExReplayGRPOConfig) if f.name in OWN_FIELDS],
-    frozen=True,
-    namespace={
-        "__doc__": "`ExReplayGRPOConfig`'s own fields, resolved (the profile's and the modes' values in place of "
-        "None), checked, frozen: made once by `replay_settings(args)`; read as attributes.",
-    },
-)
-ReplaySettings.__module__ = __name__
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """`ExReplayGRPOConfig`'s own fields, resolved (the profile's and the modes' values in place of None), checked,
+    frozen: made once by `replay_settings(args)`; read as attributes. Written out, not derived from the config, so that
+    a type checker sees every field; `tests/unit/test_config.py` keeps the names, order, types and defaults equal to
+    the config's."""
+
+    enable_experience_replay: bool = True
+    replay_profile: str | None = None
+    replay_ratio: float = 0.5
+    replay_start: str | None = None
+    replay_start_ratio: float | None = None
+    replay_start_solved_fraction: float | None = None
+    replay_retire_solved: bool | None = None
+    replay_revisit_ratio: float | None = None
+    replay_rescue: int | None = None
+    replay_spread_plan: bool = False
+    replay_spread_candidates: int = 4
+    replay_spread_half_life: float = 50.0
+    replay_spread_explore: float = 0.1
+    replay_spread_max_groups: int = 1
+    replay_trajectories_per_group: int = 1
+    replay_bucket_weighting: str | None = None
+    replay_count_replayed_successes: bool | None = None
+    replay_success_threshold: float = 1.0
+    replay_store_lbound: int = 0
+    replay_store_rbound: int | None = None
+    replay_max_trajectories_per_task: int = 5
+    replay_store_mode: str = "all"
+    replay_max_policy_age: int | None = None
+    replay_resume_without_pool: bool = False
+    replay_scratch_dir: str | None = None
+    replay_select_mode: str = "argmin"
+    replay_select_by_current_entropy: bool | None = None
+    replay_importance_sampling: bool = True
+    replay_shaping: str | None = None
+    replay_clip_high: float | None = None
+    replay_dual_clip_c: float | None = None
+    replay_shaping_beta: float | None = None
+    replay_unclipped_fresh: bool | None = None
+    task_id_column: str = "task_id"
+    tool_special_tokens: str = "keep"
 
 
 # The fields whose value, left None, comes from `replay_profile`: the library's defaults (no profile), and

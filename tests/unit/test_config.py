@@ -4,6 +4,7 @@ parts (`MultiTurnSettings`, `GuidanceSettings`)."""
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import get_type_hints
 
 import pytest
 from trl import GRPOConfig
@@ -416,6 +417,19 @@ def test_a_shaping_registered_at_runtime_can_be_selected(tmp_path, monkeypatch):
     with pytest.raises(ValueError) as info:
         make(tmp_path, replay_shaping="ppo")
     assert "'ppo'" in str(info.value) and "'clip', 'exgrpo', 'reinforce'" in str(info.value)
+
+
+def test_replay_settings_declares_exactly_the_configs_own_fields():
+    """`ReplaySettings` is written out field by field (for type checkers), so nothing but this test keeps it the
+    config's: the same names in the same order, the same annotations and the same defaults."""
+    # The annotations resolved: TRL's argument parser replaces a config field's string annotation by its type.
+    config_types, settings_types = get_type_hints(ExReplayGRPOConfig), get_type_hints(ReplaySettings)
+    own = [f for f in fields(ExReplayGRPOConfig) if f.name in OWN_FIELDS]
+    assert [(f.name, settings_types[f.name], f.default) for f in fields(ReplaySettings)] == [
+        (f.name, config_types[f.name], f.default) for f in own
+    ]
+    assert [f.name for f in own] == list(OWN_FIELDS) and len(OWN_FIELDS) == len(DEFAULTS)
+    assert ReplaySettings.__dataclass_params__.frozen
 
 
 def test_replay_settings_of_plain_grpo_config_are_the_defaults(tmp_path):
