@@ -27,6 +27,7 @@ DOCSTRINGS = [
     "trl_exreplay.pool.experience_pool:ExperiencePool",
     "trl_exreplay.pool.rules:",
     "trl_exreplay.schedule:",
+    "trl_exreplay.spread:",
     "trl_exreplay.outcomes:",
     "trl_exreplay.pool.store:",
     "trl_exreplay.envs.base:TextEnv",
