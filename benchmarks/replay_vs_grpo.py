@@ -194,6 +194,10 @@ REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "skip_set",
 # (None where a step does not: `returned_tasks` only in steps with a revisit).
 SPLIT_SERIES = ("all_fail_fresh", "all_win_fresh")  # per step: the fresh groups whose rollouts all failed, all won
 TEACH_SERIES = ("rescued_groups", "zero_std_rescued", "retired_tasks", "revisited_groups", "returned_tasks")
+# The spread plan's (`replay_spread_plan`), per step: the groups it redirected, and the predicted and observed share of
+# its planned fresh groups with spread (its calibration; None in a step without planned outcomes). Recorded since
+# issue 69's report runs.
+SPREAD_SERIES = ("spread_replanned_groups", "spread_predicted_fresh", "spread_observed_fresh")
 # The `guide/` metrics of experience-guided runs, per step (None where a step has no value, e.g. no guided row).
 GUIDE_SERIES = ("guided_fraction", "discarded_fraction", "records_per_rollout", "success_guided", "success_unguided",
                 "store_records", "summarizer_backlog", "summarizer_failures", "retrieve_failures")  # fmt: skip
@@ -315,6 +319,9 @@ class _Recorder:
             self.replay.setdefault("buckets", []).append(buckets)
             if any(f"replay/{name}" in logs for name in TEACH_SERIES):
                 for name in TEACH_SERIES:
+                    self.replay.setdefault(name, []).append(logs.get(f"replay/{name}"))
+            if "replay/spread_replanned_groups" in logs:
+                for name in SPREAD_SERIES:
                     self.replay.setdefault(name, []).append(logs.get(f"replay/{name}"))
         if "guide/guided_fraction" in logs:
             for name in GUIDE_SERIES:
@@ -720,15 +727,16 @@ def seed_aucs(methods: dict, axis: str) -> dict[str, dict[str, float]]:
     }  # fmt: skip
 
 
-def to_baseline_final(run: dict, base_run: dict) -> dict:
-    """Fresh rollouts `run` needs to reach the same seed's baseline final (`base_run`'s last held-out success), and
-    its ratio to the rollouts the baseline needed to first reach it. Not scoreable when that target is at or below the
-    seed's initial success (its step-0 point: every method of a seed starts from the same model)."""
+def to_baseline_final(run: dict, base_run: dict, axis: str = "fresh_rollouts") -> dict:
+    """Fresh rollouts (or, with `axis="wall_s"`, training seconds) `run` needs to reach the same seed's baseline final
+    (`base_run`'s last held-out success), and its ratio to what the baseline needed to first reach it. Not scoreable
+    when that target is at or below the seed's initial success (its step-0 point: every method of a seed starts from
+    the same model)."""
     target = base_run["points"][-1]["heldout_success"]
     if target <= base_run["points"][0]["heldout_success"]:
         return {"target": target, "status": "not scoreable"}
-    base_need = rollouts_to_reach(*seed_curve(base_run), target)
-    need = rollouts_to_reach(*seed_curve(run), target)
+    base_need = rollouts_to_reach(*seed_curve(base_run, axis), target)
+    need = rollouts_to_reach(*seed_curve(run, axis), target)
     if need is None:
         return {"target": target, "status": "never", "baseline_need": base_need}
     return {"target": target, "status": "reached", "need": need, "baseline_need": base_need,
@@ -791,6 +799,18 @@ def to_level(runs: dict, base_runs: dict, level: float) -> dict:
             "not_scoreable": len(not_scoreable), "ratio": ratio_summary(ratios)}  # fmt: skip
 
 
+def calibration(runs: dict) -> dict | None:
+    """The spread plan's calibration over a method's runs: the mean predicted and observed share of its planned fresh
+    groups with spread, over every step that recorded both (None where no run recorded the plan's series)."""
+    pairs = [(p, o) for run in runs.values()
+             for p, o in zip(run["replay"].get("spread_predicted_fresh", []), run["replay"].get("spread_observed_fresh", []))
+             if p is not None and o is not None]  # fmt: skip
+    if not pairs:
+        return None
+    return {"predicted": sum(p for p, _ in pairs) / len(pairs), "observed": sum(o for _, o in pairs) / len(pairs),
+            "steps": len(pairs)}  # fmt: skip
+
+
 def _mean_of_series(series) -> float | None:
     values = [v for one in series if one for v in one if v is not None]
     return sum(values) / len(values) if values else None
@@ -840,6 +860,7 @@ def summarize(entry: dict, baseline: str = "grpo", levels: tuple[float, ...] = (
             auc[axis] = {"per_seed": mine, "mean": sum(mine.values()) / len(mine) if mine else None,
                          "paired": paired(list(differences.values())), "leave_one_out": leave_one_out(differences)}  # fmt: skip
         final = {s: to_baseline_final(runs[s], base_runs[s]) for s in shared}
+        final_time = {s: to_baseline_final(runs[s], base_runs[s], "wall_s") for s in shared}
         generated = [  # the share of each run's rows that were generated, not replayed
             run["points"][-1]["fresh_rollouts"] / (rows_per_step(run["settings"]) * run["points"][-1]["step"])
             for run in runs.values()
@@ -875,7 +896,13 @@ def summarize(entry: dict, baseline: str = "grpo", levels: tuple[float, ...] = (
                 "never": sum(f["status"] == "never" for f in final.values()),
                 "not_scoreable": sum(f["status"] == "not scoreable" for f in final.values()),
             },
+            "to_final_time": {
+                "median_counting_never": median_counting_never(final_time),
+                "never": sum(f["status"] == "never" for f in final_time.values()),
+                "reached": sum(f["status"] == "reached" for f in final_time.values()),
+            },
             "levels": [to_level(runs, base_runs, level) for level in levels],
+            "calibration": calibration(runs),
             "zero_std_groups": after, "zero_std_fresh": fresh, "zero_std_fresh_source": fresh_source,
             "split": {name: _mean_of_series(run.get("split", {}).get(name) for run in runs.values())
                       for name in SPLIT_SERIES},
@@ -1091,7 +1118,14 @@ def step_time_lines(rows: list[dict], baseline: str) -> list[str]:
     lines = [f"- `{r['method']}`: median {statistics.median(r['step_ratios']):.2f} (range {min(r['step_ratios']):.2f}-"
              f"{max(r['step_ratios']):.2f}, {len(r['step_ratios'])} seeds)"
              for r in rows if r["method"] != baseline and r["step_ratios"]]  # fmt: skip
-    return ["", f"Seconds per step over `{baseline}`'s on the same seed:", *lines] if lines else []
+    if not lines:
+        return []
+    to_final = [f"- `{r['method']}`: {_times(r['to_final_time']['median_counting_never'])} "
+                f"({r['to_final_time']['reached']} reached, {r['to_final_time']['never']} never)"
+                for r in rows if r["method"] != baseline]  # fmt: skip
+    return ["", f"Seconds per step over `{baseline}`'s on the same seed:", *lines, "",
+            f"Training seconds to `{baseline}`'s final on the same seed over `{baseline}`'s, median counting a seed "
+            "that never reaches it as never:", *to_final]  # fmt: skip
 
 
 def zero_spread_lines(rows: list[dict], label: dict) -> list[str]:
@@ -1110,6 +1144,14 @@ def zero_spread_lines(rows: list[dict], label: dict) -> list[str]:
         fail, win = (r["split"][name] for name in SPLIT_SERIES)
         split = "not recorded" if fail is None or win is None else f"{100 * fail:.1f}% / {100 * win:.1f}%"
         lines.append(f"| {_cell_name(label[r['method']])} | {after} | {fresh} | {split} |")
+    calibrated = [f"- `{r['method']}`: predicted {100 * c['predicted']:.1f}%, observed {100 * c['observed']:.1f}% "
+                  f"({c['steps']} steps)" for r in rows if (c := r["calibration"])]  # fmt: skip
+    if calibrated:
+        lines += [
+            "",
+            "The spread plan's calibration: its planned fresh groups with spread, mean over steps:",
+            *calibrated,
+        ]
     return lines
 
 

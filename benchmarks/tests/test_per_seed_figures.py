@@ -210,3 +210,24 @@ def test_the_median_counts_never_as_never_and_one_seed_dropped_can_flip_an_inter
             by_hand.append(seed)
     assert loo["flips"] == by_hand == ["1", "2", "3", "4", "5"]
     assert harness.leave_one_out({"1": 0.1, "2": 0.1, "3": 0.1})["flips"] == []  # no spread: no seed carries it
+
+
+def test_training_seconds_to_the_baseline_final_and_the_plans_calibration(harness):
+    """Seed 1: `grpo` first reaches its final 0.5 at 20 s, `replay` at 12 s: 0.6x; seed 2's target is its initial
+    success, not scoreable. The calibration averages the steps where both shares were recorded, over runs."""
+    fixture = {"methods": {name: {"runs": {s: dict(r) for s, r in m["runs"].items()}}
+                           for name, m in FIXTURE["methods"].items()}}  # fmt: skip
+    fixture["methods"]["replay"]["runs"]["1"]["replay"] = {
+        "spread_predicted_fresh": [0.5, None, 0.7],
+        "spread_observed_fresh": [0.25, 0.9, 0.5],
+    }
+    fixture["methods"]["replay"]["runs"]["2"]["replay"] = {
+        "spread_predicted_fresh": [0.6],
+        "spread_observed_fresh": [0.75],
+    }
+    grpo, replay = harness.summarize(fixture, "grpo")
+    assert replay["to_final_time"] == {"median_counting_never": pytest.approx(0.6), "never": 0, "reached": 1}
+    assert grpo["calibration"] is None
+    assert replay["calibration"] == {"predicted": pytest.approx(0.6), "observed": pytest.approx(0.5), "steps": 3}
+    lines = "\n".join(harness.step_time_lines([grpo, replay], "grpo"))
+    assert "- `replay`: 0.60x (1 reached, 0 never)" in lines
