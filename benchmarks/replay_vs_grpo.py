@@ -110,9 +110,11 @@ GUIDED = {
     "guidance_update_freq": 1,
 }
 # Named presets: the ExReplayGRPOConfig fields a method sets on top of the testbed's training settings.
-# The library's defaults before every group taught (issue 55): no rescue, no retired questions. `exreplay` and its
-# variants are the arms of the earlier tests, run before the switch with `{}` for these, so they set them here.
-REPLAY_ONLY = {"replay_rescue": 0, "replay_retire_solved": False}  # replay alone: no rescue, no retired questions
+# The library's defaults before every group taught (issue 55): no rescue, no retired questions (and no spread plan,
+# issue 69). `exreplay` and its variants are the arms of the earlier tests, run before the switch with `{}` for these,
+# so they set them here; `teach` and its variants were run with `{}` from issue 55 to issue 69.
+REPLAY_ONLY = {"replay_rescue": 0, "replay_retire_solved": False, "replay_spread_plan": False}  # replay alone
+TEACH = {"replay_spread_plan": False, "replay_retire_solved": True}  # rescue, retired questions revisited at 0.5
 PRESETS: dict[str, dict] = {
     "grpo": {"enable_experience_replay": False},
     "exreplay": REPLAY_ONLY,
@@ -120,19 +122,20 @@ PRESETS: dict[str, dict] = {
     # ExGRPO's published recipe (replay_profile, docs/config.md "Profiles"), and the same without retired questions
     "exgrpo": {"replay_profile": "exgrpo"},
     "exgrpo-noretire": {"replay_profile": "exgrpo", "replay_retire_solved": False},
-    # Every group teaches, today's defaults: rescue of all-fail groups, retired questions revisited (run before the
-    # switch as `replay_profile="teach"`, the same values).
-    "teach": {},
+    # Every group teaches, the defaults of issue 55 to issue 69: rescue of all-fail groups, retired questions revisited
+    # (run as `{}` before the spread plan became the default, and before that as `replay_profile="teach"`).
+    "teach": TEACH,
     # Its pre-registered test's grid on the tuning seeds (50-54), which chose revisits at 0.5 (the grid's and the report
     # runs' `teach-revisit50`, today's `teach`): revisits at 0.25 (the grid's `teach`), rescue alone
-    "teach-revisit25": {"replay_revisit_ratio": 0.25},
-    "teach-rescue-only": {"replay_retire_solved": False},
-    # Rollouts where they teach (issue 69): today's defaults with the spread plan (`replay_spread_plan`), and the grid
-    # of its pre-registered test's tuning seeds (60-64): more exploration, two groups a task, the plan instead of
-    # retirement (docs/results.md, "Rollouts where they teach").
-    "spread": {"replay_spread_plan": True},
-    "spread-explore25": {"replay_spread_plan": True, "replay_spread_explore": 0.25},
-    "spread-cap2": {"replay_spread_plan": True, "replay_spread_max_groups": 2},
+    "teach-revisit25": {**TEACH, "replay_revisit_ratio": 0.25},
+    "teach-rescue-only": {**TEACH, "replay_retire_solved": False},
+    # Rollouts where they teach (issue 69): `teach` with the spread plan (`replay_spread_plan`), and the grid of its
+    # pre-registered test's tuning seeds (60-64): more exploration, two groups a task, the plan instead of retirement
+    # (docs/results.md, "Rollouts where they teach"). The last, chosen by the grid and made the default by the report
+    # runs, is today's defaults; the others were run as `teach`'s `{}` with the plan's fields.
+    "spread": {**TEACH, "replay_spread_plan": True},
+    "spread-explore25": {**TEACH, "replay_spread_plan": True, "replay_spread_explore": 0.25},
+    "spread-cap2": {**TEACH, "replay_spread_plan": True, "replay_spread_max_groups": 2},
     "spread-noretire": {"replay_spread_plan": True, "replay_retire_solved": False},
     # Candidates tried on the tuning seeds (0-4); see docs/results.md for what they showed.
     "exreplay-k4": {**REPLAY_ONLY, "replay_trajectories_per_group": 4},  # half of a replayed task's group is replayed

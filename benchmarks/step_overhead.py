@@ -12,6 +12,7 @@ the step at which replay starts (before it the two runs do the same work) to the
 * pool add: `_flush_pending` (outcomes and trajectories into the pool);
 * pool sample: `select_trajectories` without the entropy forward (buckets, candidates, reads);
 * entropy forward: `current_policy_entropies` (the current policy's no-grad forward over candidates);
+* spread plan: `plan_groups` (`replay_spread_plan`: which drawn tasks get the step's groups);
 * loss and backward: `training_step` without `_prepare_inputs`;
 * other: the rest of the step (optimizer, scheduler, TRL's bookkeeping, old/ref log-probs, rollout assembly).
 
@@ -52,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replay_testbeds import TESTBEDS  # noqa: E402
 from replay_vs_grpo import paired_interval  # noqa: E402
 
-PARTS = ("generation", "environment", "reward", "pool add", "pool sample", "entropy forward", "loss and backward")
+PARTS = ("generation", "environment", "reward", "pool add", "pool sample", "entropy forward", "spread plan",
+         "loss and backward")  # fmt: skip
 TIMED_METHODS = {
     "_generate_single_turn": "generation",
     "_calculate_rewards": "reward",
@@ -65,6 +67,7 @@ TIMED_FUNCTIONS = {
     ("trl_exreplay.envs.multiturn", "generate_batch"): "generation",
     ("trl_exreplay.replay", "select_trajectories"): "pool select",
     ("trl_exreplay.selection", "current_policy_entropies"): "entropy forward",
+    ("trl_exreplay.replay", "plan_groups"): "spread plan",
 }
 
 
@@ -200,6 +203,7 @@ def time_run(testbed, initial, replay: bool, max_steps: int) -> dict:
         "pool add": s["pool add"],
         "pool sample": s["pool select"] - s["entropy forward"],
         "entropy forward": s["entropy forward"],
+        "spread plan": s["spread plan"],
         "loss and backward": s["training step"] - s["prepare inputs"],
     }
     parts["other"] = clock["step_seconds"] - sum(parts.values())

@@ -19,7 +19,7 @@ from pathlib import Path
 REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
 
-from trl_exreplay.config import OWN_FIELDS, PROFILE_FIELDS, REPLAY_PROFILES, ExReplayGRPOConfig  # noqa: E402
+from trl_exreplay.config import OWN_FIELDS, ExReplayGRPOConfig, profile_values  # noqa: E402
 from trl_exreplay.envs.multiturn import MultiTurnSettings  # noqa: E402
 from trl_exreplay.guidance import GuidanceSettings  # noqa: E402
 from trl_exreplay.parameters import parameters  # noqa: E402
@@ -117,6 +117,7 @@ EXGRPO_SOURCES = {
     "replay_shaping": "`off_policy_reshape: p_div_p_0.1` (w / (w + 0.1): our replay_shaping_beta's default)",
     "replay_revisit_ratio": "none: a retired question is never drawn again",
     "replay_rescue": "none",
+    "replay_spread_plan": "none: every drawn question gets its group",
 }
 
 
@@ -128,19 +129,23 @@ def profiles() -> list[str]:
         "",
         "`replay_profile` gives the fields below that are left unset (None) a published recipe's values; a field "
         "set by hand, in code, YAML or a flag, keeps its value. Without a profile they take the library's defaults: "
-        "every group teaches (a fresh group whose rollouts all failed is rescued by a stored success of its task, "
-        "AR3PO's response reuse, arXiv 2509.25808; a solved question leaves the fresh stream but is revisited, "
-        "returning when it fails, unlike ExGRPO's retired questions, never seen again), on top of the AgentEvolver-style "
-        'pipeline the library was designed from; `replay_profile="exgrpo"` is ExGRPO\'s code as published (arXiv '
-        "2510.02245), whose start threshold 0.35 is `replay_start_solved_fraction`'s default. The library's defaults "
-        "before every group taught (the `exreplay` arm of the earlier tests) are `replay_rescue=0, "
+        "fresh rollouts where they teach (the spread plan: before generation, a per-task Beta estimate of fresh "
+        "success and a Thompson draw give the batch's groups to the tasks most likely to have a reward spread, as "
+        "MoPPS, arXiv 2507.04632, picks prompts) and every all-fail group rescued (by a stored success of its task, "
+        "AR3PO's response reuse, arXiv 2509.25808), on top of the AgentEvolver-style pipeline the library was designed "
+        'from; `replay_profile="exgrpo"` is ExGRPO\'s code as published (arXiv 2510.02245), whose start threshold '
+        "0.35 is `replay_start_solved_fraction`'s default. The defaults before the spread plan (`teach` in the results) "
+        "are `replay_spread_plan=False, replay_retire_solved=True` (a solved question leaves the fresh stream but "
+        "is revisited at half its draws, returning when it fails, unlike ExGRPO's retired questions, never seen "
+        "again); before every group taught (the `exreplay` arm of the earlier tests), also `replay_rescue=0, "
         "replay_retire_solved=False`. Which one to use: [results](results.md) compares them.",
         "",
         "| field | default | `exgrpo` | in ExGRPO's code |",
         "|---|---|---|---|",
     ]
-    for name, default in PROFILE_FIELDS.items():
-        exgrpo = REPLAY_PROFILES["exgrpo"].get(name, default)
+    exgrpo_values = profile_values("exgrpo", {})
+    for name, default in profile_values(None, {}).items():  # as resolved: revisits go with retirement
+        exgrpo = exgrpo_values[name]
         lines.append(f"| `{name}` | `{default!r}` | `{exgrpo!r}` | {EXGRPO_SOURCES[name]} |")
     lines += [
         "",

@@ -57,10 +57,10 @@ class ExReplayGRPOConfig(GRPOConfig):
             Turn experience replay on. When False the trainer behaves exactly as `GRPOTrainer`.
         replay_profile (`str | None`, *optional*, defaults to `None`):
             The recipe that gives the fields left unset (None) their values: None, the library's defaults (the value
-            after 'None:' in each field's help: every group teaching, i.e. all-fail groups rescued and solved questions
-            retired with revisits), or 'exgrpo', ExGRPO's published code (replay_start='solved', replay_retire_solved
+            after 'None:' in each field's help: fresh rollouts planned where they teach, i.e. the spread plan, and
+            all-fail groups rescued), or 'exgrpo', ExGRPO's published code (replay_start='solved', replay_retire_solved
             without revisits, replay_count_replayed_successes, replay_unclipped_fresh, replay_bucket_weighting='normal',
-            replay_shaping='exgrpo', no rescue); see Profiles below. A field you set wins.
+            replay_shaping='exgrpo', no rescue, no spread plan); see Profiles below. A field you set wins.
         replay_ratio (`float`, *optional*, defaults to `0.5`):
             Long-run share of task groups drawn from the replay pool once replay has started (batch size unchanged).
             Generation batch n (counted over the run) replays floor(r*g*(n+1)) - floor(r*g*n) of its g groups: r*g in
@@ -81,12 +81,12 @@ class ExReplayGRPOConfig(GRPOConfig):
             Retired questions leave the fresh stream (ExGRPO): from the next generation batch on, a skip-set task
             (solved by every fresh rollout) gets no fresh rollout again: its groups take other dataset rows, so every
             batch keeps its size. A map-style dataset only (an iterable one trains without it, with a warning). None:
-            the profile's; True without one.
+            the profile's; False without one (the spread plan, replay_spread_plan, took its place in the defaults).
         replay_revisit_ratio (`float | None`, *optional*, defaults to `None`):
             With replay_retire_solved: the share of a retired question's draws let through as revisits (drawn per group
             from the step's seed, the same on every rank); a revisit that any fresh rollout fails puts the question back
             in the fresh stream, so a solved question that is forgotten is trained again. 0: retired questions never
-            return (ExGRPO). In [0, 1]. None: the profile's; 0.5 without one (0 when retirement is off).
+            return (ExGRPO). In [0, 1]. None: the profile's; without one 0.5 when you turn retirement on, else 0.
         replay_rescue (`int | None`, *optional*, defaults to `None`):
             Rescue (AR3PO's response reuse): after scoring, a fresh group whose rollouts all failed, of a task the pool
             holds this many successes of, gets that many of its failed rollouts replaced by them (chosen by
@@ -96,14 +96,14 @@ class ExReplayGRPOConfig(GRPOConfig):
             that a forgotten task can be rescued. A rescued row's reference log-probs would be those of the failed
             rollout, so with beta != 0 rescue is off (one warning naming both fields). 0: off; below num_generations.
             None: the profile's; 1 without one.
-        replay_spread_plan (`bool`, *optional*, defaults to `False`):
+        replay_spread_plan (`bool | None`, *optional*, defaults to `None`):
             Fresh rollouts where they teach (`trl_exreplay.spread`): before generation, the batch's groups go to the
             tasks whose groups are most likely to have a reward spread (a success and a failure), by a per-task Beta
             posterior of fresh success learnt from every fresh outcome of the run (MoPPS) and a Thompson draw: the
             sampler's groups and replay_spread_candidates - 1 times as many rows drawn from the dataset compete for
             them. A task with a stored success counts its all-fail groups as teaching (rescue fills them). The batch
             keeps its shape; a map-style dataset only (an iterable one trains without it, with a warning). The
-            estimates travel with checkpoints.
+            estimates travel with checkpoints. None: the profile's; True without one.
         replay_spread_candidates (`int`, *optional*, defaults to `4`):
             replay_spread_plan only: candidate rows per group, the sampler's own included. >= 1; 1 only reorders
             nothing (every group keeps its row, but for replay_spread_max_groups).
@@ -229,7 +229,7 @@ class ExReplayGRPOConfig(GRPOConfig):
     replay_retire_solved: bool | None = None
     replay_revisit_ratio: float | None = None
     replay_rescue: int | None = None
-    replay_spread_plan: bool = False
+    replay_spread_plan: bool | None = None
     replay_spread_candidates: int = 4
     replay_spread_half_life: float = 50.0
     replay_spread_explore: float = 0.1
@@ -286,7 +286,7 @@ class ReplaySettings:
     replay_retire_solved: bool | None = None
     replay_revisit_ratio: float | None = None
     replay_rescue: int | None = None
-    replay_spread_plan: bool = False
+    replay_spread_plan: bool | None = None
     replay_spread_candidates: int = 4
     replay_spread_half_life: float = 50.0
     replay_spread_explore: float = 0.1
@@ -318,13 +318,15 @@ class ReplaySettings:
 # ExGRPO's published recipe (its code, ElliottYan/LUFFY, folder ExGRPO), where it differs; docs/config.md tabulates both.
 # ExGRPO's pool bounds (lbound < s <= rbound with 0 and G-1) are ours with the default replay_store_rbound (s < G), and
 # it too selects the lowest entropy under the current policy, replays half the questions, k = 1, beta 0.1.
-# The defaults make every group teach (rescue, retirement with revisits at 0.5): the pre-registered test of issue 55
-# made them the defaults by its decision rule (docs/results.md, "Every group teaches: the results"). The defaults
-# before it (the `exreplay` arm of every earlier test) are replay_rescue=0, replay_retire_solved=False.
+# The defaults plan fresh rollouts where they teach (the spread plan, in place of retirement) and rescue all-fail
+# groups: the pre-registered test of issue 69 made the plan the default by its decision rule (docs/results.md, "Rollouts
+# where they teach: the results"). Before it (issue 55's `teach`): retirement with revisits at 0.5, no plan; before
+# that (the `exreplay` arm of every earlier test): replay_rescue=0, replay_retire_solved=False.
 PROFILE_FIELDS: dict[str, Any] = {
     "replay_start": "steps",
-    "replay_retire_solved": True,
-    "replay_revisit_ratio": 0.5,  # chosen on tuning seeds 50-54 (docs/results.md)
+    "replay_retire_solved": False,
+    "replay_revisit_ratio": 0.5,  # when retirement is turned on; chosen on tuning seeds 50-54 (docs/results.md)
+    "replay_spread_plan": True,
     "replay_rescue": 1,
     "replay_count_replayed_successes": False,
     "replay_unclipped_fresh": False,
@@ -337,6 +339,7 @@ REPLAY_PROFILES: dict[str, dict[str, Any]] = {
         "replay_retire_solved": True,
         "replay_revisit_ratio": 0.0,  # a retired question is never drawn again
         "replay_rescue": 0,
+        "replay_spread_plan": False,
         "replay_count_replayed_successes": True,
         "replay_unclipped_fresh": True,
         "replay_bucket_weighting": "normal",

@@ -213,9 +213,10 @@ class ReplayController:
                      else f" Nothing is replayed within max_steps={max_steps} ({ratio}).")  # fmt: skip
         if from_start:
             changes = f" From step 1: {'; '.join(from_start)}.{later}"
-            spread = ", replay_spread_plan=False" if self.spreading else ""
+            on = {"replay_rescue=0": self.rescue_rows, "replay_retire_solved=False": self.retiring,
+                  "replay_spread_plan=False": self.spreading}  # fmt: skip
             exact = ("GRPOTrainer exactly: enable_experience_replay=False; GRPOTrainer until replay starts: "
-                     f"replay_rescue=0, replay_retire_solved=False{spread}.")  # fmt: skip
+                     f"{', '.join(field for field, changes in on.items() if changes)}.")  # fmt: skip
         else:
             changes = f"{later} Until then it trains as GRPOTrainer while the pool fills."
             exact = "GRPOTrainer exactly: enable_experience_replay=False."

@@ -96,114 +96,113 @@ def test_no_user_page_gives_the_ratio_read_off_mean_curves_as_a_figure():
 
 
 VERDICT = re.compile(r"<!-- verdict:.*?-->\n(.*?)<!-- /verdict -->", re.DOTALL)
+SPREAD, TEACH = "spread-noretire", "teach"  # the defaults since issue 69's test, and the former ones, as it ran them
+SPREAD_REPORT = REPO / "docs" / "results" / "spread" / "report"
+TEACH_REPORT = REPO / "docs" / "results" / "teach" / "report"  # the former defaults' own test (f1f8078)
+
+
+def rows(harness, folder: Path, baseline: str) -> dict:
+    """The harness's per-seed summary of a pre-registered test's results folder (named after its testbed)."""
+    (found,) = harness.load_results(folder)["testbeds"].values()
+    assert {len(m["runs"]) for m in found["methods"].values()} == {20}  # every registered run, every method
+    levels = harness.TESTBEDS[folder.name].target_levels
+    return {row["method"]: row for row in harness.summarize(found, baseline, levels)}
+
+
+def fresh_spread(row) -> str:
+    return f"{100 * (1 - row['zero_std_fresh']):.1f}%"
 
 
 def test_the_verdict_is_one_paragraph_of_readme_and_the_docs_home_with_the_per_seed_figures(harness):
     """The verdict on README's first screen and the docs home page: the same text, its figures the per-seed ones of
-    the "every group teaches" test's results files (never-reaching seeds counted as never) and of its rerun."""
+    the "rollouts where they teach" test's results files (never-reaching seeds counted as never)."""
     (readme,) = VERDICT.findall((REPO / "README.md").read_text())
     (home,) = VERDICT.findall((REPO / "docs" / "index.md").read_text())
     assert readme == home
     verdict = " ".join(readme.split())
-    single, doors = (teach_rows(harness, t, "grpo")[TEACH] for t in ("single-turn", "multi-turn"))
-    wins = doors["auc"]["rollouts"]["paired"]["sign"]["wins"]
-    assert f"learned more per fresh rollout than GRPO on {wins} of 20 seeds" in verdict
+    single, doors = (rows(harness, SPREAD_REPORT / t, "grpo")[SPREAD] for t in ("single-turn", "multi-turn"))
+    assert all(row["auc"]["rollouts"]["paired"]["interval"]["low"] > 0 for row in (single, doors))
+    assert "learned more per fresh rollout than GRPO on both testbeds" in verdict
+    sign = doors["auc"]["rollouts"]["paired"]["sign"]
     f = doors["to_final"]
     assert (
-        f"in a median {f['median_counting_never']:.2f}x of its fresh rollouts ({f['never']} seeds never did)"
-        in verdict
+        f"on {sign['wins']} of 20 seeds, reaching GRPO's final success in a median {f['median_counting_never']:.2f}x "
+        f"of its fresh rollouts ({f['never']} seeds never did)" in verdict
     )
-    losses = single["auc"]["rollouts"]["paired"]["sign"]["losses"]
-    assert f"below GRPO on {losses} of 20 seeds per rollout" in verdict
-    rerun = rerun_rows(harness)[TEACH_NOW]
-    assert rerun["auc"]["time"]["paired"]["interval"]["high"] < 0 and "and per training second" in verdict
-    assert f"each step costing about {statistics.median(rerun['step_ratios']):.1f}x GRPO's" in verdict
+    sign, f = single["auc"]["rollouts"]["paired"]["sign"], single["to_final"]
+    assert (
+        f"by little: on {sign['wins']} of 20 seeds, a median {f['median_counting_never']:.2f}x of GRPO's rollouts to "
+        f"its final ({f['never']} seeds never reached it)" in verdict
+    )
+    time_ = single["auc"]["time"]["paired"]["interval"]
+    assert time_["low"] < 0 < time_["high"] and "no gain per training second" in verdict
+    assert f"each step costing about {statistics.median(single['step_ratios']):.1f}x GRPO's" in verdict
 
 
-TEACH, TEACH_NOW = "teach-revisit50", "teach"  # the profile's name in the test's runs (f1f8078), and today's
-TEACH_REPORT = REPO / "docs" / "results" / "teach" / "report"
-TIME_RERUN = REPO / "docs" / "results" / "teach" / "time-rerun" / "single-turn"
-
-
-def teach_rows(harness, testbed: str, baseline: str) -> dict:
-    (found,) = harness.load_results(TEACH_REPORT / testbed)["testbeds"].values()
-    assert {len(m["runs"]) for m in found["methods"].values()} == {20}  # every registered run, every method
-    levels = harness.TESTBEDS[testbed].target_levels
-    return {row["method"]: row for row in harness.summarize(found, baseline, levels)}
-
-
-def rerun_rows(harness) -> dict:
-    (found,) = harness.load_results(TIME_RERUN)["testbeds"].values()
-    assert {len(m["runs"]) for m in found["methods"].values()} == {20}
-    # one load: each run pinned to one core, every run of the rerun at one commit, of the library it imported
-    runs = [run for m in found["methods"].values() for run in m["runs"].values()]
-    assert {run["run"]["machine"]["cores_allowed"] for run in runs} == {1}
-    assert len({(run["run"]["commit"], run["run"]["library"]["commit"]) for run in runs}) == 1
-    return {
-        row["method"]: row for row in harness.summarize(found, "grpo", harness.TESTBEDS["single-turn"].target_levels)
-    }
-
-
-def test_the_results_line_leads_with_the_every_group_teaches_test(harness):
-    """The newest pre-registered test (docs/results.md, "Every group teaches"): its per-seed figures, recomputed from
-    docs/results/teach/report/, lead the results line, with the median that counts never-reaching seeds as never, the
-    decision rule applied as registered with its leave-one-out fragility, and the single-turn time axis of the rerun
-    under one load (docs/results/teach/time-rerun/)."""
+def test_the_results_line_leads_with_the_rollouts_where_they_teach_test(harness):
+    """The newest pre-registered test (docs/results.md, "Rollouts where they teach"): its per-seed figures, recomputed
+    from docs/results/spread/report/, lead the results line: against GRPO per fresh rollout and per training second,
+    the median that counts never-reaching seeds as never, the registered goal and the fresh groups with spread, and the
+    decision rule against the former defaults applied as registered, with its leave-one-out fragility."""
     line = results_line(REPO / "README.md")
-    single, doors = (teach_rows(harness, t, "grpo") for t in ("single-turn", "multi-turn"))
-    single_x, doors_x = (teach_rows(harness, t, "exreplay") for t in ("single-turn", "multi-turn"))
+    single, doors = (rows(harness, SPREAD_REPORT / t, "grpo") for t in ("single-turn", "multi-turn"))
+    single_t, doors_t = (rows(harness, SPREAD_REPORT / t, TEACH) for t in ("single-turn", "multi-turn"))
 
-    def auc(row, short=False):
-        p = row["auc"]["rollouts"]["paired"]
-        seeds = "" if short else f" ({p['sign']['wins']} seeds above, {p['sign']['losses']} below)"
-        return f"{interval(p)}{seeds}"
+    def auc(row, axis="rollouts", seeds=True, words=("seeds above", "below")):
+        p = row["auc"][axis]["paired"]
+        return interval(p) + (f" ({p['sign']['wins']} {words[0]}, {p['sign']['losses']} {words[1]})" if seeds else "")
 
     assert (
-        f"the doors game {auc(doors[TEACH])}, single-turn {interval(single[TEACH]['auc']['rollouts']['paired'])}"
+        f"the doors game {auc(doors[SPREAD])}, single-turn {auc(single[SPREAD], words=('above', 'below'))}; against "
+        f"training seconds {auc(doors[SPREAD], 'time', False)} and {auc(single[SPREAD], 'time', words=('above', 'below'))}"
+        f", the defaults' step taking a median {statistics.median(doors[SPREAD]['step_ratios']):.2f}x and "
+        f"{statistics.median(single[SPREAD]['step_ratios']):.2f}x GRPO's" in line
+    )
+    finals = [row[SPREAD]["to_final"] for row in (doors, single)]
+    assert (
+        f"{finals[0]['median_counting_never']:.2f}x on the doors game ({finals[0]['ratio']['seeds']} reached, "
+        f"{finals[0]['never']} never), {finals[1]['median_counting_never']:.2f}x on single-turn "
+        f"({finals[1]['ratio']['seeds']} reached, {finals[1]['never']} never)" in line
+    )
+    # "saves rollouts" only where that median is at most 0.8x (the registered wording rule): the doors game alone
+    assert finals[0]["median_counting_never"] <= 0.8 < finals[1]["median_counting_never"]
+    assert (
+        "reached GRPO's final in fewer rollouts on the doors game, not by the registered margin on single-turn" in line
+    )
+    # the goal (0.5x and 0.6x, 60% of fresh rollouts in groups with spread) not met, as the figures say
+    assert finals[0]["median_counting_never"] > 0.5 and finals[1]["median_counting_never"] > 0.6
+    assert (
+        f"the defaults reached {fresh_spread(doors[SPREAD])} and {fresh_spread(single[SPREAD])} (GRPO: "
+        f"{fresh_spread(doors['grpo'])} and {fresh_spread(single['grpo'])})" in line
+    )
+    # the registered rule: the plan becomes the default if its interval against the former defaults is above 0 on one
+    # testbed and below 0 on none, and its time-axis difference is below 0 on neither
+    low = [x[SPREAD]["auc"]["rollouts"]["paired"]["interval"]["low"] for x in (single_t, doors_t)]
+    high = [x[SPREAD]["auc"]["rollouts"]["paired"]["interval"]["high"] for x in (single_t, doors_t)]
+    time_high = [x[SPREAD]["auc"]["time"]["paired"]["interval"]["high"] for x in (single_t, doors_t)]
+    assert any(v > 0 for v in low) and not any(v < 0 for v in high) and not any(v < 0 for v in time_high)
+    d, st = doors_t[SPREAD]["auc"]["rollouts"], single_t[SPREAD]["auc"]["rollouts"]["paired"]
+    assert (
+        f"against them {interval(d['paired'])} on the doors game ({d['paired']['sign']['wins']} seeds above, "
+        f"{d['paired']['sign']['losses']} below; dropping any one of {len(d['leave_one_out']['flips'])} of the 20 "
+        f"seeds leaves the interval containing 0) and {interval(st)} on single-turn ({st['sign']['wins']} above, "
+        f"{st['sign']['losses']} below)" in line
+    )
+    assert not single_t[SPREAD]["auc"]["rollouts"]["leave_one_out"]["flips"]
+    assert (
+        f"per training second {auc(doors_t[SPREAD], 'time', False)} and {auc(single_t[SPREAD], 'time', False)}" in line
+    )
+    # the former defaults' own test, in one clause
+    single_f, doors_f = (
+        rows(harness, TEACH_REPORT / t, "grpo")["teach-revisit50"] for t in ("single-turn", "multi-turn")
+    )
+    assert (
+        f"on the doors game ({auc(doors_f, seeds=False)}) and not on single-turn ({auc(single_f, seeds=False)})"
         in line
-    )
-    assert f"({single[TEACH]['auc']['rollouts']['paired']['sign']['wins']} above, 14 below)" in line
-
-    def to_final(row):
-        f = row["to_final"]
-        return (f"{f['median_counting_never']:.2f}x", f"{f['ratio']['seeds']} reached, {f['never']} never")
-
-    ratio, counts = to_final(doors[TEACH])
-    assert (
-        f"{ratio} on the doors game ({counts}; {doors[TEACH]['to_final']['ratio']['median']:.2f}x over the 17)" in line
-    )
-    ratio, counts = to_final(single[TEACH])
-    assert f"{ratio} on single-turn ({counts})" in line
-
-    # the time axis: the rerun under one load, beside the test's own figure
-    rerun = rerun_rows(harness)[TEACH_NOW]
-    time_ = rerun["auc"]["time"]["paired"]
-    assert (
-        f"at 9034e87): {interval(time_)} ({time_['sign']['wins']} seeds above, {time_['sign']['losses']} below), the "
-        f"defaults' step taking a median {statistics.median(rerun['step_ratios']):.2f}x GRPO's" in line
-    )
-    assert f"the test's own figure, {single[TEACH]['auc']['time']['paired']['interval']['mean']:+.3f}, came" in line
-
-    # the former defaults against GRPO, and the registered rule: the profile becomes the default if its interval
-    # against them is above 0 on one testbed and below 0 on none; how narrowly, by leaving one seed out
-    assert f"`exreplay`: {auc(doors['exreplay'], True)} and {auc(single['exreplay'], True)} against GRPO" in line
-    low = [x[TEACH]["auc"]["rollouts"]["paired"]["interval"]["low"] for x in (single_x, doors_x)]
-    high = [x[TEACH]["auc"]["rollouts"]["paired"]["interval"]["high"] for x in (single_x, doors_x)]
-    assert any(v > 0 for v in low) and not any(v < 0 for v in high)  # the rule chose `teach`
-    d = doors_x[TEACH]["auc"]["rollouts"]
-    assert f"against them {interval(d['paired'])} on the doors game (its lower bound {low[1]:+.4f}; " in line
-    assert (
-        f"dropping any one of {len(d['leave_one_out']['flips'])} of the 20 seeds leaves the interval containing 0"
-        in line
-    )
-    assert (
-        f"and {interval(single_x[TEACH]['auc']['rollouts']['paired'])} on single-turn (6 above, 14 below; its upper "
-        f"bound {high[0]:+.4f})" in line
     )
     # and the library's defaults are what the rule chose: the report runs' values, with nothing else set
-    assert harness.PRESETS["teach"] == {} and (
-        harness.PRESETS["exreplay"] == {"replay_rescue": 0, "replay_retire_solved": False}
-    )
-    assert {f: PROFILE_FIELDS[f] for f in ("replay_rescue", "replay_retire_solved", "replay_revisit_ratio")} == (
-        {"replay_rescue": 1, "replay_retire_solved": True, "replay_revisit_ratio": 0.5}
+    assert harness.PRESETS[SPREAD] == {"replay_spread_plan": True, "replay_retire_solved": False}
+    assert harness.PRESETS[TEACH] == {"replay_spread_plan": False, "replay_retire_solved": True}
+    assert {f: PROFILE_FIELDS[f] for f in ("replay_rescue", "replay_retire_solved", "replay_spread_plan")} == (
+        {"replay_rescue": 1, "replay_retire_solved": False, "replay_spread_plan": True}
     )

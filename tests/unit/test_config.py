@@ -15,6 +15,7 @@ from trl_exreplay.config import (
     REPLAY_PROFILES,
     ExReplayGRPOConfig,
     ReplaySettings,
+    profile_values,
     replay_settings,
 )
 from trl_exreplay.envs.multiturn import MultiTurnSettings
@@ -41,12 +42,12 @@ DEFAULTS = {
     "replay_start": "steps",
     "replay_start_ratio": 0.35,
     "replay_start_solved_fraction": None,  # read under replay_start="solved" only
-    "replay_retire_solved": True,
-    "replay_revisit_ratio": 0.5,
+    "replay_retire_solved": False,
+    "replay_revisit_ratio": 0.0,
     "replay_rescue": 1,
     "replay_count_replayed_successes": False,
     "replay_unclipped_fresh": False,
-    "replay_spread_plan": False,
+    "replay_spread_plan": True,
     "replay_spread_candidates": 4,
     "replay_spread_half_life": 50.0,
     "replay_spread_explore": 0.1,
@@ -116,6 +117,7 @@ def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_pa
         "replay_retire_solved": True,
         "replay_revisit_ratio": 0.0,
         "replay_rescue": 0,
+        "replay_spread_plan": False,
         "replay_count_replayed_successes": True,
         "replay_unclipped_fresh": True,
         "replay_bucket_weighting": "normal",
@@ -127,16 +129,25 @@ def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_pa
     mine = make(tmp_path, replay_profile="exgrpo", replay_retire_solved=False, replay_bucket_weighting="uniform")
     assert (mine.replay_retire_solved, mine.replay_bucket_weighting) == (False, "uniform")
     assert mine.replay_start == "solved" and mine.replay_shaping == "exgrpo"
-    # no profile: the library's defaults, also for a plain GRPOConfig
-    assert {name: getattr(make(tmp_path), name) for name in PROFILE_FIELDS} == PROFILE_FIELDS
+    # no profile: the library's defaults (revisits at 0.5 only once retirement is turned on), also for a GRPOConfig
+    defaults = {**PROFILE_FIELDS, "replay_revisit_ratio": 0.0}
+    assert {name: getattr(make(tmp_path), name) for name in PROFILE_FIELDS} == defaults == profile_values(None, {})
     settings = replay_settings(make(tmp_path, config_cls=GRPOConfig))
-    assert {name: getattr(settings, name) for name in PROFILE_FIELDS} == PROFILE_FIELDS
+    assert {name: getattr(settings, name) for name in PROFILE_FIELDS} == defaults
 
 
-def test_the_defaults_rescue_and_retire_with_revisits(tmp_path):
+def test_the_defaults_plan_spread_and_rescue(tmp_path):
     c = make(tmp_path)
-    assert (c.replay_rescue, c.replay_retire_solved, c.replay_revisit_ratio) == (1, True, 0.5)
+    assert (c.replay_spread_plan, c.replay_rescue, c.replay_retire_solved, c.replay_revisit_ratio) == (
+        True,
+        1,
+        False,
+        0,
+    )
     assert make(tmp_path, replay_rescue=0).replay_rescue == 0
+    # the defaults before the plan (issue 55's `teach`): turning retirement on brings its revisits at 0.5
+    teach = make(tmp_path, replay_spread_plan=False, replay_retire_solved=True)
+    assert (teach.replay_spread_plan, teach.replay_retire_solved, teach.replay_revisit_ratio) == (False, True, 0.5)
     # turning retirement off turns its revisits off with it (they revisit retired questions), unless they are set
     mine = make(tmp_path, replay_retire_solved=False)
     assert (mine.replay_retire_solved, mine.replay_revisit_ratio, mine.replay_rescue) == (False, 0.0, 1)

@@ -34,12 +34,16 @@ def _controller(tmp_path, **fields) -> ReplayController:
 def test_what_replay_changes_is_said_for_the_settings_in_force(tmp_path):
     defaults = _controller(tmp_path).what_replay_changes(max_steps=24)
     assert "From step 1: an all-fail group gets 1 stored success of its task" in defaults
-    assert "50% of its draws coming back as revisits" in defaults
+    assert "the batch's groups go to the tasks most likely to have a reward spread" in defaults
+    assert "retire" not in defaults.split("GRPOTrainer exactly")[0]
     assert "From step 10 of 24 (replay_start_ratio=0.35): 50% of the groups train on 1 stored success" in defaults
-    assert defaults.endswith("GRPOTrainer until replay starts: replay_rescue=0, replay_retire_solved=False.")
+    assert defaults.endswith("GRPOTrainer until replay starts: replay_rescue=0, replay_spread_plan=False.")
+    teach = _controller(tmp_path, replay_spread_plan=False, replay_retire_solved=True).what_replay_changes(24)
+    assert "50% of its draws coming back as revisits" in teach
+    assert teach.endswith("GRPOTrainer until replay starts: replay_rescue=0, replay_retire_solved=False.")
     # 0.35 of 20 steps is step 7 exactly (7 / 20 >= 0.35, although 0.35 * 20 rounds above 7): the eighth, counted from 1
     assert "From step 8 of 20" in _controller(tmp_path).what_replay_changes(max_steps=20)
-    replay_only = _controller(tmp_path, replay_rescue=0, replay_retire_solved=False, replay_start_ratio=1.0)
+    replay_only = _controller(tmp_path, replay_rescue=0, replay_spread_plan=False, replay_start_ratio=1.0)
     said = replay_only.what_replay_changes(max_steps=10)
     assert "From step 1" not in said and "Nothing is replayed within max_steps=10 (replay_start_ratio=1)" in said
     assert said.endswith("GRPOTrainer exactly: enable_experience_replay=False.")
@@ -52,11 +56,11 @@ def test_what_replay_changes_is_said_for_the_settings_in_force(tmp_path):
     assert "2 stored successes of its task in place of its last failed rollouts (replay_rescue=2)" in _controller(
         tmp_path, replay_rescue=2
     ).what_replay_changes(max_steps=10)
-    spread = _controller(tmp_path, replay_spread_plan=True).what_replay_changes(max_steps=10)
-    assert "the batch's groups go to the tasks most likely to have a reward spread" in spread
-    assert "(replay_spread_plan=True, 10% of the groups kept as drawn)" in spread
-    assert spread.endswith("replay_rescue=0, replay_retire_solved=False, replay_spread_plan=False.")
-    assert "reward spread" not in defaults
+    both = _controller(tmp_path, replay_retire_solved=True).what_replay_changes(max_steps=10)
+    assert "the batch's groups go to the tasks most likely to have a reward spread" in both
+    assert "(replay_spread_plan=True, 10% of the groups kept as drawn)" in both
+    assert both.endswith("replay_rescue=0, replay_retire_solved=False, replay_spread_plan=False.")
+    assert "reward spread" not in teach
 
 
 # What `accelerate launch` (1.15) puts in a process's environment, seen from the process it starts on a CPU machine.
