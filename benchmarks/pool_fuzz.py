@@ -114,7 +114,7 @@ def build_pool(folder: str, tokenizer) -> None:
 
 def fingerprint_of(pool: ExperiencePool) -> str:
     """The pool's content hash and a replay read of it (each stored task's best trajectory, as the trainer reads)."""
-    chosen = pool.choose(pool.stored_tasks(), 1)
+    chosen = pool.select(pool.stored_tasks(), 1)
     read = [(t.task_id, t.traj_id, t.completion_ids, t.logps) for ts in chosen.values() for t in ts]
     return pool.content_hash() + json.dumps(read)
 

@@ -322,7 +322,7 @@ def shard_rows(files: dict[str, bytes]) -> int:
 
 
 def all_trajectories(pool) -> list[dict]:
-    rows = [dict(t.__dict__) for task in pool.stored_tasks() for t in pool.candidates(task)]
+    rows = [dict(t.__dict__) for task in pool.stored_tasks() for t in pool.trajectories(task)]
     return sorted(rows, key=lambda row: row["traj_id"])
 
 

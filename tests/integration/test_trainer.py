@@ -127,7 +127,7 @@ def test_recorded_logps_are_the_generating_policy(tmp_path, schedule):
     snapshots = SnapshotCallback()
     trainer.add_callback(snapshots)
     trainer.train()
-    trajectories = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.candidates(task)]
+    trajectories = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.trajectories(task)]
     assert len(trajectories) >= 3
     model = trainer.model
     checked_versions = set()
@@ -272,7 +272,7 @@ def test_selection_by_current_or_saved_entropy(tmp_path, use_current):
     chosen = select_trajectories(trainer.pool, plan, trainer.settings, 0, [0, 0], trainer.accelerator,
                                  trainer._policy_forward, lambda read: read())["task-0"][0]  # fmt: skip
     expected = int(np.argmin(current)) if use_current else int(np.argmin(saved))
-    assert chosen.completion_ids == trainer.pool.candidates("task-0")[expected].completion_ids
+    assert chosen.completion_ids == trainer.pool.trajectories("task-0")[expected].completion_ids
     assert int(np.argmin(current)) != int(np.argmin(saved))
 
 

@@ -251,7 +251,7 @@ def test_rows_a_model_cannot_train_on_are_refused_and_counted(bad, reason):
 def test_token_ids_past_the_vocabulary_are_refused_at_load_and_when_the_vocabulary_is_set(tmp_path):
     pool = saved_pool(tmp_path / "pool")
     pool.add(trajectory("d", ids=(3, 40)))
-    assert pool.set_vocab_size(32) == 1 and pool.candidates("d") == []
+    assert pool.set_vocab_size(32) == 1 and pool.trajectories("d") == []
     assert not pool.add(trajectory("d", ids=(3, 40))) and pool.rejected_rows == 2
     loaded = ExperiencePool.load(str(tmp_path / "pool"), vocab_size=4)  # ids 3 and 4: the id 4 rows are out
     assert loaded.num_trajectories == 0 and loaded.rejected_reasons == {"token id outside the vocabulary": 5}
@@ -265,7 +265,7 @@ def test_an_infinite_reward_is_a_counted_missing_reward_never_stored(tmp_path):
     trainer = make_trainer(tmp_path, reward_funcs=inf_for_one, max_steps=2, replay_start_ratio=1.0)
     trainer.train()
     assert trainer._faults.totals["nonfinite_rewards"] >= 1
-    stored = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.candidates(task)]
+    stored = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.trajectories(task)]
     assert stored  # the other rows were stored as usual
     assert all(np.isfinite(t.reward) and np.isfinite(t.rewards).all() for t in stored)
     assert all(np.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)

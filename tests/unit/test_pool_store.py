@@ -54,7 +54,7 @@ def record(pool, task_id, successes, entropies=(), version=0, num_fresh=4, task_
 
 
 def entropies(pool, task_id):
-    return [t.entropy for t in pool.candidates(task_id)]
+    return [t.entropy for t in pool.trajectories(task_id)]
 
 
 def files_of(path) -> list[str]:
@@ -130,7 +130,7 @@ def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
         table = datasets.Dataset.from_file(str(shard))  # memory-mapped by `datasets` itself
         assert table.features == TRAJECTORY_FEATURES
         rows += table.to_list()
-    want = [t.__dict__ for t in pool.candidates("a") + pool.candidates("b")]
+    want = [t.__dict__ for t in pool.trajectories("a") + pool.trajectories("b")]
     assert sorted(rows, key=lambda r: r["traj_id"]) == want
     assert want[0] == {
         "task_id": "a",
@@ -534,12 +534,12 @@ def sampled_pool(**kwargs):
 )
 def test_choose_takes_each_tasks_best_trajectory_within_the_age_limit(mode, expected):
     pool = sampled_pool(exp_select_mode=mode)
-    chosen = pool.choose(["a", "b", "c"], 1)
+    chosen = pool.select(["a", "b", "c"], 1)
     assert {task: [t.traj_id for t in ts] for task, ts in chosen.items()} == {k: [v] for k, v in expected.items()}
     # at step 4 with age 0, a's version 4 only
-    assert [t.traj_id for t in pool.choose(["a"], 1, current_step=4, max_policy_age=0)["a"]] == [6]
+    assert [t.traj_id for t in pool.select(["a"], 1, current_step=4, max_policy_age=0)["a"]] == [6]
     with pytest.raises(ValueError, match="Cannot select 1 trajectories out of 0 candidates"):
-        pool.choose(["b"], 1, current_step=4, max_policy_age=0)  # b's only one is 2 versions old
+        pool.select(["b"], 1, current_step=4, max_policy_age=0)  # b's only one is 2 versions old
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -625,7 +625,7 @@ def test_a_pool_reads_the_files_it_mapped_even_if_a_saved_copy_is_replaced(tmp_p
     if not into_scratch:
         no_links_between(monkeypatch, tmp_path / "work")
     loaded = ExperiencePool.load(str(tmp_path / "first"), work_dir=str(tmp_path / "work"))
-    want, digest = loaded.candidates("a"), loaded.content_hash()
+    want, digest = loaded.trajectories("a"), loaded.content_hash()
     assert [t.entropy for t in want] == [f32(0.1), f32(0.2)]
     (shard,) = loaded._trajectories.shards.values()
     assert shard.path.startswith(str(tmp_path / ("work" if into_scratch else "first")))
@@ -638,11 +638,11 @@ def test_a_pool_reads_the_files_it_mapped_even_if_a_saved_copy_is_replaced(tmp_p
     for folder in ("first", "second"):  # another file under the saved names (one is the mapped file's, unlinked)
         shutil.copyfile(tmp_path / "third" / foreign, tmp_path / "third.arrow")
         os.replace(tmp_path / "third.arrow", tmp_path / folder / name)
-    assert os.path.exists(shard.path) and loaded.candidates("a") == want
+    assert os.path.exists(shard.path) and loaded.trajectories("a") == want
     loaded.save(str(tmp_path / "fourth"))  # the mapped rows, not the file now under their name
     assert ExperiencePool.load(str(tmp_path / "fourth")).content_hash() == digest
     os.remove(shard.path)  # no name left for the mapped file: read through the mapping
-    assert loaded.candidates("a") == want
+    assert loaded.trajectories("a") == want
     loaded.save(str(tmp_path / "fifth"))
     assert ExperiencePool.load(str(tmp_path / "fifth")).content_hash() == digest == loaded.content_hash()
 
@@ -688,7 +688,7 @@ def test_an_index_only_pool_decides_as_the_pool_it_copies_and_holds_no_row(tmp_p
     assert index_only.stats() == holder.stats()
     assert index_only.scratch_folder() is None and index_only._trajectories is None
     assert index_only.storage_stats() == {}  # no log: no shard, no row
-    assert index_only.choose([], 1) == {}  # nothing to read
+    assert index_only.select([], 1) == {}  # nothing to read
     index_only.flush()  # nothing to write
     index_only.compact()
     assert [p.name for p in tmp_path.iterdir()] == [Path(holder.scratch_folder()).name]  # no folder of its own
@@ -700,7 +700,7 @@ def test_an_index_only_pool_decides_as_the_pool_it_copies_and_holds_no_row(tmp_p
 
 def test_an_index_only_pool_refuses_reads_clearly(tmp_path):
     holder, index_only = index_only_copy(tmp_path)
-    for read in (lambda: index_only.choose(["a"], 1), lambda: index_only.task_row("a"), index_only.content_hash):
+    for read in (lambda: index_only.select(["a"], 1), lambda: index_only.task_row("a"), index_only.content_hash):
         with pytest.raises(RuntimeError, match="holds (its|the) index only"):
             read()
     holder.close()

@@ -219,20 +219,20 @@ def test_the_index_takes_memory_by_the_lists_it_holds_not_by_the_capacity(tmp_pa
     edit_state(path, lambda s: s["settings"].update(max_trajectories_per_task=2**31 - 1))
     loaded = ExperiencePool.load(str(path))  # a tasks x capacity matrix would be 2 TB
     assert loaded.index.slots.nbytes < 1 << 20
-    assert [loaded.candidates(t) for t in "abc"] == [pool.candidates(t) for t in "abc"]
+    assert [loaded.trajectories(t) for t in "abc"] == [pool.trajectories(t) for t in "abc"]
     for entropy in (0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07):  # a's list grows past its first slots
         loaded.add(trajectory("a", entropy))
-    assert len(loaded.candidates("a")) == 10 and loaded.index.slots.nbytes < 1 << 20
+    assert len(loaded.trajectories("a")) == 10 and loaded.index.slots.nbytes < 1 << 20
     big = ExperiencePool(max_trajectories_per_task=10**9)  # the same in code
     big.add(trajectory("a", 0.5))
     assert big.index.slots.nbytes < 1 << 20
     ten = ExperiencePool(max_trajectories_per_task=10)  # 8 slots at first, then up to the capacity, not 16
     for entropy in range(12):
         ten.add(trajectory("a", -entropy))
-    assert ten.index.slots.shape[1] == 10 and len(ten.candidates("a")) == 10
+    assert ten.index.slots.shape[1] == 10 and len(ten.trajectories("a")) == 10
     ten.configure(max_trajectories_per_task=12)
     ten.add(trajectory("a", -20.0))
-    assert ten.index.slots.shape[1] == 12 and len(ten.candidates("a")) == 11
+    assert ten.index.slots.shape[1] == 12 and len(ten.trajectories("a")) == 11
 
 
 @pytest.mark.parametrize("which", ["tasks", "shard"])

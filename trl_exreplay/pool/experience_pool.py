@@ -3,8 +3,9 @@
 The pool applies the ExGRPO rules (`rules.py`) to each task outcome, on its index in RAM (`index.PoolIndex`: ~40 bytes
 a trajectory, and each task's dataset row as JSON); the trajectories live in Arrow files that `datasets` memory-maps
 (`store.py`). It answers which tasks can be replayed (`replay_buckets`, drawn from by `planner.plan_replay` in
-O(batch)) and which of a task's trajectories (`choose`). `save` / `load` (`persistence.py`) are incremental, atomic and
-checked, and `hub.py` shares a pool as a dataset repository. A pool refuses a tokenizer other than its own.
+O(batch)) and which of a task's trajectories (`select`, by `rules.select`). `save` / `load` (`persistence.py`) are
+incremental, atomic and checked, and `hub.py` shares a pool as a dataset repository. A pool refuses a tokenizer other
+than its own.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .check import SETTINGS, PoolFormatError, bad_trajectory_rows, check_setting
 from .index import PoolIndex, TaskBuckets
 from .persistence import load_index, read_committed, save_folder
 from .records import TaskOutcome, Trajectory, tokenizer_fingerprint
-from .rules import best_index, eviction, is_solved, selection_order, stores_successes
+from .rules import best_index, eviction, is_solved, select, selection_order, stores_successes
 from .store import TRAJECTORY_SCHEMA, Log, Scratch
 
 logger = logging.getLogger("trl_exreplay.pool")
@@ -65,7 +66,7 @@ class ExperiencePool:
     traj = Trajectory("t1", [1, 2], [3, 4], [1, 1], [-0.5, -0.7], [1.0], 1.0, entropy=0.9, policy_version=3)
     pool.record_outcome(TaskOutcome("t1", successes=2, num_fresh=4, successful=[traj], task_row='{"prompt": "hi"}'))
     assert pool.bucket_of("t1") == 2 and pool.num_trajectories == 1
-    assert [t.traj_id for t in pool.choose(["t1"], 1)["t1"]] == [0]
+    assert [t.traj_id for t in pool.select(["t1"], 1)["t1"]] == [0]
     pool.save("pool_dir")  # then only new shards and the small state on each save
     assert ExperiencePool.load("pool_dir").content_hash() == pool.content_hash()
     ```
@@ -129,7 +130,7 @@ class ExperiencePool:
             if wanted > 0:  # too few stored: this outcome's best successes make up the rest
                 rng = np.random.default_rng([self.seed, index.num_outcomes])
                 entropies, ids = [t.entropy for t in outcome.successful], list(range(len(outcome.successful)))
-                for i in self._selection_order(entropies, ids, wanted, rng):
+                for i in selection_order(entropies, ids, wanted, self.exp_select_mode, rng):
                     self.add(outcome.successful[i])
             return
         index.skip_order[t] = -1
@@ -272,7 +273,9 @@ class ExperiencePool:
         store is made anew); returns their keys."""
         index = self.index
         keys = index.clear(t)
-        order = self._selection_order(index.key_entropy[keys].tolist(), index.key_traj_id[keys].tolist(), num, None)
+        order = selection_order(
+            index.key_entropy[keys].tolist(), index.key_traj_id[keys].tolist(), num, self.exp_select_mode, self._rng()
+        )
         kept = [keys[i] for i in order]
         for key in kept:
             index.append_slot(t, key)
@@ -339,24 +342,25 @@ class ExperiencePool:
             return None
         return json.loads(self._task_row_text(t))
 
-    def candidates(
+    def trajectories(
         self,
         task_id: str,
         current_step: int | None = None,
         max_policy_age: int | None = None,
     ) -> list[Trajectory]:
         """Copies of a task's stored trajectories, in store order (read from the shards); with the arguments, those young
-        enough to replay."""
+        enough to replay: the ones `select` chooses among."""
         t = self.index.task_index.get(task_id)
         return [] if t is None else self._read_all(self.index.keys(t, current_step, max_policy_age))
 
-    def num_candidates(
+    def num_selectable(
         self,
         task_id: str,
         current_step: int | None = None,
         max_policy_age: int | None = None,
     ) -> int:
-        """How many trajectories `candidates` would return (counted on the index: nothing is read)."""
+        """How many trajectories `select` chooses among for `task_id` (those `trajectories` would return, with the same
+        arguments; counted on the index: nothing is read)."""
         t = self.index.task_index.get(task_id)
         return 0 if t is None else len(self.index.keys(t, current_step, max_policy_age))
 
@@ -386,45 +390,33 @@ class ExperiencePool:
 
     def select(
         self,
-        candidates: Sequence[Trajectory],
-        num: int,
-        entropies: Sequence[float] | None = None,
-        rng: np.random.Generator | None = None,
-    ) -> list[Trajectory]:
-        """Pick `num` of `candidates` by entropy (the saved one, or `entropies` under the current policy)."""
-        keys = [t.entropy for t in candidates] if entropies is None else list(entropies)
-        order = self._selection_order(keys, [t.traj_id for t in candidates], num, rng)
-        return [candidates[i] for i in order]
-
-    def _selection_order(
-        self, entropies: Sequence[float], traj_ids: Sequence[int], num: int, rng: np.random.Generator | None
-    ) -> list[int]:
-        """Positions of the `num` candidates `exp_select_mode` picks (`rules.selection_order`)."""
-        if self.exp_select_mode == "random" and rng is None:
-            rng = np.random.default_rng(self.seed)
-        return selection_order(entropies, traj_ids, num, self.exp_select_mode, rng)
-
-    def choose(
-        self,
         task_ids: Sequence[str],
         num: int,
         current_step: int | None = None,
         max_policy_age: int | None = None,
         rng: np.random.Generator | None = None,
     ) -> dict[str, list[Trajectory]]:
-        """``{task: select(candidates(task, current_step, max_policy_age), num, rng=rng)}`` for each of
-        `task_ids` in turn (the same trajectories and the same use of `rng`), choosing on the index by saved entropy
-        and reading only the chosen trajectories, all in one pass over their shards."""
-        chosen: dict[str, list[int]] = {}
+        """The `num` trajectories each of `task_ids` replays (`rules.select` by `exp_select_mode`, on the saved
+        entropies; with `current_step` and `max_policy_age`, among those young enough; `rng`: the draws of ``random``,
+        default: seeded by the pool's `seed`). Chosen on the index: only the chosen trajectories are read, all in one
+        pass over their shards."""
         index = self.index
+        keys: dict[str, list[int]] = {}
         for task_id in task_ids:
             t = index.task_index.get(task_id)
-            keys = [] if t is None else index.keys(t, current_step, max_policy_age)
-            # On the index: the entropies and ids the read trajectories would carry.
-            order = self._selection_order(index.key_entropy[keys].tolist(), index.key_traj_id[keys].tolist(), num, rng)
-            chosen[task_id] = [keys[i] for i in order]
+            keys[task_id] = [] if t is None else index.keys(t, current_step, max_policy_age)
+        # On the index: the entropies and ids the read trajectories would carry.
+        candidates = {task: (index.key_entropy[k].tolist(), index.key_traj_id[k].tolist()) for task, k in keys.items()}
+        chosen = {task: [keys[task][i] for i in order] for task, order in
+                  select(candidates, num, self.exp_select_mode, self._rng(rng)).items()}  # fmt: skip
         trajectories = iter(self._read_all([key for keys in chosen.values() for key in keys]))
         return {task_id: [next(trajectories) for _ in keys] for task_id, keys in chosen.items()}
+
+    def _rng(self, rng: np.random.Generator | None = None) -> np.random.Generator | None:
+        """`rng`, or under ``random`` selection one seeded by the pool's `seed` (the other modes draw nothing)."""
+        if rng is None and self.exp_select_mode == "random":
+            return np.random.default_rng(self.seed)
+        return rng
 
     def stats(self) -> dict[str, float]:
         out = {
@@ -614,7 +606,7 @@ class ExperiencePool:
             if self.index.has_row[self.index.task_index[task_id]]:
                 digest.update(json.dumps([task_id, self.task_row(task_id)], sort_keys=True).encode())
         for task_id in sorted(self.stored_tasks()):
-            for trajectory in self.candidates(task_id):
+            for trajectory in self.trajectories(task_id):
                 digest.update(json.dumps(asdict(trajectory), sort_keys=True).encode())
         return digest.hexdigest()
 
