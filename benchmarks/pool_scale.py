@@ -148,7 +148,7 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
     base = Trajectory("t", rewards=[1.0], reward=1.0, entropy=0.5, policy_version=0, **parts)
     rng = np.random.default_rng(1)
     baseline_rss = rss_mb()
-    pool = ExperiencePool(max_trajectories_per_task=PER_TASK, experience_rbound=8, work_dir=folder)
+    pool = ExperiencePool(replay_max_trajectories_per_task=PER_TASK, replay_store_rbound=8, work_dir=folder)
     start = time.perf_counter()
     fill(pool, size, base, rng)
     pool.flush()
@@ -451,7 +451,7 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
     base = Trajectory("t", rewards=[1.0], reward=1.0, entropy=0.5, policy_version=0, **parts)
     rng = np.random.default_rng(1)  # the same draws on every rank: the pools are rank-identical, as in training
     work = os.path.join(folder, "work")
-    pool = ExperiencePool(max_trajectories_per_task=PER_TASK, experience_rbound=8, work_dir=work)
+    pool = ExperiencePool(replay_max_trajectories_per_task=PER_TASK, replay_store_rbound=8, work_dir=work)
     broadcast = os.environ.get("POOL_SCALE_SHARING", "none") == "broadcast"
     if broadcast:  # as the trainer takes a pool: rank 0's index sent to the others
         snapshot = [pool.index_snapshot() if rank == 0 else None]

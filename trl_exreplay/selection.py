@@ -22,7 +22,7 @@ def select_trajectories(
 ) -> dict[str, list[Trajectory]]:
     """The trajectories of each task `plan` replays (identical on every rank), read where the pool's rows are:
     `on_main(read)` runs `read` on rank 0 and sends its result to every rank. Both ways decide by `pool.rules.select`
-    under the pool's `exp_select_mode`, with one draw for ``random``. Collective when `plan` replays."""
+    under the pool's `replay_select_mode`, with one draw for ``random``. Collective when `plan` replays."""
     if not plan.replay_groups:
         return {}
     k, age = plan.num_replayed, settings.replay_max_policy_age  # `settings`: the run's ReplaySettings
@@ -43,7 +43,9 @@ def select_trajectories(
     scored = {
         t: (entropies.get(t) or [c.entropy for c in cs], [c.traj_id for c in cs]) for t, cs in candidates.items()
     }
-    return {t: [candidates[t][i] for i in order] for t, order in select(scored, k, pool.exp_select_mode, rng).items()}
+    return {
+        t: [candidates[t][i] for i in order] for t, order in select(scored, k, pool.replay_select_mode, rng).items()
+    }
 
 
 @torch.no_grad()

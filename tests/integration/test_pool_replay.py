@@ -60,7 +60,7 @@ def rejection(monkeypatch):
 
 
 def test_bucket_arrays_follow_every_move_into_out_of_and_between_buckets():
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_store_rbound=4)
     rnd = random.Random(3)
     for step in range(400):
         task = f"t{rnd.randrange(40)}"
@@ -74,7 +74,7 @@ def test_bucket_arrays_follow_every_move_into_out_of_and_between_buckets():
 
 
 def test_live_and_loaded_pools_keep_the_same_bucket_arrays_and_draws(tmp_path, rejection):
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_store_rbound=4)
     rnd = random.Random(5)
     for step in range(800):  # tasks leave and re-enter buckets: the arrays are no longer in bucket order
         record(pool, f"t{rnd.randrange(200)}", rnd.choice([0, 1, 1, 2, 3, 4]), [rnd.random()], version=step)
@@ -97,7 +97,7 @@ def test_live_and_loaded_pools_keep_the_same_bucket_arrays_and_draws(tmp_path, r
 def limited_pool():
     """Tasks in three buckets with every reason not to be replayable: skip set, no task row, too few trajectories,
     too old (versions 0..9)."""
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=4)
     rnd = random.Random(11)
     for i in range(300):
         successes = rnd.choice([1, 2, 3])
@@ -136,7 +136,7 @@ def test_drawn_tasks_are_replayable_under_every_limit(limits, rejection):
 
 def test_draws_follow_the_bucket_weights_of_the_replayable_tasks(rejection):
     # bucket 1: 40 tasks, 20 of them too old at step 10 with age 3; bucket 2: 4 tasks; bucket 3: 60 tasks.
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_store_rbound=4)
     for i in range(40):
         record(pool, f"a{i}", 1, [0.5], version=0 if i % 2 else 9)
     for i in range(4):
@@ -181,7 +181,9 @@ def test_small_pools_plan_exactly_as_from_the_listed_replayable_tasks(weighting)
 def test_select_is_the_rule_over_the_read_trajectories(mode, tmp_path):
     """`pool.select` decides on the index what `rules.select` decides over the trajectories read whole (their saved
     entropies and ids), with the same draws, and reads those."""
-    pool = ExperiencePool(max_trajectories_per_task=4, experience_rbound=8, exp_select_mode=mode, shard_rows=4)
+    pool = ExperiencePool(
+        replay_max_trajectories_per_task=4, replay_store_rbound=8, replay_select_mode=mode, shard_rows=4
+    )
     rnd = random.Random(2)
     for step in range(12):
         for task in ("a", "b", "c", "d"):
@@ -215,7 +217,7 @@ def test_select_is_the_rule_over_the_read_trajectories(mode, tmp_path):
 
 
 def test_rows_read_in_any_order_across_shards_are_the_arrow_values():
-    pool = ExperiencePool(max_trajectories_per_task=64, experience_rbound=8, shard_rows=16)
+    pool = ExperiencePool(replay_max_trajectories_per_task=64, replay_store_rbound=8, shard_rows=16)
     rnd = random.Random(4)
     for i in range(60):
         record(pool, "a", 3, [rnd.random()], n=rnd.randrange(1, 3000), version=i)
@@ -247,7 +249,7 @@ def test_a_pool_holds_no_file_descriptor_for_its_shards(tmp_path):
     """Shards are memory maps, not open files: a live or loaded pool of many shards holds no descriptor for them
     (a pool of 1M trajectories has thousands of shards; a descriptor each would pass the usual limit of 1024)."""
     descriptors = len(os.listdir("/proc/self/fd"))
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_store_rbound=8, shard_rows=4)
     for i in range(40):
         record(pool, f"t{i}", 2, [0.1, 0.2])
     pool.flush()

@@ -438,7 +438,7 @@ def test_a_task_in_several_groups_has_one_outcome_per_group(tmp_path):
 
 
 def test_given_pool_takes_the_run_configuration(tmp_path, caplog):
-    given = ExperiencePool(max_trajectories_per_task=9, exp_select_mode="argmax", experience_rbound=4)
+    given = ExperiencePool(replay_max_trajectories_per_task=9, replay_select_mode="argmax", replay_store_rbound=4)
     tokenizer = build_tiny_tokenizer(VOCABULARY)
     trainer = ExReplayGRPOTrainer(
         model=build_tiny_model(tokenizer),
@@ -449,7 +449,8 @@ def test_given_pool_takes_the_run_configuration(tmp_path, caplog):
         experience_pool=given,
     )
     assert trainer.pool is given
-    assert (given.max_trajectories_per_task, given.exp_select_mode, given.experience_rbound) == (3, "argmin", 4)
+    settings = (given.replay_max_trajectories_per_task, given.replay_select_mode, given.replay_store_rbound)
+    assert settings == (3, "argmin", 4)
     assert "replay_max_trajectories_per_task" in caplog.text and "replay_select_mode" in caplog.text  # config names
 
 

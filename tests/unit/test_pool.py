@@ -99,7 +99,7 @@ def test_trajectory_length_mismatch_raises(mask, logps):
 
 
 def test_buckets_hold_each_task_by_its_successes():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 2, entropies=[0.5]))
     pool.record_outcome(outcome("t2", 1, entropies=[0.5]))
     pool.record_outcome(outcome("t3", 2))
@@ -110,7 +110,7 @@ def test_buckets_hold_each_task_by_its_successes():
 
 
 def test_task_moves_to_its_latest_bucket_only():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 2, entropies=[0.5]))
     pool.record_outcome(outcome("t2", 2, entropies=[0.4]))
     pool.record_outcome(outcome("t1", 1, entropies=[0.3]))
@@ -125,7 +125,7 @@ def test_task_moves_to_its_latest_bucket_only():
 
 
 def test_fully_solved_task_enters_skip_set_and_leaves_buckets_and_store():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 2, entropies=[0.5, 0.6]))
     pool.record_outcome(outcome("t2", 1, entropies=[0.2]))
     assert pool.num_trajectories == 3
@@ -141,7 +141,7 @@ def test_fully_solved_task_enters_skip_set_and_leaves_buckets_and_store():
 
 
 def test_skip_set_task_leaves_it_when_not_fully_solved():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 3, num_fresh=3))  # all 3 fresh rollouts succeed: skip
     pool.record_outcome(outcome("t2", 4, num_fresh=4))
     assert pool.skip_set == ["t1", "t2"]
@@ -157,14 +157,14 @@ def test_skip_set_task_leaves_it_when_not_fully_solved():
 
 
 def test_no_fresh_rollouts_is_not_fully_solved():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 0, num_fresh=0))
     assert pool.skip_set == []
     assert pool.buckets() == {0: ["t1"]}
 
 
 def test_stats_counts():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 2, entropies=[0.5, 0.6]))
     pool.record_outcome(outcome("t2", 2, entropies=[0.5]))
     pool.record_outcome(outcome("t3", 0))
@@ -186,28 +186,28 @@ def test_stats_counts():
 
 @pytest.mark.parametrize("successes, stored", [(0, False), (1, False), (2, True), (3, False)])
 def test_store_only_strictly_between_bounds(successes, stored):
-    pool = ExperiencePool(experience_lbound=1, experience_rbound=3)
+    pool = ExperiencePool(replay_store_lbound=1, replay_store_rbound=3)
     pool.record_outcome(outcome("t", successes, num_fresh=4, entropies=[0.3] * successes))
     assert pool.bucket_of("t") == successes  # bucketed whatever the bounds
     assert pool.num_trajectories == (successes if stored else 0)
 
 
 def test_default_bounds_store_one_to_rbound_minus_one():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     for s in range(4):
         pool.record_outcome(outcome(f"t{s}", s, num_fresh=4, entropies=[0.3] * s))
     assert [len(pool.trajectories(f"t{s}")) for s in range(4)] == [0, 1, 2, 3]
 
 
 def test_traj_ids_are_sequential_across_tasks_and_drops():
-    pool = ExperiencePool(max_trajectories_per_task=1, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=1, replay_store_rbound=4)
     pool.record_outcome(outcome("a", 2, entropies=[0.5, 0.9]))  # ids 0 (kept), 1 (dropped: higher entropy)
     pool.record_outcome(outcome("b", 1, entropies=[0.4]))  # id 2
     assert ids(pool, "a") == [0] and ids(pool, "b") == [2]
 
 
 def test_argmin_eviction_replaces_highest_entropy_else_drops():
-    pool = ExperiencePool(max_trajectories_per_task=3, exp_select_mode="argmin")
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_select_mode="argmin")
     assert [pool.add(traj("t", e)) for e in (0.5, 0.2, 0.9)] == [True, True, True]
     assert entropies(pool, "t") == [f32(0.5), f32(0.2), f32(0.9)] and ids(pool, "t") == [0, 1, 2]
     assert pool.add(traj("t", 0.4)) is True  # replaces 0.9 in place
@@ -220,7 +220,7 @@ def test_argmin_eviction_replaces_highest_entropy_else_drops():
 
 
 def test_argmax_eviction_replaces_lowest_entropy_else_drops():
-    pool = ExperiencePool(max_trajectories_per_task=3, exp_select_mode="argmax")
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_select_mode="argmax")
     for e in (0.5, 0.2, 0.9):
         pool.add(traj("t", e))
     assert pool.add(traj("t", 0.1)) is False
@@ -232,14 +232,14 @@ def test_argmax_eviction_replaces_lowest_entropy_else_drops():
 
 
 def test_random_eviction_is_fifo():
-    pool = ExperiencePool(max_trajectories_per_task=2, exp_select_mode="random")
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_select_mode="random")
     results = [pool.add(traj("t", e)) for e in (0.1, 0.9, 0.5, 0.3)]
     assert results == [True, True, True, True]
     assert ids(pool, "t") == [2, 3] and entropies(pool, "t") == [f32(0.5), f32(0.3)]
 
 
 def test_capacity_is_per_task():
-    pool = ExperiencePool(max_trajectories_per_task=2, exp_select_mode="argmin", experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_select_mode="argmin", replay_store_rbound=4)
     pool.record_outcome(outcome("a", 3, entropies=[0.3, 0.1, 0.2]))  # 0.2 replaces 0.3
     pool.record_outcome(outcome("b", 2, entropies=[0.9, 0.8]))
     assert entropies(pool, "a") == [f32(0.2), f32(0.1)]
@@ -257,14 +257,14 @@ def test_capacity_is_per_task():
     ],
 )
 def test_pool_store_mode(mode, store_mode, expected):
-    pool = ExperiencePool(exp_select_mode=mode, pool_store_mode=store_mode, experience_rbound=4)
+    pool = ExperiencePool(replay_select_mode=mode, replay_store_mode=store_mode, replay_store_rbound=4)
     pool.record_outcome(outcome("t", 3, entropies=[0.3, 0.1, 0.2]))
     assert entropies(pool, "t") == [f32(e) for e in expected]
 
 
 def test_pool_store_mode_best_random_stores_one_deterministically():
     def build(seed):
-        pool = ExperiencePool(exp_select_mode="random", pool_store_mode="best", experience_rbound=4, seed=seed)
+        pool = ExperiencePool(replay_select_mode="random", replay_store_mode="best", replay_store_rbound=4, seed=seed)
         for step in range(6):
             pool.record_outcome(outcome("t", 3, entropies=[0.1 * step + 0.01 * i for i in range(3)]))
         return pool
@@ -277,7 +277,7 @@ def test_pool_store_mode_best_random_stores_one_deterministically():
 
 
 def test_pool_store_mode_best_keeps_capacity_rule():
-    pool = ExperiencePool(max_trajectories_per_task=1, pool_store_mode="best", experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=1, replay_store_mode="best", replay_store_rbound=4)
     pool.record_outcome(outcome("t", 2, entropies=[0.4, 0.6]))
     pool.record_outcome(outcome("t", 2, entropies=[0.5, 0.7]))  # best 0.5 is not lower than 0.4: dropped
     assert entropies(pool, "t") == [f32(0.4)]
@@ -305,7 +305,7 @@ def test_trajectories_policy_age():
 
 
 def test_replayable_tasks():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("A", 2, entropies=[0.5, 0.6], version=0))
     pool.record_outcome(outcome("B", 1, entropies=[0.5], version=9))
     pool.record_outcome(outcome("C", 2, entropies=[0.5, 0.6], task_row=None))  # no task row: cannot roll out
@@ -327,7 +327,7 @@ def test_replayable_tasks():
 
 
 def test_task_row():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("A", 1, task_row=json.dumps({"prompt": [{"role": "user", "content": "hi"}], "x": 1})))
     pool.record_outcome(outcome("B", 1, task_row=None))
     assert pool.task_row("A") == {"prompt": [{"role": "user", "content": "hi"}], "x": 1}
@@ -348,7 +348,7 @@ def _selected(pool, num, rng=None):
 
 
 def test_select_argmin_by_saved_entropy():
-    pool = ExperiencePool(max_trajectories_per_task=10, exp_select_mode="argmin")
+    pool = ExperiencePool(replay_max_trajectories_per_task=10, replay_select_mode="argmin")
     _stored(pool, [0.5, 0.1, 0.3, 0.1])
     assert _selected(pool, 1) == [1]
     assert _selected(pool, 2) == [1, 3]  # tie on entropy: older first
@@ -357,14 +357,14 @@ def test_select_argmin_by_saved_entropy():
 
 
 def test_select_argmax_by_saved_entropy():
-    pool = ExperiencePool(max_trajectories_per_task=10, exp_select_mode="argmax")
+    pool = ExperiencePool(replay_max_trajectories_per_task=10, replay_select_mode="argmax")
     _stored(pool, [0.5, 0.1, 0.3, 0.5])
     assert _selected(pool, 1) == [0]
     assert _selected(pool, 3) == [0, 3, 2]
 
 
 def test_select_random():
-    pool = ExperiencePool(max_trajectories_per_task=10, exp_select_mode="random", seed=3)
+    pool = ExperiencePool(replay_max_trajectories_per_task=10, replay_select_mode="random", seed=3)
     _stored(pool, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
     picked = _selected(pool, 3)
     assert len(set(picked)) == 3 and set(picked) <= set(range(6))
@@ -377,7 +377,7 @@ def test_select_random():
 
 @pytest.mark.parametrize("mode", ["argmin", "argmax", "random"])
 def test_select_more_than_candidates_raises(mode):
-    pool = ExperiencePool(exp_select_mode=mode)
+    pool = ExperiencePool(replay_select_mode=mode)
     _stored(pool, [0.1, 0.2])
     with pytest.raises(ValueError, match="Cannot select 3"):
         pool.select(["t"], 3)
@@ -412,7 +412,9 @@ def test_task_key_hashes_prompt_when_column_missing_or_none():
 
 def build_pool(**kwargs) -> ExperiencePool:
     """A pool with several buckets, a skip set, task rows, evictions and several trajectory versions."""
-    settings = dict(max_trajectories_per_task=2, experience_lbound=0, experience_rbound=4, exp_select_mode="argmin")
+    settings = dict(
+        replay_max_trajectories_per_task=2, replay_store_lbound=0, replay_store_rbound=4, replay_select_mode="argmin"
+    )
     pool = ExperiencePool(**{**settings, **kwargs})
     pool.record_outcome(outcome("a", 2, entropies=[0.31, 0.12], version=1))
     pool.record_outcome(outcome("b", 1, entropies=[0.77], version=2))
@@ -453,9 +455,14 @@ def assert_same_pool(loaded: ExperiencePool, pool: ExperiencePool):
     assert loaded.skip_set == pool.skip_set
     assert loaded.replayable_tasks() == pool.replayable_tasks()
     assert loaded.stats() == pool.stats()
-    for name in ("max_trajectories_per_task", "experience_lbound", "experience_rbound", "exp_select_mode"):
+    for name in (
+        "replay_max_trajectories_per_task",
+        "replay_store_lbound",
+        "replay_store_rbound",
+        "replay_select_mode",
+    ):
         assert getattr(loaded, name) == getattr(pool, name)
-    assert (loaded.pool_store_mode, loaded.seed) == (pool.pool_store_mode, pool.seed)
+    assert (loaded.replay_store_mode, loaded.seed) == (pool.replay_store_mode, pool.seed)
     tasks = [t for tasks in pool.buckets().values() for t in tasks] + pool.skip_set
     for task_id in tasks:
         assert loaded.task_row(task_id) == pool.task_row(task_id)
@@ -492,7 +499,7 @@ def test_save_load_round_trip(tmp_path):
 
 
 def test_loaded_pool_continues_like_the_live_one(tmp_path):
-    pool = build_pool(exp_select_mode="random", pool_store_mode="best")
+    pool = build_pool(replay_select_mode="random", replay_store_mode="best")
     pool.save(str(tmp_path / "pool"))
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     for p in (pool, loaded):  # traj ids and the "best"/random draw depend on the persisted counters
@@ -503,17 +510,17 @@ def test_loaded_pool_continues_like_the_live_one(tmp_path):
 
 
 def test_save_load_empty_pool(tmp_path):
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=6, seed=5)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=6, seed=5)
     pool.save(str(tmp_path / "pool"))
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     assert loaded.content_hash() == pool.content_hash()
     assert loaded.num_trajectories == 0 and loaded.buckets() == {} and loaded.skip_set == []
-    assert (loaded.max_trajectories_per_task, loaded.experience_rbound, loaded.seed) == (3, 6, 5)
+    assert (loaded.replay_max_trajectories_per_task, loaded.replay_store_rbound, loaded.seed) == (3, 6, 5)
 
 
 def test_save_load_pool_without_trajectories(tmp_path):
     # early in training: tasks bucketed and skipped, nothing stored yet (a checkpoint must still resume)
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("a", 0))
     pool.record_outcome(outcome("b", 4))
     pool.record_outcome(outcome("c", 2, entropies=[0.5]))
@@ -620,7 +627,7 @@ def test_a_failed_shard_write_keeps_its_rows_waiting_the_index_whole_and_fails_t
     write nothing), the rows wait, no partial file is left, and a save raises until a write succeeds."""
     import trl_exreplay.pool.store as store
 
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4, shard_rows=2)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=4, shard_rows=2)
     index_only = ExperiencePool.from_index_snapshot(pool.index_snapshot())
     write = store.write_arrow
 
@@ -745,7 +752,7 @@ def test_a_null_in_a_shard_refuses_the_pool_naming_file_and_column(tmp_path, col
 
 
 def test_stale_trajectories_are_evicted_first_under_max_policy_age():
-    pool = ExperiencePool(max_trajectories_per_task=2, exp_select_mode="argmin", max_policy_age=5)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_select_mode="argmin", replay_max_policy_age=5)
     pool.add(traj("t", entropy=0.1, version=0))
     pool.add(traj("t", entropy=0.2, version=0))
     # a higher-entropy but young trajectory would be refused by argmin; the stale ones make room instead
@@ -760,9 +767,9 @@ def test_stale_trajectories_are_evicted_first_under_max_policy_age():
 
 
 def test_configure_reports_changed_settings_and_refuses_unknown_ones():
-    pool = ExperiencePool(max_trajectories_per_task=5, exp_select_mode="argmin")
-    assert pool.configure(max_trajectories_per_task=5, exp_select_mode="argmax") == ["exp_select_mode"]
-    assert pool.exp_select_mode == "argmax"
+    pool = ExperiencePool(replay_max_trajectories_per_task=5, replay_select_mode="argmin")
+    assert pool.configure(replay_max_trajectories_per_task=5, replay_select_mode="argmax") == ["replay_select_mode"]
+    assert pool.replay_select_mode == "argmax"
     with pytest.raises(ValueError, match="capacity"):
         pool.configure(capacity=3)
 
@@ -774,7 +781,7 @@ def test_a_save_that_fails_after_its_commit_keeps_what_it_committed(tmp_path, mo
 
     pool, path = build_pool(), str(tmp_path / "pool")
     if not first:
-        ExperiencePool(experience_rbound=4).save(path)
+        ExperiencePool(replay_store_rbound=4).save(path)
     real = persistence.fsync_path
 
     def fsync(target):
@@ -817,9 +824,9 @@ def test_a_save_removes_only_the_files_it_writes(tmp_path):
 
 
 def test_a_lowered_capacity_keeps_the_best_of_each_task_and_saves_a_pool_its_load_accepts(tmp_path):
-    pool = build_pool(max_trajectories_per_task=3)
+    pool = build_pool(replay_max_trajectories_per_task=3)
     assert entropies(pool, "c") == [f32(0.5), f32(0.25), f32(0.125)]
-    assert pool.configure(max_trajectories_per_task=1) == ["max_trajectories_per_task"]
+    assert pool.configure(replay_max_trajectories_per_task=1) == ["replay_max_trajectories_per_task"]
     assert entropies(pool, "c") == [f32(0.125)] and entropies(pool, "a") == [f32(0.05)]  # argmin: the lowest
     pool.save(str(tmp_path / "pool"))
     assert ExperiencePool.load(str(tmp_path / "pool")).content_hash() == pool.content_hash()

@@ -15,13 +15,13 @@ decision, so it can be tested by hand
   its fresh rollouts of one step. A task every fresh rollout solved enters the skip set (and leaves its bucket and
   the store); any other task lives in the bucket of its latest difficulty, and its successful trajectories are
   stored only when ``lbound < successes < rbound``.
-* **Which success is stored** (`best_index`, for ``pool_store_mode="best"``): the lowest-entropy one (``argmin``),
+* **Which success is stored** (`best_index`, for ``replay_store_mode="best"``): the lowest-entropy one (``argmin``),
   the highest (``argmax``) or a random one.
-* **Eviction** (`eviction`): a task holds at most ``max_trajectories_per_task``. At capacity, a trajectory older
-  than ``max_policy_age`` policy versions goes first; else ``argmin`` replaces the highest-entropy one if the new
+* **Eviction** (`eviction`): a task holds at most ``replay_max_trajectories_per_task``. At capacity, a trajectory older
+  than ``replay_max_policy_age`` policy versions goes first; else ``argmin`` replaces the highest-entropy one if the new
   one's entropy is lower, ``argmax`` the lowest if higher, and ``random`` drops the oldest (FIFO).
 * **What can be replayed** (`replayable`): a task in a bucket, outside the skip set, whose dataset row is known and
-  that holds at least ``k`` trajectories young enough (``max_policy_age``); the planner draws the step's replayed tasks
+  that holds at least ``k`` trajectories young enough (``replay_max_policy_age``); the planner draws the step's replayed tasks
   among them (`planner.plan_replay`, by bucket weights).
 * **Selection** (`select`, one task's order: `selection_order`): which of each replayed task's trajectories are
   replayed: the lowest entropies (``argmin``; ExGRPO's ``select_best_experiences``), the highest (``argmax``) or a
@@ -63,7 +63,7 @@ def stores_successes(successes: int, lbound: int, rbound: int) -> bool:
 
 
 def best_index(entropies: Sequence[float], mode: str, rng: np.random.Generator) -> int:
-    """Position of the one success ``pool_store_mode="best"`` stores: lowest entropy (``argmin``, first on ties),
+    """Position of the one success ``replay_store_mode="best"`` stores: lowest entropy (``argmin``, first on ties),
     highest (``argmax``), or drawn by `rng` (``random``)."""
     if mode == "argmin":
         return min(range(len(entropies)), key=lambda i: entropies[i])
