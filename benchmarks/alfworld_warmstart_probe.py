@@ -57,6 +57,7 @@ def expert_rows(work: str, split: str, num_games: int, seed: int, args, tokenize
     from trl_exreplay.alfworld import INSTRUCTIONS, alfworld_tasks, generate_games
     from trl_exreplay.alfworld.expert import ExpertEpisode
     from trl_exreplay.alfworld.warmstart import expert_episodes, sft_dataset
+    from trl_exreplay.pool.store import write_atomic
 
     what = "_".join([*(args.target_objects or ["any"]), *args.task_types])
     cache = os.path.join(work, f"{split}-{num_games}-{seed}-{what}.json")
@@ -67,9 +68,12 @@ def expert_rows(work: str, split: str, num_games: int, seed: int, args, tokenize
         tasks = alfworld_tasks(os.path.join(root, "json_2.1.1", split), system_prompt=INSTRUCTIONS)
         episodes = expert_episodes(tasks, workers=args.workers, progress=True, max_steps=args.max_turns,
                                    show_admissible=False, restate_goal=True)  # fmt: skip
-        with open(cache + ".tmp", "w") as f:
-            json.dump([asdict(e) for e in episodes], f)
-        os.replace(cache + ".tmp", cache)
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w") as f:
+                json.dump([asdict(e) for e in episodes], f)
+
+        write_atomic(cache, write)
     with open(cache) as f:
         episodes = [ExpertEpisode(**e) for e in json.load(f)]
     rows = []

@@ -81,7 +81,7 @@ def build_pool(folder: str, tokenizer) -> None:
     from trl_exreplay.pool import tokenizer_fingerprint
 
     rng = np.random.default_rng(0)
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4, shard_rows=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=4, shard_rows=4)
     pool.bind_tokenizer(tokenizer_fingerprint(tokenizer))
 
     def outcome(task: str, successes: int, version: int) -> TaskOutcome:
@@ -114,7 +114,7 @@ def build_pool(folder: str, tokenizer) -> None:
 
 def fingerprint_of(pool: ExperiencePool) -> str:
     """The pool's content hash and a replay read of it (each stored task's best trajectory, as the trainer reads)."""
-    chosen = pool.choose(pool.stored_tasks(), 1)
+    chosen = pool.select(pool.stored_tasks(), 1)
     read = [(t.task_id, t.traj_id, t.completion_ids, t.logps) for ts in chosen.values() for t in ts]
     return pool.content_hash() + json.dumps(read)
 
@@ -252,10 +252,10 @@ def _reseal_invalid(folder, rng, outside):
     tasks = state["tasks"]
     shard = rng.choice(state["shards"])
     edits = {
-        "capacity below the tasks held": lambda: state["settings"].update(max_trajectories_per_task=1),
-        "unknown selection mode": lambda: state["settings"].update(exp_select_mode="argmedian"),
-        "rbound -1": lambda: state["settings"].update(experience_rbound=-1),
-        "capacity 0": lambda: state["settings"].update(max_trajectories_per_task=0),
+        "capacity below the tasks held": lambda: state["settings"].update(replay_max_trajectories_per_task=1),
+        "unknown selection mode": lambda: state["settings"].update(replay_select_mode="argmedian"),
+        "rbound -1": lambda: state["settings"].update(replay_store_rbound=-1),
+        "capacity 0": lambda: state["settings"].update(replay_max_trajectories_per_task=0),
         "negative counter": lambda: state["counters"].update(next_traj_id=-5),
         "traj ids past next_traj_id": lambda: state["counters"].update(next_traj_id=1),
         "orders past the stamp": lambda: state["counters"].update(stamp=1),
@@ -417,7 +417,7 @@ def crafted_tasks(folder, rng, outside):
     t = rng.randrange(table.num_rows)
     lists = columns["traj_ids"]
     held = [i for i, ids in enumerate(lists) if ids]
-    short = [i for i, ids in enumerate(lists) if len(ids) < state["settings"]["max_trajectories_per_task"]]
+    short = [i for i, ids in enumerate(lists) if len(ids) < state["settings"]["replay_max_trajectories_per_task"]]
     counters = state["counters"]
     types = dict(zip(table.column_names, table.schema.types))
     choices = [
@@ -451,7 +451,7 @@ def crafted_tasks(folder, rng, outside):
         lists[rng.choice(short)].append(-1)
     elif what == "task over the capacity":  # new ids, below next_traj_id, one past the capacity
         ids = lists[rng.choice(held)]
-        while len(ids) <= state["settings"]["max_trajectories_per_task"]:
+        while len(ids) <= state["settings"]["replay_max_trajectories_per_task"]:
             ids.append(counters["next_traj_id"])
             counters["next_traj_id"] += 1
     elif what == "task id twice":
@@ -563,9 +563,9 @@ def capacity(folder, rng, outside):
     """A capacity past what the index counts a task's trajectories in (int32), resealed: it sized a tasks x capacity
     matrix (numpy's memory error)."""
     state = _state(folder)
-    state["settings"]["max_trajectories_per_task"] = rng.choice([2**31, 2**40, 2**62, 2**63])
+    state["settings"]["replay_max_trajectories_per_task"] = rng.choice([2**31, 2**40, 2**62, 2**63])
     _write_state(folder, state, reseal=True)
-    return f"capacity {state['settings']['max_trajectories_per_task']}"
+    return f"capacity {state['settings']['replay_max_trajectories_per_task']}"
 
 
 def compressed(folder, rng, outside):

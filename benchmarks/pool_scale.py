@@ -11,7 +11,7 @@ token, 5 per task, N / 5 tasks), each step in a fresh process so that memory is 
   of the shards more dead than live, synchronously on the calling thread, as a training step pays it once its rows
   fill a shard), the replay read of 64: the trainer's per-step replay selection for
   64 replay groups of 128 (the calls `ExReplayGRPOTrainer` makes, with its default settings but the trajectories
-  replayed by saved entropy: `plan_replay` over `pool.replay_buckets(...)`, then `pool.choose(...)`, which reads the
+  replayed by saved entropy: `plan_replay` over `pool.replay_buckets(...)`, then `pool.select(...)`, which reads the
   64 chosen trajectories), the plan alone, the same plan drawn from the full list of replayable tasks
   (`replayable_tasks`, what the trainer did before: O(pool)), an incremental save into the same folder and into a
   new checkpoint folder.
@@ -112,9 +112,9 @@ def replay_plan(pool, step: int, replayable=None):
 def replay_read(pool, step: int) -> dict:
     """One step's replay read (`selection.select_trajectories` with replay_select_by_current_entropy=False: the replayed
     trajectory by saved entropy, since scoring candidates under the current policy needs a model): the plan, then
-    `choose`, which reads the chosen trajectories from the shards."""
+    `pool.select`, which reads the chosen trajectories from the shards."""
     plan = replay_plan(pool, step)
-    return pool.choose(list(plan.replay_groups.values()), 1, step, None, np.random.default_rng([0, step, 0, 1]))
+    return pool.select(list(plan.replay_groups.values()), 1, step, None, np.random.default_rng([0, step, 0, 1]))
 
 
 def make_trajectory(base, task_id: str, entropy: float, version: int):
@@ -148,7 +148,7 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
     base = Trajectory("t", rewards=[1.0], reward=1.0, entropy=0.5, policy_version=0, **parts)
     rng = np.random.default_rng(1)
     baseline_rss = rss_mb()
-    pool = ExperiencePool(max_trajectories_per_task=PER_TASK, experience_rbound=8, work_dir=folder)
+    pool = ExperiencePool(replay_max_trajectories_per_task=PER_TASK, replay_store_rbound=8, work_dir=folder)
     start = time.perf_counter()
     fill(pool, size, base, rng)
     pool.flush()
@@ -234,9 +234,9 @@ def ours_build(size: int, folder: str, prompt_tokens: int, completion_tokens: in
         "add_unchecked_ms": unchecked_ms,
         "flush_ms": flush_ms,
         "flush_cpu_ms": flush_cpu_ms,
-        "sample_ms": sample_ms,  # the replay read of 64: for ours, the trainer's plan and `choose`
+        "sample_ms": sample_ms,  # the replay read of 64: for ours, the trainer's plan and `select`
         "sample_cpu_ms": sample_cpu_ms,
-        "sample_touched_ms": sample_ms,  # `choose` returns Python lists: nothing is left to convert
+        "sample_touched_ms": sample_ms,  # `select` returns Python lists: nothing is left to convert
         "sample_touched_cpu_ms": sample_cpu_ms,
         "trainer_plan_ms": plan_ms,
         "trainer_plan_cpu_ms": plan_cpu_ms,
@@ -451,7 +451,7 @@ def rank_worker(size: int, folder: str, prompt_tokens: int, completion_tokens: i
     base = Trajectory("t", rewards=[1.0], reward=1.0, entropy=0.5, policy_version=0, **parts)
     rng = np.random.default_rng(1)  # the same draws on every rank: the pools are rank-identical, as in training
     work = os.path.join(folder, "work")
-    pool = ExperiencePool(max_trajectories_per_task=PER_TASK, experience_rbound=8, work_dir=work)
+    pool = ExperiencePool(replay_max_trajectories_per_task=PER_TASK, replay_store_rbound=8, work_dir=work)
     broadcast = os.environ.get("POOL_SCALE_SHARING", "none") == "broadcast"
     if broadcast:  # as the trainer takes a pool: rank 0's index sent to the others
         snapshot = [pool.index_snapshot() if rank == 0 else None]
@@ -649,7 +649,7 @@ def table(results: dict) -> str:
     lines = [
         "Wall time, and in parentheses the calling thread's CPU time (what other processes on the machine do not "
         "inflate). `read 64`: one step's replay read: for ours the trainer's draw of 64 replay tasks over the buckets "
-        "and the read of each one's lowest-entropy trajectory (`plan_replay`, `choose`); for the dict, 64 tasks drawn "
+        "and the read of each one's lowest-entropy trajectory (`plan_replay`, `select`); for the dict, 64 tasks drawn "
         "as ExGRPO's code does (`random.sample` of the valid task list) and the lowest-entropy trajectory of each.",
         "",
         "| trajectories | pool | add 512 | read 64 | save (incremental) | load | RSS growth |",
@@ -678,7 +678,7 @@ def table(results: dict) -> str:
     lines += [
         "",
         "Sharded pool (ours), more figures. Trainer, 64 replay groups of 128: `plan` draws the replay tasks from the "
-        "bucket arrays (`plan_replay` over `replay_buckets`; `read 64` above also chooses and reads the replayed "
+        "bucket arrays (`plan_replay` over `replay_buckets`; `read 64` above also selects and reads the replayed "
         "trajectories); `plan from full list` is the former path (`plan_replay` over `replayable_tasks`, O(pool)). "
         "`flush 512`: the write of 512 buffered rows, on the calling thread (a shard file, then the compaction of the "
         "shards more dead than live).",

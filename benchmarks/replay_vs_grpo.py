@@ -503,26 +503,23 @@ def update_results(out: Path, change) -> dict:
     """Apply `change(results)` to `out/results.json` as it is on disk now, and write it back; returns the results.
 
     Harness calls may run at once (one per core, on the same testbed or not): the read-modify-write holds an exclusive
-    lock, and the file is replaced atomically (temp file, then rename), so a killed run leaves the old file or the new.
+    lock, and the file is replaced atomically (`write_atomic`, the package's one atomic writer), so a killed run leaves
+    the old file or the new.
     """
     import fcntl
+
+    from trl_exreplay.pool.store import write_atomic
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=1)
 
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".results.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         results = load_results(out)
         change(results)
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".results.", suffix=".tmp")
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; results are meant to be shared
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(results, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, out / "results.json")
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_atomic(str(out / "results.json"), write)
     return results
 
 

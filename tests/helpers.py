@@ -158,7 +158,7 @@ class RecordingTrainer(ExReplayGRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training:
             # the pool as the plan saw it: pending outcomes are flushed before planning, the new ones only queued
-            self.batches.append((output, {t: self.pool.candidates(t) for t in self.pool.stored_tasks()}))
+            self.batches.append((output, {t: self.pool.trajectories(t) for t in self.pool.stored_tasks()}))
         return output
 
 

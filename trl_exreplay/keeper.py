@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from .distributed import from_main_process
 from .pool import ExperiencePool, tokenizer_fingerprint
+from .pool.check import SETTINGS as POOL_SETTINGS
 from .pool.store import Scratch
 from .schedule import ReplaySchedule
 from .spread import ESTIMATES_FILE, SuccessEstimates
@@ -27,18 +28,6 @@ POOL_DIR = "exreplay_pool"
 # The live pool's shards, under output_dir (same disk as the checkpoints, so saves hard-link instead of copying); the
 # leading underscore keeps it out of `Trainer.push_to_hub` uploads.
 POOL_WORK_DIR = "_exreplay_pool_work"
-
-# `ExperiencePool`'s keyword arguments keep ExGRPO's key names where it has them (`experience_lbound`,
-# `experience_rbound`, `exp_select_mode`: its `verl/mix_src/config/mix_ppo_trainer.yaml`); the config field of each,
-# for the warning that names what a given pool had set otherwise.
-_POOL_SETTING_FIELDS = {
-    "max_trajectories_per_task": "replay_max_trajectories_per_task",
-    "experience_lbound": "replay_store_lbound",
-    "experience_rbound": "replay_store_rbound",
-    "exp_select_mode": "replay_select_mode",
-    "pool_store_mode": "replay_store_mode",
-    "max_policy_age": "replay_max_policy_age",
-}
 
 
 class PoolKeeper:
@@ -68,16 +57,11 @@ class PoolKeeper:
         # replay_spread_plan's per-task estimates of fresh success, saved with checkpoints (the same on every rank)
         spreading = settings.enable_experience_replay and settings.replay_spread_plan
         self.estimates = SuccessEstimates(settings.replay_spread_half_life) if spreading else None
-        s = settings
-        self._pool_settings = dict(
-            max_trajectories_per_task=s.replay_max_trajectories_per_task,
-            experience_lbound=s.replay_store_lbound,
-            experience_rbound=num_generations if s.replay_store_rbound is None else s.replay_store_rbound,
-            exp_select_mode=s.replay_select_mode,
-            pool_store_mode=s.replay_store_mode,
-            max_policy_age=s.replay_max_policy_age,
-            seed=seed,
-        )
+        # The pool's settings are the config's fields of the same names (replay_store_rbound=None: G), and the seed
+        self._pool_settings = {name: getattr(settings, name) for name in POOL_SETTINGS if name != "seed"}
+        if settings.replay_store_rbound is None:
+            self._pool_settings["replay_store_rbound"] = num_generations
+        self._pool_settings["seed"] = seed
         # The pool's token ids must be this tokenizer's wherever they are read: replay, and the experience of guided
         # rollouts when it starts from the pool.
         reads_pool = settings.enable_experience_replay or reads_pool
@@ -139,9 +123,7 @@ class PoolKeeper:
             pool.set_vocab_size(self._vocab_size)
         changed = pool.configure(**self._pool_settings)
         if changed:
-            # The pool's own settings keep ExGRPO's key names; the run sets them under the config's names.
-            fields = [_POOL_SETTING_FIELDS.get(name, name) for name in changed]
-            logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, fields)
+            logger.warning("trl_exreplay: pool from %s had other settings for %s; using this run's.", source, changed)
         return pool
 
     def save(self, output_dir: str, should_save: bool) -> None:

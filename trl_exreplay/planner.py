@@ -246,7 +246,8 @@ def plan_replay(
     weighting: str = "uniform",
     seed: int | Sequence[int] = 0,
 ) -> ReplayPlan:
-    """Choose the replay groups of one generation batch.
+    """The replay groups of one generation batch: the pool tasks drawn to replay (among those `pool.rules.replayable`
+    lets in, by bucket weight), and the group each replays in.
 
     Args:
         group_keys: task id of each group of the global batch, in order.

@@ -373,7 +373,7 @@ class ReplayController:
         keys = group_keys + [dataset_keys[row] for row in extra]
         alpha, beta = self.keeper.estimates.posterior(keys, global_step)
         k, age = self.rescue_rows, s.replay_max_policy_age
-        rescuable = np.array([bool(k) and self.pool.num_candidates(key, global_step, age) >= k for key in keys])
+        rescuable = np.array([bool(k) and self.pool.num_selectable(key, global_step, age) >= k for key in keys])
         plan = plan_groups(keys, alpha, beta, rescuable, num_groups=len(group_keys), group_size=G,
                            explore=s.replay_spread_explore, max_groups_per_task=s.replay_spread_max_groups,
                            seed=[*seed, 6])  # fmt: skip
@@ -477,14 +477,14 @@ class ReplayController:
         group_keys = step.row_tasks[::G]
         kept = {r // G for r in skip_rows}  # groups that are another part's experiment (guided rows)
         age = self.settings.replay_max_policy_age
-        has = [self.pool.num_candidates(task, global_step, age) >= k for task in group_keys]
+        has = [self.pool.num_selectable(task, global_step, age) >= k for task in group_keys]
         groups = plan_rescue(row_success, group_keys, G, k, has, skip_groups=[*step.plan.replay_groups, *kept])
         counted = [r for r, flag in enumerate(row_success) if flag is not None]
         rescued = rewards_per_func
         if groups:
             tasks = sorted(set(groups.values()))
             rng = np.random.default_rng([*step.seed, 4])  # replay_select_mode="random": a draw of this step's
-            chosen = self._on_main(lambda: self.pool.choose(tasks, k, global_step, age, rng=rng))
+            chosen = self._on_main(lambda: self.pool.select(tasks, k, global_step, age, rng=rng))
             rescued = rewards_per_func.clone()
             limit = self._max_completion_length
             for group, task in groups.items():

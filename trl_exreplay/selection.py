@@ -1,6 +1,6 @@
-"""Which stored trajectories a replayed group gets: the pool's choice on its index (by saved entropy, or at random),
-or, with `replay_select_by_current_entropy`, the lowest entropy under the current policy, scored by one no-grad forward
-sharded over ranks (`policy_forward`).
+"""Which stored trajectories a replayed group gets (`select_trajectories`): the pool's selection on its index (by saved
+entropy, or at random), or, with `replay_select_by_current_entropy`, the lowest entropy under the current policy,
+scored by one no-grad forward sharded over ranks (`policy_forward`). Either way the rule is `pool.rules.select`.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from trl.trainer.utils import pad
 
 from .planner import ReplayPlan
 from .pool import Trajectory
+from .pool.rules import select
 
 
 def select_trajectories(
     pool, plan: ReplayPlan, settings, step: int, seed, accelerator, policy_forward: Callable, on_main: Callable
 ) -> dict[str, list[Trajectory]]:
     """The trajectories of each task `plan` replays (identical on every rank), read where the pool's rows are:
-    `on_main(read)` runs `read` on rank 0 and sends its result to every rank. Collective when `plan` replays."""
+    `on_main(read)` runs `read` on rank 0 and sends its result to every rank. Both ways decide by `pool.rules.select`
+    under the pool's `replay_select_mode`, with one draw for ``random``. Collective when `plan` replays."""
     if not plan.replay_groups:
         return {}
     k, age = plan.num_replayed, settings.replay_max_policy_age  # `settings`: the run's ReplaySettings
@@ -28,18 +30,22 @@ def select_trajectories(
     tasks = list(plan.replay_groups.values())
     if not settings.replay_select_by_current_entropy:  # None under replay_select_mode="random"
         # By saved entropy (or at random): chosen on the pool's index; only the chosen trajectories are read.
-        return on_main(lambda: pool.choose(tasks, k, step, age, rng))
-    # By entropy under the current policy: every candidate of a task with more than k is scored.
-    candidates = on_main(lambda: {t: pool.candidates(t, step, age) for t in tasks})
-    entropies: dict[str, list[float]] = {}
+        return on_main(lambda: pool.select(tasks, k, step, age, rng))
+    # By entropy under the current policy: every candidate of a task with more than k is scored (the others are all
+    # replayed, in the order of their saved entropies).
+    candidates = on_main(lambda: {t: pool.trajectories(t, step, age) for t in tasks})
     ranked = [t for t in candidates if len(candidates[t]) > k]
-    flat = [trajectory for t in ranked for trajectory in candidates[t]]
-    values = current_policy_entropies(flat, accelerator, policy_forward)
-    start = 0
+    values = current_policy_entropies([c for t in ranked for c in candidates[t]], accelerator, policy_forward)
+    entropies, start = {}, 0
     for t in ranked:
         entropies[t] = values[start : start + len(candidates[t])]
         start += len(candidates[t])
-    return {t: pool.select(c, k, entropies.get(t), rng) for t, c in candidates.items()}
+    scored = {
+        t: (entropies.get(t) or [c.entropy for c in cs], [c.traj_id for c in cs]) for t, cs in candidates.items()
+    }
+    return {
+        t: [candidates[t][i] for i in order] for t, order in select(scored, k, pool.replay_select_mode, rng).items()
+    }
 
 
 @torch.no_grad()

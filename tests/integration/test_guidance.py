@@ -189,7 +189,7 @@ def test_a_guided_success_enters_the_pool_with_the_prompt_without_experience(tmp
                            replay_start_ratio=1.0, **GUIDED)  # fmt: skip
     trainer.train()
     stored = {(t.policy_version, tuple(t.completion_ids)): t for task in trainer.pool.stored_tasks()
-              for t in trainer.pool.candidates(task)}  # fmt: skip
+              for t in trainer.pool.trajectories(task)}  # fmt: skip
     found = {"keep": 0, "discard": 0}
     for version, (output, step, batch) in enumerate(trainer.steps):
         for i, guided_ids in batch.guided_prompt_ids.items():

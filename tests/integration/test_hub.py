@@ -293,7 +293,7 @@ def test_push_model_without_weights_raises(hub, tmp_path):
 
 
 def make_pool() -> ExperiencePool:
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_store_rbound=4)
     for i, (task_id, successes, entropies) in enumerate([("a", 1, [0.3]), ("b", 2, [0.9, 0.4, 0.6]), ("c", 4, [])]):
         trajectories = [
             Trajectory(task_id, [1, 2], [3 + j, 4], [1, 0], [-0.5, 0.0], [1.0, 0.25], 1.0, entropy=e, policy_version=i)
@@ -322,7 +322,7 @@ def shard_rows(files: dict[str, bytes]) -> int:
 
 
 def all_trajectories(pool) -> list[dict]:
-    rows = [dict(t.__dict__) for task in pool.stored_tasks() for t in pool.candidates(task)]
+    rows = [dict(t.__dict__) for task in pool.stored_tasks() for t in pool.trajectories(task)]
     return sorted(rows, key=lambda row: row["traj_id"])
 
 
@@ -386,7 +386,7 @@ def test_push_pool_round_trip(hub, tmp_path, empty):
 def test_push_pool_of_a_live_pool_compacts_and_pool_from_hub_checks_the_tokenizer(hub, tmp_path):
     tokenizer = build_tiny_tokenizer(["go", "to", "desk"])
     other = build_tiny_tokenizer(["go", "to", "shelf"])  # same size, one other word
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4, shard_rows=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_store_rbound=4, shard_rows=4)
     pool.bind_tokenizer(tokenizer_fingerprint(tokenizer))
     pool.record_outcome(TaskOutcome("a", 2, 4, [trajectory("a", 0.9), trajectory("a", 0.8)], '{"prompt": "a"}'))
     pool.record_outcome(TaskOutcome("b", 1, 4, [trajectory("b", 0.7)], '{"prompt": "b"}'))
@@ -431,7 +431,7 @@ def test_push_pool_of_a_live_pool_compacts_and_pool_from_hub_checks_the_tokenize
 
 
 def test_push_pool_compacts_a_folder_with_evicted_rows_in_place(hub, tmp_path):
-    pool = ExperiencePool(max_trajectories_per_task=1, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=1, replay_store_rbound=4)
     for task in "tuv":
         pool.record_outcome(TaskOutcome(task, 1, 4, [trajectory(task, 0.5)], f'{{"prompt": "{task}"}}'))
     pool.flush()

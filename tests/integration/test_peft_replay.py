@@ -89,7 +89,7 @@ def test_recorded_logps_are_the_adapted_models(tmp_path, schedule):
             base_logits = model(input_ids=probe).logits
     assert (adapted_logits - base_logits).abs().max() > 1e-2
 
-    trajectories = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.candidates(task)]
+    trajectories = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.trajectories(task)]
     assert len(trajectories) >= 3
     for trajectory in trajectories[:6]:
         mask = torch.tensor(trajectory.completion_mask, dtype=torch.bool)
@@ -140,6 +140,6 @@ def test_lora_learns_with_replay_and_saves_an_adapter(tmp_path):
     reloaded = peft.PeftModel.from_pretrained(build_tiny_model(trainer.processing_class, seed=0), str(out))
     reloaded.to(trainer.model.device)
     trainer.model.eval()
-    ids = torch.tensor([saved_pool.candidates(saved_pool.stored_tasks()[0])[0].prompt_ids], device=reloaded.device)
+    ids = torch.tensor([saved_pool.trajectories(saved_pool.stored_tasks()[0])[0].prompt_ids], device=reloaded.device)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits)

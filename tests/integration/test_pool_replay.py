@@ -1,5 +1,5 @@
 """The pool's side of replay at scale: bucket arrays kept as tasks move, the O(batch) draw of replay tasks from them
-(`ExperiencePool.replay_buckets` + `planner.plan_replay`), `choose` (what the trainer replays, read from the index),
+(`ExperiencePool.replay_buckets` + `planner.plan_replay`), `select` (what the trainer replays, chosen on the index),
 and batched shard reads.
 
 Expected draws and weights are worked out independently of the code under test (by hand, or from the pool's own
@@ -19,7 +19,7 @@ from helpers import traj
 
 from trl_exreplay import planner
 from trl_exreplay.planner import plan_replay
-from trl_exreplay.pool import ExperiencePool, TaskOutcome
+from trl_exreplay.pool import ExperiencePool, TaskOutcome, rules
 from trl_exreplay.pool.store import Shard, read_arrow
 
 
@@ -60,27 +60,27 @@ def rejection(monkeypatch):
 
 
 def test_bucket_arrays_follow_every_move_into_out_of_and_between_buckets():
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_store_rbound=4)
     rnd = random.Random(3)
     for step in range(400):
         task = f"t{rnd.randrange(40)}"
         record(pool, task, rnd.choice([0, 1, 2, 3, 4]), [rnd.random()], version=step)  # 4 of 4: the skip set
         members = bucket_members(pool)  # the bucketed tasks that hold trajectories (others cannot be replayed)
-        holding = {d: sorted(t for t in ts if pool.candidates(t)) for d, ts in pool.buckets().items()}
+        holding = {d: sorted(t for t in ts if pool.trajectories(t)) for d, ts in pool.buckets().items()}
         assert {d: sorted(m) for d, m in members.items()} == {d: ts for d, ts in holding.items() if ts}
         assert all(len(set(m)) == len(m) for m in members.values())
     assert pool.skip_set and len(pool.buckets()) >= 3
-    assert any(not pool.candidates(t) for t in pool.buckets()[0])  # bucket 0: tasks never solved, left out
+    assert any(not pool.trajectories(t) for t in pool.buckets()[0])  # bucket 0: tasks never solved, left out
 
 
 def test_live_and_loaded_pools_keep_the_same_bucket_arrays_and_draws(tmp_path, rejection):
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_store_rbound=4)
     rnd = random.Random(5)
     for step in range(800):  # tasks leave and re-enter buckets: the arrays are no longer in bucket order
         record(pool, f"t{rnd.randrange(200)}", rnd.choice([0, 1, 1, 2, 3, 4]), [rnd.random()], version=step)
     members = bucket_members(pool)
     assert sum(len(m) for m in members.values()) > 16 * 6  # drawing 6: by rejection, not over the listing
-    assert any(m != [t for t in pool.buckets()[d] if pool.candidates(t)] for d, m in members.items())
+    assert any(m != [t for t in pool.buckets()[d] if pool.trajectories(t)] for d, m in members.items())
     pool.save(str(tmp_path / "pool"))
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     assert bucket_members(loaded) == members
@@ -97,7 +97,7 @@ def test_live_and_loaded_pools_keep_the_same_bucket_arrays_and_draws(tmp_path, r
 def limited_pool():
     """Tasks in three buckets with every reason not to be replayable: skip set, no task row, too few trajectories,
     too old (versions 0..9)."""
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=4)
     rnd = random.Random(11)
     for i in range(300):
         successes = rnd.choice([1, 2, 3])
@@ -136,7 +136,7 @@ def test_drawn_tasks_are_replayable_under_every_limit(limits, rejection):
 
 def test_draws_follow_the_bucket_weights_of_the_replayable_tasks(rejection):
     # bucket 1: 40 tasks, 20 of them too old at step 10 with age 3; bucket 2: 4 tasks; bucket 3: 60 tasks.
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_store_rbound=4)
     for i in range(40):
         record(pool, f"a{i}", 1, [0.5], version=0 if i % 2 else 9)
     for i in range(4):
@@ -173,13 +173,17 @@ def test_small_pools_plan_exactly_as_from_the_listed_replayable_tasks(weighting)
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# choose: what the trainer replays, chosen on the index
+# select: what the trainer replays, chosen on the index
 # --------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", ["argmin", "argmax", "random"])
-def test_choose_is_select_over_the_candidates(mode, tmp_path):
-    pool = ExperiencePool(max_trajectories_per_task=4, experience_rbound=8, exp_select_mode=mode, shard_rows=4)
+def test_select_is_the_rule_over_the_read_trajectories(mode, tmp_path):
+    """`pool.select` decides on the index what `rules.select` decides over the trajectories read whole (their saved
+    entropies and ids), with the same draws, and reads those."""
+    pool = ExperiencePool(
+        replay_max_trajectories_per_task=4, replay_store_rbound=8, replay_select_mode=mode, shard_rows=4
+    )
     rnd = random.Random(2)
     for step in range(12):
         for task in ("a", "b", "c", "d"):
@@ -188,23 +192,23 @@ def test_choose_is_select_over_the_candidates(mode, tmp_path):
             pool.flush()  # some read from shard files, the last ones still pending
     for limits in ({}, {"current_step": 11, "max_policy_age": 3}):
         k = 1 if limits else 2
-
-        def candidates(task, limits=limits):
-            return pool.candidates(task, limits.get("current_step"), limits.get("max_policy_age"))
-
-        tasks = [t for t in ("c", "a", "d", "b") if len(candidates(t)) >= k]  # those a plan can hold
+        read = {t: pool.trajectories(t, limits.get("current_step"), limits.get("max_policy_age")) for t in "cadb"}
+        tasks = [t for t in read if len(read[t]) >= k]  # those a plan can hold
         assert len(tasks) >= 2, limits
+
+        def want(rng, read=read, tasks=tasks, k=k):
+            saved = {t: ([c.entropy for c in read[t]], [c.traj_id for c in read[t]]) for t in tasks}
+            return {t: [read[t][i] for i in order] for t, order in rules.select(saved, k, mode, rng).items()}
+
         for seed in range(3):
-            got = pool.choose(tasks, k, rng=np.random.default_rng(seed), **limits)
-            rng = np.random.default_rng(seed)
-            want = {t: pool.select(candidates(t), k, rng=rng) for t in tasks}
-            assert list(got) == tasks and got == want
-        if mode == "random":  # no rng: each task draws with the pool's seed, as `select` does
-            assert pool.choose(tasks, k, **limits) == {t: pool.select(candidates(t), k) for t in tasks}
+            got = pool.select(tasks, k, rng=np.random.default_rng(seed), **limits)
+            assert list(got) == tasks and got == want(np.random.default_rng(seed))
+        if mode == "random":  # no rng: one seeded by the pool's seed
+            assert pool.select(tasks, k, **limits) == want(np.random.default_rng(pool.seed))
     with pytest.raises(ValueError, match="Cannot select 5 trajectories out of 4"):
-        pool.choose(["a"], 5)
+        pool.select(["a"], 5)
     with pytest.raises(ValueError, match="Cannot select 1 trajectories out of 0"):
-        pool.choose(["unknown"], 1)
+        pool.select(["unknown"], 1)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -213,7 +217,7 @@ def test_choose_is_select_over_the_candidates(mode, tmp_path):
 
 
 def test_rows_read_in_any_order_across_shards_are_the_arrow_values():
-    pool = ExperiencePool(max_trajectories_per_task=64, experience_rbound=8, shard_rows=16)
+    pool = ExperiencePool(replay_max_trajectories_per_task=64, replay_store_rbound=8, shard_rows=16)
     rnd = random.Random(4)
     for i in range(60):
         record(pool, "a", 3, [rnd.random()], n=rnd.randrange(1, 3000), version=i)
@@ -245,7 +249,7 @@ def test_a_pool_holds_no_file_descriptor_for_its_shards(tmp_path):
     """Shards are memory maps, not open files: a live or loaded pool of many shards holds no descriptor for them
     (a pool of 1M trajectories has thousands of shards; a descriptor each would pass the usual limit of 1024)."""
     descriptors = len(os.listdir("/proc/self/fd"))
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_store_rbound=8, shard_rows=4)
     for i in range(40):
         record(pool, f"t{i}", 2, [0.1, 0.2])
     pool.flush()
@@ -253,7 +257,7 @@ def test_a_pool_holds_no_file_descriptor_for_its_shards(tmp_path):
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     for p in (pool, loaded):
         assert p.storage_stats()["trajectory_shards"] == 20
-        chosen = p.choose(p.stored_tasks(), 1)
+        chosen = p.select(p.stored_tasks(), 1)
         assert len(chosen) == 40 and all(ts[0].completion_ids == [10, 11, 12] for ts in chosen.values())
         assert [p.task_row(f"t{i}") for i in range(40)] == [{"task_id": f"t{i}"} for i in range(40)]
     assert len(os.listdir("/proc/self/fd")) == descriptors

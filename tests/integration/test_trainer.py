@@ -127,7 +127,7 @@ def test_recorded_logps_are_the_generating_policy(tmp_path, schedule):
     snapshots = SnapshotCallback()
     trainer.add_callback(snapshots)
     trainer.train()
-    trajectories = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.candidates(task)]
+    trajectories = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.trajectories(task)]
     assert len(trajectories) >= 3
     model = trainer.model
     checked_versions = set()
@@ -272,7 +272,7 @@ def test_selection_by_current_or_saved_entropy(tmp_path, use_current):
     chosen = select_trajectories(trainer.pool, plan, trainer.settings, 0, [0, 0], trainer.accelerator,
                                  trainer._policy_forward, lambda read: read())["task-0"][0]  # fmt: skip
     expected = int(np.argmin(current)) if use_current else int(np.argmin(saved))
-    assert chosen.completion_ids == trainer.pool.candidates("task-0")[expected].completion_ids
+    assert chosen.completion_ids == trainer.pool.trajectories("task-0")[expected].completion_ids
     assert int(np.argmin(current)) != int(np.argmin(saved))
 
 
@@ -438,7 +438,7 @@ def test_a_task_in_several_groups_has_one_outcome_per_group(tmp_path):
 
 
 def test_given_pool_takes_the_run_configuration(tmp_path, caplog):
-    given = ExperiencePool(max_trajectories_per_task=9, exp_select_mode="argmax", experience_rbound=4)
+    given = ExperiencePool(replay_max_trajectories_per_task=9, replay_select_mode="argmax", replay_store_rbound=4)
     tokenizer = build_tiny_tokenizer(VOCABULARY)
     trainer = ExReplayGRPOTrainer(
         model=build_tiny_model(tokenizer),
@@ -449,7 +449,8 @@ def test_given_pool_takes_the_run_configuration(tmp_path, caplog):
         experience_pool=given,
     )
     assert trainer.pool is given
-    assert (given.max_trajectories_per_task, given.exp_select_mode, given.experience_rbound) == (3, "argmin", 4)
+    settings = (given.replay_max_trajectories_per_task, given.replay_select_mode, given.replay_store_rbound)
+    assert settings == (3, "argmin", 4)
     assert "replay_max_trajectories_per_task" in caplog.text and "replay_select_mode" in caplog.text  # config names
 
 

@@ -27,7 +27,7 @@ def trajectory(task="t", logps=(-0.5, -0.25), ids=(3, 4), mask=(1, 1), reward=1.
 
 
 def saved_pool(path, tokenizer=None, shard_rows=2) -> ExperiencePool:
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4, shard_rows=shard_rows)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=4, shard_rows=shard_rows)
     if tokenizer is not None:
         pool.bind_tokenizer(tokenizer_fingerprint(tokenizer))
     for task, entropies in (("a", (0.1, 0.2)), ("b", (0.3,)), ("c", (0.4, 0.5))):
@@ -77,7 +77,7 @@ def test_damage_is_one_error_naming_the_file(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(PoolFormatError, match=f"{shard.name}: checksum mismatch"):
         ExperiencePool.load(str(tmp_path / "pool"))
-    (tmp_path / "pool" / "state.json").write_text('{"format_version": 6, "settings": ')
+    (tmp_path / "pool" / "state.json").write_text('{"format_version": 7, "settings": ')
     with pytest.raises(PoolFormatError, match="state.json: not valid JSON"):
         ExperiencePool.load(str(tmp_path / "pool"))
     (tmp_path / "pool" / "state.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion
@@ -108,9 +108,9 @@ def test_a_shard_with_columns_of_another_type_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda s: s["settings"].update(max_trajectories_per_task=1), "a task holds more than 1 trajectories"),
-        (lambda s: s["settings"].update(exp_select_mode="median"), "exp_select_mode"),
-        (lambda s: s["settings"].update(experience_rbound=-1), "experience_rbound"),
+        (lambda s: s["settings"].update(replay_max_trajectories_per_task=1), "a task holds more than 1 trajectories"),
+        (lambda s: s["settings"].update(replay_select_mode="median"), "replay_select_mode"),
+        (lambda s: s["settings"].update(replay_store_rbound=-1), "replay_store_rbound"),
         (lambda s: s["shards"][0].update(live=99), "live"),
         (lambda s: s["counters"].update(next_traj_id=1), r"`traj_ids` outside \[0, next_traj_id\)"),
     ],
@@ -241,7 +241,7 @@ def test_links_leading_out_are_refused_and_the_hub_cache_layout_loads(tmp_path, 
     ],
 )
 def test_rows_a_model_cannot_train_on_are_refused_and_counted(bad, reason):
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     assert not pool.add(trajectory(**bad))
     assert pool.num_trajectories == 0 and pool.rejected_reasons == {reason: 1}
     pool.record_outcome(TaskOutcome("t", 1, 4, [trajectory(**bad)]))
@@ -251,7 +251,7 @@ def test_rows_a_model_cannot_train_on_are_refused_and_counted(bad, reason):
 def test_token_ids_past_the_vocabulary_are_refused_at_load_and_when_the_vocabulary_is_set(tmp_path):
     pool = saved_pool(tmp_path / "pool")
     pool.add(trajectory("d", ids=(3, 40)))
-    assert pool.set_vocab_size(32) == 1 and pool.candidates("d") == []
+    assert pool.set_vocab_size(32) == 1 and pool.trajectories("d") == []
     assert not pool.add(trajectory("d", ids=(3, 40))) and pool.rejected_rows == 2
     loaded = ExperiencePool.load(str(tmp_path / "pool"), vocab_size=4)  # ids 3 and 4: the id 4 rows are out
     assert loaded.num_trajectories == 0 and loaded.rejected_reasons == {"token id outside the vocabulary": 5}
@@ -265,7 +265,7 @@ def test_an_infinite_reward_is_a_counted_missing_reward_never_stored(tmp_path):
     trainer = make_trainer(tmp_path, reward_funcs=inf_for_one, max_steps=2, replay_start_ratio=1.0)
     trainer.train()
     assert trainer._faults.totals["nonfinite_rewards"] >= 1
-    stored = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.candidates(task)]
+    stored = [t for task in trainer.pool.stored_tasks() for t in trainer.pool.trajectories(task)]
     assert stored  # the other rows were stored as usual
     assert all(np.isfinite(t.reward) and np.isfinite(t.rewards).all() for t in stored)
     assert all(np.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
@@ -338,12 +338,12 @@ def test_a_pool_without_fingerprint_is_refused_with_a_tokenizer_unless_allowed(t
 def test_saving_over_another_format_or_a_damaged_state_says_so(tmp_path):
     pool = saved_pool(tmp_path / "old")
     edit_state(tmp_path / "old", lambda s: s.update(format_version=2), reseal=True)
-    with pytest.raises(ValueError, match="Not saving into .*old: .*format_version 2 is not 6, .* development"):
+    with pytest.raises(ValueError, match="Not saving into .*old: .*format_version 2 is not 7, .* development"):
         pool.save(str(tmp_path / "old"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "state.json").write_text("garbage")
     with pytest.raises(ValueError, match="Not saving into .*bad: its state.json is not that of a usable"):
         pool.save(str(tmp_path / "bad"))
     edit_state(tmp_path / "old", lambda s: s.update(format_version=9), reseal=False)
-    with pytest.raises(PoolFormatError, match="format_version 9 is not 6, .* a newer trl_exreplay"):
+    with pytest.raises(PoolFormatError, match="format_version 9 is not 7, .* a newer trl_exreplay"):
         ExperiencePool.load(str(tmp_path / "old"))

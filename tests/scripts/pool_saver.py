@@ -50,7 +50,7 @@ def change(pool: ExperiencePool, rng: np.random.Generator, save: int) -> None:
 
 def sweep(folder: str, work_dir: str, seed: int) -> None:
     rng = np.random.default_rng(seed)
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=6, work_dir=work_dir, shard_rows=16)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=6, work_dir=work_dir, shard_rows=16)
     report = {"kills": 0, "loaded_old": 0, "loaded_new": 0, "bad": []}
     for save in range(1, 6):
         committed = pool.content_hash() if save > 1 else None
@@ -81,7 +81,7 @@ def sweep(folder: str, work_dir: str, seed: int) -> None:
 
 def main(folder: str, work_dir: str, seed: int) -> None:
     rng = np.random.default_rng(seed)
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=6, work_dir=work_dir, shard_rows=16)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=6, work_dir=work_dir, shard_rows=16)
     save = 0
     while True:
         save += 1

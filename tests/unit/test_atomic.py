@@ -152,3 +152,37 @@ def test_the_model_card_is_written_through_the_writer(tmp_path):
     with pytest.raises(Boom):  # before anything is uploaded
         push_model(str(tmp_path), "user/model", "# card")
     assert os.listdir(tmp_path) == ["model.safetensors"]
+
+
+def fake_merge(monkeypatch):
+    """`merge_adapter`'s loaders replaced: the merged model and the tokenizer are `FakeSaver`s."""
+    import peft
+    import transformers
+
+    merged = type("Peft", (), {"merge_and_unload": lambda self: FakeSaver("model.safetensors")})()
+    monkeypatch.setattr(peft.AutoPeftModelForCausalLM, "from_pretrained", lambda *a, **k: merged)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: FakeSaver("tokenizer.json"))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_merged_adapter_is_saved_through_the_writer(tmp_path, monkeypatch, failing_fsync, in_place):
+    """Into a new folder or in place of the adapter's own: a failed save leaves the adapter as it was and no
+    temporary; a save that succeeds leaves the merged model alone."""
+    from types import SimpleNamespace
+
+    from trl_exreplay.recipes.models import merge_adapter
+
+    fake_merge(monkeypatch)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    into = None if in_place else str(tmp_path / "merged")
+    model_args = SimpleNamespace(model_revision=None, attn_implementation=None, dtype=None)
+    with pytest.raises(Boom):
+        merge_adapter(str(adapter), model_args, into=into)
+    assert os.listdir(tmp_path) == ["adapter"] and os.listdir(adapter) == ["adapter_config.json"]
+    monkeypatch.undo()
+    fake_merge(monkeypatch)
+    written = merge_adapter(str(adapter), model_args, into=into)
+    assert sorted(os.listdir(written)) == ["model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(tmp_path)) == (["adapter"] if in_place else ["adapter", "merged"])

@@ -30,7 +30,7 @@ def test_a_repeated_task_is_stored_where_a_merged_count_would_refuse_it():
     tasks, success = ["t"] * 16, [True, False] * 8
     winners_of = {row: Trajectory("t", [1], [2, 3], [1, 1], [-0.1, -0.2], [1.0], 1.0, row / 10, 0) for row in
                   range(0, 16, 2)}  # fmt: skip
-    pool = ExperiencePool(experience_rbound=8, max_trajectories_per_task=16)
+    pool = ExperiencePool(replay_store_rbound=8, replay_max_trajectories_per_task=16)
     for task, successes, rollouts, winners in task_outcomes(tasks, list(range(16)), success, group_size=8):
         pool.record_outcome(TaskOutcome(task, successes, rollouts, [winners_of[r] for r in winners]))
     assert pool.bucket_of("t") == 4 and pool.num_trajectories == 8

@@ -47,11 +47,11 @@ def outcome(task_id, successes, num_fresh=4, entropies=(), version=0, task_row="
 
 
 def entropies(pool, task_id):
-    return [t.entropy for t in pool.candidates(task_id)]
+    return [t.entropy for t in pool.trajectories(task_id)]
 
 
 def ids(pool, task_id):
-    return [t.traj_id for t in pool.candidates(task_id)]
+    return [t.traj_id for t in pool.trajectories(task_id)]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def test_trajectory_length_mismatch_raises(mask, logps):
 
 
 def test_buckets_hold_each_task_by_its_successes():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 2, entropies=[0.5]))
     pool.record_outcome(outcome("t2", 1, entropies=[0.5]))
     pool.record_outcome(outcome("t3", 2))
@@ -110,7 +110,7 @@ def test_buckets_hold_each_task_by_its_successes():
 
 
 def test_task_moves_to_its_latest_bucket_only():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 2, entropies=[0.5]))
     pool.record_outcome(outcome("t2", 2, entropies=[0.4]))
     pool.record_outcome(outcome("t1", 1, entropies=[0.3]))
@@ -125,7 +125,7 @@ def test_task_moves_to_its_latest_bucket_only():
 
 
 def test_fully_solved_task_enters_skip_set_and_leaves_buckets_and_store():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 2, entropies=[0.5, 0.6]))
     pool.record_outcome(outcome("t2", 1, entropies=[0.2]))
     assert pool.num_trajectories == 3
@@ -133,7 +133,7 @@ def test_fully_solved_task_enters_skip_set_and_leaves_buckets_and_store():
     assert pool.skip_set == ["t1"]
     assert pool.bucket_of("t1") is None
     assert pool.buckets() == {1: ["t2"]}
-    assert pool.candidates("t1") == []
+    assert pool.trajectories("t1") == []
     assert pool.num_trajectories == 1 and pool.num_tasks == 1
     # the task row is kept (the task can still be rolled out), but the task is not replayable
     assert pool.task_row("t1") == {"task_id": "t1", "prompt": "solve t1"}
@@ -141,7 +141,7 @@ def test_fully_solved_task_enters_skip_set_and_leaves_buckets_and_store():
 
 
 def test_skip_set_task_leaves_it_when_not_fully_solved():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 3, num_fresh=3))  # all 3 fresh rollouts succeed: skip
     pool.record_outcome(outcome("t2", 4, num_fresh=4))
     assert pool.skip_set == ["t1", "t2"]
@@ -153,18 +153,18 @@ def test_skip_set_task_leaves_it_when_not_fully_solved():
     # fully solved again: back in the skip set, store cleared again
     pool.record_outcome(outcome("t1", 2, num_fresh=2))
     assert pool.skip_set == ["t2", "t1"]
-    assert pool.candidates("t1") == [] and pool.buckets() == {}
+    assert pool.trajectories("t1") == [] and pool.buckets() == {}
 
 
 def test_no_fresh_rollouts_is_not_fully_solved():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 0, num_fresh=0))
     assert pool.skip_set == []
     assert pool.buckets() == {0: ["t1"]}
 
 
 def test_stats_counts():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("t1", 2, entropies=[0.5, 0.6]))
     pool.record_outcome(outcome("t2", 2, entropies=[0.5]))
     pool.record_outcome(outcome("t3", 0))
@@ -186,28 +186,28 @@ def test_stats_counts():
 
 @pytest.mark.parametrize("successes, stored", [(0, False), (1, False), (2, True), (3, False)])
 def test_store_only_strictly_between_bounds(successes, stored):
-    pool = ExperiencePool(experience_lbound=1, experience_rbound=3)
+    pool = ExperiencePool(replay_store_lbound=1, replay_store_rbound=3)
     pool.record_outcome(outcome("t", successes, num_fresh=4, entropies=[0.3] * successes))
     assert pool.bucket_of("t") == successes  # bucketed whatever the bounds
     assert pool.num_trajectories == (successes if stored else 0)
 
 
 def test_default_bounds_store_one_to_rbound_minus_one():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     for s in range(4):
         pool.record_outcome(outcome(f"t{s}", s, num_fresh=4, entropies=[0.3] * s))
-    assert [len(pool.candidates(f"t{s}")) for s in range(4)] == [0, 1, 2, 3]
+    assert [len(pool.trajectories(f"t{s}")) for s in range(4)] == [0, 1, 2, 3]
 
 
 def test_traj_ids_are_sequential_across_tasks_and_drops():
-    pool = ExperiencePool(max_trajectories_per_task=1, experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=1, replay_store_rbound=4)
     pool.record_outcome(outcome("a", 2, entropies=[0.5, 0.9]))  # ids 0 (kept), 1 (dropped: higher entropy)
     pool.record_outcome(outcome("b", 1, entropies=[0.4]))  # id 2
     assert ids(pool, "a") == [0] and ids(pool, "b") == [2]
 
 
 def test_argmin_eviction_replaces_highest_entropy_else_drops():
-    pool = ExperiencePool(max_trajectories_per_task=3, exp_select_mode="argmin")
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_select_mode="argmin")
     assert [pool.add(traj("t", e)) for e in (0.5, 0.2, 0.9)] == [True, True, True]
     assert entropies(pool, "t") == [f32(0.5), f32(0.2), f32(0.9)] and ids(pool, "t") == [0, 1, 2]
     assert pool.add(traj("t", 0.4)) is True  # replaces 0.9 in place
@@ -220,7 +220,7 @@ def test_argmin_eviction_replaces_highest_entropy_else_drops():
 
 
 def test_argmax_eviction_replaces_lowest_entropy_else_drops():
-    pool = ExperiencePool(max_trajectories_per_task=3, exp_select_mode="argmax")
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_select_mode="argmax")
     for e in (0.5, 0.2, 0.9):
         pool.add(traj("t", e))
     assert pool.add(traj("t", 0.1)) is False
@@ -232,14 +232,14 @@ def test_argmax_eviction_replaces_lowest_entropy_else_drops():
 
 
 def test_random_eviction_is_fifo():
-    pool = ExperiencePool(max_trajectories_per_task=2, exp_select_mode="random")
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_select_mode="random")
     results = [pool.add(traj("t", e)) for e in (0.1, 0.9, 0.5, 0.3)]
     assert results == [True, True, True, True]
     assert ids(pool, "t") == [2, 3] and entropies(pool, "t") == [f32(0.5), f32(0.3)]
 
 
 def test_capacity_is_per_task():
-    pool = ExperiencePool(max_trajectories_per_task=2, exp_select_mode="argmin", experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_select_mode="argmin", replay_store_rbound=4)
     pool.record_outcome(outcome("a", 3, entropies=[0.3, 0.1, 0.2]))  # 0.2 replaces 0.3
     pool.record_outcome(outcome("b", 2, entropies=[0.9, 0.8]))
     assert entropies(pool, "a") == [f32(0.2), f32(0.1)]
@@ -257,27 +257,27 @@ def test_capacity_is_per_task():
     ],
 )
 def test_pool_store_mode(mode, store_mode, expected):
-    pool = ExperiencePool(exp_select_mode=mode, pool_store_mode=store_mode, experience_rbound=4)
+    pool = ExperiencePool(replay_select_mode=mode, replay_store_mode=store_mode, replay_store_rbound=4)
     pool.record_outcome(outcome("t", 3, entropies=[0.3, 0.1, 0.2]))
     assert entropies(pool, "t") == [f32(e) for e in expected]
 
 
 def test_pool_store_mode_best_random_stores_one_deterministically():
     def build(seed):
-        pool = ExperiencePool(exp_select_mode="random", pool_store_mode="best", experience_rbound=4, seed=seed)
+        pool = ExperiencePool(replay_select_mode="random", replay_store_mode="best", replay_store_rbound=4, seed=seed)
         for step in range(6):
             pool.record_outcome(outcome("t", 3, entropies=[0.1 * step + 0.01 * i for i in range(3)]))
         return pool
 
     a, b = build(0), build(0)
-    assert len(a.candidates("t")) == 5  # one per outcome, 6 outcomes, capacity 5 (FIFO)
+    assert len(a.trajectories("t")) == 5  # one per outcome, 6 outcomes, capacity 5 (FIFO)
     assert entropies(a, "t") == entropies(b, "t")
     for step, e in enumerate(entropies(a, "t"), start=1):
         assert e in [f32(0.1 * step + 0.01 * i) for i in range(3)]
 
 
 def test_pool_store_mode_best_keeps_capacity_rule():
-    pool = ExperiencePool(max_trajectories_per_task=1, pool_store_mode="best", experience_rbound=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=1, replay_store_mode="best", replay_store_rbound=4)
     pool.record_outcome(outcome("t", 2, entropies=[0.4, 0.6]))
     pool.record_outcome(outcome("t", 2, entropies=[0.5, 0.7]))  # best 0.5 is not lower than 0.4: dropped
     assert entropies(pool, "t") == [f32(0.4)]
@@ -290,22 +290,22 @@ def test_pool_store_mode_best_keeps_capacity_rule():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_candidates_policy_age():
+def test_trajectories_policy_age():
     pool = ExperiencePool()
     for version in (1, 5, 8):
         pool.add(traj("t", 0.5, version=version))
     versions = lambda ts: [t.policy_version for t in ts]  # noqa: E731
-    assert versions(pool.candidates("t")) == [1, 5, 8]
-    assert versions(pool.candidates("t", current_step=10)) == [1, 5, 8]
-    assert versions(pool.candidates("t", max_policy_age=0)) == [1, 5, 8]
-    assert versions(pool.candidates("t", current_step=10, max_policy_age=5)) == [5, 8]  # age 5 is allowed
-    assert versions(pool.candidates("t", current_step=10, max_policy_age=1)) == []
-    assert versions(pool.candidates("t", current_step=8, max_policy_age=0)) == [8]
-    assert pool.candidates("unknown") == []
+    assert versions(pool.trajectories("t")) == [1, 5, 8]
+    assert versions(pool.trajectories("t", current_step=10)) == [1, 5, 8]
+    assert versions(pool.trajectories("t", max_policy_age=0)) == [1, 5, 8]
+    assert versions(pool.trajectories("t", current_step=10, max_policy_age=5)) == [5, 8]  # age 5 is allowed
+    assert versions(pool.trajectories("t", current_step=10, max_policy_age=1)) == []
+    assert versions(pool.trajectories("t", current_step=8, max_policy_age=0)) == [8]
+    assert pool.trajectories("unknown") == []
 
 
 def test_replayable_tasks():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("A", 2, entropies=[0.5, 0.6], version=0))
     pool.record_outcome(outcome("B", 1, entropies=[0.5], version=9))
     pool.record_outcome(outcome("C", 2, entropies=[0.5, 0.6], task_row=None))  # no task row: cannot roll out
@@ -327,7 +327,7 @@ def test_replayable_tasks():
 
 
 def test_task_row():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("A", 1, task_row=json.dumps({"prompt": [{"role": "user", "content": "hi"}], "x": 1})))
     pool.record_outcome(outcome("B", 1, task_row=None))
     assert pool.task_row("A") == {"prompt": [{"role": "user", "content": "hi"}], "x": 1}
@@ -337,56 +337,50 @@ def test_task_row():
     assert pool.task_row("A") == {"prompt": [{"role": "user", "content": "hi"}], "x": 1}
 
 
-def _candidates(pool, values):
-    return [pool.add(traj("t", e)) and pool.candidates("t")[-1] for e in values]
+def _stored(pool, values):
+    """Store trajectories of task "t" with the entropies `values` (ids 0, 1, ...)."""
+    for e in values:
+        pool.add(traj("t", e))
+
+
+def _selected(pool, num, rng=None):
+    return [t.traj_id for t in pool.select(["t"], num, rng=rng)["t"]]
 
 
 def test_select_argmin_by_saved_entropy():
-    pool = ExperiencePool(max_trajectories_per_task=10, exp_select_mode="argmin")
-    cands = _candidates(pool, [0.5, 0.1, 0.3, 0.1])
-    assert [t.traj_id for t in pool.select(cands, 1)] == [1]
-    assert [t.traj_id for t in pool.select(cands, 2)] == [1, 3]  # tie on entropy: older first
-    assert [t.traj_id for t in pool.select(cands, 3)] == [1, 3, 2]
-    assert [t.traj_id for t in pool.select(cands, 0)] == []
+    pool = ExperiencePool(replay_max_trajectories_per_task=10, replay_select_mode="argmin")
+    _stored(pool, [0.5, 0.1, 0.3, 0.1])
+    assert _selected(pool, 1) == [1]
+    assert _selected(pool, 2) == [1, 3]  # tie on entropy: older first
+    assert _selected(pool, 3) == [1, 3, 2]
+    assert _selected(pool, 0) == []
 
 
 def test_select_argmax_by_saved_entropy():
-    pool = ExperiencePool(max_trajectories_per_task=10, exp_select_mode="argmax")
-    cands = _candidates(pool, [0.5, 0.1, 0.3, 0.5])
-    assert [t.traj_id for t in pool.select(cands, 1)] == [0]
-    assert [t.traj_id for t in pool.select(cands, 3)] == [0, 3, 2]
-
-
-@pytest.mark.parametrize("mode, expected", [("argmin", [0, 2]), ("argmax", [1, 3])])
-def test_select_by_current_policy_entropies(mode, expected):
-    pool = ExperiencePool(max_trajectories_per_task=10, exp_select_mode=mode)
-    cands = _candidates(pool, [0.9, 0.1, 0.8, 0.2])  # saved entropies say the opposite of the current ones
-    picked = pool.select(cands, 2, entropies=[0.0, 0.9, 0.2, 0.8])
-    assert [t.traj_id for t in picked] == expected
+    pool = ExperiencePool(replay_max_trajectories_per_task=10, replay_select_mode="argmax")
+    _stored(pool, [0.5, 0.1, 0.3, 0.5])
+    assert _selected(pool, 1) == [0]
+    assert _selected(pool, 3) == [0, 3, 2]
 
 
 def test_select_random():
-    pool = ExperiencePool(max_trajectories_per_task=10, exp_select_mode="random", seed=3)
-    cands = _candidates(pool, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
-    picked = pool.select(cands, 3)
-    assert len(picked) == 3 and len({t.traj_id for t in picked}) == 3
-    assert all(t in cands for t in picked)
-    assert [t.traj_id for t in pool.select(cands, 3)] == [t.traj_id for t in picked]  # pool seed: deterministic
-    full = pool.select(cands, 6)
-    assert sorted(t.traj_id for t in full) == [0, 1, 2, 3, 4, 5]
-    a = pool.select(cands, 6, rng=np.random.default_rng(7))
-    b = pool.select(cands, 6, rng=np.random.default_rng(7))
-    assert [t.traj_id for t in a] == [t.traj_id for t in b]
-    orders = {tuple(t.traj_id for t in pool.select(cands, 6, rng=np.random.default_rng(s))) for s in range(10)}
+    pool = ExperiencePool(replay_max_trajectories_per_task=10, replay_select_mode="random", seed=3)
+    _stored(pool, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    picked = _selected(pool, 3)
+    assert len(set(picked)) == 3 and set(picked) <= set(range(6))
+    assert _selected(pool, 3) == picked  # pool seed: deterministic
+    assert sorted(_selected(pool, 6)) == [0, 1, 2, 3, 4, 5]
+    assert _selected(pool, 6, np.random.default_rng(7)) == _selected(pool, 6, np.random.default_rng(7))
+    orders = {tuple(_selected(pool, 6, np.random.default_rng(s))) for s in range(10)}
     assert len(orders) > 1  # the rng really drives the choice
 
 
 @pytest.mark.parametrize("mode", ["argmin", "argmax", "random"])
 def test_select_more_than_candidates_raises(mode):
-    pool = ExperiencePool(exp_select_mode=mode)
-    cands = _candidates(pool, [0.1, 0.2])
+    pool = ExperiencePool(replay_select_mode=mode)
+    _stored(pool, [0.1, 0.2])
     with pytest.raises(ValueError, match="Cannot select 3"):
-        pool.select(cands, 3)
+        pool.select(["t"], 3)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -418,7 +412,9 @@ def test_task_key_hashes_prompt_when_column_missing_or_none():
 
 def build_pool(**kwargs) -> ExperiencePool:
     """A pool with several buckets, a skip set, task rows, evictions and several trajectory versions."""
-    settings = dict(max_trajectories_per_task=2, experience_lbound=0, experience_rbound=4, exp_select_mode="argmin")
+    settings = dict(
+        replay_max_trajectories_per_task=2, replay_store_lbound=0, replay_store_rbound=4, replay_select_mode="argmin"
+    )
     pool = ExperiencePool(**{**settings, **kwargs})
     pool.record_outcome(outcome("a", 2, entropies=[0.31, 0.12], version=1))
     pool.record_outcome(outcome("b", 1, entropies=[0.77], version=2))
@@ -435,9 +431,9 @@ def test_content_hash_equal_for_equal_pools_and_sensitive_to_content():
     assert a.content_hash() == b.content_hash()
     assert len(a.content_hash()) == 64
     before = a.content_hash()
-    a.candidates("b")[0].entropy = f32(0.78)  # the pool hands out copies: its content does not change
-    a.candidates("b")[0].logps[0] = 5.0
-    assert a.content_hash() == before and a.candidates("b")[0].entropy == f32(0.77)
+    a.trajectories("b")[0].entropy = f32(0.78)  # the pool hands out copies: its content does not change
+    a.trajectories("b")[0].logps[0] = 5.0
+    assert a.content_hash() == before and a.trajectories("b")[0].entropy == f32(0.77)
     one_entropy_differs = build_pool()
     one_entropy_differs.record_outcome(outcome("zz", 1, entropies=[0.78]))
     a.record_outcome(outcome("zz", 1, entropies=[0.77]))
@@ -459,13 +455,18 @@ def assert_same_pool(loaded: ExperiencePool, pool: ExperiencePool):
     assert loaded.skip_set == pool.skip_set
     assert loaded.replayable_tasks() == pool.replayable_tasks()
     assert loaded.stats() == pool.stats()
-    for name in ("max_trajectories_per_task", "experience_lbound", "experience_rbound", "exp_select_mode"):
+    for name in (
+        "replay_max_trajectories_per_task",
+        "replay_store_lbound",
+        "replay_store_rbound",
+        "replay_select_mode",
+    ):
         assert getattr(loaded, name) == getattr(pool, name)
-    assert (loaded.pool_store_mode, loaded.seed) == (pool.pool_store_mode, pool.seed)
+    assert (loaded.replay_store_mode, loaded.seed) == (pool.replay_store_mode, pool.seed)
     tasks = [t for tasks in pool.buckets().values() for t in tasks] + pool.skip_set
     for task_id in tasks:
         assert loaded.task_row(task_id) == pool.task_row(task_id)
-        got, want = loaded.candidates(task_id), pool.candidates(task_id)
+        got, want = loaded.trajectories(task_id), pool.trajectories(task_id)
         assert len(got) == len(want)
         for g, w in zip(got, want):
             assert g.task_id == w.task_id
@@ -494,11 +495,11 @@ def test_save_load_round_trip(tmp_path):
     assert loaded.rejected_rows == 0
     assert_same_pool(loaded, pool)
     assert entropies(loaded, "a") == [f32(0.05), f32(0.12)]
-    assert loaded.candidates("b")[0].logps == [f32(-0.1), f32(-0.2)]
+    assert loaded.trajectories("b")[0].logps == [f32(-0.1), f32(-0.2)]
 
 
 def test_loaded_pool_continues_like_the_live_one(tmp_path):
-    pool = build_pool(exp_select_mode="random", pool_store_mode="best")
+    pool = build_pool(replay_select_mode="random", replay_store_mode="best")
     pool.save(str(tmp_path / "pool"))
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     for p in (pool, loaded):  # traj ids and the "best"/random draw depend on the persisted counters
@@ -509,17 +510,17 @@ def test_loaded_pool_continues_like_the_live_one(tmp_path):
 
 
 def test_save_load_empty_pool(tmp_path):
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=6, seed=5)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=6, seed=5)
     pool.save(str(tmp_path / "pool"))
     loaded = ExperiencePool.load(str(tmp_path / "pool"))
     assert loaded.content_hash() == pool.content_hash()
     assert loaded.num_trajectories == 0 and loaded.buckets() == {} and loaded.skip_set == []
-    assert (loaded.max_trajectories_per_task, loaded.experience_rbound, loaded.seed) == (3, 6, 5)
+    assert (loaded.replay_max_trajectories_per_task, loaded.replay_store_rbound, loaded.seed) == (3, 6, 5)
 
 
 def test_save_load_pool_without_trajectories(tmp_path):
     # early in training: tasks bucketed and skipped, nothing stored yet (a checkpoint must still resume)
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(outcome("a", 0))
     pool.record_outcome(outcome("b", 4))
     pool.record_outcome(outcome("c", 2, entropies=[0.5]))
@@ -543,7 +544,7 @@ def test_save_over_existing_pool(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["pool"]  # the old copy and the temporary folder are gone
     loaded = ExperiencePool.load(path)
     assert_same_pool(loaded, second)
-    assert loaded.skip_set == ["d", "b"] and loaded.candidates("b") == []
+    assert loaded.skip_set == ["d", "b"] and loaded.trajectories("b") == []
 
 
 def test_save_creates_parent_folders(tmp_path):
@@ -626,7 +627,7 @@ def test_a_failed_shard_write_keeps_its_rows_waiting_the_index_whole_and_fails_t
     write nothing), the rows wait, no partial file is left, and a save raises until a write succeeds."""
     import trl_exreplay.pool.store as store
 
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4, shard_rows=2)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=4, shard_rows=2)
     index_only = ExperiencePool.from_index_snapshot(pool.index_snapshot())
     write = store.write_arrow
 
@@ -683,7 +684,7 @@ def test_row_with_bad_shape_is_rejected_not_fatal(tmp_path):
     pool = build_pool()
     path = str(tmp_path / "pool")
     pool.save(path)
-    bad_id = pool.candidates("c")[0].traj_id
+    bad_id = pool.trajectories("c")[0].traj_id
 
     def edit(rows):
         for row in rows:
@@ -695,9 +696,9 @@ def test_row_with_bad_shape_is_rejected_not_fatal(tmp_path):
     loaded = ExperiencePool.load(path)
     assert loaded.rejected_rows == 1
     assert loaded.num_trajectories == pool.num_trajectories - 1
-    assert ids(loaded, "c") == [t.traj_id for t in pool.candidates("c")[1:]]
+    assert ids(loaded, "c") == [t.traj_id for t in pool.trajectories("c")[1:]]
     for task_id in ("a", "b", "f"):
-        assert loaded.candidates(task_id) == pool.candidates(task_id)
+        assert loaded.trajectories(task_id) == pool.trajectories(task_id)
     assert loaded.buckets() == pool.buckets() and loaded.skip_set == pool.skip_set
 
 
@@ -705,7 +706,7 @@ def test_rows_are_found_by_id_and_a_row_of_another_task_or_a_missing_one_is_coun
     pool = build_pool()
     path = str(tmp_path / "pool")
     pool.save(path)
-    b_id, (c_first, c_second) = pool.candidates("b")[0].traj_id, ids(pool, "c")
+    b_id, (c_first, c_second) = pool.trajectories("b")[0].traj_id, ids(pool, "c")
 
     def edit(rows):
         for row in rows:
@@ -717,9 +718,9 @@ def test_rows_are_found_by_id_and_a_row_of_another_task_or_a_missing_one_is_coun
     _rewrite_rows(path, edit)
     loaded = ExperiencePool.load(path)
     assert loaded.rejected_reasons == {"row of another task": 1, "missing row": 1}
-    assert loaded.candidates("b") == [] and ids(loaded, "c") == [c_second]
+    assert loaded.trajectories("b") == [] and ids(loaded, "c") == [c_second]
     for task_id in ("a", "f"):
-        assert loaded.candidates(task_id) == pool.candidates(task_id)
+        assert loaded.trajectories(task_id) == pool.trajectories(task_id)
 
     def duplicate(rows):
         return rows + [rows[0]]
@@ -737,7 +738,7 @@ def test_a_null_in_a_shard_refuses_the_pool_naming_file_and_column(tmp_path, col
     pool = build_pool()
     path = str(tmp_path / "pool")
     pool.save(path)
-    bad_id = pool.candidates("b")[0].traj_id
+    bad_id = pool.trajectories("b")[0].traj_id
 
     def edit(rows):
         for row in rows:
@@ -751,24 +752,24 @@ def test_a_null_in_a_shard_refuses_the_pool_naming_file_and_column(tmp_path, col
 
 
 def test_stale_trajectories_are_evicted_first_under_max_policy_age():
-    pool = ExperiencePool(max_trajectories_per_task=2, exp_select_mode="argmin", max_policy_age=5)
+    pool = ExperiencePool(replay_max_trajectories_per_task=2, replay_select_mode="argmin", replay_max_policy_age=5)
     pool.add(traj("t", entropy=0.1, version=0))
     pool.add(traj("t", entropy=0.2, version=0))
     # a higher-entropy but young trajectory would be refused by argmin; the stale ones make room instead
     assert pool.add(traj("t", entropy=0.9, version=10))
-    assert sorted(t.policy_version for t in pool.candidates("t")) == [0, 10]
-    assert [t.entropy for t in pool.candidates("t")] == [f32(0.2), f32(0.9)]
+    assert sorted(t.policy_version for t in pool.trajectories("t")) == [0, 10]
+    assert [t.entropy for t in pool.trajectories("t")] == [f32(0.2), f32(0.9)]
     assert pool.add(traj("t", entropy=0.8, version=11))
-    assert sorted(t.policy_version for t in pool.candidates("t")) == [10, 11]
+    assert sorted(t.policy_version for t in pool.trajectories("t")) == [10, 11]
     # nothing stale left: back to argmin eviction (0.95 > max entropy 0.9: dropped)
     assert not pool.add(traj("t", entropy=0.95, version=12))
-    assert [len(pool.candidates("t", current_step=12, max_policy_age=5))] == [2]
+    assert [len(pool.trajectories("t", current_step=12, max_policy_age=5))] == [2]
 
 
 def test_configure_reports_changed_settings_and_refuses_unknown_ones():
-    pool = ExperiencePool(max_trajectories_per_task=5, exp_select_mode="argmin")
-    assert pool.configure(max_trajectories_per_task=5, exp_select_mode="argmax") == ["exp_select_mode"]
-    assert pool.exp_select_mode == "argmax"
+    pool = ExperiencePool(replay_max_trajectories_per_task=5, replay_select_mode="argmin")
+    assert pool.configure(replay_max_trajectories_per_task=5, replay_select_mode="argmax") == ["replay_select_mode"]
+    assert pool.replay_select_mode == "argmax"
     with pytest.raises(ValueError, match="capacity"):
         pool.configure(capacity=3)
 
@@ -780,7 +781,7 @@ def test_a_save_that_fails_after_its_commit_keeps_what_it_committed(tmp_path, mo
 
     pool, path = build_pool(), str(tmp_path / "pool")
     if not first:
-        ExperiencePool(experience_rbound=4).save(path)
+        ExperiencePool(replay_store_rbound=4).save(path)
     real = persistence.fsync_path
 
     def fsync(target):
@@ -823,9 +824,9 @@ def test_a_save_removes_only_the_files_it_writes(tmp_path):
 
 
 def test_a_lowered_capacity_keeps_the_best_of_each_task_and_saves_a_pool_its_load_accepts(tmp_path):
-    pool = build_pool(max_trajectories_per_task=3)
+    pool = build_pool(replay_max_trajectories_per_task=3)
     assert entropies(pool, "c") == [f32(0.5), f32(0.25), f32(0.125)]
-    assert pool.configure(max_trajectories_per_task=1) == ["max_trajectories_per_task"]
+    assert pool.configure(replay_max_trajectories_per_task=1) == ["replay_max_trajectories_per_task"]
     assert entropies(pool, "c") == [f32(0.125)] and entropies(pool, "a") == [f32(0.05)]  # argmin: the lowest
     pool.save(str(tmp_path / "pool"))
     assert ExperiencePool.load(str(tmp_path / "pool")).content_hash() == pool.content_hash()

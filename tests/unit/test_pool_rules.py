@@ -5,7 +5,15 @@ ExGRPO's code (skip set, bounds, entropy ranking; the module's docstring names i
 import numpy as np
 import pytest
 
-from trl_exreplay.pool.rules import best_index, eviction, is_solved, selection_order, stores_successes
+from trl_exreplay.pool.rules import (
+    best_index,
+    eviction,
+    is_solved,
+    replayable,
+    select,
+    selection_order,
+    stores_successes,
+)
 
 
 @pytest.mark.parametrize(
@@ -79,3 +87,39 @@ def test_random_selection_is_the_rngs_permutation_and_needs_an_rng():
 def test_selecting_more_than_the_candidates_is_an_error():
     with pytest.raises(ValueError, match="Cannot select 3 trajectories out of 2 candidates"):
         selection_order([0.1, 0.2], [1, 2], 3, "argmin")
+
+
+def test_select_decides_every_replayed_task_in_turn_from_one_rng():
+    """The one rule of which stored trajectories replay, by hand: tasks in the order given, positions in the order they
+    take the group's replayed rows; under ``random`` the tasks draw in turn from one generator."""
+    candidates = {
+        "b": ([0.7, 0.1, 0.4], [2, 5, 9]),  # saved entropies (or the current policy's), trajectory ids, store order
+        "a": ([0.3, 0.3], [8, 4]),  # a tie: the lower id (the older trajectory) first
+    }
+    assert select(candidates, 2, "argmin") == {"b": [1, 2], "a": [1, 0]}
+    assert list(select(candidates, 2, "argmin")) == ["b", "a"]
+    assert select(candidates, 1, "argmax") == {"b": [0], "a": [1]}
+    rng = np.random.default_rng(11)
+    first, second = rng.permutation(3), rng.permutation(2)  # "b" draws first, then "a" from the same generator
+    assert select(candidates, 2, "random", np.random.default_rng(11)) == {"b": first[:2].tolist(),
+                                                                           "a": second[:2].tolist()}  # fmt: skip
+    # the current policy's entropies reverse "b": the same rule, other figures
+    assert select({"b": ([0.1, 0.9, 0.5], [2, 5, 9])}, 2, "argmin") == {"b": [0, 2]}
+    with pytest.raises(ValueError, match="Cannot select 3 trajectories out of 2 candidates"):
+        select(candidates, 3, "argmin")
+
+
+def test_a_task_is_replayable_when_bucketed_not_skipped_with_its_row_and_enough_young_trajectories():
+    difficulty = np.array([2, -1, 3, 1, 0])
+    in_skip_set = np.array([False, False, True, False, False])
+    has_row = np.array([True, True, True, False, True])
+    num_selectable = np.array([2, 5, 5, 5, 1])
+    # task 1: in no bucket; 2: in the skip set; 3: no dataset row; 4: one young trajectory, two needed
+    assert replayable(difficulty, in_skip_set, has_row, num_selectable, 2).tolist() == [True] + [False] * 4
+    assert replayable(difficulty, in_skip_set, has_row, num_selectable, 1).tolist() == [
+        True,
+        False,
+        False,
+        False,
+        True,
+    ]

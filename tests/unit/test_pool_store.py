@@ -54,7 +54,7 @@ def record(pool, task_id, successes, entropies=(), version=0, num_fresh=4, task_
 
 
 def entropies(pool, task_id):
-    return [t.entropy for t in pool.candidates(task_id)]
+    return [t.entropy for t in pool.trajectories(task_id)]
 
 
 def files_of(path) -> list[str]:
@@ -117,7 +117,9 @@ def test_the_trajectory_shards_schema_is_format_3s_less_the_store_rank_with_the_
 
 
 def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
-    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=2, work_dir=str(tmp_path))
+    pool = ExperiencePool(
+        replay_max_trajectories_per_task=5, replay_store_rbound=8, shard_rows=2, work_dir=str(tmp_path)
+    )
     record(pool, "a", 3, [0.3, 0.2, 0.1], version=4)
     record(pool, "b", 2, [0.9, 0.8], version=5)
     pool.flush()
@@ -130,7 +132,7 @@ def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
         table = datasets.Dataset.from_file(str(shard))  # memory-mapped by `datasets` itself
         assert table.features == TRAJECTORY_FEATURES
         rows += table.to_list()
-    want = [t.__dict__ for t in pool.candidates("a") + pool.candidates("b")]
+    want = [t.__dict__ for t in pool.trajectories("a") + pool.trajectories("b")]
     assert sorted(rows, key=lambda r: r["traj_id"]) == want
     assert want[0] == {
         "task_id": "a",
@@ -151,7 +153,9 @@ def test_shards_are_datasets_files_holding_exactly_the_flushed_rows(tmp_path):
 def test_rows_are_pending_until_they_fill_a_shard_written_on_the_calling_thread(tmp_path, monkeypatch):
     """No writer thread: the add that brings the pending rows to `shard_rows` writes them as one file before it
     returns; the rows are readable all along, pending or written; `flush` writes the rest."""
-    pool = ExperiencePool(max_trajectories_per_task=10, experience_rbound=20, shard_rows=4, work_dir=str(tmp_path))
+    pool = ExperiencePool(
+        replay_max_trajectories_per_task=10, replay_store_rbound=20, shard_rows=4, work_dir=str(tmp_path)
+    )
     writes, write_arrow = [], store.write_arrow
 
     def recording(path, table):
@@ -182,7 +186,9 @@ def test_rows_are_pending_until_they_fill_a_shard_written_on_the_calling_thread(
 
 def test_evicted_rows_stay_in_their_shard_until_compaction_removes_them(tmp_path):
     def build(flush):
-        pool = ExperiencePool(max_trajectories_per_task=1, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+        pool = ExperiencePool(
+            replay_max_trajectories_per_task=1, replay_store_rbound=8, shard_rows=4, work_dir=str(tmp_path)
+        )
         for task in "abcdefgh":  # two shards of four
             record(pool, task, 1, [0.5])
         if flush:
@@ -215,7 +221,11 @@ def test_a_row_evicted_while_compactions_rewrite_it_twice_is_counted_once(tmp_pa
     once, wherever its row moved, or a save writes a state that its own check refuses (num_trajectories below the
     shards' live rows)."""
     pool = ExperiencePool(
-        max_trajectories_per_task=5, experience_rbound=8, max_policy_age=1, shard_rows=64, work_dir=str(tmp_path)
+        replay_max_trajectories_per_task=5,
+        replay_store_rbound=8,
+        replay_max_policy_age=1,
+        shard_rows=64,
+        work_dir=str(tmp_path),
     )  # each version's adds evict the stale trajectories: the whole pool turns over every ~1000 adds
     log, history = pool._trajectories, []
     compact = log.compact
@@ -286,7 +296,7 @@ def test_a_log_compacts_the_shards_more_dead_than_live_and_counts_a_moved_rows_d
 
 
 def test_explicit_compaction_and_skip_set_clears(tmp_path):
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=8, shard_rows=8)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=8, shard_rows=8)
     for task in "abc":
         record(pool, task, 3, [0.1, 0.2, 0.3])
     pool.flush()
@@ -305,9 +315,9 @@ def test_under_eviction_churn_the_files_stay_within_twice_the_live_rows(tmp_path
     in the scratch folder) stay within twice its live rows plus one shard."""
     shard_rows = 8
     pool = ExperiencePool(
-        max_trajectories_per_task=2,
-        experience_rbound=8,
-        exp_select_mode="random",  # at capacity: the oldest goes, every time
+        replay_max_trajectories_per_task=2,
+        replay_store_rbound=8,
+        replay_select_mode="random",  # at capacity: the oldest goes, every time
         shard_rows=shard_rows,
         work_dir=str(tmp_path),
     )
@@ -328,7 +338,9 @@ def test_under_eviction_churn_the_files_stay_within_twice_the_live_rows(tmp_path
 
 def test_a_failed_write_in_a_compaction_loses_no_row(tmp_path, monkeypatch):
     def build(save):
-        pool = ExperiencePool(max_trajectories_per_task=1, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+        pool = ExperiencePool(
+            replay_max_trajectories_per_task=1, replay_store_rbound=8, shard_rows=4, work_dir=str(tmp_path)
+        )
         for task in "abcd":
             record(pool, task, 1, [0.5], task_row=None)  # one shard of four
         if save:
@@ -358,7 +370,9 @@ def test_a_failed_write_in_a_compaction_loses_no_row(tmp_path, monkeypatch):
 
 
 def test_a_save_compacts_the_shards_more_dead_than_live_even_with_no_row_pending(tmp_path):
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    pool = ExperiencePool(
+        replay_max_trajectories_per_task=2, replay_store_rbound=8, shard_rows=4, work_dir=str(tmp_path)
+    )
     for task in "abcd":
         record(pool, task, 2, [0.5, 0.4], task_row=None)  # two shards of four
     for task in "abc":
@@ -375,7 +389,9 @@ def test_a_save_compacts_the_shards_more_dead_than_live_even_with_no_row_pending
 
 
 def test_saves_write_only_new_shards_and_share_the_others(tmp_path):
-    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    pool = ExperiencePool(
+        replay_max_trajectories_per_task=5, replay_store_rbound=8, shard_rows=4, work_dir=str(tmp_path)
+    )
     for task in "abcdef":
         record(pool, task, 1, [0.5])
     first, second = tmp_path / "checkpoint-1" / "pool", tmp_path / "checkpoint-2" / "pool"
@@ -418,7 +434,7 @@ def test_with_the_scratch_folder_on_another_file_system_a_checkpoint_copies_only
     checkpoint holds, copying only the new ones; a save into a folder that has a shard leaves it untouched."""
     work = tmp_path / "work"
     no_links_between(monkeypatch, work)
-    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=4, work_dir=str(work))
+    pool = ExperiencePool(replay_max_trajectories_per_task=5, replay_store_rbound=8, shard_rows=4, work_dir=str(work))
     for task in "abcdef":
         record(pool, task, 2, [0.5, 0.4])
     first, second = tmp_path / "checkpoint-1", tmp_path / "checkpoint-2"
@@ -448,7 +464,7 @@ def test_a_loaded_pool_outside_the_scratch_file_system_links_each_save_from_the_
     from the loaded folder, and each save links it from the previous save's copy: once TRL rotates the loaded
     checkpoint away, no save writes its rows again (until every copy is gone: then from the mapping, as the same
     bytes)."""
-    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=4)
+    pool = ExperiencePool(replay_max_trajectories_per_task=5, replay_store_rbound=8, shard_rows=4)
     for task in "abcdef":
         record(pool, task, 2, [0.5, 0.4])
     pool.save(str(tmp_path / "a"))
@@ -521,7 +537,7 @@ def test_a_save_killed_before_any_of_its_filesystem_operations_leaves_a_complete
 
 
 def sampled_pool(**kwargs):
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=8, **kwargs)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=8, **kwargs)
     record(pool, "a", 2, [0.5, 0.4], version=1)  # ids 0, 1
     record(pool, "b", 1, [0.3], version=2)  # 2
     record(pool, "c", 3, [0.9, 0.2, 0.7], version=3)  # 3, 4, 5
@@ -533,13 +549,13 @@ def sampled_pool(**kwargs):
     "mode, expected", [("argmin", {"a": 6, "b": 2, "c": 4}), ("argmax", {"a": 0, "b": 2, "c": 3})]
 )
 def test_choose_takes_each_tasks_best_trajectory_within_the_age_limit(mode, expected):
-    pool = sampled_pool(exp_select_mode=mode)
-    chosen = pool.choose(["a", "b", "c"], 1)
+    pool = sampled_pool(replay_select_mode=mode)
+    chosen = pool.select(["a", "b", "c"], 1)
     assert {task: [t.traj_id for t in ts] for task, ts in chosen.items()} == {k: [v] for k, v in expected.items()}
     # at step 4 with age 0, a's version 4 only
-    assert [t.traj_id for t in pool.choose(["a"], 1, current_step=4, max_policy_age=0)["a"]] == [6]
+    assert [t.traj_id for t in pool.select(["a"], 1, current_step=4, max_policy_age=0)["a"]] == [6]
     with pytest.raises(ValueError, match="Cannot select 1 trajectories out of 0 candidates"):
-        pool.choose(["b"], 1, current_step=4, max_policy_age=0)  # b's only one is 2 versions old
+        pool.select(["b"], 1, current_step=4, max_policy_age=0)  # b's only one is 2 versions old
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -548,7 +564,7 @@ def test_choose_takes_each_tasks_best_trajectory_within_the_age_limit(mode, expe
 
 
 def test_a_missing_shard_is_a_clear_error_naming_it(tmp_path):
-    pool = ExperiencePool(max_trajectories_per_task=5, experience_rbound=8, shard_rows=2)
+    pool = ExperiencePool(replay_max_trajectories_per_task=5, replay_store_rbound=8, shard_rows=2)
     record(pool, "a", 2, [0.1, 0.2])  # first shard
     record(pool, "b", 2, [0.3, 0.4])  # second shard
     path = tmp_path / "pool"
@@ -574,7 +590,7 @@ def test_tokenizer_fingerprint_identifies_the_token_ids(tmp_path):
         tokenizer
     )  # same words, other ids
 
-    pool = ExperiencePool(experience_rbound=8)
+    pool = ExperiencePool(replay_store_rbound=8)
     pool.bind_tokenizer(tokenizer_fingerprint(tokenizer))
     record(pool, "a", 1, [0.5])
     pool.save(str(tmp_path / "pool"))
@@ -590,14 +606,14 @@ def test_a_first_format_pool_is_refused_clearly_on_load_and_save(tmp_path):
     old = tmp_path / "old"
     old.mkdir()
     (old / STATE_FILE).write_text(json.dumps({"format_version": 1, "settings": {}, "num_trajectories": 0}))
-    with pytest.raises(PoolFormatError, match=r"format_version 1 is not 6, the one .* development formats"):
+    with pytest.raises(PoolFormatError, match=r"format_version 1 is not 7, the one .* development formats"):
         ExperiencePool.load(str(old))
     with pytest.raises(ValueError, match="Not saving into"):
         ExperiencePool().save(str(old))
 
 
 def test_a_tasks_row_is_its_latest_and_is_saved_in_the_tasks_table(tmp_path):
-    pool = ExperiencePool(experience_rbound=8, shard_rows=3)
+    pool = ExperiencePool(replay_store_rbound=8, shard_rows=3)
     for variant in (0, 0, 1):
         record(pool, "a", 1, [0.5], task_row=row("a", variant=variant))
     record(pool, "b", 1, [0.5])
@@ -619,30 +635,30 @@ def test_a_pool_reads_the_files_it_mapped_even_if_a_saved_copy_is_replaced(tmp_p
     """A loaded pool reads its rows through its mappings, whatever becomes of the files' names: another file put
     under a name (or the name removed) changes no row it reads or saves. Without links into the scratch folder
     (`into_scratch` False: another file system) the mapped file's name is in the loaded folder itself."""
-    pool = ExperiencePool(experience_rbound=8)
+    pool = ExperiencePool(replay_store_rbound=8)
     record(pool, "a", 2, [0.1, 0.2])
     pool.save(str(tmp_path / "first"))
     if not into_scratch:
         no_links_between(monkeypatch, tmp_path / "work")
     loaded = ExperiencePool.load(str(tmp_path / "first"), work_dir=str(tmp_path / "work"))
-    want, digest = loaded.candidates("a"), loaded.content_hash()
+    want, digest = loaded.trajectories("a"), loaded.content_hash()
     assert [t.entropy for t in want] == [f32(0.1), f32(0.2)]
     (shard,) = loaded._trajectories.shards.values()
     assert shard.path.startswith(str(tmp_path / ("work" if into_scratch else "first")))
     loaded.save(str(tmp_path / "second"))
     (name,) = [n for n in files_of(tmp_path / "second") if n.startswith("trajectories-")]
-    other = ExperiencePool(experience_rbound=8)
+    other = ExperiencePool(replay_store_rbound=8)
     record(other, "a", 2, [0.7, 0.8])
     other.save(str(tmp_path / "third"))
     (foreign,) = [n for n in files_of(tmp_path / "third") if n.startswith("trajectories-")]
     for folder in ("first", "second"):  # another file under the saved names (one is the mapped file's, unlinked)
         shutil.copyfile(tmp_path / "third" / foreign, tmp_path / "third.arrow")
         os.replace(tmp_path / "third.arrow", tmp_path / folder / name)
-    assert os.path.exists(shard.path) and loaded.candidates("a") == want
+    assert os.path.exists(shard.path) and loaded.trajectories("a") == want
     loaded.save(str(tmp_path / "fourth"))  # the mapped rows, not the file now under their name
     assert ExperiencePool.load(str(tmp_path / "fourth")).content_hash() == digest
     os.remove(shard.path)  # no name left for the mapped file: read through the mapping
-    assert loaded.candidates("a") == want
+    assert loaded.trajectories("a") == want
     loaded.save(str(tmp_path / "fifth"))
     assert ExperiencePool.load(str(tmp_path / "fifth")).content_hash() == digest == loaded.content_hash()
 
@@ -660,7 +676,9 @@ def fill_alike(pools, tasks="abcdefghij", version=0):
 
 
 def index_only_copy(tmp_path):
-    holder = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    holder = ExperiencePool(
+        replay_max_trajectories_per_task=2, replay_store_rbound=8, shard_rows=4, work_dir=str(tmp_path)
+    )
     fill_alike([holder], "abc")
     holder.add(traj("z", 0.3))
     holder._drop(holder.index.clear(holder.index.task("z")))  # a freed key: the copy must reuse it as the holder does
@@ -688,7 +706,7 @@ def test_an_index_only_pool_decides_as_the_pool_it_copies_and_holds_no_row(tmp_p
     assert index_only.stats() == holder.stats()
     assert index_only.scratch_folder() is None and index_only._trajectories is None
     assert index_only.storage_stats() == {}  # no log: no shard, no row
-    assert index_only.choose([], 1) == {}  # nothing to read
+    assert index_only.select([], 1) == {}  # nothing to read
     index_only.flush()  # nothing to write
     index_only.compact()
     assert [p.name for p in tmp_path.iterdir()] == [Path(holder.scratch_folder()).name]  # no folder of its own
@@ -700,7 +718,7 @@ def test_an_index_only_pool_decides_as_the_pool_it_copies_and_holds_no_row(tmp_p
 
 def test_an_index_only_pool_refuses_reads_clearly(tmp_path):
     holder, index_only = index_only_copy(tmp_path)
-    for read in (lambda: index_only.choose(["a"], 1), lambda: index_only.task_row("a"), index_only.content_hash):
+    for read in (lambda: index_only.select(["a"], 1), lambda: index_only.task_row("a"), index_only.content_hash):
         with pytest.raises(RuntimeError, match="holds (its|the) index only"):
             read()
     holder.close()
@@ -709,7 +727,9 @@ def test_an_index_only_pool_refuses_reads_clearly(tmp_path):
 def test_a_loaded_pool_names_its_new_files_apart_from_the_loaded_ones(tmp_path):
     """A loaded pool's scratch folder holds links to the loaded files under their names: the files it writes after
     take other names, and the loaded ones stay the very files (and bytes) the saved pool has."""
-    pool = ExperiencePool(max_trajectories_per_task=2, experience_rbound=8, shard_rows=4, work_dir=str(tmp_path))
+    pool = ExperiencePool(
+        replay_max_trajectories_per_task=2, replay_store_rbound=8, shard_rows=4, work_dir=str(tmp_path)
+    )
     fill_alike([pool], "abcdefgh")
     pool.save(str(tmp_path / "saved"))
     pool.close()

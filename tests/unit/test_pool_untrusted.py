@@ -25,7 +25,7 @@ def trajectory(task: str, entropy: float) -> Trajectory:
 
 def saved_pool(path) -> ExperiencePool:
     """Tasks a (3 trajectories, one more evicted from a written shard), b (1) and c (2), ids 0-6."""
-    pool = ExperiencePool(max_trajectories_per_task=3, experience_rbound=4, shard_rows=2)
+    pool = ExperiencePool(replay_max_trajectories_per_task=3, replay_store_rbound=4, shard_rows=2)
     pool.bind_tokenizer(FINGERPRINT)
     for task, entropies in (("a", (0.1, 0.2)), ("b", (0.3,)), ("c", (0.4, 0.5)), ("a", (0.05, 0.06))):
         successes = [trajectory(task, e) for e in entropies]
@@ -143,13 +143,13 @@ def test_a_format_5_pool_is_refused_naming_its_state_and_the_format_this_version
     edit_state(path, lambda s: (s.update(format_version=5), s["counters"].update(stored_count=7)))
     with pytest.raises(
         PoolFormatError,
-        match=r"pool/state\.json: format_version 5 is not 6, the one this version of trl_exreplay reads",
+        match=r"pool/state\.json: format_version 5 is not 7, the one this version of trl_exreplay reads",
     ):
         ExperiencePool.load(str(path))
 
 
 @pytest.mark.parametrize("case", ["a store_seq column", "counters.stored_count", "settings.replay_window"])
-def test_format_5s_store_ranks_or_window_in_a_format_6_pool_are_refused_naming_the_file(tmp_path, case):
+def test_format_5s_store_ranks_or_window_in_a_pool_are_refused_naming_the_file(tmp_path, case):
     path = tmp_path / "pool"
     saved_pool(path)
     if case == "a store_seq column":
@@ -160,8 +160,31 @@ def test_format_5s_store_ranks_or_window_in_a_format_6_pool_are_refused_naming_t
         match = r"state\.json: `counters` holds unknown fields \['stored_count'\]; allowed: \['next_traj_id'"
     else:
         edit_state(path, lambda s: s["settings"].update(replay_window=None))
-        match = r"state\.json: `settings` holds unknown fields \['replay_window'\]; allowed: \['max_trajectories"
+        match = (
+            r"state\.json: `settings` holds unknown fields \['replay_window'\]; allowed: \['replay_max_trajectories"
+        )
     with pytest.raises(PoolFormatError, match=match):
+        ExperiencePool.load(str(path))
+
+
+# --------------------------------------------------------- 2b: format 6's setting names (ExGRPO's; issue 72: the config's)
+def test_a_format_6_pool_is_refused_naming_its_state_and_the_format_this_version_reads(tmp_path):
+    """Format 6 named its settings as ExGRPO's keys (`experience_rbound`, ...): its pools are refused whole, by their
+    state; the same names in a format-7 state are refused naming the fields allowed."""
+    path = tmp_path / "pool"
+    saved_pool(path)
+    former = {"replay_max_trajectories_per_task": "max_trajectories_per_task", "replay_store_lbound": "experience_lbound",
+              "replay_store_rbound": "experience_rbound", "replay_select_mode": "exp_select_mode",
+              "replay_store_mode": "pool_store_mode", "replay_max_policy_age": "max_policy_age"}  # fmt: skip
+
+    def format_6(state):
+        state["settings"] = {former.get(name, name): value for name, value in state["settings"].items()}
+
+    edit_state(path, format_6)
+    with pytest.raises(PoolFormatError, match=r"unknown fields \['exp_select_mode', 'experience_lbound'"):
+        ExperiencePool.load(str(path))
+    edit_state(path, lambda s: s.update(format_version=6))
+    with pytest.raises(PoolFormatError, match=r"pool/state\.json: format_version 6 is not 7, the one this version"):
         ExperiencePool.load(str(path))
 
 
@@ -208,31 +231,33 @@ def test_a_state_must_hold_exactly_the_fields_a_save_writes(tmp_path, edit, prob
 def test_a_capacity_past_what_a_task_can_count_is_refused(tmp_path, capacity):
     path = tmp_path / "pool"
     saved_pool(path)
-    edit_state(path, lambda s: s["settings"].update(max_trajectories_per_task=capacity))
-    with pytest.raises(PoolFormatError, match=r"`settings.max_trajectories_per_task` must be an integer in \[1, "):
+    edit_state(path, lambda s: s["settings"].update(replay_max_trajectories_per_task=capacity))
+    with pytest.raises(
+        PoolFormatError, match=r"`settings.replay_max_trajectories_per_task` must be an integer in \[1, "
+    ):
         ExperiencePool.load(str(path))
 
 
 def test_the_index_takes_memory_by_the_lists_it_holds_not_by_the_capacity(tmp_path):
     path = tmp_path / "pool"
     pool = saved_pool(path)
-    edit_state(path, lambda s: s["settings"].update(max_trajectories_per_task=2**31 - 1))
+    edit_state(path, lambda s: s["settings"].update(replay_max_trajectories_per_task=2**31 - 1))
     loaded = ExperiencePool.load(str(path))  # a tasks x capacity matrix would be 2 TB
     assert loaded.index.slots.nbytes < 1 << 20
-    assert [loaded.candidates(t) for t in "abc"] == [pool.candidates(t) for t in "abc"]
+    assert [loaded.trajectories(t) for t in "abc"] == [pool.trajectories(t) for t in "abc"]
     for entropy in (0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07):  # a's list grows past its first slots
         loaded.add(trajectory("a", entropy))
-    assert len(loaded.candidates("a")) == 10 and loaded.index.slots.nbytes < 1 << 20
-    big = ExperiencePool(max_trajectories_per_task=10**9)  # the same in code
+    assert len(loaded.trajectories("a")) == 10 and loaded.index.slots.nbytes < 1 << 20
+    big = ExperiencePool(replay_max_trajectories_per_task=10**9)  # the same in code
     big.add(trajectory("a", 0.5))
     assert big.index.slots.nbytes < 1 << 20
-    ten = ExperiencePool(max_trajectories_per_task=10)  # 8 slots at first, then up to the capacity, not 16
+    ten = ExperiencePool(replay_max_trajectories_per_task=10)  # 8 slots at first, then up to the capacity, not 16
     for entropy in range(12):
         ten.add(trajectory("a", -entropy))
-    assert ten.index.slots.shape[1] == 10 and len(ten.candidates("a")) == 10
-    ten.configure(max_trajectories_per_task=12)
+    assert ten.index.slots.shape[1] == 10 and len(ten.trajectories("a")) == 10
+    ten.configure(replay_max_trajectories_per_task=12)
     ten.add(trajectory("a", -20.0))
-    assert ten.index.slots.shape[1] == 12 and len(ten.candidates("a")) == 11
+    assert ten.index.slots.shape[1] == 12 and len(ten.trajectories("a")) == 11
 
 
 @pytest.mark.parametrize("which", ["tasks", "shard"])

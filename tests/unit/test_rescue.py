@@ -14,31 +14,31 @@ def traj(task, entropy, completion=(5, 6), mask=None, logps=None, prompt=(1, 2))
 
 
 def test_a_solved_task_keeps_its_best_success_and_is_not_replayed():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(TaskOutcome("t", 2, 4, [traj("t", 0.75), traj("t", 0.25)], '{"p": 1}'), keep_solved=1)
     assert pool.num_trajectories == 2 and pool.replayable_tasks() == [("t", 2)]
     pool.record_outcome(TaskOutcome("t", 4, 4, [traj("t", 0.125)]), keep_solved=1)  # solved: the stored 0.25 stays
     assert pool.skip_set == ["t"] and pool.replayable_tasks() == []
-    assert [t.entropy for t in pool.candidates("t")] == [0.25]
+    assert [t.entropy for t in pool.trajectories("t")] == [0.25]
     # failed again: out of the skip set, in bucket 0, its kept success replayable (and rescue's material)
     pool.record_outcome(TaskOutcome("t", 0, 4, []), keep_solved=1)
-    assert pool.skip_set == [] and pool.replayable_tasks() == [("t", 0)] and pool.num_candidates("t") == 1
+    assert pool.skip_set == [] and pool.replayable_tasks() == [("t", 0)] and pool.num_selectable("t") == 1
 
 
 def test_a_task_solved_with_nothing_stored_keeps_one_of_this_outcomes_successes():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(TaskOutcome("t", 4, 4, [traj("t", 0.875), traj("t", 0.25), traj("t", 0.5)]), keep_solved=1)
-    assert [t.entropy for t in pool.candidates("t")] == [0.25] and pool.num_tasks == 1
-    plain = ExperiencePool(experience_rbound=4)  # without rescue: a solved task leaves the store (ExGRPO's rule)
+    assert [t.entropy for t in pool.trajectories("t")] == [0.25] and pool.num_tasks == 1
+    plain = ExperiencePool(replay_store_rbound=4)  # without rescue: a solved task leaves the store (ExGRPO's rule)
     plain.record_outcome(TaskOutcome("t", 4, 4, [traj("t", 0.9)]))
     assert plain.num_trajectories == 0
 
 
 def test_a_solved_task_keeps_as_many_successes_as_rescue_puts_in():
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     pool.record_outcome(TaskOutcome("t", 2, 4, [traj("t", 0.75)]), keep_solved=2)
     pool.record_outcome(TaskOutcome("t", 4, 4, [traj("t", 0.5), traj("t", 0.875), traj("t", 0.25)]), keep_solved=2)
-    assert [t.entropy for t in pool.candidates("t")] == [0.75, 0.25]  # the stored one, then this outcome's best
+    assert [t.entropy for t in pool.trajectories("t")] == [0.75, 0.25]  # the stored one, then this outcome's best
 
 
 def test_a_rescued_row_takes_its_stored_tokens_and_widens_the_batch():

@@ -26,6 +26,7 @@ depends on dict/set iteration order, hashing or time, so the same arguments give
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -654,6 +655,8 @@ def generate_games(
             raise ValueError(f"`scenes` {scenes} have no room where these task types can happen: {missing}.")
     targets = normalize_target_objects(target_objects)
     jobs = [(split, seed, i, types[i % len(types)], wording, verify, scenes, targets) for i in range(num_games)]
+    from ..pool.store import write_atomic  # the package's one atomic writer (imported here: it loads `datasets`)
+
     by_type: Counter = Counter()
     rejected: Counter = Counter()
     for files, rej in map_in_pool(_generate_one, jobs, workers, progress=progress, desc=f"generating {split}"):
@@ -664,12 +667,14 @@ def generate_games(
         game_dir = os.path.join(out_dir, files.rel_dir)
         os.makedirs(game_dir, exist_ok=True)
         for fname, text in (("traj_data.json", files.traj_json), ("game.tw-pddl", files.game_json)):
-            path = os.path.join(game_dir, fname)
-            with open(path + ".tmp", "w", encoding="utf-8", newline="\n") as f:  # never a half-written game
-                f.write(text)
-            os.replace(path + ".tmp", path)
+            write_atomic(os.path.join(game_dir, fname), functools.partial(_write_text, text=text))  # never half a game
         report.game_files.append(os.path.join(game_dir, "game.tw-pddl"))
         by_type[files.task_type] += 1
     report.by_task_type = {t: by_type[t] for t in types}
     report.rejected = dict(sorted(rejected.items()))
     return report
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.write(text)

@@ -295,9 +295,11 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
         for leftover in (".sft-data", ".init", ".sft", ".tokenizer"):
             shutil.rmtree(tmp + leftover, ignore_errors=True)
         os.remove(tmp + ".sft.json")
-        try:
-            os.replace(tmp, path)  # atomic: a crash never leaves a half-written warm start behind
-        except OSError:  # another job finished the same warm start first: use theirs
+        from ..pool.store import write_atomic  # the package's one atomic writer
+
+        try:  # the folder the SFT processes wrote at `tmp`, fsynced and renamed: never a half-written warm start
+            write_atomic(path, lambda staging: os.replace(tmp, staging))
+        except OSError:  # another job finished the same warm start first: use theirs (ours was removed)
             if not os.path.isfile(os.path.join(path, "config.json")):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)

@@ -216,7 +216,7 @@ class GuidedRollouts(StepHooks):
         inputs = []
         for task_id in pool.stored_tasks():
             row = pool.task_row(task_id) or {}
-            for t in pool.candidates(task_id):
+            for t in pool.trajectories(task_id):
                 query = self._pool_task_text(row, t)
                 inputs.append(
                     self._summary_input(

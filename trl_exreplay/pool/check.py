@@ -36,15 +36,15 @@ STORE_MODES = ("all", "best")
 # each must be: ``(value, settings) -> ok`` and its description for messages.
 _SETTING_RULES = {
     # at most int32's: the index counts a task's trajectories in int32 (and allocates by the lists a load finds)
-    "max_trajectories_per_task": (lambda v, s: _is_int(v) and 1 <= v < 2**31, "an integer in [1, 2**31 - 1]"),
-    "experience_lbound": (lambda v, s: _is_int(v) and v >= 0, "an integer >= 0"),
-    "experience_rbound": (
-        lambda v, s: _is_int(v) and _is_int(s["experience_lbound"]) and v >= s["experience_lbound"] + 2,
-        "an integer >= experience_lbound + 2 (a task's trajectories are stored when lbound < successes < rbound)",
+    "replay_max_trajectories_per_task": (lambda v, s: _is_int(v) and 1 <= v < 2**31, "an integer in [1, 2**31 - 1]"),
+    "replay_store_lbound": (lambda v, s: _is_int(v) and v >= 0, "an integer >= 0"),
+    "replay_store_rbound": (
+        lambda v, s: _is_int(v) and _is_int(s["replay_store_lbound"]) and v >= s["replay_store_lbound"] + 2,
+        "an integer >= replay_store_lbound + 2 (a task's trajectories are stored when lbound < successes < rbound)",
     ),
-    "exp_select_mode": (lambda v, s: v in SELECT_MODES, f"one of {list(SELECT_MODES)}"),
-    "pool_store_mode": (lambda v, s: v in STORE_MODES, f"one of {list(STORE_MODES)}"),
-    "max_policy_age": (lambda v, s: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
+    "replay_select_mode": (lambda v, s: v in SELECT_MODES, f"one of {list(SELECT_MODES)}"),
+    "replay_store_mode": (lambda v, s: v in STORE_MODES, f"one of {list(STORE_MODES)}"),
+    "replay_max_policy_age": (lambda v, s: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
     "seed": (lambda v, s: _is_int(v) and v >= 0, "an integer >= 0"),
 }
 SETTINGS = tuple(_SETTING_RULES)
@@ -125,12 +125,12 @@ def check_settings(settings, file: str, where: str = "settings.") -> dict:
     ```python
     from trl_exreplay.pool.check import PoolFormatError, check_settings
 
-    settings = {"max_trajectories_per_task": 5, "experience_lbound": 0, "experience_rbound": 1,
-                "exp_select_mode": "argmin", "pool_store_mode": "all", "max_policy_age": None, "seed": 0}
+    settings = {"replay_max_trajectories_per_task": 5, "replay_store_lbound": 0, "replay_store_rbound": 1,
+                "replay_select_mode": "argmin", "replay_store_mode": "all", "replay_max_policy_age": None, "seed": 0}
     try:
         check_settings(settings, "state.json")
     except PoolFormatError as e:
-        assert "experience_rbound" in str(e)
+        assert "replay_store_rbound" in str(e)
     ```
     """
     _need(isinstance(settings, dict), file, f"`settings` must be an object, got {type(settings).__name__}.")
@@ -315,7 +315,7 @@ def check_tasks_table(tasks: pa.Table, state: dict, file: str) -> None:
         high = np.iinfo(np.int32).max if name == "difficulty" else counters["stamp"]
         _need(((values >= -1) & (values <= high)).all(), file, f"`{name}` holds a value outside [-1, {high}].")
     ids = tasks.column("traj_ids").combine_chunks()
-    capacity = state["settings"]["max_trajectories_per_task"]
+    capacity = state["settings"]["replay_max_trajectories_per_task"]
     _need(
         (np.diff(ids.offsets.to_numpy()) <= capacity).all(), file, f"a task holds more than {capacity} trajectories."
     )

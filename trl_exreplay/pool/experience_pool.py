@@ -3,8 +3,9 @@
 The pool applies the ExGRPO rules (`rules.py`) to each task outcome, on its index in RAM (`index.PoolIndex`: ~40 bytes
 a trajectory, and each task's dataset row as JSON); the trajectories live in Arrow files that `datasets` memory-maps
 (`store.py`). It answers which tasks can be replayed (`replay_buckets`, drawn from by `planner.plan_replay` in
-O(batch)) and which of a task's trajectories (`choose`). `save` / `load` (`persistence.py`) are incremental, atomic and
-checked, and `hub.py` shares a pool as a dataset repository. A pool refuses a tokenizer other than its own.
+O(batch)) and which of a task's trajectories (`select`, by `rules.select`). `save` / `load` (`persistence.py`) are
+incremental, atomic and checked, and `hub.py` shares a pool as a dataset repository. A pool refuses a tokenizer other
+than its own.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .check import SETTINGS, PoolFormatError, bad_trajectory_rows, check_setting
 from .index import PoolIndex, TaskBuckets
 from .persistence import load_index, read_committed, save_folder
 from .records import TaskOutcome, Trajectory, tokenizer_fingerprint
-from .rules import best_index, eviction, is_solved, selection_order, stores_successes
+from .rules import best_index, eviction, is_solved, select, selection_order, stores_successes
 from .store import TRAJECTORY_SCHEMA, Log, Scratch
 
 logger = logging.getLogger("trl_exreplay.pool")
@@ -42,13 +43,16 @@ _STORED_COLUMNS = ("prompt_ids", "completion_ids", "completion_mask", "logps", "
 class ExperiencePool:
     """Replay pool of successful trajectories per task.
 
-    Args:
-        max_trajectories_per_task: capacity per task.
-        experience_lbound: a task's trajectories are stored when lbound < successes < rbound.
-        experience_rbound: the upper bound of that rule (exclusive).
-        exp_select_mode: ``"argmin"``, ``"argmax"`` or ``"random"``: replay selection and eviction policy.
-        pool_store_mode: ``"all"`` stores every success of a qualifying task, ``"best"`` only the best by entropy.
-        max_policy_age: a full task first evicts trajectories older than this many policy versions; None: no
+    Args (the settings are named as `ExReplayGRPOConfig`'s fields, whose values the trainer gives the pool; the
+    names of ExGRPO's own keys, arXiv 2510.02245, are in brackets):
+        replay_max_trajectories_per_task: capacity per task.
+        replay_store_lbound: a task's trajectories are stored when lbound < successes < rbound
+            (``experience_lbound``).
+        replay_store_rbound: the upper bound of that rule, exclusive (``experience_rbound``, inclusive there).
+        replay_select_mode: ``"argmin"``, ``"argmax"`` or ``"random"``: replay selection and eviction policy
+            (``exp_select_mode``).
+        replay_store_mode: ``"all"`` stores every success of a qualifying task, ``"best"`` only the best by entropy.
+        replay_max_policy_age: a full task first evicts trajectories older than this many policy versions; None: no
             limit.
         seed: seed of the random choices the pool makes itself (``random`` store/eviction ties and selection).
         work_dir: folder under which the live pool writes its shards (a private subfolder, deleted with the pool);
@@ -61,11 +65,11 @@ class ExperiencePool:
     from trl_exreplay import ExperiencePool
     from trl_exreplay.pool import TaskOutcome, Trajectory
 
-    pool = ExperiencePool(experience_rbound=4)
+    pool = ExperiencePool(replay_store_rbound=4)
     traj = Trajectory("t1", [1, 2], [3, 4], [1, 1], [-0.5, -0.7], [1.0], 1.0, entropy=0.9, policy_version=3)
     pool.record_outcome(TaskOutcome("t1", successes=2, num_fresh=4, successful=[traj], task_row='{"prompt": "hi"}'))
     assert pool.bucket_of("t1") == 2 and pool.num_trajectories == 1
-    assert [t.traj_id for t in pool.choose(["t1"], 1)["t1"]] == [0]
+    assert [t.traj_id for t in pool.select(["t1"], 1)["t1"]] == [0]
     pool.save("pool_dir")  # then only new shards and the small state on each save
     assert ExperiencePool.load("pool_dir").content_hash() == pool.content_hash()
     ```
@@ -73,29 +77,29 @@ class ExperiencePool:
 
     def __init__(
         self,
-        max_trajectories_per_task: int = 5,
-        experience_lbound: int = 0,
-        experience_rbound: int = 8,
-        exp_select_mode: str = "argmin",
-        pool_store_mode: str = "all",
-        max_policy_age: int | None = None,
+        replay_max_trajectories_per_task: int = 5,
+        replay_store_lbound: int = 0,
+        replay_store_rbound: int = 8,
+        replay_select_mode: str = "argmin",
+        replay_store_mode: str = "all",
+        replay_max_policy_age: int | None = None,
         seed: int = 0,
         *,
         work_dir: str | None = None,
         shard_rows: int = 1024,
     ):
-        self.max_trajectories_per_task = max_trajectories_per_task
-        self.experience_lbound = experience_lbound
-        self.experience_rbound = experience_rbound
-        self.exp_select_mode = exp_select_mode
-        self.pool_store_mode = pool_store_mode
-        self.max_policy_age = max_policy_age
+        self.replay_max_trajectories_per_task = replay_max_trajectories_per_task
+        self.replay_store_lbound = replay_store_lbound
+        self.replay_store_rbound = replay_store_rbound
+        self.replay_select_mode = replay_select_mode
+        self.replay_store_mode = replay_store_mode
+        self.replay_max_policy_age = replay_max_policy_age
         self.seed = seed
         _check_settings(self._settings())
         self.tokenizer_fingerprint: str | None = None  # of the tokenizer whose ids the trajectories hold
         self.rejected_reasons: Counter = Counter()  # rows refused (at load, or when added), by reason
         self.vocab_size: int | None = None  # token ids must be below it (None: unchecked), see `set_vocab_size`
-        self.index = PoolIndex(max_trajectories_per_task)
+        self.index = PoolIndex(replay_max_trajectories_per_task)
         self._scratch = Scratch(work_dir)
         # None in a pool that holds the index only (`from_index_snapshot`)
         self._trajectories: Log | None = Log("trajectories", TRAJECTORY_SCHEMA, self._scratch, shard_rows)
@@ -112,7 +116,7 @@ class ExperiencePool:
     # ----------------------------------------------------------------------------------------------- updates
     def record_outcome(self, outcome: TaskOutcome, keep_solved: int = 0) -> None:
         """Update buckets, skip set and store with one task's outcome of one group. A solved task leaves its store,
-        but for the `keep_solved` best of its successes (by `exp_select_mode`: the stored ones first, then this
+        but for the `keep_solved` best of its successes (by `replay_select_mode`: the stored ones first, then this
         outcome's): rescue's material (`replay_rescue`) if the task is failed again. A solved task is not replayed."""
         index = self.index
         index.num_outcomes += 1
@@ -129,18 +133,18 @@ class ExperiencePool:
             if wanted > 0:  # too few stored: this outcome's best successes make up the rest
                 rng = np.random.default_rng([self.seed, index.num_outcomes])
                 entropies, ids = [t.entropy for t in outcome.successful], list(range(len(outcome.successful)))
-                for i in self._selection_order(entropies, ids, wanted, rng):
+                for i in selection_order(entropies, ids, wanted, self.replay_select_mode, rng):
                     self.add(outcome.successful[i])
             return
         index.skip_order[t] = -1
         index.set_difficulty(t, outcome.successes)
         index.difficulty_order[t] = index.next_stamp()  # bucket order follows the latest update
-        if not stores_successes(outcome.successes, self.experience_lbound, self.experience_rbound):
+        if not stores_successes(outcome.successes, self.replay_store_lbound, self.replay_store_rbound):
             return
         successful = list(outcome.successful)
-        if self.pool_store_mode == "best" and successful:
+        if self.replay_store_mode == "best" and successful:
             rng = np.random.default_rng([self.seed, index.num_outcomes])
-            successful = [successful[best_index([t.entropy for t in successful], self.exp_select_mode, rng)]]
+            successful = [successful[best_index([t.entropy for t in successful], self.replay_select_mode, rng)]]
         for trajectory in successful:
             self.add(trajectory)
 
@@ -162,7 +166,7 @@ class ExperiencePool:
         index.next_traj_id += 1
         t = index.task(trajectory.task_id)
         n = int(index.count[t])
-        if n < self.max_trajectories_per_task:
+        if n < self.replay_max_trajectories_per_task:
             index.append_slot(t, self._store_copy(t, trajectory, row))
             self._write_full()
             return True
@@ -173,8 +177,8 @@ class ExperiencePool:
             index.key_version[keys].tolist(),
             trajectory.entropy,
             trajectory.policy_version,
-            self.exp_select_mode,
-            self.max_policy_age,
+            self.replay_select_mode,
+            self.replay_max_policy_age,
         )
         if action == "refuse":
             return False
@@ -262,17 +266,23 @@ class ExperiencePool:
                 changed.append(name)
                 setattr(self, name, value)
         index = self.index
-        index.capacity = self.max_trajectories_per_task  # how far its slots may grow
-        for t in np.nonzero(index.count[: len(index.task_ids)] > self.max_trajectories_per_task)[0].tolist():
-            self._keep_best(t, self.max_trajectories_per_task)  # a lowered capacity: what a save's load accepts
+        index.capacity = self.replay_max_trajectories_per_task  # how far its slots may grow
+        for t in np.nonzero(index.count[: len(index.task_ids)] > self.replay_max_trajectories_per_task)[0].tolist():
+            self._keep_best(t, self.replay_max_trajectories_per_task)  # a lowered capacity: what a save's load accepts
         return changed
 
     def _keep_best(self, t: int, num: int) -> list[int]:
-        """Keep only the `num` of task `t`'s trajectories that `exp_select_mode` picks first, in that order (the task's
+        """Keep only the `num` of task `t`'s trajectories that `replay_select_mode` picks first, in that order (the task's
         store is made anew); returns their keys."""
         index = self.index
         keys = index.clear(t)
-        order = self._selection_order(index.key_entropy[keys].tolist(), index.key_traj_id[keys].tolist(), num, None)
+        order = selection_order(
+            index.key_entropy[keys].tolist(),
+            index.key_traj_id[keys].tolist(),
+            num,
+            self.replay_select_mode,
+            self._rng(),
+        )
         kept = [keys[i] for i in order]
         for key in kept:
             index.append_slot(t, key)
@@ -339,24 +349,25 @@ class ExperiencePool:
             return None
         return json.loads(self._task_row_text(t))
 
-    def candidates(
+    def trajectories(
         self,
         task_id: str,
         current_step: int | None = None,
         max_policy_age: int | None = None,
     ) -> list[Trajectory]:
         """Copies of a task's stored trajectories, in store order (read from the shards); with the arguments, those young
-        enough to replay."""
+        enough to replay: the ones `select` chooses among."""
         t = self.index.task_index.get(task_id)
         return [] if t is None else self._read_all(self.index.keys(t, current_step, max_policy_age))
 
-    def num_candidates(
+    def num_selectable(
         self,
         task_id: str,
         current_step: int | None = None,
         max_policy_age: int | None = None,
     ) -> int:
-        """How many trajectories `candidates` would return (counted on the index: nothing is read)."""
+        """How many trajectories `select` chooses among for `task_id` (those `trajectories` would return, with the same
+        arguments; counted on the index: nothing is read)."""
         t = self.index.task_index.get(task_id)
         return 0 if t is None else len(self.index.keys(t, current_step, max_policy_age))
 
@@ -386,45 +397,33 @@ class ExperiencePool:
 
     def select(
         self,
-        candidates: Sequence[Trajectory],
-        num: int,
-        entropies: Sequence[float] | None = None,
-        rng: np.random.Generator | None = None,
-    ) -> list[Trajectory]:
-        """Pick `num` of `candidates` by entropy (the saved one, or `entropies` under the current policy)."""
-        keys = [t.entropy for t in candidates] if entropies is None else list(entropies)
-        order = self._selection_order(keys, [t.traj_id for t in candidates], num, rng)
-        return [candidates[i] for i in order]
-
-    def _selection_order(
-        self, entropies: Sequence[float], traj_ids: Sequence[int], num: int, rng: np.random.Generator | None
-    ) -> list[int]:
-        """Positions of the `num` candidates `exp_select_mode` picks (`rules.selection_order`)."""
-        if self.exp_select_mode == "random" and rng is None:
-            rng = np.random.default_rng(self.seed)
-        return selection_order(entropies, traj_ids, num, self.exp_select_mode, rng)
-
-    def choose(
-        self,
         task_ids: Sequence[str],
         num: int,
         current_step: int | None = None,
         max_policy_age: int | None = None,
         rng: np.random.Generator | None = None,
     ) -> dict[str, list[Trajectory]]:
-        """``{task: select(candidates(task, current_step, max_policy_age), num, rng=rng)}`` for each of
-        `task_ids` in turn (the same trajectories and the same use of `rng`), choosing on the index by saved entropy
-        and reading only the chosen trajectories, all in one pass over their shards."""
-        chosen: dict[str, list[int]] = {}
+        """The `num` trajectories each of `task_ids` replays (`rules.select` by `replay_select_mode`, on the saved
+        entropies; with `current_step` and `max_policy_age`, among those young enough; `rng`: the draws of ``random``,
+        default: seeded by the pool's `seed`). Chosen on the index: only the chosen trajectories are read, all in one
+        pass over their shards."""
         index = self.index
+        keys: dict[str, list[int]] = {}
         for task_id in task_ids:
             t = index.task_index.get(task_id)
-            keys = [] if t is None else index.keys(t, current_step, max_policy_age)
-            # On the index: the entropies and ids the read trajectories would carry.
-            order = self._selection_order(index.key_entropy[keys].tolist(), index.key_traj_id[keys].tolist(), num, rng)
-            chosen[task_id] = [keys[i] for i in order]
+            keys[task_id] = [] if t is None else index.keys(t, current_step, max_policy_age)
+        # On the index: the entropies and ids the read trajectories would carry.
+        candidates = {task: (index.key_entropy[k].tolist(), index.key_traj_id[k].tolist()) for task, k in keys.items()}
+        chosen = {task: [keys[task][i] for i in order] for task, order in
+                  select(candidates, num, self.replay_select_mode, self._rng(rng)).items()}  # fmt: skip
         trajectories = iter(self._read_all([key for keys in chosen.values() for key in keys]))
         return {task_id: [next(trajectories) for _ in keys] for task_id, keys in chosen.items()}
+
+    def _rng(self, rng: np.random.Generator | None = None) -> np.random.Generator | None:
+        """`rng`, or under ``random`` selection one seeded by the pool's `seed` (the other modes draw nothing)."""
+        if rng is None and self.replay_select_mode == "random":
+            return np.random.default_rng(self.seed)
+        return rng
 
     def stats(self) -> dict[str, float]:
         out = {
@@ -556,7 +555,7 @@ class ExperiencePool:
         pool = cls(**state["settings"], work_dir=work_dir, shard_rows=shard_rows)
         try:
             pool.index, pool._task_rows, reasons = load_index(
-                folder, state, tasks, pool._trajectories, pool.max_trajectories_per_task, vocab_size, verify
+                folder, state, tasks, pool._trajectories, pool.replay_max_trajectories_per_task, vocab_size, verify
             )
         except BaseException:
             pool.close()
@@ -614,7 +613,7 @@ class ExperiencePool:
             if self.index.has_row[self.index.task_index[task_id]]:
                 digest.update(json.dumps([task_id, self.task_row(task_id)], sort_keys=True).encode())
         for task_id in sorted(self.stored_tasks()):
-            for trajectory in self.candidates(task_id):
+            for trajectory in self.trajectories(task_id):
                 digest.update(json.dumps(asdict(trajectory), sort_keys=True).encode())
         return digest.hexdigest()
 

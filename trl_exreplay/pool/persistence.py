@@ -34,9 +34,10 @@ from .check import CHECKSUM, PoolFolder, PoolFormatError
 from .index import COUNTERS, STATE_COLUMNS, PoolIndex
 from .store import TRAJECTORY_SCHEMA, Log, Shard, fsync_path, read_arrow, write_arrow, write_atomic, write_json_atomic
 
+# 7: the settings named as the config's fields (`replay_store_rbound`, ..., were ExGRPO's `experience_rbound`, ...);
 # 6: no store rank (`store_seq` column, `counters.stored_count`: they served only the removed replay window); 5: one
 # folder, trajectories found by id; 4: task rows in the tasks table; 3: every file's checksum
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 STATE_FILE = "state.json"
 _MAX_STATE_BYTES = 64 << 20
 _INDEX_COLUMNS = (("entropy", np.float32), ("policy_version", np.int64))  # kept in RAM

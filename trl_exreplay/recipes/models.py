@@ -59,11 +59,13 @@ def merge_adapter(path: str, model_args, into: str | None = None) -> str:
     with whole_model_loading():
         merged = AutoPeftModelForCausalLM.from_pretrained(path, **model_init_kwargs(model_args)).merge_and_unload()
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if not os.path.isdir(into):
+        save_atomically(into, merged, tokenizer)
+        return into
+    # `into` is a folder already (the adapter's own): the merged model is saved whole beside it, then takes its place
     staging = f"{into}.merging-{os.getpid()}"
-    merged.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    if os.path.isdir(into):
-        shutil.rmtree(into)
+    save_atomically(staging, merged, tokenizer)
+    shutil.rmtree(into)
     os.replace(staging, into)
     return into
 
