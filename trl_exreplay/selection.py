@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from trl.trainer.utils import pad
 
 from .planner import ReplayPlan
 from .pool import Trajectory
+from .trl_seam import pad
 
 
 def select_trajectories(

@@ -10,31 +10,10 @@ from importlib.metadata import requires
 import pytest
 from trl import GRPOTrainer
 
-from trl_exreplay import ExReplayGRPOTrainer
-from trl_exreplay.compat import TRL_BELOW, TRL_MIN, TRL_SUPPORTED, check_trl_version
+from trl_exreplay import ExReplayGRPOTrainer, trl_seam
+from trl_exreplay.trl_seam import TRL_BELOW, TRL_MIN, TRL_SUPPORTED, check_trl_version
 
-# Parameters of each overridden method as TRL 1.16 defines them (names, in order).
-OVERRIDDEN = {
-    "_get_train_sampler": ["self", "dataset"],
-    "_generate_and_score_completions": ["self", "inputs"],
-    "_generate": ["self", "prompts"],
-    "_get_per_token_logps_and_entropies": [
-        "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-        "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-        "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-    ],
-    "_generate_single_turn": ["self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"],
-    "_tokenize_prompts": ["self", "prompts"],
-    "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],
-    "_tool_call_loop": [
-        "self", "prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images", "multimodal_fields",
-    ],
-    "_get_tool_suffix_ids": ["self", "tool_messages"],
-    "_compute_loss": ["self", "model", "inputs"],
-    "get_high_entropy_mask": ["self", "entropies", "mask", "threshold"],
-    "save_model": ["self", "output_dir", "_internal_call"],
-    "_load_optimizer_and_scheduler": ["self", "checkpoint"],
-}  # fmt: skip
+OVERRIDDEN = {name: list(parameters) for name, parameters in trl_seam.OVERRIDDEN.items()}  # pinned in the seam
 
 
 @pytest.mark.fast  # in the fast lane: no training
@@ -83,8 +62,9 @@ def test_every_trl_attribute_the_trainer_reads_exists(tmp_path):
     ours = [cls for cls in ExReplayGRPOTrainer.__mro__ if cls.__module__.startswith("trl_exreplay")]
     read, assigned = _attributes(ours, "self")
     defined = assigned | {name for cls in ours for name in vars(cls)}
-    # The parts' factories (`for_trainer`, `guided_rollouts`) read TRL's attributes off the trainer once, when built.
-    handed = (trl_exreplay.envs.multiturn, trl_exreplay.replay, trl_exreplay.guidance.rollouts)
+    # The seam reads TRL's state off the trainer; the parts' factories (`for_trainer`, `guided_rollouts`) read TRL's
+    # attributes off it once, when built.
+    handed = (trl_seam, trl_exreplay.envs.multiturn, trl_exreplay.replay, trl_exreplay.guidance.rollouts)
     read_by_parts, _ = _attributes(handed, "trainer")
     from_trl = (read - defined) | {name for name in read_by_parts if name not in defined}
     trainer = make_trainer(tmp_path, max_steps=1)
@@ -185,7 +165,7 @@ class OldLogpsTrainer(ExReplayGRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        self.seen = getattr(self, "seen", []) + [("old_per_token_logps" in output, self._trl_computes_old_logps())]
+        self.seen = getattr(self, "seen", []) + [("old_per_token_logps" in output, trl_seam.computes_old_logps(self))]
         return output
 
 
@@ -194,7 +174,7 @@ class OldLogpsTrainer(ExReplayGRPOTrainer):
     [(1, 1, 1), (2, 2, 1), (1, 2, 1), (2, 4, 1), (2, 1, 1), (1, 1, 2)],  # the last two: TRL computes old log-probs
 )
 def test_the_old_logprobs_condition_is_trls(tmp_path, steps_per_generation, accumulation, iterations):
-    """`_trl_computes_old_logps` (which sets whether the generating policy's entropies come from TRL's old-log-probs
+    """`trl_seam.computes_old_logps` (which sets whether the generating policy's entropies come from TRL's old-log-probs
     forward) says what TRL does: compared with the batch TRL returns, for aligned and misaligned schedules."""
     from helpers import make_trainer
 
