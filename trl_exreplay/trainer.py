@@ -59,7 +59,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     [`ExReplayGRPOConfig`]; a plain `GRPOConfig` replays with the default settings, and
     `enable_experience_replay=False` gives `GRPOTrainer` exactly.
 
-    TRL methods it overrides, each calling `super()` (no TRL method body is copied), and why:
+    TRL methods it overrides, each calling `super()` (no TRL method body is copied), and why (what each assumes of TRL
+    is written down in `trl_exreplay.trl_seam`):
 
     * `_get_train_sampler`: to draw each epoch's rows by the epoch's number (`schedule.EpochSeededSampler`), so that a
       resumed run draws the rows of the run that was not stopped (TRL's sampler starts again from the first epoch);
