@@ -14,7 +14,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from . import compat  # noqa: F401 - refuses a TRL outside the supported range
+from . import trl_seam  # noqa: F401 - refuses a TRL outside the supported range
 from .loss import off_policy_shapings  # the registry, not a list of its own: a registered shaping can be selected
 from .parameters import check as _check
 from .parameters import document_fields

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+from .trl_seam import ROLLOUT_KEYS
 
 
 def fresh_rows_rollout(

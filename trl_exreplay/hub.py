@@ -12,10 +12,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from trl import GRPOTrainer
-
 from .pool.hub import create_commit, fenced
 from .pool.store import write_atomic
+from .trl_seam import GRPO_CITATION
 
 CITATIONS: dict[str, str] = {
     "ExGRPO": """@misc{zhan2025exgrpo,
@@ -49,7 +48,7 @@ CITATIONS: dict[str, str] = {
 }""",
 }
 # GRPO's citation as TRL writes it in its own model cards.
-CITATIONS["GRPO"] = GRPOTrainer._paper["citation"]
+CITATIONS["GRPO"] = GRPO_CITATION
 
 # An allow-list, not a deny-list: whatever else a run leaves in its output folder (checkpoints, the pool, logs,
 # `training_args.bin` and other pickles) is never published by accident.

@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
-from trl import GRPOTrainer
+
+from .trl_seam import gamma_weights, off_policy_mask
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")  # TRL 1.16's, all of them
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-style clipped surrogates
@@ -228,7 +229,7 @@ def _sapo(ratio, advantages, logps, raw_log_ratio, replayed_f, o: OffPolicyOptio
 @register_off_policy_loss("vespo")
 def _vespo(ratio, advantages, logps, raw_log_ratio, replayed_f, o: OffPolicyOptions):
     """TRL's own gamma weights, on the sequence ratio to the recorded behaviour policy."""
-    phi = GRPOTrainer.get_gamma_weights(
+    phi = gamma_weights(
         advantages=advantages,
         log_ratio_per_token=raw_log_ratio,
         mask=replayed_f,
@@ -330,7 +331,7 @@ def off_policy_loss(
     if o.off_policy_mask_threshold is not None:
         keep = (
             keep
-            & GRPOTrainer.get_off_policy_mask(
+            & off_policy_mask(
                 advantages=advantages,
                 per_token_logps=per_token_logps,
                 sampling_per_token_logps=torch.where(replayed, behaviour_logps, per_token_logps.detach()),

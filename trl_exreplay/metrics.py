@@ -16,9 +16,9 @@ from collections import Counter
 
 import numpy as np
 import torch
-from trl.trainer.utils import nanstd
 
 from .planner import ReplayPlan
+from .trl_seam import nanstd
 
 logger = logging.getLogger(__name__)
 

@@ -39,8 +39,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import torch
 from torch.utils.data import Sampler
+
+from .trl_seam import rewind_repeat_sampler
 
 SCHEDULE_FILE = "exreplay_schedule.json"
 
@@ -118,12 +119,8 @@ class EpochSeededSampler(Sampler):
         return len(self.inner)
 
     def __iter__(self):
-        inner = self.inner
-        if inner.shuffle and inner.seed is not None:
-            inner.generator.manual_seed(inner.seed)
-            for _ in range(self.epoch):  # the permutations of the epochs before (one each: TRL's __iter__ draws one)
-                torch.randperm(inner.num_samples, generator=inner.generator)
-        return iter(inner)
+        rewind_repeat_sampler(self.inner, self.epoch)
+        return iter(self.inner)
 
 
 @dataclass

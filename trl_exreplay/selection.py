@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from trl.trainer.utils import pad
 
 from .planner import ReplayPlan
 from .pool import Trajectory
 from .pool.rules import select
+from .trl_seam import pad
 
 
 def select_trajectories(

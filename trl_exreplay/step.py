@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .planner import ReplayPlan
+from .trl_seam import completion_token_fills
 
 
 @dataclass
@@ -94,21 +95,17 @@ class LossForward:
 def splice_rescued(output: dict, rescued_local: dict[int, Any], pad_token_id: int) -> None:
     """Put each rescued row's stored trajectory into TRL's generation `output` (in place), in place of the failed
     rollout TRL generated and scored: its prompt and completion tokens, masks (`tool_mask` from the stored model-token
-    mask), and its recorded log-probs as the old and sampling ones; the tensors are widened where a stored sequence is
-    longer. Then `attach_replay_tensors` marks the rows as replayed (advantage 0 in TRL's loss, the off-policy term on
-    their recorded log-probs), as a replay group's rows."""
+    mask), and its recorded log-probs as the old and sampling ones; TRL's tensors of one value per completion token
+    (`trl_seam.completion_token_fills`) are widened where a stored sequence is longer. Then `attach_replay_tensors`
+    marks the rows as replayed (advantage 0 in TRL's loss, the off-policy term on their recorded log-probs), as a
+    replay group's rows."""
     if not rescued_local:
         return
     prompt_width = max([output["prompt_ids"].size(1), *(len(t.prompt_ids) for t in rescued_local.values())])
-    old_width = output["completion_ids"].size(1)
-    width = max([old_width, *(len(t.completion_ids) for t in rescued_local.values())])
+    width = max([output["completion_ids"].size(1), *(len(t.completion_ids) for t in rescued_local.values())])
+    fills = completion_token_fills(output, pad_token_id)  # TRL's tensors of one value per completion token
     _widen(output, "prompt_ids", prompt_width, pad_token_id, left=True)
     _widen(output, "prompt_mask", prompt_width, 0, left=True)
-    fills = {"completion_ids": pad_token_id, "completion_mask": 0, "tool_mask": 1, "old_per_token_logps": 0.0,
-             "sampling_per_token_logps": 0.0}  # fmt: skip
-    ratio = output.get("importance_sampling_ratio")
-    if ratio is not None and ratio.dim() == 2 and ratio.size(1) == old_width:  # per token (not one per sequence)
-        fills["importance_sampling_ratio"] = 1.0
     for key, fill in fills.items():
         _widen(output, key, width, fill)
     device = output["completion_ids"].device

@@ -7,6 +7,7 @@ and `outcomes.py`; one step's state is a `step.GenerationStep`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -17,7 +18,7 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from . import compat  # noqa: F401 - refuses a TRL outside the supported range
+from . import trl_seam
 from .config import ReplaySettings, replay_settings
 from .custom_rollouts import fresh_rows_rollout
 from .distributed import (
@@ -58,7 +59,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     [`ExReplayGRPOConfig`]; a plain `GRPOConfig` replays with the default settings, and
     `enable_experience_replay=False` gives `GRPOTrainer` exactly.
 
-    TRL methods it overrides, each calling `super()` (no TRL method body is copied), and why:
+    TRL methods it overrides, each calling `super()` (no TRL method body is copied), and why (what each assumes of TRL
+    is written down in `trl_exreplay.trl_seam`):
 
     * `_get_train_sampler`: to draw each epoch's rows by the epoch's number (`schedule.EpochSeededSampler`), so that a
       resumed run draws the rows of the run that was not stopped (TRL's sampler starts again from the first epoch);
@@ -179,7 +181,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         )  # fmt: skip
         warn_launch_shortfall(self.accelerator.num_processes)  # a launch of N processes that runs fewer says so
         self.settings: ReplaySettings = replay_settings(self.args)  # made and checked once, read as attributes
-        if self._is_vlm and self.settings.enable_experience_replay:
+        if trl_seam.is_vision_language(self) and self.settings.enable_experience_replay:
             # The pool stores token ids, not the images a replayed row would need: the run trains as GRPOTrainer.
             logger.warning(
                 "trl_exreplay: experience replay is off for this run: the processing class is a processor, so the "
@@ -189,7 +191,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             self.settings = dataclasses.replace(self.settings, enable_experience_replay=False)
         self._replay_enabled = self.settings.enable_experience_replay
         if self.settings.tool_special_tokens == "remove" and (self.tools or self.environment_factories is not None):
-            self._tool_text = SpecialTokenFilter(self._tokenizer, "remove")
+            self._tool_text = SpecialTokenFilter(trl_seam.text_tokenizer(self), "remove")
             if self.environment_factories is not None:
                 self._clean_environment_resets()
         if self._replay_enabled and self.rollout_func is not None:
@@ -199,7 +201,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         trl_paths = {  # what of TRL this run uses, for the parts to refuse what they cannot take
             "tools or environment_factory (TRL's tool loop)": bool(tools) or environment_factory is not None,
             "a custom rollout_func": rollout_func is not None,
-            "vision-language models": self._is_vlm,
+            "vision-language models": trl_seam.is_vision_language(self),
         }
         self._parts = self._attach_parts(text_env_factory, multi_turn, guidance, experience_provider, trl_paths)
         if any(part.generates for part in self._parts):
@@ -269,12 +271,12 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         step = self._generation
         if step is not None and step.plan is not None and step.plan.replay_groups:  # the plan is global: every rank
             # TRL's completion figures, over the fresh rows as in GRPOTrainer (replayed rows are stored trajectories)
-            _, completion_ids, tool_mask = result[:3]
+            completion_ids = trl_seam.returned(result, "_generate", "completion_ids")
+            tool_mask = trl_seam.returned(result, "_generate", "tool_mask")
             fresh = [i not in step.replayed_local for i in range(len(completion_ids))]
-            eos_and_pad = [*self.eos_token_ids, self._tokenizer.pad_token_id]
-            log_fresh_completions(
-                self._metrics["train"], self.accelerator, completion_ids, tool_mask, fresh, eos_and_pad
-            )
+            eos_and_pad = [*self.eos_token_ids, trl_seam.text_tokenizer(self).pad_token_id]
+            metrics = trl_seam.logged_metrics(self, "train")
+            log_fresh_completions(metrics, self.accelerator, completion_ids, tool_mask, fresh, eos_and_pad)
         return result
 
     def _generate_unplanned(self, inputs):
@@ -290,7 +292,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             if evaluating:
                 for part in self._parts:
                     part.batch_finished(output, step, training=False, records={}, success=[], fresh_rows=[],
-                                        metrics=self._metrics["eval"], global_step=global_step)  # fmt: skip
+                                        metrics=trl_seam.logged_metrics(self, "eval"),
+                                        global_step=global_step)  # fmt: skip
             return output
         finally:
             self._generation = None
@@ -303,13 +306,12 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             part.step_begins(self.state.global_step, self.pool)
         # Several generation batches share a global step when steps_per_generation < gradient_accumulation_steps;
         # the micro-step index (identical on every rank, 0 at every step boundary, so resume-safe) tells them apart.
-        micro_step = self._step % self.args.gradient_accumulation_steps
-        state = self.state
+        state, metrics = self.state, trl_seam.logged_metrics(self, "train")
         step = self._replay.plan(inputs, global_step=state.global_step, max_steps=state.max_steps,
-                                 micro_step=micro_step, metrics=self._metrics["train"])  # fmt: skip
+                                 micro_step=trl_seam.micro_step(self), metrics=metrics)  # fmt: skip
         step.rows = [self._row(row) for row in step.task_rows]
         # When TRL runs its old-log-probs forward (right after generation), its entropies are the generating policy's.
-        step.wants_entropies = self._trl_computes_old_logps()
+        step.wants_entropies = trl_seam.computes_old_logps(self)
         for part in self._parts:
             part.batch_planned(step, training=True, global_step=state.global_step)
         return step
@@ -319,15 +321,14 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         rows trained without their guidance), the outcomes queued for the pool, the step's metrics."""
         off_policy_parts = [part for part in self._parts if part.trains_off_policy()]  # the same on every rank
         if step.rescued:  # the stored successes TRL's advantages were computed with, in place of the failed rollouts
-            splice_rescued(output, step.rescued_local, self._tokenizer.pad_token_id)
+            splice_rescued(output, step.rescued_local, trl_seam.text_tokenizer(self).pad_token_id)
         replaying = bool(step.plan.replay_groups) or bool(step.rescued) or bool(off_policy_parts)
         attach_replay_tensors(output, {**step.replayed_local, **step.rescued_local}, replaying=replaying)
         if step.rescued:  # TRL's normaliser of the "dapo" loss type, counted again over the spliced rows (collective)
-            loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
-            output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+            output["num_items_in_batch"] = trl_seam.count_loss_tokens(self.accelerator, output)
         for part in off_policy_parts:
             part.mark_off_policy_rows(output, step)
-        metrics, global_step = self._metrics["train"], self.state.global_step
+        metrics, global_step = trl_seam.logged_metrics(self, "train"), self.state.global_step
         if self._replay_enabled:
             self._log_fresh_rewards(step, metrics)
         success, fresh_rows, records = self._replay.queue_outcomes(
@@ -364,12 +365,6 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         for part in self._parts:
             part.outcomes_flushed(summaries)
 
-    def _trl_computes_old_logps(self) -> bool:
-        """TRL's own condition for computing `old_per_token_logps` in `_generate_and_score_completions`."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        misaligned = self.args.gradient_accumulation_steps % generate_every != 0
-        return misaligned or (self.use_vllm and self.vllm_importance_sampling_correction)
-
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         forward = self._loss_forward
         if forward is not None and forward.logps is None:  # TRL's loss makes one policy forward: the first call
@@ -377,13 +372,12 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             forward.logps, forward.entropies = logps, entropies
             inputs, pending = forward.inputs, self._replay.pending
             if pending is not None and self.model.training:  # the pool's records take this forward's values
-                mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-                pending.capture(inputs["exreplay_row"].tolist(), logps, entropies, mask)
+                pending.capture(inputs["exreplay_row"].tolist(), logps, entropies, trl_seam.loss_mask(inputs))
             return logps, entropies, aux
         step = self._generation
         if step is None or not step.wants_entropies or step.entropies is not None or model is not self.model:
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        # TRL's first policy forward of a generation step is the old-log-probs one (the reference forward follows).
+        # TRL's first policy forward of a generation step is the old-log-probs one (`trl_seam.GENERATION_CALLS`).
         logps, entropies, aux = super()._get_per_token_logps_and_entropies(
             model, *args, **{**kwargs, "compute_entropy": True}
         )
@@ -400,9 +394,10 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     def _part_rollout(self, prompts, trainer) -> dict:
         """TRL's `rollout_func` where a part generates (the multi-turn games): its rollout of the step, played by this
         policy as it is now (`parts.Policy`: the model TRL wrapped, vLLM's engine, the generation settings)."""
+        dist = trl_seam.distributed_mode(self)
         policy = Policy(
             model=self.model_wrapped, vllm_engine=self.vllm_generation if self.use_vllm else None,
-            accelerator=self.accelerator, dist=self._dist, ds3_gather=self.args.ds3_gather_for_generation,
+            accelerator=self.accelerator, dist=dist, ds3_gather=self.args.ds3_gather_for_generation,
             generation_kwargs=self.generation_kwargs,
             gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
             pad_token_id=self.processing_class.pad_token_id, eos_token_ids=self.eos_token_ids,
@@ -410,8 +405,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         )  # fmt: skip
         part = next(part for part in self._parts if part.generates)
         return part.rollout(
-            self._generation, policy, collective=generation_is_collective(self.accelerator, self._dist),
-            metrics=self._metrics["train" if self.model.training else "eval"],
+            self._generation, policy, collective=generation_is_collective(self.accelerator, dist),
+            metrics=trl_seam.logged_metrics(self),
             fit_completion=self._replay.fit_completion,
         )  # fmt: skip
 
@@ -475,7 +470,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         step = self._generation
-        collective = generation_is_collective(self.accelerator, self._dist)
+        collective = generation_is_collective(self.accelerator, trl_seam.distributed_mode(self))
         if step is None or not self._replay_enabled or (step.plan is None and not collective):
             return super()._tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
@@ -493,7 +488,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 super()._generate_single_turn([prompt_ids[0]], None, {}, 1)  # a round another rank still plays
         finally:
             step.tool_loop_lockstep = False
-        tool_mask = result[0]
+        tool_mask = trl_seam.returned(result, "_tool_call_loop", "tool_mask")
         for i, trajectory in step.replayed_local.items():  # tool results masked out of the loss, as TRL masks them
             tool_mask[i] = list(trajectory.completion_mask[: len(completion_ids[i])])
         return result
@@ -517,9 +512,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             environment.reset = functools.partial(_cleaned_reset, environment.reset, clean)
             return environment
 
-        for pool in self._environment_pool.values():
-            for environment in pool:
-                cleaned(environment)
+        for environment in trl_seam.environment_instances(self):
+            cleaned(environment)
         self.environment_factories = {
             name: functools.partial(_cleaned_instance, factory, cleaned)
             for name, factory in self.environment_factories.items()
@@ -530,7 +524,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         every batch."""
         local = torch.tensor([float(self._tool_text.removed)], device=self.accelerator.device)
         total = self.accelerator.reduce(local, reduction="sum").item()
-        self._metrics["train" if self.model.training else "eval"]["env/special_tokens_removed"] = [total]
+        trl_seam.logged_metrics(self)["env/special_tokens_removed"] = [total]
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -550,7 +544,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         step.rewards = rewards_per_func  # as scored: the outcomes count a rescued row as the failure it was
         kept_rows = set().union(*(part.rescue_skips_rows() for part in self._parts))
         return self._replay.rescue(step, rewards_per_func, self.reward_weights, global_step=self.state.global_step,
-                                   metrics=self._metrics["train"], skip_rows=kept_rows)  # fmt: skip
+                                   metrics=trl_seam.logged_metrics(self, "train"), skip_rows=kept_rows)  # fmt: skip
 
     # --------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
@@ -566,15 +560,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             inputs = {**inputs, "advantages": advantages.masked_fill(replayed_rows, 0.0)}
         # TRL's loss makes one policy forward; the hook keeps its log-probs and entropies (the pool's records too).
         self._loss_forward = forward = LossForward(inputs)
-        clip = self.epsilon_low, self.epsilon_high
-        if self.settings.replay_unclipped_fresh and self._replay_started() and self.model.training:
-            # ExGRPO's loss_remove_clip: TRL's loss reads its clip range when it runs; an infinite one clips nothing
-            self.epsilon_low = self.epsilon_high = float("inf")
-        try:
-            loss = super()._compute_loss(model, inputs)
-        finally:
-            self._loss_forward = None
-            self.epsilon_low, self.epsilon_high = clip
+        unclipped = self.settings.replay_unclipped_fresh and self._replay_started() and self.model.training
+        # ExGRPO's loss_remove_clip: TRL's loss with no clip range, once replay runs
+        with trl_seam.clip_range_removed(self) if unclipped else contextlib.nullcontext():
+            try:
+                loss = super()._compute_loss(model, inputs)
+            finally:
+                self._loss_forward = None
         if replaying:
             loss = loss + self._off_policy_term(inputs, advantages, forward)
         return loss
@@ -586,7 +578,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 "tokens' term has no log-probs: a subclass that overrides one of them must call super()."
             )
         training, logps = self.model.training, forward.logps
-        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        mask = trl_seam.loss_mask(inputs)
         behaviour = inputs["recorded_per_token_logps"] if self.settings.replay_importance_sampling else logps.detach()
         options = OffPolicyOptions.from_config(
             self.args, self.settings, loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
@@ -596,7 +588,7 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             logps, behaviour, advantages, inputs["exp_mask"] * mask, options,
             token_mask=forward.entropy_mask,  # TRL's `top_entropy_quantile` selection, fresh and replayed alike
         )  # fmt: skip
-        log_off_policy(self._metrics["train" if training else "eval"], self.accelerator, metrics)
+        log_off_policy(trl_seam.logged_metrics(self), self.accelerator, metrics)
         return reduce_as_trl(
             per_token_loss, mask, loss_type=self.loss_type, training=training,
             num_items_in_batch=inputs.get("num_items_in_batch"), num_processes=self.accelerator.num_processes,

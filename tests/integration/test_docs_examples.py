@@ -41,6 +41,7 @@ DOCSTRINGS = [
     "trl_exreplay.guidance.offline:",
     "trl_exreplay.guidance.reme:",
     "trl_exreplay.untrusted_text:",
+    "trl_exreplay.trl_seam:check_trl_version",
 ]
 
 

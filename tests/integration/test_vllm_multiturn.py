@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import REPLAY_ONLY, TRAINER_DEFAULTS, config_and_parts, ids, part_of
 
-from trl_exreplay import ExReplayGRPOTrainer
+from trl_exreplay import ExReplayGRPOTrainer, trl_seam
 from trl_exreplay.demo import KeyDoorEnv
 from trl_exreplay.demo.tiny import build_tiny_model, build_tiny_tokenizer
 from trl_exreplay.demo.toy import KEY_DOOR_VOCABULARY, key_door_dataset
@@ -153,7 +153,7 @@ def test_multi_turn_rollouts_through_vllm_carry_sampling_logprobs(tmp_path):
     trainer._last_loaded_step = -1
     assert trainer.vllm_importance_sampling_correction  # TRL's default: the correction is on
     assert trainer.vllm_importance_sampling_mode == "sequence_mask"  # TRL's default: one ratio per sequence
-    assert trainer._trl_computes_old_logps()
+    assert trl_seam.computes_old_logps(trainer)
     rollouts, batches = record_rollouts(trainer), record_batches(trainer)
     runs = record_episodes(trainer, engine)
     trainer.train()

@@ -13,11 +13,11 @@ import functools
 import logging
 
 import torch
-from trl.models import unwrap_model_for_generation
 
 from ..distributed import any_rank_active, check_multi_turn_vllm
 from ..parts import Policy, StepHooks, model_context
 from ..pool import task_key
+from ..trl_seam import distributed_mode, unwrap_model_for_generation
 from .base import env_reward
 from .rollout import MultiTurnRollout, generate_batch
 from .settings import MultiTurnSettings
@@ -65,7 +65,7 @@ class MultiTurnRollouts(StepHooks):
                     "trl_exreplay: vllm_enable_sleep_mode with multi-turn rollouts reloads vLLM's weights before every "
                     "turn (TRL's engine sleeps after each generate call); it is correct but slow."
                 )
-        if trainer._dist.is_zero3 and not args.ds3_gather_for_generation:
+        if distributed_mode(trainer).is_zero3 and not args.ds3_gather_for_generation:
             # Not ours to fix: GRPOTrainer alone fails its first backward this way (TRL 1.16, DeepSpeed 0.19.8, CPU).
             raise ValueError("Multi-turn rollouts under ZeRO-3 need `ds3_gather_for_generation=True`.")
         engine = MultiTurnRollout(

@@ -428,7 +428,8 @@ def generate_batch(
     """One left-padded `model.generate` over `contexts`; each row's new tokens up to and including its first eos (a
     row without one keeps everything). `generate_kwargs` go to `generate` (e.g. `generation_config`, `do_sample`)."""
     import torch
-    from trl.trainer.utils import pad
+
+    from ..trl_seam import pad
 
     if not contexts:
         return []
