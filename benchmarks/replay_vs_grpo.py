@@ -56,6 +56,7 @@ from replay_harness.results_file import (  # noqa: E402
     merge_results,
     record_run,
     record_trl_check,
+    runs_before_fixes,
 )
 from replay_harness.runs import compare_with_trl, train_one  # noqa: E402
 from replay_testbeds import TESTBEDS  # noqa: E402
@@ -65,11 +66,12 @@ def report(out: Path, baseline: str = "grpo", mean_curve: list[str] | None = Non
     """Redraw the plots of the results folder `out` and return its tables (with the mean-curve appendix at the levels
     `mean_curve`)."""
     results = load_results(out)
+    before_fixes = runs_before_fixes(out)
     parts = []
     for name, entry in results["testbeds"].items():
         if entry["methods"]:
             plot(out, name, entry)
-            table = markdown_table(name, entry, baseline)
+            table = markdown_table(name, entry, baseline, before_fixes)
             if mean_curve and baseline in entry["methods"]:
                 table += "\n" + "\n".join(mean_curve_lines(entry, baseline, mean_curve))
             parts.append(table)
@@ -159,7 +161,7 @@ def main(argv=None) -> dict:
         testbed.close()
     entry = results["testbeds"][testbed.name]
     plot(options.out, testbed.name, entry)
-    print(markdown_table(testbed.name, entry))
+    print(markdown_table(testbed.name, entry, "grpo", runs_before_fixes(options.out)))
     return results
 
 

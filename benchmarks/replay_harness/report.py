@@ -9,7 +9,7 @@ import statistics
 from replay_testbeds import TESTBEDS
 
 from .results_file import SPLIT_SERIES
-from .statistics import BUCKET_CLIP, collapsed, mean_curve_ratio, method_curve, replays, summarize
+from .statistics import collapsed, mean_curve_ratio, method_curve, replays, summarize
 
 
 def mean_curve_lines(entry: dict, baseline: str, levels: list[str]) -> list[str]:
@@ -81,10 +81,11 @@ def _rollouts(value: float | None) -> str:
     return "never" if value is None or math.isinf(value) else f"{value:,.0f}"
 
 
-def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
-    """The report of testbed `name`'s results entry against `baseline`: its tables and notes, in markdown."""
+def markdown_table(name: str, entry: dict, baseline: str = "grpo", before_fixes: dict | None = None) -> str:
+    """The report of testbed `name`'s results entry against `baseline`: its tables and notes, in markdown. The runs
+    that predate a fix of `before_fixes` (`results_file.runs_before_fixes`) are marked †."""
     levels = tuple(getattr(TESTBEDS.get(name), "target_levels", ()))
-    rows = summarize(entry, baseline, levels)
+    rows = summarize(entry, baseline, levels, before_fixes)
     label = {r["method"]: method_label(r["method"], name, entry) for r in rows}
     mark = {r["method"]: " †" if r["before_bucket_clip"] else "" for r in rows}
     b = f"`{baseline}`"
@@ -142,7 +143,7 @@ def markdown_table(name: str, entry: dict, baseline: str = "grpo") -> str:
     lines += step_time_lines(rows, baseline)
     lines += zero_spread_lines(rows, label)
     lines += per_seed_lines(rows, baseline)
-    lines += label_lines(name, entry, rows, label)
+    lines += label_lines(name, entry, rows, label, before_fixes)
     lines += detail_lines(entry)
     lines += run_lines(entry)
     guidance = guidance_lines(entry)
@@ -275,9 +276,9 @@ def per_seed_lines(rows: list[dict], baseline: str) -> list[str]:
     return lines
 
 
-def label_lines(name: str, entry: dict, rows: list[dict], label: dict) -> list[str]:
+def label_lines(name: str, entry: dict, rows: list[dict], label: dict, before_fixes: dict | None = None) -> list[str]:
     """What the labels stand for: the replay settings a testbed's own training fields set, and the runs made before
-    the bucket clip (with how many of their steps held buckets above G)."""
+    the bucket clip of `before_fixes` (with how many of their steps held buckets above G)."""
     lines = []
     fields = replay_fields(entry)
     relabelled = [r["method"] for r in rows if label[r["method"]] != r["method"]]
@@ -291,7 +292,8 @@ def label_lines(name: str, entry: dict, rows: list[dict], label: dict) -> list[s
         if not early:
             continue
         steps = ", ".join(f"{seed}: {n}" for seed, n in sorted(early.items(), key=lambda kv: int(kv[0])))
-        lines.append(f"- † `{r['method']}`: {len(early)} of its {len(r['seeds'])} runs were made before {BUCKET_CLIP}, "
+        fix = before_fixes["bucket_clip"]["fix"]  # `early` holds runs only where `before_fixes` names the fix
+        lines.append(f"- † `{r['method']}`: {len(early)} of its {len(r['seeds'])} runs were made before {fix}, "
                      "which counts a bucket above G as G in ExGRPO's Gaussian bucket weighting (`\"normal\"`, which "
                      "it uses); steps whose buckets held a count above G, per seed: " + steps + ".")  # fmt: skip
     return ["", *lines] if lines else []

@@ -47,6 +47,13 @@ call whose testbed settings differ from those of the runs already there is refus
 
 `train_success` is the mean total reward of the step's fresh rollouts (their success rate: rewards are 0 or 1 in
 these testbeds); `wall_s` in a point is training time so far.
+
+`runs_before_fixes.json`, in a results folder or a folder above it (docs/results/ has one for the committed runs), is
+not written by the harness: it names the fixes of the library that committed runs predate, each with the commit of
+the fix and the commits (or their prefixes) the runs made before it were made at, so that the report marks them
+(`statistics.summarize`, the tables' † notes):
+
+    {"bucket_clip": {"fix": str, "made_at": [str, ...], "what": str}}   # what: the fix, for the reader
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from pathlib import Path
 from .presets import PRESETS
 
 SCHEMA = 1
+FIXES_FILE = "runs_before_fixes.json"
 
 
 def rows_per_step(settings: dict) -> int:
@@ -255,3 +263,13 @@ def merge_results(sources: list[Path], out: Path) -> dict:
 
 def record_trl_check(out: Path, testbed, check: dict) -> dict:
     return update_results(out, lambda results: testbed_entry(results, testbed).update(trl_check=check))
+
+
+def runs_before_fixes(out: Path) -> dict:
+    """The fixes the runs of the results folder `out` may predate: `runs_before_fixes.json` in `out` or the nearest
+    folder above it that has one ({} where none has)."""
+    for folder in (out.resolve(), *out.resolve().parents):
+        path = folder / FIXES_FILE
+        if path.is_file():
+            return json.loads(path.read_text())
+    return {}

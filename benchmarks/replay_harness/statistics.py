@@ -13,10 +13,6 @@ from .results_file import SPLIT_SERIES, rows_per_step
 # Every figure of the tables is computed per seed, each method against the baseline's run on the same seed; the curves
 # averaged over seeds (`method_curve`) only draw the plots and the appendix that shows why no figure is read off them.
 AXES = {"rollouts": "fresh_rollouts", "time": "wall_s"}  # the x-axes of the area under the curve
-# bfa2444 counts a difficulty bucket above G as G in the "normal" (ExGRPO's Gaussian) bucket weighting. The commits of
-# committed runs made before it, whose "normal"-weighted runs with buckets above G ran the case that fix changes:
-BUCKET_CLIP = "bfa2444"
-BEFORE_BUCKET_CLIP = ("74660d4", "bca855d")
 
 
 def method_curve(runs: dict) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -218,6 +214,9 @@ def replays(run: dict) -> bool:
     return run["settings"].get("enable_experience_replay", True) is not False
 
 
+# The bucket clip (`bucket_clip` in runs_before_fixes.json) counts a difficulty bucket above G as G in the "normal"
+# (ExGRPO's Gaussian) bucket weighting: the "normal"-weighted runs made before it whose buckets held a count above G
+# ran the case that fix changes.
 def normal_weighting(settings: dict) -> bool:
     """Whether a run drew pool tasks by ExGRPO's Gaussian over buckets (`"normal"`; the `exgrpo` profile's)."""
     weighting = settings.get("replay_bucket_weighting")
@@ -230,15 +229,19 @@ def buckets_above_g(run: dict) -> int:
     return sum(any(int(k) > g and v for k, v in b.items()) for b in run["replay"].get("buckets", []))
 
 
-def summarize(entry: dict, baseline: str = "grpo", levels: tuple[float, ...] = ()) -> list[dict]:
+def summarize(
+    entry: dict, baseline: str = "grpo", levels: tuple[float, ...] = (), before_fixes: dict | None = None
+) -> list[dict]:
     """One row per method, every comparison per seed against the baseline's run on the same seed: final held-out
     success (and its paired difference, also on the seeds where neither run collapsed), collapses (exact McNemar
     test), the normalised area under the curve over fresh rollouts and over training time, the fresh rollouts to the
     same seed's baseline final and to each of `levels`, zero-spread groups (after replayed rows are inserted, and among
-    fresh rollouts only), generation saved, training time per step."""
+    fresh rollouts only), generation saved, training time per step; and the runs that predate a fix of
+    `before_fixes` (`results_file.runs_before_fixes`) in the case it changes (`before_bucket_clip`)."""
     methods = entry["methods"]
     base_runs = methods[baseline]["runs"] if baseline in methods else {}
     aucs = {axis: seed_aucs(methods, key) for axis, key in AXES.items()}
+    before_clip = tuple((before_fixes or {}).get("bucket_clip", {}).get("made_at", ()))  # commits made before it
     rows = []
     for name, method in methods.items():
         runs = method["runs"]
@@ -270,7 +273,7 @@ def summarize(entry: dict, baseline: str = "grpo", levels: tuple[float, ...] = (
             fresh = _mean_of_series(run.get("zero_std_fresh") for run in runs.values())
             fresh_source = "recorded" if fresh is not None else "not recorded"
         early = {s: buckets_above_g(runs[s]) for s in seeds
-                 if normal_weighting(runs[s]["settings"]) and runs[s]["run"]["commit"][:7] in BEFORE_BUCKET_CLIP}  # fmt: skip
+                 if normal_weighting(runs[s]["settings"]) and runs[s]["run"]["commit"].startswith(before_clip)}  # fmt: skip
         rows.append({
             "method": name, "seeds": seeds, "final_mean": mean, "final_std": std, "final_per_seed": finals,
             "initial_mean": sum(run["points"][0]["heldout_success"] for run in runs.values()) / len(runs),

@@ -171,7 +171,8 @@ def test_one_seed_of_the_committed_doors_game_results_by_hand(stats, results_fil
 
 def test_labels_say_what_ran(stats, report, results_file):
     """ALFWorld's replay arm runs the recipe's YAML, not the library's defaults; the `exgrpo-noretire` runs made
-    before bfa2444 are marked with the steps whose buckets held counts above G."""
+    before the bucket clip (docs/results/runs_before_fixes.json, read for any folder under it) are marked with the
+    steps whose buckets held counts above G."""
     (entry,) = results_file.load_results(PREREGISTERED / "alfworld-few-games")["testbeds"].values()
     fields = report.replay_fields(entry)
     assert (fields["replay_shaping"], fields["replay_start_ratio"], fields["replay_max_trajectories_per_task"]) == (
@@ -182,12 +183,19 @@ def test_labels_say_what_ran(stats, report, results_file):
     assert "| `exreplay` (the recipe's settings) | 0.559 ± 0.037 |" in table
 
     (single,) = results_file.load_results(PREREGISTERED / "single-turn")["testbeds"].values()
-    rows = {r["method"]: r for r in stats.summarize(single)}
+    before_fixes = results_file.runs_before_fixes(PREREGISTERED / "single-turn")
+    assert before_fixes == results_file.runs_before_fixes(REPO / "docs" / "results")
+    rows = {r["method"]: r for r in stats.summarize(single, before_fixes=before_fixes)}
     early = rows["exgrpo-noretire"]["before_bucket_clip"]
     assert sorted(early, key=int) == [str(s) for s in range(200, 210)]
     assert (min(early.values()), max(early.values())) == (34, 296)
     assert rows["exgrpo"]["before_bucket_clip"] == {} and rows["exreplay"]["before_bucket_clip"] == {}
-    assert "| `exgrpo-noretire` † |" in report.markdown_table("single-turn", single)
+    table = report.markdown_table("single-turn", single, "grpo", before_fixes)
+    assert "| `exgrpo-noretire` † |" in table
+    assert f"runs were made before {before_fixes['bucket_clip']['fix']}, which counts a bucket above G" in table
+    # the marks come from that file alone: without it no run is marked
+    assert all(not r["before_bucket_clip"] for r in stats.summarize(single))
+    assert "†" not in report.markdown_table("single-turn", single)
 
 
 def test_the_median_counts_never_as_never_and_one_seed_dropped_can_flip_an_interval(stats):
