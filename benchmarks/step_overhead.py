@@ -50,8 +50,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from replay_harness.statistics import paired_interval  # noqa: E402
 from replay_testbeds import TESTBEDS  # noqa: E402
-from replay_vs_grpo import paired_interval  # noqa: E402
 
 PARTS = ("generation", "environment", "reward", "pool add", "pool sample", "entropy forward", "spread plan",
          "loss and backward")  # fmt: skip

@@ -25,6 +25,15 @@ def load_script(path: str, name: str):
     return module
 
 
+def benchmark_module(name: str):
+    """The module `name` of a package beside the benchmarks' scripts (e.g. `replay_harness.statistics`), imported as
+    those scripts import it: with benchmarks/ on the path."""
+    folder = str(REPOSITORY / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
 # The trainer tests train on the CPU unless EXREPLAY_TEST_DEVICE=cuda (tools/gpu_check.sh sets it on a lent GPU):
 # then the same tests train the model on the GPU, and EXREPLAY_TEST_BF16=1 adds bf16 autocast for the runs whose
 # assertions allow it. conftest.py makes CUDA deterministic, so that tests of bit-equality still compare like with like.

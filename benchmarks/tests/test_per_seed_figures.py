@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import load_script
+from helpers import benchmark_module
 
 pytestmark = pytest.mark.fast  # in the fast lane: no training
 
@@ -17,8 +17,18 @@ PREREGISTERED = REPO / "docs" / "results" / "preregistered"
 
 
 @pytest.fixture(scope="module")
-def harness():
-    return load_script("benchmarks/replay_vs_grpo.py", "replay_vs_grpo")
+def stats():
+    return benchmark_module("replay_harness.statistics")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return benchmark_module("replay_harness.report")
+
+
+@pytest.fixture(scope="module")
+def results_file():
+    return benchmark_module("replay_harness.results_file")
 
 
 def run(curve, replay=True, **series):
@@ -46,8 +56,8 @@ FIXTURE = {
 }  # fmt: skip
 
 
-def test_every_figure_is_read_per_seed_on_a_small_fixture(harness):
-    grpo, replay = harness.summarize(FIXTURE, "grpo", levels=(0.45,))
+def test_every_figure_is_read_per_seed_on_a_small_fixture(stats, report):
+    grpo, replay = stats.summarize(FIXTURE, "grpo", levels=(0.45,))
 
     # AUC over fresh rollouts, per seed, up to R = the fewest rollouts any method consumed on the seed (180 on both):
     # seed 1, grpo: (0.1 + 0.3) / 2 * 100 + (0.3 + 0.46) / 2 * 80 (0.46: its curve at 180) = 50.4, over 180.
@@ -75,7 +85,7 @@ def test_every_figure_is_read_per_seed_on_a_small_fixture(harness):
     assert replay["to_final"]["ratio"] == {"median": pytest.approx(0.45), "geometric_mean": pytest.approx(0.45),
                                            "seeds": 1}  # fmt: skip
     assert (replay["to_final"]["never"], replay["to_final"]["not_scoreable"]) == (0, 1)
-    assert harness.mean_curve_ratio(FIXTURE, "grpo", 0.3)["replay"] == pytest.approx(0.30)
+    assert stats.mean_curve_ratio(FIXTURE, "grpo", 0.3)["replay"] == pytest.approx(0.30)
 
     # A fixed level (0.45): seed 1, grpo at 100 + 100 * 0.15 / 0.2 = 175, replay at 90 * 0.35 / 0.4 = 78.75; seed 2:
     # neither reaches it, so half the seeds never do and the median is "never" (infinite).
@@ -91,7 +101,7 @@ def test_every_figure_is_read_per_seed_on_a_small_fixture(harness):
     assert replay["zero_std_groups"] == pytest.approx(0.25)
     assert (replay["zero_std_fresh"], replay["zero_std_fresh_source"]) == (pytest.approx(0.7), "recorded")
 
-    table = harness.markdown_table("t", {**FIXTURE, "summary": "fixture"}, "grpo")
+    table = report.markdown_table("t", {**FIXTURE, "summary": "fixture"}, "grpo")
     assert "| `replay` | 0.45x (0.45x) | 1 / 0 / 1 | 0.45x |" in table
     # seconds per step over the baseline's on the same seed (the fixture's runs: 1 s a step each)
     assert "- `replay`: median 1.00 (range 1.00-1.00, 2 seeds)" in table
@@ -125,10 +135,10 @@ def area(points, end):
     return total / end
 
 
-def test_one_seed_of_the_committed_doors_game_results_by_hand(harness):
+def test_one_seed_of_the_committed_doors_game_results_by_hand(stats, results_file):
     """Seed 206 of the pre-registered doors game: `exreplay` against `grpo`, each figure of the report by hand."""
-    (entry,) = harness.load_results(PREREGISTERED / "multi-turn")["testbeds"].values()
-    rows = {r["method"]: r for r in harness.summarize(entry, "grpo", levels=(0.10, 0.20))}
+    (entry,) = results_file.load_results(PREREGISTERED / "multi-turn")["testbeds"].values()
+    rows = {r["method"]: r for r in stats.summarize(entry, "grpo", levels=(0.10, 0.20))}
     runs = {name: method["runs"]["206"] for name, method in entry["methods"].items()}
     grpo, replay = runs["grpo"], runs["exreplay"]
 
@@ -152,35 +162,43 @@ def test_one_seed_of_the_committed_doors_game_results_by_hand(harness):
     final = rows["exreplay"]["to_final"]
     assert (final["ratio"]["seeds"], final["never"], final["not_scoreable"]) == (10, 3, 7)
     assert final["ratio"]["median"] == pytest.approx(1.0, abs=0.005)
-    mean_curve = harness.mean_curve_ratio(entry, "grpo", harness.method_curve(entry["methods"]["grpo"]["runs"])[1][-1])
+    mean_curve = stats.mean_curve_ratio(entry, "grpo", stats.method_curve(entry["methods"]["grpo"]["runs"])[1][-1])
     assert mean_curve["exreplay"] == pytest.approx(0.38, abs=0.005)
     # The committed runs recorded no fresh-only zero-spread share: the report says so rather than invent one.
     assert rows["exreplay"]["zero_std_fresh_source"] == "not recorded"
     assert rows["grpo"]["zero_std_fresh"] == rows["grpo"]["zero_std_groups"]
 
 
-def test_labels_say_what_ran(harness):
+def test_labels_say_what_ran(stats, report, results_file):
     """ALFWorld's replay arm runs the recipe's YAML, not the library's defaults; the `exgrpo-noretire` runs made
-    before bfa2444 are marked with the steps whose buckets held counts above G."""
-    (entry,) = harness.load_results(PREREGISTERED / "alfworld-few-games")["testbeds"].values()
-    fields = harness.replay_fields(entry)
+    before the bucket clip (docs/results/runs_before_fixes.json, read for any folder under it) are marked with the
+    steps whose buckets held counts above G."""
+    (entry,) = results_file.load_results(PREREGISTERED / "alfworld-few-games")["testbeds"].values()
+    fields = report.replay_fields(entry)
     assert (fields["replay_shaping"], fields["replay_start_ratio"], fields["replay_max_trajectories_per_task"]) == (
         "exgrpo", 0.25, 4)  # fmt: skip
-    assert harness.method_label("exreplay", "alfworld-few-games", entry) == "exreplay (the recipe's settings)"
-    assert harness.method_label("grpo", "alfworld-few-games", entry) == "grpo"
-    table = harness.markdown_table("alfworld-few-games", entry)
+    assert report.method_label("exreplay", "alfworld-few-games", entry) == "exreplay (the recipe's settings)"
+    assert report.method_label("grpo", "alfworld-few-games", entry) == "grpo"
+    table = report.markdown_table("alfworld-few-games", entry)
     assert "| `exreplay` (the recipe's settings) | 0.559 ± 0.037 |" in table
 
-    (single,) = harness.load_results(PREREGISTERED / "single-turn")["testbeds"].values()
-    rows = {r["method"]: r for r in harness.summarize(single)}
+    (single,) = results_file.load_results(PREREGISTERED / "single-turn")["testbeds"].values()
+    before_fixes = results_file.runs_before_fixes(PREREGISTERED / "single-turn")
+    assert before_fixes == results_file.runs_before_fixes(REPO / "docs" / "results")
+    rows = {r["method"]: r for r in stats.summarize(single, before_fixes=before_fixes)}
     early = rows["exgrpo-noretire"]["before_bucket_clip"]
     assert sorted(early, key=int) == [str(s) for s in range(200, 210)]
     assert (min(early.values()), max(early.values())) == (34, 296)
     assert rows["exgrpo"]["before_bucket_clip"] == {} and rows["exreplay"]["before_bucket_clip"] == {}
-    assert "| `exgrpo-noretire` † |" in harness.markdown_table("single-turn", single)
+    table = report.markdown_table("single-turn", single, "grpo", before_fixes)
+    assert "| `exgrpo-noretire` † |" in table
+    assert f"runs were made before {before_fixes['bucket_clip']['fix']}, which counts a bucket above G" in table
+    # the marks come from that file alone: without it no run is marked
+    assert all(not r["before_bucket_clip"] for r in stats.summarize(single))
+    assert "†" not in report.markdown_table("single-turn", single)
 
 
-def test_the_median_counts_never_as_never_and_one_seed_dropped_can_flip_an_interval(harness):
+def test_the_median_counts_never_as_never_and_one_seed_dropped_can_flip_an_interval(stats):
     """The median ratio to the baseline's final over the seeds that reached it hides the ones that did not: counted as
     never (infinite), 3 never among 5 seeds make it "never", 1 among 4 moves it up. And the leave-one-out count: an
     interval above 0 that one seed carries."""
@@ -189,30 +207,30 @@ def test_the_median_counts_never_as_never_and_one_seed_dropped_can_flip_an_inter
         return {str(i): ({"status": "reached", "ratio": v} if isinstance(v, float) else {"status": v})
                 for i, v in enumerate(statuses)}  # fmt: skip
 
-    assert harness.median_counting_never(final(0.5, 0.6, "never", "never", "never")) == math.inf
-    assert harness.median_counting_never(final(0.5, 0.6, 0.7, "never", "not scoreable")) == pytest.approx(0.65)
-    assert harness.median_counting_never(final("not scoreable")) is None
+    assert stats.median_counting_never(final(0.5, 0.6, "never", "never", "never")) == math.inf
+    assert stats.median_counting_never(final(0.5, 0.6, 0.7, "never", "not scoreable")) == pytest.approx(0.65)
+    assert stats.median_counting_never(final("not scoreable")) is None
 
     # an interval above 0 by a hair: dropping any of the five larger gains moves it to contain 0
     differences = {"1": 0.01, "2": 0.012, "3": 0.008, "4": 0.011, "5": 0.003, "6": -0.004, "7": 0.001}
-    loo = harness.leave_one_out(differences)
-    assert loo["side"] == harness.interval_side(list(differences.values())) == "above 0"
+    loo = stats.leave_one_out(differences)
+    assert loo["side"] == stats.interval_side(list(differences.values())) == "above 0"
     by_hand = []
     for seed in differences:
         rest = [d for s, d in differences.items() if s != seed]
         mean = sum(rest) / len(rest)
         half = (
-            harness.T975[len(rest) - 2]
+            stats.T975[len(rest) - 2]
             * (sum((d - mean) ** 2 for d in rest) / (len(rest) - 1)) ** 0.5
             / len(rest) ** 0.5
         )
         if mean - half <= 0:
             by_hand.append(seed)
     assert loo["flips"] == by_hand == ["1", "2", "3", "4", "5"]
-    assert harness.leave_one_out({"1": 0.1, "2": 0.1, "3": 0.1})["flips"] == []  # no spread: no seed carries it
+    assert stats.leave_one_out({"1": 0.1, "2": 0.1, "3": 0.1})["flips"] == []  # no spread: no seed carries it
 
 
-def test_training_seconds_to_the_baseline_final_and_the_plans_calibration(harness):
+def test_training_seconds_to_the_baseline_final_and_the_plans_calibration(stats, report):
     """Seed 1: `grpo` first reaches its final 0.5 at 20 s, `replay` at 12 s: 0.6x; seed 2's target is its initial
     success, not scoreable. The calibration averages the steps where both shares were recorded, over runs."""
     fixture = {"methods": {name: {"runs": {s: dict(r) for s, r in m["runs"].items()}}
@@ -225,9 +243,9 @@ def test_training_seconds_to_the_baseline_final_and_the_plans_calibration(harnes
         "spread_predicted_fresh": [0.6],
         "spread_observed_fresh": [0.75],
     }
-    grpo, replay = harness.summarize(fixture, "grpo")
+    grpo, replay = stats.summarize(fixture, "grpo")
     assert replay["to_final_time"] == {"median_counting_never": pytest.approx(0.6), "never": 0, "reached": 1}
     assert grpo["calibration"] is None
     assert replay["calibration"] == {"predicted": pytest.approx(0.6), "observed": pytest.approx(0.5), "steps": 3}
-    lines = "\n".join(harness.step_time_lines([grpo, replay], "grpo"))
+    lines = "\n".join(report.step_time_lines([grpo, replay], "grpo"))
     assert "- `replay`: 0.60x (1 reached, 0 never)" in lines

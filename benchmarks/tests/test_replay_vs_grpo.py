@@ -7,17 +7,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from helpers import load_script
+from helpers import benchmark_module, load_script
 
 
 @pytest.fixture(scope="module")
 def harness():
+    """The command line (`main`), and the names it calls, which tests replace."""
     return load_script("benchmarks/replay_vs_grpo.py", "replay_vs_grpo")
 
 
-def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys, monkeypatch):
+@pytest.fixture(scope="module")
+def parts():
+    """The harness's parts, by module name."""
+    names = ("presets", "runs", "results_file", "statistics", "report")
+    return SimpleNamespace(**{name: benchmark_module(f"replay_harness.{name}") for name in names})
+
+
+def test_harness_writes_results_that_follow_the_schema(harness, parts, tmp_path, capsys, monkeypatch):
     from trl import GRPOTrainer
 
     # Completions TRL generated, counted where TRL generates them (not from the trainer's own logs).
@@ -35,7 +44,7 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     harness.main(argv)
     per_run = [sum(generated[i : i + 4]) for i in range(0, len(generated), 4)]  # one generation a step, 4 steps
     results = json.loads((out / "results.json").read_text())
-    harness.validate_results(results)
+    parts.results_file.validate_results(results)
     entry = results["testbeds"]["single-turn"]
     assert entry["training"]["max_steps"] == 4 and entry["training"]["replay_start_ratio"] == 0.25
     grpo, replay = (entry["methods"][m]["runs"]["3"] for m in ("grpo", "exreplay"))
@@ -48,7 +57,7 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     assert replay["replay"]["rows_fraction"][0] == 0.0  # before replay's start every row is fresh
     assert max(replay["replay"]["rows_fraction"]) > 0  # and after it some rows are replayed, not generated
     assert replay["points"][-1]["fresh_rollouts"] == per_run[2] < 4 * rows
-    assert entry["methods"]["exreplay"]["preset"] == harness.REPLAY_ONLY and replay["settings"]["seed"] == 3
+    assert entry["methods"]["exreplay"]["preset"] == parts.presets.REPLAY_ONLY and replay["settings"]["seed"] == 3
     # TRL's GRPOTrainer on the first seed: every loss and held-out point identical to `grpo`.
     assert entry["trl_check"]["identical"] is True, entry["trl_check"]
     assert entry["trl_check"]["max_loss_diff"] == 0.0
@@ -65,7 +74,7 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     for run in (grpo, replay):
         record = run["run"]
         assert record["library"]["path"] == str(Path(trl_exreplay.__file__).resolve().parent)
-        assert record["library"]["commit"] == harness.git_commit(Path(trl_exreplay.__file__).parent) != ""
+        assert record["library"]["commit"] == parts.runs.git_commit(Path(trl_exreplay.__file__).parent) != ""
         assert set(record["load"]) == {"before", "after"} and all(v >= 0 for v in record["load"].values())
         assert record["machine"]["cores_allowed"] >= 1
     # One value per step of the fresh rollouts' own zero-spread share (logged by replay runs; None where not logged).
@@ -91,7 +100,7 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     assert len(generated) == 12  # nothing trained
     # A second call on another seed merges into the same file; --report rebuilds tables and plots from it alone.
     harness.main([*argv[:3], "grpo", "--seeds", "4", *argv[6:], "--no-trl-check"])
-    results = harness.load_results(out)
+    results = parts.results_file.load_results(out)
     assert sorted(results["testbeds"]["single-turn"]["methods"]["grpo"]["runs"]) == ["3", "4"]
     assert sorted(results["testbeds"]["single-turn"]["methods"]["exreplay"]["runs"]) == ["3"]
     (out / "single-turn.png").unlink()
@@ -99,7 +108,7 @@ def test_harness_writes_results_that_follow_the_schema(harness, tmp_path, capsys
     assert (out / "single-turn.png").exists()
 
 
-def test_a_results_file_off_the_schema_is_refused_naming_the_field(harness, tmp_path):
+def test_a_results_file_off_the_schema_is_refused_naming_the_field(parts, tmp_path):
     results = {"schema": 1, "testbeds": {"t": {"summary": "s", "training": {}, "eval_every": 1, "rows_per_step": 8,
                "methods": {"grpo": {"preset": {}, "runs": {"0": {
                    "points": [{"step": 0, "fresh_rollouts": 0, "heldout_success": 1.5, "train_success": None,
@@ -107,10 +116,10 @@ def test_a_results_file_off_the_schema_is_refused_naming_the_field(harness, tmp_
                    "losses": [], "replay": {}, "wall_s": 0.0, "step_s": 0.0, "settings": {},
                    "run": {"command": "", "commit": "", "versions": {}, "machine": {}, "date": ""}}}}}}}}  # fmt: skip
     with pytest.raises(ValueError, match=r"testbeds\.t\.methods\.grpo\.runs\.0\.points\[0\]\.heldout_success"):
-        harness.validate_results(results)
+        parts.results_file.validate_results(results)
     (tmp_path / "results.json").write_text(json.dumps({**results, "schema": 0}))
     with pytest.raises(ValueError, match="schema is 0, expected 1"):
-        harness.load_results(tmp_path)
+        parts.results_file.load_results(tmp_path)
 
 
 def test_unknown_methods_and_testbeds_are_refused(harness, tmp_path, capsys):
@@ -121,16 +130,16 @@ def test_unknown_methods_and_testbeds_are_refused(harness, tmp_path, capsys):
         harness.main(["--testbed", "chess", "--out", str(tmp_path)])
 
 
-def test_the_guided_preset_records_what_guidance_did(harness, tmp_path, capsys):
+def test_the_guided_preset_records_what_guidance_did(harness, parts, tmp_path, capsys):
     out = tmp_path / "out"
     harness.main(["--testbed", "single-turn", "--methods", "exreplay-guided", "--seeds", "3", "--max-steps", "3",
                   "--out", str(out), "--no-progress"])  # fmt: skip
-    entry = harness.load_results(out)["testbeds"]["single-turn"]
+    entry = parts.results_file.load_results(out)["testbeds"]["single-turn"]
     run = entry["methods"]["exreplay-guided"]["runs"]["3"]
-    assert entry["methods"]["exreplay-guided"]["preset"] == {**harness.REPLAY_ONLY, **harness.GUIDED}
+    assert entry["methods"]["exreplay-guided"]["preset"] == {**parts.presets.REPLAY_ONLY, **parts.presets.GUIDED}
     assert run["settings"]["guidance_train"] == "mixed"
     guidance = run["guidance"]
-    assert set(guidance) == set(harness.GUIDE_SERIES) and all(len(v) == 3 for v in guidance.values())
+    assert set(guidance) == set(parts.results_file.GUIDE_SERIES) and all(len(v) == 3 for v in guidance.values())
     assert guidance["guided_fraction"][0] == 0.0  # nothing to retrieve before the first summaries land
     assert guidance["store_records"][-1] > 0
     assert "`exreplay-guided` (1 seeds):" in capsys.readouterr().out
@@ -138,7 +147,7 @@ def test_the_guided_preset_records_what_guidance_did(harness, tmp_path, capsys):
     assert "Δ final vs `exreplay-guided` [95% CI]" in capsys.readouterr().out
 
 
-def test_the_doors_testbed_gives_guidance_its_vocabulary_can_spell(harness):
+def test_the_doors_testbed_gives_guidance_its_vocabulary_can_spell(parts):
     """The default template and summary come out mostly <unk> in the doors game's word-level tokenizer; the testbed's
     own (the `-env` presets) spell every token."""
     from replay_testbeds.multi_turn import VOCABULARY, MultiTurn
@@ -165,36 +174,37 @@ def test_the_doors_testbed_gives_guidance_its_vocabulary_can_spell(harness):
     [record] = provider.summarize([won])
     assert record.content == "take red key and open red door"
     assert unknown(testbed.experience_settings["guidance_template"], record.content) == (0, 8)
-    assert harness.PRESETS["exreplay-guided-env"]["experience_from_testbed"] is True
+    assert parts.presets.PRESETS["exreplay-guided-env"]["experience_from_testbed"] is True
 
 
-def test_the_statistics_of_the_tables(harness):
+def test_the_statistics_of_the_tables(parts):
     """The paired 95% t interval uses Student's t for the seeds' degrees of freedom (20 seeds: 2.093, not 1.96); the
     sign test is the exact two-sided binomial over seeds that differ; a collapse ends below half the run's best."""
     differences = [0.1] * 10 + [0.3] * 10
-    interval = harness.paired_interval(differences)
+    interval = parts.statistics.paired_interval(differences)
     half = 2.093 * interval["std"] / 20**0.5
     assert interval["low"] == pytest.approx(0.2 - half) and interval["high"] == pytest.approx(0.2 + half)
-    test = harness.sign_test([1.0] * 12 + [-1.0] * 6 + [0.0] * 2)
+    test = parts.statistics.sign_test([1.0] * 12 + [-1.0] * 6 + [0.0] * 2)
     assert (test["wins"], test["losses"], test["ties"]) == (12, 6, 2)
     assert test["p"] == pytest.approx(2 * sum(__import__("math").comb(18, k) for k in range(7)) / 2**18)  # 0.238
-    assert harness.sign_test([-1.0] * 20)["p"] == pytest.approx(2 / 2**20)
-    assert harness.sign_test([0.0, 0.0])["p"] == 1.0
+    assert parts.statistics.sign_test([-1.0] * 20)["p"] == pytest.approx(2 / 2**20)
+    assert parts.statistics.sign_test([0.0, 0.0])["p"] == 1.0
     points = [{"heldout_success": s} for s in (0.4, 0.6, 0.29)]
-    assert harness.collapsed(points) and not harness.collapsed(points[:2]) and not harness.collapsed(points[:1])
+    collapsed = parts.statistics.collapsed
+    assert collapsed(points) and not collapsed(points[:2]) and not collapsed(points[:1])
 
 
-def test_the_report_gives_held_out_success_by_part(harness):
+def test_the_report_gives_held_out_success_by_part(parts):
     def run(first, last):
         return {"points": [{"heldout_detail": first}, {"heldout_detail": last}]}
 
     entry = {"methods": {"a": {"runs": {"1": run({"x": 0.2, "y": 0.0}, {"x": 0.4, "y": 1.0}),
                                         "2": run({"x": 0.4, "y": 0.0}, {"x": 0.8, "y": 0.0})}}}}  # fmt: skip
-    lines = harness.detail_lines(entry)
+    lines = parts.report.detail_lines(entry)
     assert lines[-1] == "- `a` (2 seeds): x 0.30 -> 0.60, y 0.00 -> 0.50"
 
 
-def test_the_report_says_which_seeds_collapsed_replayed_and_retired(harness):
+def test_the_report_says_which_seeds_collapsed_replayed_and_retired(parts):
     def run(successes, rows_fraction=(), skip_set=(), zero=None):
         points = [{"heldout_success": v} for v in successes]
         replay = {"rows_fraction": list(rows_fraction), "skip_set": list(skip_set)}
@@ -206,7 +216,7 @@ def test_the_report_says_which_seeds_collapsed_replayed_and_retired(harness):
                             "2": run((0.0, 0.0, 0.0), (0, 0, 0, 0), (0, 0, 1)),
                             "10": run((0.0, 0.6, 0.2), (0, 0.25, 0, 0), (1, 3, 4), zero=[0.5])}},
     }}  # fmt: skip
-    assert harness.run_lines(entry) == [
+    assert parts.report.run_lines(entry) == [
         "",
         "Runs by seed:",
         "- `grpo` (2 seeds): collapsed: 1",
@@ -233,7 +243,7 @@ def _results(runs: dict, training: dict | None = None, preset: dict | None = Non
                                             "model": {}, "eval_every": 1, "rows_per_step": 8, "methods": methods}}}  # fmt: skip
 
 
-def test_merge_joins_per_seed_folders_and_refuses_runs_that_disagree(harness, tmp_path, capsys):
+def test_merge_joins_per_seed_folders_and_refuses_runs_that_disagree(harness, parts, tmp_path, capsys):
     """`--merge` is the committed way per-seed folders (one per core or machine) become one results file."""
     folders = []
     for name, runs in {"a": {"grpo": {1: 0.5}, "teach": {1: 0.6}}, "b": {"grpo": {2: 0.4}, "teach": {2: 0.3}},
@@ -243,7 +253,7 @@ def test_merge_joins_per_seed_folders_and_refuses_runs_that_disagree(harness, tm
         folders.append(tmp_path / name)
     out = tmp_path / "merged"
     harness.main(["--merge", *map(str, folders), "--out", str(out)])
-    merged = harness.load_results(out)["testbeds"]["t"]["methods"]
+    merged = parts.results_file.load_results(out)["testbeds"]["t"]["methods"]
     assert {m: {s: r["points"][-1]["heldout_success"] for s, r in e["runs"].items()} for m, e in merged.items()} == {
         "grpo": {"1": 0.5, "2": 0.4}, "teach": {"1": 0.6, "2": 0.3}}  # fmt: skip
     assert "| `teach` |" in capsys.readouterr().out  # the report of the merged folder

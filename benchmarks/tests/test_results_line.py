@@ -7,9 +7,10 @@ from __future__ import annotations
 import re
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from helpers import load_script
+from helpers import benchmark_module
 
 from trl_exreplay.config import PROFILE_FIELDS
 
@@ -22,7 +23,13 @@ TESTBEDS = ("single-turn", "multi-turn", "alfworld-few-games")
 
 @pytest.fixture(scope="module")
 def harness():
-    return load_script("benchmarks/replay_vs_grpo.py", "replay_vs_grpo")
+    """What these tests read of the harness: its results files, per-seed summary, presets and testbeds."""
+    return SimpleNamespace(
+        load_results=benchmark_module("replay_harness.results_file").load_results,
+        summarize=benchmark_module("replay_harness.statistics").summarize,
+        PRESETS=benchmark_module("replay_harness.presets").PRESETS,
+        TESTBEDS=benchmark_module("replay_testbeds").TESTBEDS,
+    )
 
 
 def results_line(path: Path) -> str:
