@@ -56,9 +56,11 @@ TRAINER_DEFAULTS = dict(
     beta=0.0,
     disable_tqdm=True,
 )
-# Replay alone, without rescue or retired questions (the library's defaults before issue 55): for tests of replay's own
-# mechanics whose exact figures those two would change, from the first step on.
-REPLAY_ONLY = dict(replay_rescue=0, replay_retire_solved=False)
+# Replay alone, without rescue, retired questions or the spread plan (the library's defaults before issue 55): for tests
+# of replay's own mechanics whose exact figures those would change, from the first step on.
+REPLAY_ONLY = dict(replay_rescue=0, replay_retire_solved=False, replay_spread_plan=False)
+# Rescue and retired questions with revisits, without the spread plan: the defaults from issue 55 to issue 69 (`teach`).
+TEACH = dict(replay_retire_solved=True, replay_spread_plan=False)
 
 
 def make_args(tmp_path, config_cls=ExReplayGRPOConfig, **overrides):

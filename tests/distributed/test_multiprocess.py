@@ -54,6 +54,7 @@ def check_guided_allocations(ranks: list[dict]) -> None:
 # DDP's single-machine paths are those of the two-machine run; tests/integration covers the one-process paths.
 ZERO3 = "recipes/accelerate/zero3_cpu.yaml"
 ZERO2 = "recipes/accelerate/zero2_cpu.yaml"
+DDP = "recipes/accelerate/ddp_cpu.yaml"
 
 
 def launch_runs(config: str, runs: dict[str, list[str]]) -> dict[str, list[dict]]:
@@ -80,7 +81,7 @@ def zero3(zero3_root) -> dict[str, list[dict]]:
     runs = {
         "exgrpo": ["exgrpo"],
         "teach": ["teach"],
-        "spread": ["teach", "spread"],
+        "spread": ["defaults", "spread"],
         "guided": ["trl-options", "guided"],
         "multi-turn": ["multi-turn"],
     }
@@ -93,7 +94,7 @@ def zero3_resumed(zero3, zero3_root) -> dict[str, list[dict]]:
     """The exgrpo, default and spread-plan runs resumed from their step-6 checkpoints, in a launch of their own."""
     root = zero3_root
     runs = {name: [*options, f"resume={root / name / 'run' / 'checkpoint-6'}"]
-            for name, options in (("exgrpo", ["exgrpo"]), ("teach", ["teach"]), ("spread", ["teach", "spread"]))}  # fmt: skip
+            for name, options in (("exgrpo", ["exgrpo"]), ("teach", ["teach"]), ("spread", ["defaults", "spread"]))}  # fmt: skip
     ranks = launch_runs(ZERO3, {str(root / f"{name}-resumed"): options for name, options in runs.items()})
     return {name: ranks[str(root / f"{name}-resumed")] for name in runs}
 
@@ -158,7 +159,7 @@ def test_every_group_teaching_is_rank_identical_and_resumes_exactly_under_zero3(
 
 @pytest.mark.slow
 def test_the_spread_plan_is_rank_identical_and_resumes_exactly_under_zero3(zero3, zero3_resumed, zero3_root):
-    """replay_spread_plan on the defaults under ZeRO-3: both ranks plan the same groups (from gathered keys and
+    """The defaults (rescue and the spread plan; explore 0, so that every group is planned) under ZeRO-3: both ranks plan the same groups (from gathered keys and
     outcomes), hold the same estimates, and a run resumed from its step-6 checkpoint (which holds them) plans, trains
     and estimates as the run that was not stopped."""
     whole = zero3["spread"]
@@ -216,6 +217,25 @@ def test_multi_turn_lockstep_with_a_rank_that_plays_no_episode(zero3):
     played = [i for i in range(len(rank0["episode_lengths"])) if i not in replay_steps]
     assert any(rank0["episode_lengths"][i] != rank1["episode_lengths"][i] for i in played)  # unequal episodes
     assert rank0["env_errors"][-1] == 0.0
+
+
+@pytest.mark.slow
+def test_the_defaults_are_rank_identical_and_resume_exactly_under_ddp(tmp_path):
+    """The library's defaults as they are (rescue and the spread plan, its explore floor included) on 2 DDP ranks: both
+    draw the same plan and hold the same estimates, and a run resumed from its step-6 checkpoint plans, trains and
+    estimates as the run that was not stopped."""
+    whole = launch_runs(DDP, {str(tmp_path / "whole"): ["defaults"]})[str(tmp_path / "whole")]
+    check_rank_identical(whole)
+    rank0, rank1 = whole
+    for name in ("spread_replanned_groups", "spread_observed_fresh", "spread_estimates"):
+        assert rank0[name] == rank1[name], name
+    assert sum(rank0["spread_replanned_groups"]) > 0 and any(rank0["replay_tasks"])
+    checkpoint = tmp_path / "whole" / "run" / "checkpoint-6"
+    resumed = launch_runs(DDP, {str(tmp_path / "resumed"): ["defaults", f"resume={checkpoint}"]})[
+        str(tmp_path / "resumed")
+    ]
+    check_resumed(whole, resumed, 6, ("spread_replanned_groups", *TEACHING))
+    assert [r["spread_estimates"] for r in resumed] == [r["spread_estimates"] for r in whole]
 
 
 @pytest.mark.slow

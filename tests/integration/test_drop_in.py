@@ -88,11 +88,25 @@ def replayed_on_alternate_batches(tasks: list[float]) -> bool:
     return any(tasks) and not any(tasks[n] for n in range(0, len(tasks), 2))
 
 
+# The spread plan (a default) puts the one group of these 4-task runs on whichever task looks likeliest to teach; at TRL's
+# test rate 0.1 that is soon a task every rollout solves, so the pool holds no replayable task. These tests of replay's
+# batch layout turn it off; `test_the_defaults_train_a_batch_of_one_group` trains the defaults as they are.
+NO_PLAN = {"replay_spread_plan": False}
+
+
 @pytest.mark.parametrize("conversational", [False, True], ids=["standard", "conversational"])
 def test_trl_default_batch_of_one_group_replays(tmp_path, conversational):
-    trainer, tasks = train(tmp_path, dataset=prompt_only(conversational))
+    trainer, tasks = train(tmp_path, dataset=prompt_only(conversational), **NO_PLAN)
     assert trainer.args.generation_batch_size == 3  # one group of 3: the batch the refusal used to reject
     assert replayed_on_alternate_batches(tasks), tasks
+
+
+def test_the_defaults_train_a_batch_of_one_group(tmp_path):
+    """With the defaults (the spread plan on) a batch of one group trains (`train` checks 12 steps, moved weights and
+    replay's metrics at every step); the plan redirected the group on some steps."""
+    trainer, tasks = train(tmp_path)
+    planned = [e["replay/spread_replanned_groups"] for e in trainer.state.log_history if "loss" in e]
+    assert len(planned) == 12 and any(planned)
 
 
 def test_with_an_evaluation_dataset(tmp_path):
@@ -102,6 +116,7 @@ def test_with_an_evaluation_dataset(tmp_path):
         per_device_eval_batch_size=3,
         eval_strategy="steps",
         eval_steps=4,
+        **NO_PLAN,
     )
     evaluations = [e for e in trainer.state.log_history if "eval_reward" in e]
     assert len(evaluations) == 3 and all(0.0 <= e["eval_reward"] <= 1.0 for e in evaluations)
@@ -113,7 +128,7 @@ def test_with_an_iterable_dataset(tmp_path, caplog):
     spread plan) say once that they are off, and what happens instead."""
     dataset = prompt_only(conversational=False).to_iterable_dataset()
     with caplog.at_level("WARNING", logger="trl_exreplay.replay"):
-        _, tasks = train(tmp_path, dataset=dataset, replay_spread_plan=True)
+        _, tasks = train(tmp_path, dataset=dataset, replay_retire_solved=True)
     assert replayed_on_alternate_batches(tasks), tasks
     said = [r.getMessage() for r in caplog.records if "read by index" in r.getMessage()]
     assert len(said) == 2

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from helpers import make_trainer
+from helpers import TEACH, make_trainer
 
 from trl_exreplay import ExReplayGRPOTrainer
 from trl_exreplay.demo.examples import VOCABULARY, said_target
@@ -84,7 +84,7 @@ def test_retired_questions_are_revisited_and_a_failed_revisit_returns(tmp_path, 
     """replay_revisit_ratio 0.5: about half the draws of a retired task are let through. A revisited group holds its
     retired task (not redirected); a revisit that any fresh rollout fails takes its task out of the skip set, also
     under ExGRPO's start rule before replay starts (when only solved outcomes are otherwise recorded)."""
-    trainer = make_trainer(tmp_path, trainer_cls=StepRecordingTrainer, replay_retire_solved=True, learning_rate=5e-2,
+    trainer = make_trainer(tmp_path, trainer_cls=StepRecordingTrainer, **TEACH, learning_rate=5e-2,
                            **{"max_steps": 16, "replay_revisit_ratio": 0.5, **start})  # fmt: skip
     trainer.train()
     revisits, returned = 0, []
@@ -124,7 +124,7 @@ def test_a_threshold_every_rollout_passes_is_said_once(tmp_path, caplog):
         return [1.0] * len(completions)
 
     with caplog.at_level(logging.WARNING, logger="trl_exreplay"):
-        trainer = make_trainer(tmp_path, max_steps=3, reward_funcs=[said_target, format_reward])
+        trainer = make_trainer(tmp_path, max_steps=3, reward_funcs=[said_target, format_reward], **TEACH)
         trainer.train()
     said = [r.getMessage() for r in caplog.records if "counted as a success" in r.getMessage()]
     assert len(said) == 1 and "replay_success_threshold=1" in said[0] and "ranged 1-2" in said[0]
@@ -146,7 +146,7 @@ def test_a_format_reward_that_retires_every_question_stops_the_run_after_the_ste
 
     with caplog.at_level(logging.WARNING, logger="trl_exreplay"):
         trainer = make_trainer(tmp_path, max_steps=20, reward_funcs=[said_target, format_reward],
-                               replay_revisit_ratio=0.0, gradient_accumulation_steps=2,
+                               replay_revisit_ratio=0.0, gradient_accumulation_steps=2, **TEACH,
                                per_device_train_batch_size=8)  # fmt: skip
         trainer.train()
     said = [r.getMessage() for r in caplog.records if "every training question is retired" in r.getMessage()]
@@ -162,20 +162,20 @@ def test_a_format_reward_that_retires_every_question_stops_the_run_after_the_ste
 
 
 def test_the_run_says_once_at_its_start_what_replay_changes(tmp_path, caplog):
-    """The defaults: rescue and retirement with revisits from step 1, replay from the step replay_start_ratio names
-    (0.3 of 6 steps: the third, the first whose `replay/started` is 1), and how to train as GRPOTrainer."""
+    """The defaults: rescue and the spread plan from step 1, replay from the step replay_start_ratio names (0.3 of 6
+    steps: the third, the first whose `replay/started` is 1), and how to train as GRPOTrainer."""
     with caplog.at_level(logging.WARNING, logger="trl_exreplay"):
         trainer = make_trainer(tmp_path, max_steps=6)
         trainer.train()
     said = [r.getMessage() for r in caplog.records if "experience replay changes training" in r.getMessage()]
     assert said == [
         "trl_exreplay: experience replay changes training from GRPOTrainer's. From step 1: an all-fail group gets 1 "
-        "stored success of its task in place of its last failed rollout (replay_rescue=1); a question every fresh "
-        "rollout solved leaves the fresh stream, 50% of its draws coming back as revisits (replay_retire_solved=True, "
-        "replay_revisit_ratio=0.5). From step 3 of 6 (replay_start_ratio=0.3): 50% of the groups train on 1 stored "
-        "success among their 4 rows (replay_ratio=0.5). TRL's reward and completion metrics stay the fresh "
+        "stored success of its task in place of its last failed rollout (replay_rescue=1); the batch's groups go to the "
+        "tasks most likely to have a reward spread, by estimates learnt from every fresh group (replay_spread_plan=True, "
+        "10% of the groups kept as drawn). From step 3 of 6 (replay_start_ratio=0.3): 50% of the groups train on 1 "
+        "stored success among their 4 rows (replay_ratio=0.5). TRL's reward and completion metrics stay the fresh "
         "rollouts'; what the loss trained on is under replay/*. GRPOTrainer exactly: enable_experience_replay=False; "
-        "GRPOTrainer until replay starts: replay_rescue=0, replay_retire_solved=False."
+        "GRPOTrainer until replay starts: replay_rescue=0, replay_spread_plan=False."
     ]
     started = [e["replay/started"] for e in trainer.state.log_history if "replay/started" in e]
     assert started.index(1.0) + 1 == 3

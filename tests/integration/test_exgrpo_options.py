@@ -89,7 +89,9 @@ def test_retired_questions_leave_the_fresh_stream(tmp_path):
 
 
 def test_when_every_question_is_retired_the_run_says_so_and_stops(tmp_path, caplog):
-    trainer = make_trainer(tmp_path, num_tasks=1, max_steps=60, replay_revisit_ratio=0.0, learning_rate=5e-2)
+    trainer = make_trainer(
+        tmp_path, num_tasks=1, max_steps=60, replay_retire_solved=True, replay_revisit_ratio=0.0, learning_rate=5e-2
+    )
     trainer.train()
     assert trainer.pool.skip_set == ["task-0"]
     assert trainer.state.global_step < 60

@@ -47,9 +47,12 @@ class CheckedRecordingTrainer(RecordingTrainer, CheckingTrainer):
 
 
 def test_vllm_server_contract(tmp_path):
+    # Rescue off: a rescued row is sent to vLLM and then trained as a replayed row, and this test counts the replayed
+    # rows against the rows sent (`test_rescued_rows_get_a_neutral_vllm_ratio_at_sequence_level` covers rescue).
     trainer = make_trainer(
-        tmp_path, trainer_cls=CheckedRecordingTrainer, max_steps=8, vllm_importance_sampling_correction=True
-    )
+        tmp_path, trainer_cls=CheckedRecordingTrainer, max_steps=8, vllm_importance_sampling_correction=True,
+        replay_rescue=0,
+    )  # fmt: skip
     tokenizer = trainer.processing_class
     words = [tokenizer.convert_tokens_to_ids(w) for w in ("red", "green", "blue", "cat", "dog", "sun", "say")]
     stand_in = ServerModeStandIn(words)

@@ -110,8 +110,9 @@ class CountingTrainer(ExReplayGRPOTrainer):
 
 PROFILE_SETTINGS = {
     "exgrpo": {"replay_profile": "exgrpo"},
-    "teach": {},
-    None: {"replay_rescue": 0, "replay_retire_solved": False},
+    "defaults": {},  # rescue and the spread plan
+    "teach": {"replay_retire_solved": True, "replay_spread_plan": False},  # rescue and retired questions with revisits
+    None: {"replay_rescue": 0, "replay_retire_solved": False, "replay_spread_plan": False},  # replay alone
 }
 TRL_FIGURES = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio",
                "replay/fresh_reward", "replay/trained_reward", "replay/zero_std_trained")  # fmt: skip
@@ -125,7 +126,7 @@ def train(out_dir: str, options: list[str]) -> None:
         values.clear()
     multi_turn = "multi-turn" in options
     resume_from = next((option.split("=", 1)[1] for option in options if option.startswith("resume=")), None)
-    profile = next((o for o in options if o in ("exgrpo", "teach")), None)  # 12 steps on 6 rows
+    profile = next((o for o in options if o in ("exgrpo", "defaults", "teach")), None)  # 12 steps on 6 rows
     tokenizer = build_tiny_tokenizer(KEY_DOOR_VOCABULARY if multi_turn else VOCABULARY)
     single_turn_settings = dict(
         per_device_train_batch_size=6, replay_trajectories_per_group=1, max_steps=12 if profile else 6,
