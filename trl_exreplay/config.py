@@ -363,8 +363,10 @@ def profile_values(profile: str | None, values: dict[str, Any]) -> dict[str, Any
     """`values` of the `PROFILE_FIELDS`, each one left None given `profile`'s value (the library's defaults without a
     profile). An unknown profile is refused by `replay_settings`."""
     recipe = REPLAY_PROFILES.get(profile, {})
-    resolved = {name: recipe.get(name, design) if values.get(name) is None else values[name]
-                for name, design in PROFILE_FIELDS.items()}  # fmt: skip
+    resolved = {
+        name: recipe.get(name, design) if values.get(name) is None else values[name]
+        for name, design in PROFILE_FIELDS.items()
+    }
     if values.get("replay_revisit_ratio") is None and not resolved["replay_retire_solved"]:
         resolved["replay_revisit_ratio"] = 0.0  # a profile's revisits go with its retirement, which you turned off
     return resolved
@@ -387,8 +389,12 @@ def _settings_of(args: Any) -> ReplaySettings:
     """The one place the fields are resolved and checked."""
     values = {f.name: getattr(args, f.name, f.default) for f in fields(ReplaySettings)}
     profile = values["replay_profile"]
-    _check(profile is None or profile in REPLAY_PROFILES, "replay_profile", profile,
-           "None, " + ", ".join(map(repr, REPLAY_PROFILES)))  # fmt: skip
+    _check(
+        profile is None or profile in REPLAY_PROFILES,
+        "replay_profile",
+        profile,
+        "None, " + ", ".join(map(repr, REPLAY_PROFILES)),
+    )
     values.update(profile_values(profile, values))
     _check(values["replay_start"] in REPLAY_STARTS, "replay_start", values["replay_start"], _names(REPLAY_STARTS))
     shapings = off_policy_shapings()
@@ -410,8 +416,9 @@ def _settings_of(args: Any) -> ReplaySettings:
         logger.warning(
             "trl_exreplay: replay_unclipped_fresh=True trains fresh tokens without the clip once replay has started, "
             "so TRL's epsilon=%r and epsilon_high=%r apply only before then.",
-            args.epsilon, getattr(args, "epsilon_high", None),
-        )  # fmt: skip
+            args.epsilon,
+            getattr(args, "epsilon_high", None),
+        )
     return settings
 
 
@@ -446,12 +453,15 @@ def _validate(s: ReplaySettings, num_generations: int | None) -> None:
         )
     rescue = s.replay_rescue
     upper = "num_generations - 1" if num_generations is None else f"num_generations - 1 = {num_generations - 1}"
-    _check(_is_int(rescue) and 0 <= rescue and (num_generations is None or rescue < num_generations), "replay_rescue",
-           rescue, f"integers 0 .. {upper}")  # fmt: skip
+    _check(
+        _is_int(rescue) and 0 <= rescue and (num_generations is None or rescue < num_generations),
+        "replay_rescue",
+        rescue,
+        f"integers 0 .. {upper}",
+    )
     if s.replay_start_solved_fraction is not None:
         solved = s.replay_start_solved_fraction
-        _check(_is_number(solved) and 0.0 <= solved < 1.0, "replay_start_solved_fraction", solved,
-               "numbers in [0, 1)")  # fmt: skip
+        _check(_is_number(solved) and 0.0 <= solved < 1.0, "replay_start_solved_fraction", solved, "numbers in [0, 1)")
     for name, allowed, ok in (
         ("replay_spread_candidates", "integers >= 1", lambda v: _is_int(v) and v >= 1),
         ("replay_spread_half_life", "numbers > 0", lambda v: _is_number(v) and math.isfinite(v) and v > 0),
@@ -460,29 +470,46 @@ def _validate(s: ReplaySettings, num_generations: int | None) -> None:
     ):
         _check(ok(getattr(s, name)), name, getattr(s, name), allowed)
     scratch = s.replay_scratch_dir
-    _check(scratch is None or (isinstance(scratch, str) and scratch.strip() != ""), "replay_scratch_dir", scratch,
-           "None or a folder's path")  # fmt: skip
+    _check(
+        scratch is None or (isinstance(scratch, str) and scratch.strip() != ""),
+        "replay_scratch_dir",
+        scratch,
+        "None or a folder's path",
+    )
     for name in ("replay_ratio", "replay_start_ratio"):
         value = getattr(s, name)
         if name == "replay_ratio" or value is not None:
             _check(_is_number(value) and 0.0 <= value <= 1.0, name, value, "numbers in [0, 1]")
     k = s.replay_trajectories_per_group
-    _check(_is_int(k) and k >= 1 and (num_generations is None or k < num_generations),
-           "replay_trajectories_per_group", k, f"integers 1 .. {upper}")  # fmt: skip
+    _check(
+        _is_int(k) and k >= 1 and (num_generations is None or k < num_generations),
+        "replay_trajectories_per_group",
+        k,
+        f"integers 1 .. {upper}",
+    )
     cap = s.replay_max_trajectories_per_task
-    _check(_is_int(cap) and cap >= k, "replay_max_trajectories_per_task", cap,
-           f"integers >= replay_trajectories_per_group ({k})")  # fmt: skip
+    _check(
+        _is_int(cap) and cap >= k,
+        "replay_max_trajectories_per_task",
+        cap,
+        f"integers >= replay_trajectories_per_group ({k})",
+    )
     lbound = s.replay_store_lbound
     _check(_is_int(lbound) and lbound >= 0, "replay_store_lbound", lbound, "integers >= 0")
     rbound = s.replay_store_rbound
     effective_rbound = num_generations if rbound is None else rbound
     if rbound is not None:
-        _check(_is_int(rbound) and rbound >= 1, "replay_store_rbound", rbound,
-               "None or an integer > replay_store_lbound")  # fmt: skip
+        _check(
+            _is_int(rbound) and rbound >= 1, "replay_store_rbound", rbound, "None or an integer > replay_store_lbound"
+        )
     if effective_rbound is not None:
-        _check(lbound < effective_rbound, "replay_store_lbound", lbound,
-               f"integers below replay_store_rbound ({effective_rbound}; lbound < successes < rbound must be "
-               "satisfiable)")  # fmt: skip
+        _check(
+            lbound < effective_rbound,
+            "replay_store_lbound",
+            lbound,
+            f"integers below replay_store_rbound ({effective_rbound}; lbound < successes < rbound must be "
+            "satisfiable)",
+        )
         # A task's trajectories are stored when lbound < s < rbound, s its successes among its fresh rollouts;
         # s = 0 stores nothing and s = num_generations sends the task to the skip set, so 1 <= s <= G - 1.
         lowest = max(lbound + 1, 1)
@@ -496,10 +523,13 @@ def _validate(s: ReplaySettings, num_generations: int | None) -> None:
                 f"replay_store_lbound + 2, replay_store_lbound <= num_generations - 2)."
             )
     threshold = s.replay_success_threshold
-    _check(_is_number(threshold) and math.isfinite(threshold), "replay_success_threshold", threshold,
-           "finite numbers")  # fmt: skip
-    _check(s.replay_bucket_weighting in BUCKET_WEIGHTINGS, "replay_bucket_weighting", s.replay_bucket_weighting,
-           _names(BUCKET_WEIGHTINGS))  # fmt: skip
+    _check(_is_number(threshold) and math.isfinite(threshold), "replay_success_threshold", threshold, "finite numbers")
+    _check(
+        s.replay_bucket_weighting in BUCKET_WEIGHTINGS,
+        "replay_bucket_weighting",
+        s.replay_bucket_weighting,
+        _names(BUCKET_WEIGHTINGS),
+    )
     _check(s.replay_store_mode in STORE_MODES, "replay_store_mode", s.replay_store_mode, _names(STORE_MODES))
     for name, allowed, ok in (
         ("replay_clip_high", "numbers >= 0", lambda v: v >= 0),
@@ -514,5 +544,6 @@ def _validate(s: ReplaySettings, num_generations: int | None) -> None:
     column = s.task_id_column
     _check(isinstance(column, str) and column != "", "task_id_column", column, "a non-empty column name")
     tool_tokens = s.tool_special_tokens
-    _check(tool_tokens in TOOL_SPECIAL_TOKEN_MODES, "tool_special_tokens", tool_tokens,
-           _names(TOOL_SPECIAL_TOKEN_MODES))  # fmt: skip
+    _check(
+        tool_tokens in TOOL_SPECIAL_TOKEN_MODES, "tool_special_tokens", tool_tokens, _names(TOOL_SPECIAL_TOKEN_MODES)
+    )

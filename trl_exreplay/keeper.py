@@ -147,8 +147,10 @@ class PoolKeeper:
                 if not self.estimates.load(checkpoint):
                     logger.warning(
                         "trl_exreplay: the checkpoint %s holds no replay_spread_plan estimates (%s): the plan starts "
-                        "again from the prior, as a new run's.", checkpoint, ESTIMATES_FILE,
-                    )  # fmt: skip
+                        "again from the prior, as a new run's.",
+                        checkpoint,
+                        ESTIMATES_FILE,
+                    )
                 return self.estimates.columns()
 
             self.estimates.restore(self.on_main(read))

@@ -240,8 +240,9 @@ def _vespo(ratio, advantages, logps, raw_log_ratio, replayed_f, o: OffPolicyOpti
         lambda_neg=o.vespo_lambda_neg,
     )
     bounded = raw_log_ratio.clamp(-_OFF_LOG_RATIO_BOUND, _OFF_LOG_RATIO_BOUND)
-    sequence_ratio = torch.exp((bounded * replayed_f).sum(-1, keepdim=True).clamp(-_OFF_LOG_RATIO_BOUND,
-                                                                                _OFF_LOG_RATIO_BOUND))  # fmt: skip
+    sequence_ratio = torch.exp(
+        (bounded * replayed_f).sum(-1, keepdim=True).clamp(-_OFF_LOG_RATIO_BOUND, _OFF_LOG_RATIO_BOUND)
+    )
     return -phi * advantages * logps, torch.zeros_like(logps, dtype=torch.bool), sequence_ratio
 
 

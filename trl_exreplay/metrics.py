@@ -142,8 +142,15 @@ def log_fresh_completions(
     terminated = lengths[~clipped]
     if len(terminated) == 0:  # TRL's figure when no completion ended
         terminated = torch.zeros(1, device=lengths.device)
-    values = (lengths.mean(), lengths.min(), lengths.max(), clipped.float().mean(), terminated.mean(), terminated.min(),
-              terminated.max())  # fmt: skip
+    values = (
+        lengths.mean(),
+        lengths.min(),
+        lengths.max(),
+        clipped.float().mean(),
+        terminated.mean(),
+        terminated.min(),
+        terminated.max(),
+    )
     for name, value in zip(COMPLETION_FIGURES, values):
         metrics[name][-1] = value.item()
     if metrics.get("tools/call_frequency"):

@@ -67,8 +67,18 @@ class StepHooks:
     def mark_off_policy_rows(self, output: dict, step) -> None:
         """Mark those rows in TRL's `output` for the loss (`exp_mask`, `recorded_per_token_logps`). Collective."""
 
-    def batch_finished(self, output: dict, step, *, training: bool, records: dict[int, dict], success: list,
-                       fresh_rows: list[int], metrics, global_step: int) -> None:  # fmt: skip
+    def batch_finished(
+        self,
+        output: dict,
+        step,
+        *,
+        training: bool,
+        records: dict[int, dict],
+        success: list,
+        fresh_rows: list[int],
+        metrics,
+        global_step: int,
+    ) -> None:
         """The batch is scored and its outcomes queued (`records`: the pool's records by global row; empty in
         evaluation). Collective in training."""
 

@@ -69,17 +69,20 @@ class ReplayController:
         self._max_completion_length = max_completion_length
         self._train_dataset = train_dataset
         self.retiring = self._reads_rows_by_index(
-            self.enabled and settings.replay_retire_solved, "replay_retire_solved", "solved questions stay in the fresh "
-            "stream"
-        )  # fmt: skip
+            self.enabled and settings.replay_retire_solved,
+            "replay_retire_solved",
+            "solved questions stay in the fresh stream",
+        )
         self.rescue_rows = settings.replay_rescue if self.enabled else 0
         if self.rescue_rows and args.beta != 0.0:
             self.rescue_rows = 0
             logger.warning(
                 "trl_exreplay: replay_rescue=%d is off: with beta=%g TRL's KL term would compare a rescued row's "
                 "tokens with the reference log-probs of the failed rollout it replaces (computed before scoring). "
-                "Rescue needs beta=0 (TRL's default).", settings.replay_rescue, args.beta,
-            )  # fmt: skip
+                "Rescue needs beta=0 (TRL's default).",
+                settings.replay_rescue,
+                args.beta,
+            )
         self._retired: set[str] | None = None  # the retired tasks, as of the last generation batch
         self._dataset_keys: list[str] | None = None  # the task of each training dataset row
         self._rows_per_task: Counter[str] = Counter()  # the dataset's rows of each task
@@ -106,14 +109,18 @@ class ReplayController:
         if wanted and not map_style:
             logger.warning(
                 "trl_exreplay: %s needs a dataset whose rows can be read by index (a map-style `datasets.Dataset`); "
-                "with this %s, %s.", field, type(dataset).__name__, otherwise,
-            )  # fmt: skip
+                "with this %s, %s.",
+                field,
+                type(dataset).__name__,
+                otherwise,
+            )
             return False
         return wanted
 
     @classmethod
-    def for_trainer(cls, trainer, keeper: PoolKeeper, faults: FaultCounts, *, policy_forward: Callable,
-                    parts_plan: bool) -> ReplayController:  # fmt: skip
+    def for_trainer(
+        cls, trainer, keeper: PoolKeeper, faults: FaultCounts, *, policy_forward: Callable, parts_plan: bool
+    ) -> ReplayController:
         """The replay side of `trainer` (a `GRPOTrainer` whose `__init__` ran; `trainer.settings`: its
         `ReplaySettings`), read off it once. Warns where replay can do little (docs/support.md says why)."""
         settings, args = trainer.settings, trainer.args
@@ -128,8 +135,10 @@ class ReplayController:
                     "steps_per_generation above gradient_accumulation_steps gives more groups too, but then all "
                     "but one of the optimizer steps of a generation batch train on rollouts of an older policy, "
                     "in GRPO itself.",
-                    groups, settings.replay_ratio, 1 / (settings.replay_ratio * groups),
-                )  # fmt: skip
+                    groups,
+                    settings.replay_ratio,
+                    1 / (settings.replay_ratio * groups),
+                )
         return cls(
             settings,
             keeper,
@@ -186,8 +195,11 @@ class ReplayController:
                 f"rollout{'s' if self.rescue_rows > 1 else ''} (replay_rescue={self.rescue_rows})"
             )
         if self.retiring:
-            returns = (f"{s.replay_revisit_ratio:.0%} of its draws coming back as revisits" if s.replay_revisit_ratio
-                       else "for good")  # fmt: skip
+            returns = (
+                f"{s.replay_revisit_ratio:.0%} of its draws coming back as revisits"
+                if s.replay_revisit_ratio
+                else "for good"
+            )
             from_start.append(
                 f"a question every fresh rollout solved leaves the fresh stream, {returns} (replay_retire_solved=True, "
                 f"replay_revisit_ratio={s.replay_revisit_ratio:g})"
@@ -197,26 +209,38 @@ class ReplayController:
                 "the batch's groups go to the tasks most likely to have a reward spread, by estimates learnt from every "
                 f"fresh group (replay_spread_plan=True, {s.replay_spread_explore:.0%} of the groups kept as drawn)"
             )
-        replay = (f"{s.replay_ratio:.0%} of the groups train on {_successes(s.replay_trajectories_per_group)} among "
-                  f"their {G} rows (replay_ratio={s.replay_ratio:g})")  # fmt: skip
+        replay = (
+            f"{s.replay_ratio:.0%} of the groups train on {_successes(s.replay_trajectories_per_group)} among "
+            f"their {G} rows (replay_ratio={s.replay_ratio:g})"
+        )
         if s.replay_unclipped_fresh:
             replay += ", fresh tokens without TRL's clip (replay_unclipped_fresh)"
         if not s.replay_ratio:
             later = " Nothing is replayed (replay_ratio=0)."
         elif s.replay_start == "solved":
-            later = (f" From the step after the first generation batch whose fresh rollouts succeed more than "
-                     f"{s.replay_start_solved_fraction:.0%} of the time (replay_start='solved'): {replay}.")  # fmt: skip
+            later = (
+                f" From the step after the first generation batch whose fresh rollouts succeed more than "
+                f"{s.replay_start_solved_fraction:.0%} of the time (replay_start='solved'): {replay}."
+            )
         else:
             first = self.first_replay_step(max_steps)
             ratio = f"replay_start_ratio={s.replay_start_ratio:g}"
-            later = (f" From step {first} of {max_steps} ({ratio}): {replay}." if first is not None
-                     else f" Nothing is replayed within max_steps={max_steps} ({ratio}).")  # fmt: skip
+            later = (
+                f" From step {first} of {max_steps} ({ratio}): {replay}."
+                if first is not None
+                else f" Nothing is replayed within max_steps={max_steps} ({ratio})."
+            )
         if from_start:
             changes = f" From step 1: {'; '.join(from_start)}.{later}"
-            on = {"replay_rescue=0": self.rescue_rows, "replay_retire_solved=False": self.retiring,
-                  "replay_spread_plan=False": self.spreading}  # fmt: skip
-            exact = ("GRPOTrainer exactly: enable_experience_replay=False; GRPOTrainer until replay starts: "
-                     f"{', '.join(field for field, changes in on.items() if changes)}.")  # fmt: skip
+            on = {
+                "replay_rescue=0": self.rescue_rows,
+                "replay_retire_solved=False": self.retiring,
+                "replay_spread_plan=False": self.spreading,
+            }
+            exact = (
+                "GRPOTrainer exactly: enable_experience_replay=False; GRPOTrainer until replay starts: "
+                f"{', '.join(field for field, changes in on.items() if changes)}."
+            )
         else:
             changes = f"{later} Until then it trains as GRPOTrainer while the pool fills."
             exact = "GRPOTrainer exactly: enable_experience_replay=False."
@@ -245,8 +269,9 @@ class ReplayController:
         draw_seed = [args.seed, global_step, micro_step]
         revisits = []
         if self.retiring:
-            inputs, row_keys, revisits = self._redirect_retired(inputs, row_keys, offset, draw_seed, metrics,
-                                                                global_step, max_steps)  # fmt: skip
+            inputs, row_keys, revisits = self._redirect_retired(
+                inputs, row_keys, offset, draw_seed, metrics, global_step, max_steps
+            )
         if self.spreading:
             inputs, row_keys = self._plan_spread(inputs, row_keys, offset, draw_seed, metrics, global_step)
         group_keys = row_keys[::G]
@@ -299,8 +324,9 @@ class ReplayController:
             metrics["replay/revisited_groups"].append(float(len(step.revisited)))
         return step
 
-    def _redirect_retired(self, inputs: list, row_keys: list, offset: int, seed: list, metrics, global_step: int,
-                          max_steps: int):  # fmt: skip
+    def _redirect_retired(
+        self, inputs: list, row_keys: list, offset: int, seed: list, metrics, global_step: int, max_steps: int
+    ):
         """ExGRPO's retired questions (`trl_exreplay.schedule`): the groups whose task is in the pool's skip set take
         other dataset rows, the same on every rank (the batch's keys are gathered, the pool is rank-identical)."""
         G = self.num_generations
@@ -324,8 +350,10 @@ class ReplayController:
                     "replay_retire_solved=False; if they are not really solved (a reward every rollout gets, such as a "
                     "format reward, lifts every total to the threshold), set replay_success_threshold to the total a "
                     "solved rollout gets.",
-                    len(retired), self.stops_after, max_steps,
-                )  # fmt: skip
+                    len(retired),
+                    self.stops_after,
+                    max_steps,
+                )
         group_keys = row_keys[::G]
         revisits = revisited_groups(group_keys, self._retired, self.settings.replay_revisit_ratio, [*seed, 3])
         if not self._active_count:  # every question retired (with revisits on): each retired group is a revisit
@@ -374,9 +402,17 @@ class ReplayController:
         alpha, beta = self.keeper.estimates.posterior(keys, global_step)
         k, age = self.rescue_rows, s.replay_max_policy_age
         rescuable = np.array([bool(k) and self.pool.num_selectable(key, global_step, age) >= k for key in keys])
-        plan = plan_groups(keys, alpha, beta, rescuable, num_groups=len(group_keys), group_size=G,
-                           explore=s.replay_spread_explore, max_groups_per_task=s.replay_spread_max_groups,
-                           seed=[*seed, 6])  # fmt: skip
+        plan = plan_groups(
+            keys,
+            alpha,
+            beta,
+            rescuable,
+            num_groups=len(group_keys),
+            group_size=G,
+            explore=s.replay_spread_explore,
+            max_groups_per_task=s.replay_spread_max_groups,
+            seed=[*seed, 6],
+        )
         redirect = {g: extra[c - len(group_keys)] for g, c in plan.replaced().items()}
         self._spread_predicted = dict(enumerate(plan.predicted))
         metrics["replay/spread_replanned_groups"].append(float(len(redirect)))
@@ -391,8 +427,17 @@ class ReplayController:
         return global_step + (micro_step + micro_batches - 1) // args.gradient_accumulation_steps + 1
 
     # ----------------------------------------------------------------------------------------- generation
-    def generate(self, step: GenerationStep, prompt_ids: list, generate: Callable, num_generations: int, *,
-                 multimodal: bool, use_vllm: bool, equal_shares: bool):  # fmt: skip
+    def generate(
+        self,
+        step: GenerationStep,
+        prompt_ids: list,
+        generate: Callable,
+        num_generations: int,
+        *,
+        multimodal: bool,
+        use_vllm: bool,
+        equal_shares: bool,
+    ):
         """Single-turn generation of a replaying step: `generate(prompt_ids, images, num_generations=n)` (TRL's) makes
         the fresh rows only (one sample per row through vLLM), and the replayed rows get their stored completions.
         None when the step replays nothing (or its replayed rows were taken by an earlier generation call).
@@ -456,8 +501,16 @@ class ReplayController:
             message = "recorded rewards do not match the reward functions"
             self._faults.count("reward_arity_mismatch", message, counts["reward_arity_mismatch"])
 
-    def rescue(self, step: GenerationStep, rewards_per_func: torch.Tensor, reward_weights, *, global_step: int,
-               metrics, skip_rows: set[int] = frozenset()) -> torch.Tensor:  # fmt: skip
+    def rescue(
+        self,
+        step: GenerationStep,
+        rewards_per_func: torch.Tensor,
+        reward_weights,
+        *,
+        global_step: int,
+        metrics,
+        skip_rows: set[int] = frozenset(),
+    ) -> torch.Tensor:
         """AR3PO's response reuse, after scoring: each fresh group whose rows all failed, of a task the pool holds
         `replay_rescue` successes of, gets its last rows replaced by them (`planner.plan_rescue`; chosen by
         `replay_select_mode` on their saved entropies). Returns the rewards TRL computes advantages from, the rescued
@@ -502,8 +555,9 @@ class ReplayController:
                     step.rescued[row] = trajectory
         metrics["replay/rescued_groups"].append(float(len({row // G for row in step.rescued})))
         if counted:
-            metrics["replay/zero_std_rescued"].append(zero_spread_share(self._scored(rescued, reward_weights)[0],
-                                                                        counted, G))  # fmt: skip
+            metrics["replay/zero_std_rescued"].append(
+                zero_spread_share(self._scored(rescued, reward_weights)[0], counted, G)
+            )
         local = range(step.offset, step.offset + len(step.task_rows))
         step.rescued_local = {row - step.offset: t for row, t in step.rescued.items() if row in local}
         return rescued
@@ -539,9 +593,13 @@ class ReplayController:
                     "here it ranged %g-%g), so every task counts as solved: it goes to the skip set, nothing of it is "
                     "stored or replayed%s%s. If a reward function gives every rollout something (a format reward), set "
                     "replay_success_threshold to the total a solved rollout gets.",
-                    self.settings.replay_success_threshold, rewards_per_func.size(1), fresh_totals.min().item(),
-                    fresh_totals.max().item(), self._kept_for_rescue(), self._retirement_then(),
-                )  # fmt: skip
+                    self.settings.replay_success_threshold,
+                    rewards_per_func.size(1),
+                    fresh_totals.min().item(),
+                    fresh_totals.max().item(),
+                    self._kept_for_rescue(),
+                    self._retirement_then(),
+                )
         if fresh_rows:  # TRL's `reward` less the episodes the environment failed (multi-turn): what the pool counts
             metrics["replay/fresh_reward"].append(totals[fresh_rows].nanmean().item())
         replayed_rows = []
@@ -577,8 +635,11 @@ class ReplayController:
             # the next batch is the first one collected, and the one after it the first that can replay.
             # A retired task failed on a revisit leaves the skip set all the same, with nothing stored.
             retired = self._retired or set()
-            outcomes = [o if is_solved(o[1], o[2]) else (*o[:3], []) for o in outcomes
-                        if is_solved(o[1], o[2]) or o[0] in retired]  # fmt: skip
+            outcomes = [
+                o if is_solved(o[1], o[2]) else (*o[:3], [])
+                for o in outcomes
+                if is_solved(o[1], o[2]) or o[0] in retired
+            ]
             if starts_replay(success, fresh_rows, self.settings.replay_start_solved_fraction):
                 self.schedule.started_at = global_step
         if step.revisited:  # retired tasks revisited: those a fresh rollout failed return to the fresh stream
@@ -619,10 +680,14 @@ class ReplayController:
             return ""
         ratio = self.settings.replay_revisit_ratio
         if ratio:
-            return (f"; and, with replay_retire_solved=True, it is retired: it comes back only as a revisit "
-                    f"(replay_revisit_ratio={ratio:g} of its draws)")  # fmt: skip
-        return ("; and, with replay_retire_solved=True and replay_revisit_ratio=0, it is retired for good: training "
-                "stops once every question is")  # fmt: skip
+            return (
+                f"; and, with replay_retire_solved=True, it is retired: it comes back only as a revisit "
+                f"(replay_revisit_ratio={ratio:g} of its draws)"
+            )
+        return (
+            "; and, with replay_retire_solved=True and replay_revisit_ratio=0, it is retired for good: training "
+            "stops once every question is"
+        )
 
     def flush(self) -> list[dict]:
         """Record the queued outcomes in the pool. Returns the summary inputs guided rollouts attached to the records
@@ -633,9 +698,11 @@ class ReplayController:
             # Records get their log-probs from the loss forward of their micro-batch. A row it never reached: training
             # was stopped inside an optimizer step (a callback's should_training_stop between micro-batches), or an
             # override of `_compute_loss` / `_get_per_token_logps_and_entropies` skipped ours.
-            message = ("a successful row was not stored: the loss never trained it, so it has no log-probs (training "
-                       "stopped between the micro-batches of a step, or an override of _compute_loss or "
-                       "_get_per_token_logps_and_entropies did not call super())")  # fmt: skip
+            message = (
+                "a successful row was not stored: the loss never trained it, so it has no log-probs (training "
+                "stopped between the micro-batches of a step, or an override of _compute_loss or "
+                "_get_per_token_logps_and_entropies did not call super())"
+            )
             self._faults.count("uncaptured_rows", message, uncaptured)
         merged = dict(gather_object(ready)) if self._accelerator.num_processes > 1 else dict(ready)
         summaries = [merged[row].pop("summary") for row in sorted(merged) if "summary" in merged[row]]
@@ -676,10 +743,16 @@ def say_task_id_source(rows: list[dict], column: str) -> None:
         logger.warning(
             "trl_exreplay: the dataset rows have no %r column (task_id_column; their columns: %s), so a task's id is a "
             "hash of its prompt: rows with the same prompt are one task. To name tasks, add that column or set "
-            "task_id_column.", column, sorted(rows[0]) if rows else [],
-        )  # fmt: skip
+            "task_id_column.",
+            column,
+            sorted(rows[0]) if rows else [],
+        )
     else:
         logger.warning(
             "trl_exreplay: %d of the first batch's %d rows have no %r value (None or absent): their task id is a hash "
-            "of their prompt, the others' their %r value.", missing, len(rows), column, column,
-        )  # fmt: skip
+            "of their prompt, the others' their %r value.",
+            missing,
+            len(rows),
+            column,
+            column,
+        )

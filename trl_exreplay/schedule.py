@@ -80,8 +80,11 @@ def redirect_retired_groups(
             chosen.append(row)
     if len(chosen) < len(groups):  # few rows qualify: every one of them, in random order
         order = rng.permutation(len(dataset_keys)).tolist()
-        chosen += [row for row in order if row not in chosen and dataset_keys[row] not in retired
-                   and dataset_keys[row] not in in_batch][: len(groups) - len(chosen)]  # fmt: skip
+        chosen += [
+            row
+            for row in order
+            if row not in chosen and dataset_keys[row] not in retired and dataset_keys[row] not in in_batch
+        ][: len(groups) - len(chosen)]
     if len(chosen) < len(groups):  # fewer tasks left than retired groups: any row whose task is not retired
         active = [row for row, key in enumerate(dataset_keys) if key not in retired]
         if not active:

@@ -191,8 +191,10 @@ class SuccessEstimates:
     # ----------------------------------------------------------------------------------------- checkpoints
     def table(self) -> pa.Table:
         n = len(self._index)
-        return pa.table({"task": list(self._index), "alpha": self._alpha[:n], "beta": self._beta[:n],
-                         "step": self._step[:n]}, schema=ESTIMATES_SCHEMA)  # fmt: skip
+        return pa.table(
+            {"task": list(self._index), "alpha": self._alpha[:n], "beta": self._beta[:n], "step": self._step[:n]},
+            schema=ESTIMATES_SCHEMA,
+        )
 
     def save(self, folder: str) -> None:
         """Write the estimates to `folder` (a checkpoint) as an Arrow file, whole or not at all."""

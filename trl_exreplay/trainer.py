@@ -176,9 +176,21 @@ class ExReplayGRPOTrainer(GRPOTrainer):
                 path = "Experience replay through TRL's tool loop (`tools`, `environment_factory`)"
                 check_multi_turn_vllm(args.vllm_mode, args.vllm_tensor_parallel_size, path)
         super().__init__(
-            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
-            callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
-        )  # fmt: skip
+            model,
+            reward_funcs,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            reward_processing_classes,
+            callbacks,
+            optimizers,
+            quantization_config,
+            peft_config,
+            tools,
+            rollout_func,
+            environment_factory,
+        )
         warn_launch_shortfall(self.accelerator.num_processes)  # a launch of N processes that runs fewer says so
         self.settings: ReplaySettings = replay_settings(self.args)  # made and checked once, read as attributes
         if trl_seam.is_vision_language(self) and self.settings.enable_experience_replay:
@@ -210,14 +222,23 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         self._plans_training = self._replay_enabled or parts_plan
         self._reads_outcomes = self._replay_enabled or any(part.reads_outcomes for part in self._parts)
         self._pool_keeper = PoolKeeper(
-            self.settings, accelerator=self.accelerator, num_generations=self.num_generations, seed=self.args.seed,
-            output_dir=self.args.output_dir, processing_class=self.processing_class, model=self.model,
-            experience_pool=experience_pool, reads_pool=any(part.reads_pool for part in self._parts),
-        )  # fmt: skip
+            self.settings,
+            accelerator=self.accelerator,
+            num_generations=self.num_generations,
+            seed=self.args.seed,
+            output_dir=self.args.output_dir,
+            processing_class=self.processing_class,
+            model=self.model,
+            experience_pool=experience_pool,
+            reads_pool=any(part.reads_pool for part in self._parts),
+        )
         self._replay = ReplayController.for_trainer(
-            self, self._pool_keeper, self._faults, policy_forward=self._policy_forward,
+            self,
+            self._pool_keeper,
+            self._faults,
+            policy_forward=self._policy_forward,
             parts_plan=parts_plan,
-        )  # fmt: skip
+        )
         if self._replay_enabled or self._parts:
             self.add_callback(_TrainingEvents(self))
 
@@ -229,8 +250,9 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if guidance is not None or experience_provider is not None:
             from .guidance.rollouts import guided_rollouts
 
-            guided = guided_rollouts(self, guidance, experience_provider, self._faults, trl_paths,
-                                     policy_forward=self._policy_forward)  # fmt: skip
+            guided = guided_rollouts(
+                self, guidance, experience_provider, self._faults, trl_paths, policy_forward=self._policy_forward
+            )
         if text_env_factory is not None:
             from .envs.multiturn import MultiTurnRollouts
             from .envs.settings import MultiTurnSettings
@@ -291,9 +313,16 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             output = super()._generate_and_score_completions(step.rows)
             if evaluating:
                 for part in self._parts:
-                    part.batch_finished(output, step, training=False, records={}, success=[], fresh_rows=[],
-                                        metrics=trl_seam.logged_metrics(self, "eval"),
-                                        global_step=global_step)  # fmt: skip
+                    part.batch_finished(
+                        output,
+                        step,
+                        training=False,
+                        records={},
+                        success=[],
+                        fresh_rows=[],
+                        metrics=trl_seam.logged_metrics(self, "eval"),
+                        global_step=global_step,
+                    )
             return output
         finally:
             self._generation = None
@@ -307,8 +336,13 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         # Several generation batches share a global step when steps_per_generation < gradient_accumulation_steps;
         # the micro-step index (identical on every rank, 0 at every step boundary, so resume-safe) tells them apart.
         state, metrics = self.state, trl_seam.logged_metrics(self, "train")
-        step = self._replay.plan(inputs, global_step=state.global_step, max_steps=state.max_steps,
-                                 micro_step=trl_seam.micro_step(self), metrics=metrics)  # fmt: skip
+        step = self._replay.plan(
+            inputs,
+            global_step=state.global_step,
+            max_steps=state.max_steps,
+            micro_step=trl_seam.micro_step(self),
+            metrics=metrics,
+        )
         step.rows = [self._row(row) for row in step.task_rows]
         # When TRL runs its old-log-probs forward (right after generation), its entropies are the generating policy's.
         step.wants_entropies = trl_seam.computes_old_logps(self)
@@ -335,8 +369,16 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             output, step, reward_weights=self.reward_weights, global_step=global_step, metrics=metrics
         )
         for part in self._parts:
-            part.batch_finished(output, step, training=True, records=records, success=success, fresh_rows=fresh_rows,
-                                metrics=metrics, global_step=global_step)  # fmt: skip
+            part.batch_finished(
+                output,
+                step,
+                training=True,
+                records=records,
+                success=success,
+                fresh_rows=fresh_rows,
+                metrics=metrics,
+                global_step=global_step,
+            )
         if self._replay_enabled:
             self._replay.log_generation(step, metrics, global_step=global_step, max_steps=self.state.max_steps)
 
@@ -352,8 +394,14 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         if step.plan.replay_groups or step.rescued:  # global: the same on every rank; no collective
             fresh = step.rewards.clone()  # as scored (rescued rows are the failures they were), replayed rows recorded
             fresh[step.plan.replayed_rows()] = torch.nan  # left out, as TRL leaves out a row no function scored
-            figures = trl_reward_metrics(fresh, self.reward_weights, self.reward_func_names, self.num_generations,
-                                         self.scale_rewards, self.multi_objective_aggregation)  # fmt: skip
+            figures = trl_reward_metrics(
+                fresh,
+                self.reward_weights,
+                self.reward_func_names,
+                self.num_generations,
+                self.scale_rewards,
+                self.multi_objective_aggregation,
+            )
             for name, value in figures.items():
                 metrics[name][-1] = value
         for name, value in trained.items():
@@ -396,19 +444,25 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         policy as it is now (`parts.Policy`: the model TRL wrapped, vLLM's engine, the generation settings)."""
         dist = trl_seam.distributed_mode(self)
         policy = Policy(
-            model=self.model_wrapped, vllm_engine=self.vllm_generation if self.use_vllm else None,
-            accelerator=self.accelerator, dist=dist, ds3_gather=self.args.ds3_gather_for_generation,
+            model=self.model_wrapped,
+            vllm_engine=self.vllm_generation if self.use_vllm else None,
+            accelerator=self.accelerator,
+            dist=dist,
+            ds3_gather=self.args.ds3_gather_for_generation,
             generation_kwargs=self.generation_kwargs,
             gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            pad_token_id=self.processing_class.pad_token_id, eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.processing_class.pad_token_id,
+            eos_token_ids=self.eos_token_ids,
             generation_config=self.generation_config,
-        )  # fmt: skip
+        )
         part = next(part for part in self._parts if part.generates)
         return part.rollout(
-            self._generation, policy, collective=generation_is_collective(self.accelerator, dist),
+            self._generation,
+            policy,
+            collective=generation_is_collective(self.accelerator, dist),
             metrics=trl_seam.logged_metrics(self),
             fit_completion=self._replay.fit_completion,
-        )  # fmt: skip
+        )
 
     def _replaying_rollout(self, prompts, trainer) -> dict:
         """TRL's `rollout_func` with replay: the user's, asked for the fresh rows only (`custom_rollouts`)."""
@@ -426,10 +480,16 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         class's override, which keeps the loss's and the generation's forwards): the pool's selection by current
         entropy and guided rollouts' discarded rows take it."""
         return policy_forward(
-            super()._get_per_token_logps_and_entropies, self.model, prompts, completions, model_masks, compute_entropy,
-            device=self.accelerator.device, pad_token_id=getattr(self.processing_class, "pad_token_id", 0),
+            super()._get_per_token_logps_and_entropies,
+            self.model,
+            prompts,
+            completions,
+            model_masks,
+            compute_entropy,
+            device=self.accelerator.device,
+            pad_token_id=getattr(self.processing_class, "pad_token_id", 0),
             batch_size=self.args.per_device_train_batch_size,
-        )  # fmt: skip
+        )
 
     def _row(self, row: dict) -> dict:
         """A dataset row as TRL is to generate from it (each part may rewrite it)."""
@@ -451,11 +511,19 @@ class ExReplayGRPOTrainer(GRPOTrainer):
             any_rank_active(self.accelerator, True)
         result = None
         if step is not None:
-            generate = functools.partial(super()._generate_single_turn, multimodal_fields=multimodal_fields,
-                                         has_tool_images=has_tool_images)  # fmt: skip
+            generate = functools.partial(
+                super()._generate_single_turn, multimodal_fields=multimodal_fields, has_tool_images=has_tool_images
+            )
             multimodal = images is not None or bool(multimodal_fields)
-            result = self._replay.generate(step, prompt_ids, generate, num_generations, multimodal=multimodal,
-                                           use_vllm=self.use_vllm, equal_shares=self._vllm_equal_shares())  # fmt: skip
+            result = self._replay.generate(
+                step,
+                prompt_ids,
+                generate,
+                num_generations,
+                multimodal=multimodal,
+                use_vllm=self.use_vllm,
+                equal_shares=self._vllm_equal_shares(),
+            )
         if result is None:
             if step is not None:
                 for part in self._parts:  # guided rows: a group's rows hold different prompts
@@ -543,8 +611,14 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         self._replay.put_recorded_rewards(step, rewards_per_func, compare=not self.tools and self.environments is None)
         step.rewards = rewards_per_func  # as scored: the outcomes count a rescued row as the failure it was
         kept_rows = set().union(*(part.rescue_skips_rows() for part in self._parts))
-        return self._replay.rescue(step, rewards_per_func, self.reward_weights, global_step=self.state.global_step,
-                                   metrics=trl_seam.logged_metrics(self, "train"), skip_rows=kept_rows)  # fmt: skip
+        return self._replay.rescue(
+            step,
+            rewards_per_func,
+            self.reward_weights,
+            global_step=self.state.global_step,
+            metrics=trl_seam.logged_metrics(self, "train"),
+            skip_rows=kept_rows,
+        )
 
     # --------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
@@ -581,20 +655,33 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         mask = trl_seam.loss_mask(inputs)
         behaviour = inputs["recorded_per_token_logps"] if self.settings.replay_importance_sampling else logps.detach()
         options = OffPolicyOptions.from_config(
-            self.args, self.settings, loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
-            epsilon_low=self.epsilon_low, off_policy_mask_threshold=self.off_policy_mask_threshold,
-        )  # fmt: skip
+            self.args,
+            self.settings,
+            loss_type=self.loss_type,
+            importance_sampling_level=self.importance_sampling_level,
+            epsilon_low=self.epsilon_low,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+        )
         per_token_loss, metrics = off_policy_loss(
-            logps, behaviour, advantages, inputs["exp_mask"] * mask, options,
+            logps,
+            behaviour,
+            advantages,
+            inputs["exp_mask"] * mask,
+            options,
             token_mask=forward.entropy_mask,  # TRL's `top_entropy_quantile` selection, fresh and replayed alike
-        )  # fmt: skip
+        )
         log_off_policy(trl_seam.logged_metrics(self), self.accelerator, metrics)
         return reduce_as_trl(
-            per_token_loss, mask, loss_type=self.loss_type, training=training,
-            num_items_in_batch=inputs.get("num_items_in_batch"), num_processes=self.accelerator.num_processes,
-            accumulation=self.current_gradient_accumulation_steps, steps_per_generation=self.args.steps_per_generation,
+            per_token_loss,
+            mask,
+            loss_type=self.loss_type,
+            training=training,
+            num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=self.accelerator.num_processes,
+            accumulation=self.current_gradient_accumulation_steps,
+            steps_per_generation=self.args.steps_per_generation,
             max_completion_length=self.max_completion_length,
-        )  # fmt: skip
+        )
 
     def get_high_entropy_mask(self, entropies, mask, threshold):
         selected = super().get_high_entropy_mask(entropies, mask, threshold)

@@ -114,52 +114,100 @@ OVERRIDDEN = {
     "_generate_and_score_completions": ("self", "inputs"),
     "_generate": ("self", "prompts"),
     "_get_per_token_logps_and_entropies": (
-        "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-        "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-        "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+        "pixel_values",
+        "image_grid_thw",
+        "num_images",
+        "pixel_attention_mask",
+        "spatial_shapes",
+        "num_tiles",
+        "image_sizes",
+        "token_type_ids",
+        "mm_token_type_ids",
+        "image_position_ids",
     ),
     "_generate_single_turn": (
-        "self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images",
+        "self",
+        "prompt_ids",
+        "images",
+        "multimodal_fields",
+        "num_generations",
+        "has_tool_images",
     ),
     "_tokenize_prompts": ("self", "prompts"),
     "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
     "_tool_call_loop": (
-        "self", "prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images", "multimodal_fields",
+        "self",
+        "prompts",
+        "prompt_ids",
+        "completion_ids",
+        "completions",
+        "logprobs",
+        "images",
+        "multimodal_fields",
     ),
     "_get_tool_suffix_ids": ("self", "tool_messages"),
     "_compute_loss": ("self", "model", "inputs"),
     "get_high_entropy_mask": ("self", "entropies", "mask", "threshold"),
     "save_model": ("self", "output_dir", "_internal_call"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
-}  # fmt: skip
+}
 
 # The parameters of the TRL functions the package calls (by keyword) without overriding them.
 CALLED = {
     "get_gamma_weights": (
-        "advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio", "k_pos", "lambda_pos", "k_neg",
+        "advantages",
+        "log_ratio_per_token",
+        "mask",
+        "importance_sampling_ratio",
+        "k_pos",
+        "lambda_pos",
+        "k_neg",
         "lambda_neg",
     ),
     "get_off_policy_mask": (
-        "advantages", "per_token_logps", "sampling_per_token_logps", "mask", "off_policy_threshold",
+        "advantages",
+        "per_token_logps",
+        "sampling_per_token_logps",
+        "mask",
+        "off_policy_threshold",
     ),
     "pad": ("tensors", "padding_value", "padding_side", "pad_to_multiple_of"),
     "nanstd": ("tensor", "dim", "keepdim"),
-}  # fmt: skip
+}
 
 # What the tuples TRL's methods return hold, in order (TRL's own names in its `return` statements).
 RETURNS = {
     "_generate": (
-        "prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs", "extra_fields", "images",
+        "prompt_ids",
+        "completion_ids",
+        "tool_mask",
+        "completions",
+        "logprobs",
+        "extra_fields",
+        "images",
         "tool_images",
     ),
     "_tool_call_loop": (
-        "tool_mask", "completions", "completion_ids", "logprobs", "tool_call_count", "tool_failure_count",
+        "tool_mask",
+        "completions",
+        "completion_ids",
+        "logprobs",
+        "tool_call_count",
+        "tool_failure_count",
         "tool_images",
     ),
     "_tokenize_prompts": ("prompt_ids", "images", "multimodal_fields"),
     "_generate_single_turn": ("completion_ids", "logprobs"),
     "_get_per_token_logps_and_entropies": ("logps", "entropies", "aux_loss"),
-}  # fmt: skip
+}
 
 
 def returned(result: tuple, method: str, name: str):
@@ -175,10 +223,22 @@ BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", 
 # `ref_per_token_logps` (beta != 0), `tool_mask` (tools, environments, a rollout_func's `env_mask`), and a
 # vision-language model's inputs.
 OPTIONAL_BATCH_KEYS = (
-    "old_per_token_logps", "importance_sampling_ratio", "sampling_per_token_logps", "ref_per_token_logps", "tool_mask",
-    "pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes", "token_type_ids",
-    "mm_token_type_ids", "image_position_ids", "num_images", "num_tiles",
-)  # fmt: skip
+    "old_per_token_logps",
+    "importance_sampling_ratio",
+    "sampling_per_token_logps",
+    "ref_per_token_logps",
+    "tool_mask",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+    "num_images",
+    "num_tiles",
+)
 # The keys a `rollout_func` must return (TRL raises without them; other keys go to the reward functions).
 ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
@@ -189,8 +249,13 @@ def completion_token_fills(batch: dict, pad_token_id: int) -> dict[str, float | 
     batch widens (`step.splice_rescued`). `importance_sampling_ratio` is one of them in vLLM's token modes only (one
     value per row in its sequence modes). `ref_per_token_logps` is not: TRL computes it only with beta != 0, where
     rescue, the one splice, is off."""
-    fills = {"completion_ids": pad_token_id, "completion_mask": 0, "tool_mask": 1, "old_per_token_logps": 0.0,
-             "sampling_per_token_logps": 0.0}  # fmt: skip
+    fills = {
+        "completion_ids": pad_token_id,
+        "completion_mask": 0,
+        "tool_mask": 1,
+        "old_per_token_logps": 0.0,
+        "sampling_per_token_logps": 0.0,
+    }
     ratio = batch.get("importance_sampling_ratio")
     if ratio is not None and ratio.dim() == 2 and ratio.size(1) == batch["completion_ids"].size(1):
         fills["importance_sampling_ratio"] = 1.0

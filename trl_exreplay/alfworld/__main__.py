@@ -31,13 +31,20 @@ def _parser() -> argparse.ArgumentParser:
         help='"put X in/on Y" (classic ALFWorld, default) or "move X to Y" (alfworld 0.4.2 grammar)',
     )
     g.add_argument(
-        "--scenes", nargs="+", type=int, default=None, metavar="N",
+        "--scenes",
+        nargs="+",
+        type=int,
+        default=None,
+        metavar="N",
         help="floor plans to use, a subset of the split's (default: all of them)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--target-objects", nargs="+", default=None, metavar="TYPE",
+        "--target-objects",
+        nargs="+",
+        default=None,
+        metavar="TYPE",
         help="what the tasks may ask for: ALFRED object types, e.g. Book CD (default: any)",
-    )  # fmt: skip
+    )
     g.add_argument("--workers", type=int, default=None, help="verification processes (default: one per CPU)")
     g.add_argument("--no-verify", action="store_true", help="skip playing walkthroughs on the engine (debugging only)")
 

@@ -53,26 +53,34 @@ class AlfWorldArguments(MultiTurnSettings):
     )
     scenes: list[int] | None = field(
         default=None,
-        metadata={"help": "Floor plans of generated train and valid_seen games (a subset of ALFWorld's train floor "
-                          "plans); None: all. valid_unseen always uses its own unseen floor plans."},
-    )  # fmt: skip
+        metadata={
+            "help": "Floor plans of generated train and valid_seen games (a subset of ALFWorld's train floor "
+            "plans); None: all. valid_unseen always uses its own unseen floor plans."
+        },
+    )
     target_objects: list[str] | None = field(
         default=None,
-        metadata={"help": "Objects the tasks ask for (ALFRED types such as Book, CD); games of other objects are "
-                          "neither generated nor loaded. None: any."},
-    )  # fmt: skip
+        metadata={
+            "help": "Objects the tasks ask for (ALFRED types such as Book, CD); games of other objects are "
+            "neither generated nor loaded. None: any."
+        },
+    )
     verify_train_games: bool = field(
         default=True,
-        metadata={"help": "Play each generated train game's walkthrough on the engine before use (evaluation games "
-                          "are always verified; the warm start's expert plays every train game anyway)."},
-    )  # fmt: skip
+        metadata={
+            "help": "Play each generated train game's walkthrough on the engine before use (evaluation games "
+            "are always verified; the warm start's expert plays every train game anyway)."
+        },
+    )
     train_split: str = field(default="train", metadata={"help": "Split whose games are the training tasks."})
     rl_train_games: int | None = field(
         default=None,
-        metadata={"help": "RL plays only this many of the train games, drawn by `seed` (the warm start still learns "
-                          "from all of them): a small model trained from scratch learns the games it plays often, "
-                          "not new ones. None: every train game."},
-    )  # fmt: skip
+        metadata={
+            "help": "RL plays only this many of the train games, drawn by `seed` (the warm start still learns "
+            "from all of them): a small model trained from scratch learns the games it plays often, "
+            "not new ones. None: every train game."
+        },
+    )
     eval_splits: list[str] = field(
         default_factory=lambda: ["valid_seen", "valid_unseen"],
         metadata={"help": "Splits evaluated before and after RL (greedy, one episode per game)."},
@@ -82,18 +90,22 @@ class AlfWorldArguments(MultiTurnSettings):
     )
     eval_sampled_episodes: int = field(
         default=0,
-        metadata={"help": "Also evaluate by sampling, as RL plays: this many episodes per game at eval_temperature "
-                          "(with the training top_k/top_p/min_p); 0: greedy only."},
-    )  # fmt: skip
+        metadata={
+            "help": "Also evaluate by sampling, as RL plays: this many episodes per game at eval_temperature "
+            "(with the training top_k/top_p/min_p); 0: greedy only."
+        },
+    )
     eval_temperature: float | None = field(
         default=None, metadata={"help": "Sampling temperature of the sampled evaluation; None: `temperature`."}
     )
     eval_train_episodes: int = field(
         default=0,
-        metadata={"help": "Also evaluate the train games RL plays (at most max_eval_games of them), before and after "
-                          "RL: this many sampled episodes per game at eval_temperature, as RL plays them. Not "
-                          "held-out: it shows what RL did to its own games. 0: off."},
-    )  # fmt: skip
+        metadata={
+            "help": "Also evaluate the train games RL plays (at most max_eval_games of them), before and after "
+            "RL: this many sampled episodes per game at eval_temperature, as RL plays them. Not "
+            "held-out: it shows what RL did to its own games. 0: off."
+        },
+    )
     show_admissible: bool = field(
         default=False, metadata={"help": "Append the admissible actions to every observation."}
     )
@@ -159,29 +171,43 @@ class AlfWorldArguments(MultiTurnSettings):
 
             self.target_objects = list(normalize_target_objects(self.target_objects))
         if self.eval_sampled_episodes < 0:
-            raise ValueError(f"Invalid value {self.eval_sampled_episodes} for `eval_sampled_episodes`: allowed "
-                             "values are 0 (greedy only) or a positive number of episodes per game.")  # fmt: skip
+            raise ValueError(
+                f"Invalid value {self.eval_sampled_episodes} for `eval_sampled_episodes`: allowed "
+                "values are 0 (greedy only) or a positive number of episodes per game."
+            )
         if self.eval_train_episodes < 0:
-            raise ValueError(f"Invalid value {self.eval_train_episodes} for `eval_train_episodes`: allowed values "
-                             "are 0 (off) or a positive number of episodes per game.")  # fmt: skip
+            raise ValueError(
+                f"Invalid value {self.eval_train_episodes} for `eval_train_episodes`: allowed values "
+                "are 0 (off) or a positive number of episodes per game."
+            )
         if self.rl_train_games is not None and self.rl_train_games < 1:
-            raise ValueError(f"Invalid value {self.rl_train_games} for `rl_train_games`: allowed values are None "
-                             "(every train game) or a positive number of games.")  # fmt: skip
+            raise ValueError(
+                f"Invalid value {self.rl_train_games} for `rl_train_games`: allowed values are None "
+                "(every train game) or a positive number of games."
+            )
         if self.eval_temperature is not None and not self.eval_temperature > 0:
-            raise ValueError(f"Invalid value {self.eval_temperature} for `eval_temperature`: allowed values are "
-                             "positive numbers, or None for the training `temperature`.")  # fmt: skip
+            raise ValueError(
+                f"Invalid value {self.eval_temperature} for `eval_temperature`: allowed values are "
+                "positive numbers, or None for the training `temperature`."
+            )
         from .textenv import check_invalid_action_penalty
 
         check_invalid_action_penalty(self.invalid_action_penalty)  # here, not first in the env's worker processes
         if self.env_backend not in ENV_BACKENDS:
-            raise ValueError(f"Invalid value {self.env_backend!r} for `env_backend`: allowed values are "
-                             f"{', '.join(map(repr, ENV_BACKENDS))}.")  # fmt: skip
+            raise ValueError(
+                f"Invalid value {self.env_backend!r} for `env_backend`: allowed values are "
+                f"{', '.join(map(repr, ENV_BACKENDS))}."
+            )
         if not self.env_ray_cpus_per_worker > 0:
-            raise ValueError(f"Invalid value {self.env_ray_cpus_per_worker} for `env_ray_cpus_per_worker`: allowed "
-                             "values are positive numbers.")  # fmt: skip
+            raise ValueError(
+                f"Invalid value {self.env_ray_cpus_per_worker} for `env_ray_cpus_per_worker`: allowed "
+                "values are positive numbers."
+            )
         if self.prompt_style not in PROMPT_STYLES:
-            raise ValueError(f"Invalid value {self.prompt_style!r} for `prompt_style`: allowed values are "
-                             f"{', '.join(map(repr, PROMPT_STYLES))}.")  # fmt: skip
+            raise ValueError(
+                f"Invalid value {self.prompt_style!r} for `prompt_style`: allowed values are "
+                f"{', '.join(map(repr, PROMPT_STYLES))}."
+            )
 
 
 PROMPT_STYLES = ("plain", "react", "none")
@@ -195,12 +221,16 @@ def check_reward_settings(script_args: AlfWorldArguments, training_args) -> None
     if not penalty:
         return
     if penalty * max_turns >= 1:
-        raise ValueError(f"Invalid value {penalty} for `invalid_action_penalty` with max_turns={max_turns}: a won "
-                         f"episode's reward could fall to 0 or below; allowed values are in "
-                         f"[0, {1 / max_turns:g}).")  # fmt: skip
+        raise ValueError(
+            f"Invalid value {penalty} for `invalid_action_penalty` with max_turns={max_turns}: a won "
+            f"episode's reward could fall to 0 or below; allowed values are in "
+            f"[0, {1 / max_turns:g})."
+        )
     lowest_win = 1.0 - max_turns * penalty
     if not 0.0 < training_args.replay_success_threshold <= lowest_win:
-        raise ValueError(f"Invalid value {training_args.replay_success_threshold} for `replay_success_threshold` with "
-                         f"invalid_action_penalty={penalty} and max_turns={max_turns}: a won episode's reward stays "
-                         f"above {lowest_win:g} and a lost one's is at most 0, so allowed values are in (0, "
-                         f"{lowest_win:g}].")  # fmt: skip
+        raise ValueError(
+            f"Invalid value {training_args.replay_success_threshold} for `replay_success_threshold` with "
+            f"invalid_action_penalty={penalty} and max_turns={max_turns}: a won episode's reward stays "
+            f"above {lowest_win:g} and a lost one's is at most 0, so allowed values are in (0, "
+            f"{lowest_win:g}]."
+        )

@@ -22,10 +22,17 @@ def ensure_games(script_args: AlfWorldArguments, splits: list[str]) -> None:
         count = script_args.num_train_games if split == script_args.train_split else script_args.num_eval_games
         scenes = None if split == "valid_unseen" else script_args.scenes
         report = generate.generate_games(
-            script_args.data_dir, split, count, script_args.game_seed, script_args.task_types, workers=None,
-            progress=True, verify=script_args.verify_train_games or split != script_args.train_split, scenes=scenes,
+            script_args.data_dir,
+            split,
+            count,
+            script_args.game_seed,
+            script_args.task_types,
+            workers=None,
+            progress=True,
+            verify=script_args.verify_train_games or split != script_args.train_split,
+            scenes=scenes,
             target_objects=script_args.target_objects,
-        )  # fmt: skip
+        )
         print(report.summary())
 
 

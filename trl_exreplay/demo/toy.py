@@ -4,9 +4,25 @@ from __future__ import annotations
 
 COLOURS = ["red", "green", "blue", "white", "black", "gold"]
 KEY_DOOR_VOCABULARY = [
-    "you", "see", "a", "door", "and", "key", "take", "the", "open", "opens", "nothing", "happens", "have",
-    "locked", "is", "need", "first", *COLOURS,
-]  # fmt: skip
+    "you",
+    "see",
+    "a",
+    "door",
+    "and",
+    "key",
+    "take",
+    "the",
+    "open",
+    "opens",
+    "nothing",
+    "happens",
+    "have",
+    "locked",
+    "is",
+    "need",
+    "first",
+    *COLOURS,
+]
 
 
 class KeyDoorEnv:

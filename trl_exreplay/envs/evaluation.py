@@ -208,26 +208,40 @@ def print_summary(summary: dict) -> None:
     # What each row measures: a reader must not take the RL games' rise for held-out success, nor the reverse.
     own, held_out = games["train_evaluation"], games["held_out"]
     if own in results:
-        print(wrap(f"{own.split(':')[0]}: the games RL trains on, sampled as RL plays them (the same draws before "
-                   "and after RL); not held-out."))  # fmt: skip
+        print(
+            wrap(
+                f"{own.split(':')[0]}: the games RL trains on, sampled as RL plays them (the same draws before "
+                "and after RL); not held-out."
+            )
+        )
     if held_out:
         print(wrap(f"{', '.join(held_out)}: held-out games RL never plays, greedy (one episode a game)."))
     if results:
-        print(wrap("n: the episodes behind a rate; [95% CI]: its Wilson interval (a change within the intervals "
-                   "may be chance)."))  # fmt: skip
+        print(
+            wrap(
+                "n: the episodes behind a rate; [95% CI]: its Wilson interval (a change within the intervals "
+                "may be chance)."
+            )
+        )
     replay = summary.get("replay")
     if replay:
-        print(f"replayed rows: {100 * replay['rows_fraction_mean']:.1f}% of each step's rows from replay's start "
-              f"(max {100 * replay['rows_fraction_max']:.1f}%)")  # fmt: skip
-        sizes = ", ".join(f"step {s}: {t:.0f}/{n:.0f}" for s, t, n in
-                          zip(replay["steps"], replay["pool_tasks"], replay["pool_trajectories"]))  # fmt: skip
+        print(
+            f"replayed rows: {100 * replay['rows_fraction_mean']:.1f}% of each step's rows from replay's start "
+            f"(max {100 * replay['rows_fraction_max']:.1f}%)"
+        )
+        sizes = ", ".join(
+            f"step {s}: {t:.0f}/{n:.0f}"
+            for s, t, n in zip(replay["steps"], replay["pool_tasks"], replay["pool_trajectories"])
+        )
         print(wrap(f"pool over the run (tasks/trajectories): {sizes}"))
     pool = summary["pool"]
     if pool:
         tasks, skipped = pool.get("pool_tasks", 0), pool.get("skip_set", 0)
-        line = (f"pool at the end: {tasks:.0f} tasks, {pool.get('pool_trajectories', 0):.0f} trajectories; skip set "
-                f"{skipped:.0f} (tasks whose fresh rollouts all won at their last play: they leave the pool and are "
-                "not replayed")  # fmt: skip
+        line = (
+            f"pool at the end: {tasks:.0f} tasks, {pool.get('pool_trajectories', 0):.0f} trajectories; skip set "
+            f"{skipped:.0f} (tasks whose fresh rollouts all won at their last play: they leave the pool and are "
+            "not replayed"
+        )
         # During training the only way out of the pool is the skip set (`ExperiencePool.record_outcome`; bad rows
         # are removed at setup, before the logged steps): an empty pool that held tasks lost each of them that way.
         emptied = not tasks and replay and max(replay.get("pool_tasks", [0])) > 0

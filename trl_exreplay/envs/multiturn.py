@@ -35,8 +35,17 @@ class MultiTurnRollouts(StepHooks):
 
     generates = True
 
-    def __init__(self, engine: MultiTurnRollout, settings: MultiTurnSettings, reward_funcs: list, *, accelerator,
-                 task_id_column: str, success_threshold: float, guide=None):  # fmt: skip
+    def __init__(
+        self,
+        engine: MultiTurnRollout,
+        settings: MultiTurnSettings,
+        reward_funcs: list,
+        *,
+        accelerator,
+        task_id_column: str,
+        success_threshold: float,
+        guide=None,
+    ):
         self.engine = engine
         self._guide = guide
         self._accelerator = accelerator
@@ -81,8 +90,15 @@ class MultiTurnRollouts(StepHooks):
             max_prompt_tokens=model_context(trainer.model, args if trainer.use_vllm else None),
             special_tokens=settings.env_special_tokens,
         )
-        return cls(engine, settings, trainer.reward_funcs, accelerator=trainer.accelerator, task_id_column=column,
-                   success_threshold=replay.replay_success_threshold, guide=guide)  # fmt: skip
+        return cls(
+            engine,
+            settings,
+            trainer.reward_funcs,
+            accelerator=trainer.accelerator,
+            task_id_column=column,
+            success_threshold=replay.replay_success_threshold,
+            guide=guide,
+        )
 
     def row(self, row: dict) -> dict:
         """A copy of the row with a placeholder prompt (TRL requires one); the rollout replaces it in place with the

@@ -47,14 +47,23 @@ class MultiTurnSettings:
     def __post_init__(self):
         check(is_int(self.max_turns) and self.max_turns >= 1, "max_turns", self.max_turns, "integers >= 1")
         per_turn = self.max_tokens_per_turn
-        check(per_turn is None or (is_int(per_turn) and per_turn >= 1), "max_tokens_per_turn", per_turn,
-              "None or integers >= 1")  # fmt: skip
+        check(
+            per_turn is None or (is_int(per_turn) and per_turn >= 1),
+            "max_tokens_per_turn",
+            per_turn,
+            "None or integers >= 1",
+        )
         timeout = self.env_step_timeout
-        check(timeout is None or (is_number(timeout) and timeout > 0), "env_step_timeout", timeout,
-              "None or numbers > 0")  # fmt: skip
+        check(
+            timeout is None or (is_number(timeout) and timeout > 0), "env_step_timeout", timeout, "None or numbers > 0"
+        )
         check(is_int(self.env_workers) and self.env_workers >= 1, "env_workers", self.env_workers, "integers >= 1")
-        check(self.env_special_tokens in SPECIAL_TOKEN_MODES, "env_special_tokens", self.env_special_tokens,
-              names(SPECIAL_TOKEN_MODES))  # fmt: skip
+        check(
+            self.env_special_tokens in SPECIAL_TOKEN_MODES,
+            "env_special_tokens",
+            self.env_special_tokens,
+            names(SPECIAL_TOKEN_MODES),
+        )
         column = self.system_prompt_column
         check(isinstance(column, str) and column != "", "system_prompt_column", column, "a non-empty column name")
 

@@ -463,8 +463,10 @@ class GuidedRollouts(StepHooks):
         lengths = completion_mask.sum(dim=1).tolist()
         rows = discarded + [discarded[0] if discarded else 0] * (most - len(discarded))  # padding rows: same calls
         # a padding row (this rank has fewer discarded rows, or none) repeats one of them, or row 0 as it is
-        prompts = [batch.guided_prompt_ids[i] if i in batch.guided_prompt_ids else output["prompt_ids"][i].tolist()
-                   for i in rows]  # fmt: skip
+        prompts = [
+            batch.guided_prompt_ids[i] if i in batch.guided_prompt_ids else output["prompt_ids"][i].tolist()
+            for i in rows
+        ]
         completions = [output["completion_ids"][i, : max(int(lengths[i]), 1)].tolist() for i in rows]
         masks = [model_mask[i, : max(int(lengths[i]), 1)].tolist() for i in rows]
         logps, _, _ = self._policy_forward(prompts, completions, masks)
@@ -478,8 +480,18 @@ class GuidedRollouts(StepHooks):
             output["importance_sampling_ratio"][torch.tensor(discarded, device=completion_mask.device)] = 1.0
         self._guide_counts["rows_discarded"] += len(discarded)
 
-    def batch_finished(self, output: dict, step, *, training: bool, records: dict[int, dict], success: list,
-                       fresh_rows: list[int], metrics, global_step: int) -> None:  # fmt: skip
+    def batch_finished(
+        self,
+        output: dict,
+        step,
+        *,
+        training: bool,
+        records: dict[int, dict],
+        success: list,
+        fresh_rows: list[int],
+        metrics,
+        global_step: int,
+    ) -> None:
         """Training: the records' guided rows and summary inputs (`_add_to_records`), and, where training is guided,
         the `guide/*` metrics (collective). Evaluation: its retrieval counts stay out of the training metrics."""
         if training:

@@ -99,8 +99,12 @@ class GuidanceSettings:
                 "guidance_trained_prompt='hybrid'."
             )
         template = self.guidance_template
-        _check(isinstance(template, str) and template.count("{}") == 1, "guidance_template", template,
-               "strings that contain `{}` exactly once (where the retrieved experience goes)")  # fmt: skip
+        _check(
+            isinstance(template, str) and template.count("{}") == 1,
+            "guidance_template",
+            template,
+            "strings that contain `{}` exactly once (where the retrieved experience goes)",
+        )
         k = self.guidance_top_k
         _check(_is_int(k) and k >= 1, "guidance_top_k", k, "integers >= 1")
         budget = self.guidance_max_tokens

@@ -26,8 +26,18 @@ import xxhash
 
 from .index import COUNTERS
 
-__all__ = ["PoolFolder", "PoolFormatError", "bad_trajectory_rows", "check_arrow", "check_settings",
-           "check_tasks_table", "compressed", "file_checksum", "parse_state", "state_checksum"]  # fmt: skip
+__all__ = [
+    "PoolFolder",
+    "PoolFormatError",
+    "bad_trajectory_rows",
+    "check_arrow",
+    "check_settings",
+    "check_tasks_table",
+    "compressed",
+    "file_checksum",
+    "parse_state",
+    "state_checksum",
+]
 
 CHECKSUM = "xxh3_64"
 SELECT_MODES = ("argmin", "argmax", "random")

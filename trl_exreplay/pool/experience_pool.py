@@ -200,8 +200,11 @@ class ExperiencePool:
             self._write_failing = False
         except OSError as e:
             if not self._write_failing:  # once, until a write succeeds again
-                logger.warning("trl_exreplay: the experience pool could not write a shard (%s); its rows wait in memory "
-                               "and each add tries again; a save raises until a write succeeds.", e)  # fmt: skip
+                logger.warning(
+                    "trl_exreplay: the experience pool could not write a shard (%s); its rows wait in memory "
+                    "and each add tries again; a save raises until a write succeeds.",
+                    e,
+                )
             self._write_failing = True
 
     def _store_copy(self, t: int, trajectory: Trajectory, row: pa.Table) -> int:
@@ -414,8 +417,10 @@ class ExperiencePool:
             keys[task_id] = [] if t is None else index.keys(t, current_step, max_policy_age)
         # On the index: the entropies and ids the read trajectories would carry.
         candidates = {task: (index.key_entropy[k].tolist(), index.key_traj_id[k].tolist()) for task, k in keys.items()}
-        chosen = {task: [keys[task][i] for i in order] for task, order in
-                  select(candidates, num, self.replay_select_mode, self._rng(rng)).items()}  # fmt: skip
+        chosen = {
+            task: [keys[task][i] for i in order]
+            for task, order in select(candidates, num, self.replay_select_mode, self._rng(rng)).items()
+        }
         trajectories = iter(self._read_all([key for keys in chosen.values() for key in keys]))
         return {task_id: [next(trajectories) for _ in keys] for task_id, keys in chosen.items()}
 

@@ -113,8 +113,15 @@ def push_pool(
             prefix="export-", dir=pool._scratch.folder(), ignore_cleanup_errors=True
         ) as export:
             pool.save(export)  # on the pool's own disk: hard links
-            return push_pool(export, repo_id, card=card, private=private, token=token, revision=revision,
-                             commit_message=commit_message)  # fmt: skip
+            return push_pool(
+                export,
+                repo_id,
+                card=card,
+                private=private,
+                token=token,
+                revision=revision,
+                commit_message=commit_message,
+            )
     pool_dir = os.path.abspath(pool)
     state = _pool_state(pool_dir)
     if any(entry["live"] < entry["rows"] for entry in state["shards"]):

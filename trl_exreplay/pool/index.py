@@ -32,8 +32,12 @@ _TASK_ARRAYS = (
     ("bucket_at", np.int32, -1),
     ("bucket_pos", np.int32, -1),
 )
-_KEY_ARRAYS = (("key_task", np.int32), ("key_entropy", np.float32), ("key_version", np.int64),
-               ("key_traj_id", np.int64))  # fmt: skip
+_KEY_ARRAYS = (
+    ("key_task", np.int32),
+    ("key_entropy", np.float32),
+    ("key_version", np.int64),
+    ("key_traj_id", np.int64),
+)
 # What a save records per task (besides its trajectories' keys), in the tasks table's column order.
 STATE_COLUMNS = ("difficulty", "difficulty_order", "bucket_pos", "skip_order", "store_order")
 # The slots a task has at first (its capacity if lower); `append_slot` doubles them when a task needs more. Not the

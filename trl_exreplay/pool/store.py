@@ -42,8 +42,18 @@ import pyarrow as pa
 from .check import CHECKSUM, PoolFormatError, check_arrow, compressed, file_checksum
 from .index import grow
 
-__all__ = ["Log", "Scratch", "Shard", "TRAJECTORY_FEATURES", "TRAJECTORY_SCHEMA", "fsync_path",
-           "read_arrow", "write_arrow", "write_atomic", "write_json_atomic"]  # fmt: skip
+__all__ = [
+    "Log",
+    "Scratch",
+    "Shard",
+    "TRAJECTORY_FEATURES",
+    "TRAJECTORY_SCHEMA",
+    "fsync_path",
+    "read_arrow",
+    "write_arrow",
+    "write_atomic",
+    "write_json_atomic",
+]
 
 TRAJECTORY_FEATURES = datasets.Features(
     {
@@ -130,8 +140,11 @@ def read_arrow(path: str) -> pa.Table:
     batches = []
     for message in messages[1:]:
         if message.type != "record batch" or compressed(message.metadata):
-            raise PoolFormatError(path, f"holds a {message.type} message that is compressed or not a record batch; "
-                                  "the pool writes uncompressed record batches only.")  # fmt: skip
+            raise PoolFormatError(
+                path,
+                f"holds a {message.type} message that is compressed or not a record batch; "
+                "the pool writes uncompressed record batches only.",
+            )
         batches.append(pa.ipc.read_record_batch(message, schema))
     return pa.Table.from_batches(batches, schema)
 
@@ -318,8 +331,9 @@ class Log:
         for shard in self.shards.values():
             if shard.live:
                 size, checksum = shard.save_into(folder)
-                entries.append({"name": shard.name, "rows": shard.rows, "live": shard.live, "size": size,
-                                CHECKSUM: checksum})  # fmt: skip
+                entries.append(
+                    {"name": shard.name, "rows": shard.rows, "live": shard.live, "size": size, CHECKSUM: checksum}
+                )
         return entries
 
     def adopt(self, shard: Shard) -> None:

@@ -15,9 +15,11 @@ def checkpoint_to_resume(training_args) -> str | None:
         return None
     if str(value).lower() != "true":
         if not os.path.isfile(os.path.join(value, "trainer_state.json")):
-            raise ValueError(f"Invalid value {value!r} for `resume_from_checkpoint`: allowed values are a checkpoint "
-                             "folder (one holding trainer_state.json), true (the newest checkpoint in `output_dir`) "
-                             "or false.")  # fmt: skip
+            raise ValueError(
+                f"Invalid value {value!r} for `resume_from_checkpoint`: allowed values are a checkpoint "
+                "folder (one holding trainer_state.json), true (the newest checkpoint in `output_dir`) "
+                "or false."
+            )
         return value
     from transformers.trainer_utils import sort_checkpoints  # checkpoint-<step> folders by step, oldest first
 
@@ -27,5 +29,7 @@ def checkpoint_to_resume(training_args) -> str | None:
             return path
         print(f"resume_from_checkpoint: skipping {path}, an incomplete checkpoint (no trainer_state.json)")
     hint = " (this config saves none: set --save_strategy steps)" if training_args.save_strategy == "no" else ""
-    raise ValueError(f"Invalid value {value!r} for `resume_from_checkpoint`: `output_dir` {output_dir!r} holds no "
-                     f"complete checkpoint-* folder to resume from{hint}.")  # fmt: skip
+    raise ValueError(
+        f"Invalid value {value!r} for `resume_from_checkpoint`: `output_dir` {output_dir!r} holds no "
+        f"complete checkpoint-* folder to resume from{hint}."
+    )

@@ -70,5 +70,7 @@ def run_as_own_launch(module: str, *args: str) -> None:
         port = broadcast_object_list([get_free_port() if state.is_main_process else None])[0]
     status = subprocess.run([sys.executable, "-m", module, *args], env=child_environment(port)).returncode
     if status != 0:
-        raise RuntimeError(f"`python -m {module}` (run as its own launch) failed on rank {state.process_index} "
-                           f"with exit status {status}; its output is above.")  # fmt: skip
+        raise RuntimeError(
+            f"`python -m {module}` (run as its own launch) failed on rank {state.process_index} "
+            f"with exit status {status}; its output is above."
+        )
