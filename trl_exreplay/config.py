@@ -59,8 +59,9 @@ class ExReplayGRPOConfig(GRPOConfig):
             The recipe that gives the fields left unset (None) their values: None, the library's defaults (the value
             after 'None:' in each field's help: fresh rollouts planned where they teach, i.e. the spread plan, and
             all-fail groups rescued), or 'exgrpo', ExGRPO's published code (replay_start='solved', replay_retire_solved
-            without revisits, replay_count_replayed_successes, replay_unclipped_fresh, replay_bucket_weighting='normal',
-            replay_shaping='exgrpo', no rescue, no spread plan); see Profiles below. A field you set wins.
+            without revisits, replay_count_replayed_successes, replay_unclipped_fresh,
+            replay_bucket_weighting='normal', replay_shaping='exgrpo', no rescue, no spread plan); see Profiles below.
+            A field you set wins.
         replay_ratio (`float`, *optional*, defaults to `0.5`):
             Long-run share of task groups drawn from the replay pool once replay has started (batch size unchanged).
             Generation batch n (counted over the run) replays floor(r*g*(n+1)) - floor(r*g*n) of its g groups: r*g in
@@ -84,9 +85,9 @@ class ExReplayGRPOConfig(GRPOConfig):
             the profile's; False without one (the spread plan, replay_spread_plan, took its place in the defaults).
         replay_revisit_ratio (`float | None`, *optional*, defaults to `None`):
             With replay_retire_solved: the share of a retired question's draws let through as revisits (drawn per group
-            from the step's seed, the same on every rank); a revisit that any fresh rollout fails puts the question back
-            in the fresh stream, so a solved question that is forgotten is trained again. 0: retired questions never
-            return (ExGRPO). In [0, 1]. None: the profile's; without one 0.5 when you turn retirement on, else 0.
+            from the step's seed, the same on every rank); a revisit that any fresh rollout fails puts the question
+            back in the fresh stream, so a solved question that is forgotten is trained again. 0: retired questions
+            never return (ExGRPO). In [0, 1]. None: the profile's; without one 0.5 when you turn retirement on, else 0.
         replay_rescue (`int | None`, *optional*, defaults to `None`):
             Rescue (AR3PO's response reuse): after scoring, a fresh group whose rollouts all failed, of a task the pool
             holds this many successes of, gets that many of its failed rollouts replaced by them (chosen by
@@ -118,11 +119,11 @@ class ExReplayGRPOConfig(GRPOConfig):
             likely to teach take the budget of others, as Knapsack RL moves rollouts to hard-but-solvable tasks).
             >= 1; the sampler's own repeats of a task are kept.
         replay_trajectories_per_group (`int`, *optional*, defaults to `1`):
-            k: replayed trajectories per replay task; the task's group gets num_generations - k fresh rollouts. 1 <= k <
-            num_generations.
+            k: replayed trajectories per replay task; the task's group gets num_generations - k fresh rollouts.
+            1 <= k < num_generations.
         replay_bucket_weighting (`str | None`, *optional*, defaults to `None`):
-            How replay tasks are drawn over difficulty buckets: 'uniform' (every pool task alike), 'normal' (bucket of k
-            successes weighted exp(-(k - num_generations/2)^2 / 2), ExGRPO's Gaussian), 'linear' (bucket weight grows
+            How replay tasks are drawn over difficulty buckets: 'uniform' (every pool task alike), 'normal' (bucket of
+            k successes weighted exp(-(k - num_generations/2)^2 / 2), ExGRPO's Gaussian), 'linear' (bucket weight grows
             linearly as tasks get harder, i.e. fewer successes). None: the profile's; 'uniform' without one.
         replay_count_replayed_successes (`bool | None`, *optional*, defaults to `None`):
             A replayed task's difficulty counts its replayed trajectories' successes with its fresh ones ((s + k) of
@@ -179,8 +180,8 @@ class ExReplayGRPOConfig(GRPOConfig):
             replay_shaping='clip' only: upper clip of the replayed tokens' ratio: clamp(ratio, 1 - epsilon_low, 1 +
             this). >= 0. None: 1.0.
         replay_dual_clip_c (`float | None`, *optional*, defaults to `None`):
-            replay_shaping='clip' only: dual-clip constant c bounding the replayed tokens' loss for negative advantages.
-            >= 1. None: 3.0.
+            replay_shaping='clip' only: dual-clip constant c bounding the replayed tokens' loss for negative
+            advantages. >= 1. None: 3.0.
         replay_shaping_beta (`float | None`, *optional*, defaults to `None`):
             replay_shaping='exgrpo' only: beta of the shaping w / (w + beta). > 0. None: 0.1.
         replay_unclipped_fresh (`bool | None`, *optional*, defaults to `None`):
@@ -194,8 +195,8 @@ class ExReplayGRPOConfig(GRPOConfig):
         task_id_column (`str`, *optional*, defaults to `'task_id'`):
             Dataset column that identifies a task. Rows without it are keyed by a stable hash of the prompt.
         tool_special_tokens (`str`, *optional*, defaults to `'keep'`):
-            TRL's tool loop (`tools`, `environment_factory`): 'remove' the spellings of the tokenizer's special or added
-            tokens from tool results and from `reset()` observations before TRL tokenizes them (counted in
+            TRL's tool loop (`tools`, `environment_factory`): 'remove' the spellings of the tokenizer's special or
+            added tokens from tool results and from `reset()` observations before TRL tokenizes them (counted in
             env/special_tokens_removed), or 'keep' them as TRL does (the default: the trainer stays GRPOTrainer
             exactly). Turn it on when tools or environments return text from elsewhere (web pages, files, other
             people's games).
@@ -314,14 +315,14 @@ class ReplaySettings:
     tool_special_tokens: str = "keep"
 
 
-# The fields whose value, left None, comes from `replay_profile`: the library's defaults (no profile), and
-# ExGRPO's published recipe (its code, ElliottYan/LUFFY, folder ExGRPO), where it differs; docs/config.md tabulates both.
+# The fields whose value, left None, comes from `replay_profile`: the library's defaults (no profile), and ExGRPO's
+# published recipe (its code, ElliottYan/LUFFY, folder ExGRPO), where it differs; docs/config.md tabulates both.
 # ExGRPO's pool bounds (lbound < s <= rbound with 0 and G-1) are ours with the default replay_store_rbound (s < G), and
 # it too selects the lowest entropy under the current policy, replays half the questions, k = 1, beta 0.1.
 # The defaults plan fresh rollouts where they teach (the spread plan, in place of retirement) and rescue all-fail
-# groups: the pre-registered test of issue 69 made the plan the default by its decision rule (docs/results.md, "Rollouts
-# where they teach: the results"). Before it (issue 55's `teach`): retirement with revisits at 0.5, no plan; before
-# that (the `exreplay` arm of every earlier test): replay_rescue=0, replay_retire_solved=False.
+# groups: the pre-registered test of issue 69 made the plan the default by its decision rule (docs/results.md,
+# "Rollouts where they teach: the results"). Before it (issue 55's `teach`): retirement with revisits at 0.5, no plan;
+# before that (the `exreplay` arm of every earlier test): replay_rescue=0, replay_retire_solved=False.
 PROFILE_FIELDS: dict[str, Any] = {
     "replay_start": "steps",
     "replay_retire_solved": False,
@@ -517,8 +518,8 @@ def _validate(s: ReplaySettings, num_generations: int | None) -> None:
         if lowest > highest:
             name, value = ("replay_store_rbound", rbound) if rbound is not None else ("replay_store_lbound", lbound)
             raise ValueError(
-                f"Invalid value {value!r} for `{name}`: no task can enter the pool, since its successes s must satisfy "
-                f"replay_store_lbound ({lbound}) < s < replay_store_rbound ({effective_rbound}) and 1 <= s <= "
+                f"Invalid value {value!r} for `{name}`: no task can enter the pool, since its successes s must "
+                f"satisfy replay_store_lbound ({lbound}) < s < replay_store_rbound ({effective_rbound}) and 1 <= s <= "
                 f"num_generations - 1; allowed values make that range non-empty (replay_store_rbound >= "
                 f"replay_store_lbound + 2, replay_store_lbound <= num_generations - 2)."
             )

@@ -1,14 +1,14 @@
 """A user's TRL `rollout_func` under replay.
 
 The contract: in a generation step that replays, the `rollout_func` is called with the prompts of the fresh rows only
-(a replayed group has `num_generations - replay_trajectories_per_group` of them, not `num_generations`), in the
-batch's order, and must return one completion per prompt it is given, as TRL's `GRPOTrainer` expects of it on every
-other step. The replayed rows are then put back in place from the pool: their prompt and completion ids, no sampler
-log-probs (`None`: they were not sampled now; the loss uses their recorded ones), and their model-token
-mask as `env_mask` (environment tokens stay out of the loss). Other per-row fields the function returns take, for a
-replayed row, the first returned row's value, so that reward functions reading them run (the row's reward is the
-recorded one). A function that generates `num_generations` completions per unique prompt cannot take that call: its output has the
-wrong length, and the error says so.
+(a replayed group has `num_generations - replay_trajectories_per_group` of them, not `num_generations`), in the batch's
+order, and must return one completion per prompt it is given, as TRL's `GRPOTrainer` expects of it on every other step.
+The replayed rows are then put back in place from the pool: their prompt and completion ids, no sampler log-probs
+(`None`: they were not sampled now; the loss uses their recorded ones), and their model-token mask as `env_mask`
+(environment tokens stay out of the loss). Other per-row fields the function returns take, for a replayed row, the
+first returned row's value, so that reward functions reading them run (the row's reward is the recorded one). A
+function that generates `num_generations` completions per unique prompt cannot take that call: its output has the wrong
+length, and the error says so.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ def fresh_rows_rollout(
     rollout_func: Callable, prompts: list, rollout_trainer, replayed: dict, num_padding: int, fit: Callable
 ) -> dict:
     """`rollout_func`'s output for all rows of `prompts` in a step that replays: the function is asked for the fresh
-    rows only (and `num_padding` copies of the first prompt, generated and discarded so that every rank makes the
-    same calls), with TRL's second argument `rollout_trainer` passed through untouched (TRL's contract with it); the replayed rows (`replayed`: row -> `Trajectory`)
-    are put back in place (`splice_replayed`, `fit` cutting a completion to `max_completion_length`)."""
+    rows only (and `num_padding` copies of the first prompt, generated and discarded so that every rank makes the same
+    calls), with TRL's second argument `rollout_trainer` passed through untouched (TRL's contract with it); the
+    replayed rows (`replayed`: row -> `Trajectory`) are put back in place (`splice_replayed`, `fit` cutting a
+    completion to `max_completion_length`)."""
     fresh = [i for i in range(len(prompts)) if i not in replayed]
     asked = [prompts[i] for i in fresh] + [prompts[0]] * num_padding
     output = rollout_func(asked, rollout_trainer) if asked else {key: [] for key in ROLLOUT_KEYS}

@@ -12,9 +12,9 @@ not prevent it once a model was wrapped in `DistributedDataParallel` (as Acceler
 process group stays referenced, its worker threads keep running, and the race stays open until the process ends.
 
 `exit_distributed()` therefore, after a barrier and `destroy_process_group()`, finishes what a normal exit would do
-(join non-daemon threads, run the `atexit` handlers, collect garbage, flush the standard streams) and ends the process with
-`os._exit`, skipping only the finalization in which a late gloo thread would be killed. A process whose gloo threads did
-stop returns and exits normally. Call it last, on every rank:
+(join non-daemon threads, run the `atexit` handlers, collect garbage, flush the standard streams) and ends the process
+with `os._exit`, skipping only the finalization in which a late gloo thread would be killed. A process whose gloo
+threads did stop returns and exits normally. Call it last, on every rank:
 
 ```python
 trainer.train()
@@ -159,7 +159,8 @@ def warn_launch_shortfall(num_processes: int) -> None:
             "`--num_processes N` without `--multi_gpu` and for `distributed_type: MULTI_CPU` (without MPI). To run "
             "2 processes on CPU (gloo DDP): `accelerate launch --config_file recipes/accelerate/ddp_cpu.yaml "
             "script.py` (its `distributed_type: MULTI_GPU`, `use_cpu: false` resolve to gloo on a CPU machine), or "
-            "`accelerate launch --multi_gpu --num_processes 2 script.py`, with `use_cpu=True` in the trainer's config.",
+            "`accelerate launch --multi_gpu --num_processes 2 script.py`, with `use_cpu=True` in the trainer's "
+            "config.",
             reason,
         )
 
@@ -180,13 +181,13 @@ def _finish_and_exit(status: int) -> None:
     os._exit(status)
 
 
-# ---------------------------------------------------------------------------------------------- the trainer's collectives
+# ------------------------------------------------------------------------------------------- the trainer's collectives
 # Every rank must make each of these calls, as often as the others: they are how ranks that hold different rows agree.
 
 
 def from_main_process(accelerator, read: Callable[[], T]) -> T:
-    """`read()` on the main process (rank 0), its result sent to every rank. An error there is raised on every rank
-    (on the others as a `RuntimeError` naming it), so that no rank waits for a result that will not come. Collective."""
+    """`read()` on the main process (rank 0), its result sent to every rank. An error there is raised on every rank (on
+    the others as a `RuntimeError` naming it), so that no rank waits for a result that will not come. Collective."""
     if accelerator.num_processes == 1:
         return read()
     from accelerate.utils import broadcast_object_list

@@ -108,9 +108,9 @@ class PoolKeeper:
     def _adopt_pool(self, pool: ExperiencePool, source: str) -> ExperiencePool:
         """Use `pool` under this run's configuration (the config wins over the settings the pool was saved with).
 
-        A pool recorded with another tokenizer is refused: its token ids would mean other tokens here; so is one holding
-        trajectories but no tokenizer fingerprint, unless the caller bound it (`pool.bind_tokenizer`). Trajectories
-        with token ids outside the model's vocabulary are removed and counted."""
+        A pool recorded with another tokenizer is refused: its token ids would mean other tokens here; so is one
+        holding trajectories but no tokenizer fingerprint, unless the caller bound it (`pool.bind_tokenizer`).
+        Trajectories with token ids outside the model's vocabulary are removed and counted."""
         if self._tokenizer_fingerprint is not None:
             if pool.tokenizer_fingerprint is None and pool.num_trajectories:
                 raise ValueError(

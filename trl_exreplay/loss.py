@@ -11,14 +11,13 @@ tokens were sampled by an older policy ``mu`` whose log-probabilities were recor
 ``w = exp(logp - logp_mu)`` (log-ratio bounded to ``[-20, 20]``), or, with ``importance_sampling_level="sequence"``,
 one ratio per row, ``exp`` of the mean log-ratio over its replayed tokens (GSPO). With ``A`` the row's advantage:
 
-==========================================  =================================================================================
-``replay_shaping="exgrpo"`` (any type)      ``-A * w / (w + replay_shaping_beta)`` (ExGRPO's policy shaping, no clip)
-grpo, bnpo, dr_grpo, dapo, luspo            ``max(-A * min(w, delta), -A * clamp(w, 1 - epsilon_low, 1 + replay_clip_high))``,
-                                            then for ``A < 0`` at most ``-A * replay_dual_clip_c`` (verl's dual clip)
-cispo                                       ``-sg(min(w, 1 + replay_clip_high)) * A * logp`` (CISPO's truncated IS weight)
-sapo                                        ``-A * sigmoid(tau * (w - 1)) * 4 / tau``, ``tau`` by the sign of ``A`` (SAPO's gate)
-vespo                                       ``-sg(phi(w_seq)) * A * logp``, ``phi`` TRL's gamma weights on the sequence ratio
-==========================================  =================================================================================
+- ``replay_shaping="exgrpo"`` (any type): ``-A * w / (w + replay_shaping_beta)`` (ExGRPO's policy shaping, no clip)
+- grpo, bnpo, dr_grpo, dapo, luspo:
+  ``max(-A * min(w, delta), -A * clamp(w, 1 - epsilon_low, 1 + replay_clip_high))``, then for ``A < 0`` at most
+  ``-A * replay_dual_clip_c`` (verl's dual clip)
+- cispo: ``-sg(min(w, 1 + replay_clip_high)) * A * logp`` (CISPO's truncated IS weight)
+- sapo: ``-A * sigmoid(tau * (w - 1)) * 4 / tau``, ``tau`` by the sign of ``A`` (SAPO's gate)
+- vespo: ``-sg(phi(w_seq)) * A * logp``, ``phi`` TRL's gamma weights on the sequence ratio
 
 ``delta`` (TRL's two-sided clip) is ``None`` unless set. SAPO's gate and VESPO's gamma weight already vanish far from
 ``w = 1``, so ``replay_clip_high`` plays no part there. Then TRL's ``off_policy_mask_threshold`` (OPSM) drops
@@ -67,7 +66,8 @@ def aggregate_loss(
     - ``"grpo"``, ``"sapo"``: ``((L * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()``
     - ``"bnpo"``: ``(L * mask).sum() / mask.sum().clamp(min=1)``
     - ``"dr_grpo"``: ``(L * mask).sum() / (B * max_completion_length)``
-    - ``"dapo"``, ``"cispo"``, ``"vespo"``: ``(L * mask).sum() / loss_normalizer`` (default ``mask.sum().clamp(min=1)``)
+    - ``"dapo"``, ``"cispo"``, ``"vespo"``: ``(L * mask).sum() / loss_normalizer`` (default
+      ``mask.sum().clamp(min=1)``)
     - ``"luspo"``: ``(L * mask).sum(-1).mean()``
 
     Being linear in ``L``, the reduction of a sum of terms is the sum of their reductions: this is what lets the

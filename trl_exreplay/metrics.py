@@ -3,9 +3,9 @@ logs with its own. The replayed tokens' figures are reduced over ranks (sums and
 same values; the generation ones are computed from the global replay plan and the rank-identical pool.
 
 And TRL's own figures of a generation batch (`reward`, `reward_std`, per-function rewards, `frac_reward_zero_std`,
-completion lengths), taken again over the fresh rows (`trl_reward_metrics`, `log_fresh_completions`): TRL takes them over
-every row of the batch, stored ones included, and a curve of `reward` against a `GRPOTrainer` run then compares the pool
-with the policy. The values TRL took, over the batch as trained, go to `replay/trained_reward` and
+completion lengths), taken again over the fresh rows (`trl_reward_metrics`, `log_fresh_completions`): TRL takes them
+over every row of the batch, stored ones included, and a curve of `reward` against a `GRPOTrainer` run then compares
+the pool with the policy. The values TRL took, over the batch as trained, go to `replay/trained_reward` and
 `replay/zero_std_trained`.
 """
 
@@ -73,13 +73,13 @@ def trl_reward_metrics(
     scale_rewards: str,
     aggregation: str,
 ) -> dict[str, float]:
-    """The reward figures `GRPOTrainer._generate_and_score_completions` logs for a generation batch (`rewards/<name>/mean`
-    and `/std`, `reward`, `reward_std`, `frac_reward_zero_std`), computed as TRL computes them from the gathered
-    `rewards_per_func` (rows x reward functions; a row that is NaN for every function is one TRL counts as unscorable).
-    To take them over some rows only, give the others NaN: each figure then leaves them out as TRL leaves out an
-    unscorable row, and `frac_reward_zero_std` is, per group (TRL's `scale_rewards` "group" and "none"), whether the
-    group's remaining rows all have the same reward. `tests/integration/test_fresh_metrics.py` holds this to TRL's own
-    values over its options."""
+    """The reward figures `GRPOTrainer._generate_and_score_completions` logs for a generation batch
+    (`rewards/<name>/mean` and `/std`, `reward`, `reward_std`, `frac_reward_zero_std`), computed as TRL computes them
+    from the gathered `rewards_per_func` (rows x reward functions; a row that is NaN for every function is one TRL
+    counts as unscorable). To take them over some rows only, give the others NaN: each figure then leaves them out as
+    TRL leaves out an unscorable row, and `frac_reward_zero_std` is, per group (TRL's `scale_rewards` "group" and
+    "none"), whether the group's remaining rows all have the same reward. `tests/integration/test_fresh_metrics.py`
+    holds this to TRL's own values over its options."""
     figures = {}
     for i, name in enumerate(reward_func_names):
         figures[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()

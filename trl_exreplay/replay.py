@@ -201,13 +201,14 @@ class ReplayController:
                 else "for good"
             )
             from_start.append(
-                f"a question every fresh rollout solved leaves the fresh stream, {returns} (replay_retire_solved=True, "
-                f"replay_revisit_ratio={s.replay_revisit_ratio:g})"
+                f"a question every fresh rollout solved leaves the fresh stream, {returns} "
+                f"(replay_retire_solved=True, replay_revisit_ratio={s.replay_revisit_ratio:g})"
             )
         if self.spreading:
             from_start.append(
-                "the batch's groups go to the tasks most likely to have a reward spread, by estimates learnt from every "
-                f"fresh group (replay_spread_plan=True, {s.replay_spread_explore:.0%} of the groups kept as drawn)"
+                "the batch's groups go to the tasks most likely to have a reward spread, by estimates learnt from "
+                f"every fresh group (replay_spread_plan=True, {s.replay_spread_explore:.0%} of the groups "
+                "kept as drawn)"
             )
         replay = (
             f"{s.replay_ratio:.0%} of the groups train on {_successes(s.replay_trajectories_per_group)} among "
@@ -344,12 +345,12 @@ class ReplayController:
                 self.stops_after = self._last_step_of_batch(global_step, micro_step=seed[2])
                 logger.warning(
                     "trl_exreplay: every training question is retired (solved by all its fresh rollouts: %d tasks, "
-                    "replay_retire_solved=True, replay_revisit_ratio=0), so no fresh rollout is left to make; training "
-                    "stops after step %d of max_steps=%d, once this batch is trained. To go on training solved "
-                    "questions, set replay_revisit_ratio above 0 (they come back as revisits) or "
-                    "replay_retire_solved=False; if they are not really solved (a reward every rollout gets, such as a "
-                    "format reward, lifts every total to the threshold), set replay_success_threshold to the total a "
-                    "solved rollout gets.",
+                    "replay_retire_solved=True, replay_revisit_ratio=0), so no fresh rollout is left to make; "
+                    "training stops after step %d of max_steps=%d, once this batch is trained. To go on training "
+                    "solved questions, set replay_revisit_ratio above 0 (they come back as revisits) or "
+                    "replay_retire_solved=False; if they are not really solved (a reward every rollout gets, such as "
+                    "a format reward, lifts every total to the threshold), set replay_success_threshold to the total "
+                    "a solved rollout gets.",
                     len(retired),
                     self.stops_after,
                     max_steps,
@@ -591,8 +592,8 @@ class ReplayController:
                     "trl_exreplay: every fresh rollout of this generation batch counted as a success (total reward "
                     ">= replay_success_threshold=%g, the total being the weighted sum over the %d reward function(s); "
                     "here it ranged %g-%g), so every task counts as solved: it goes to the skip set, nothing of it is "
-                    "stored or replayed%s%s. If a reward function gives every rollout something (a format reward), set "
-                    "replay_success_threshold to the total a solved rollout gets.",
+                    "stored or replayed%s%s. If a reward function gives every rollout something (a format reward), "
+                    "set replay_success_threshold to the total a solved rollout gets.",
                     self.settings.replay_success_threshold,
                     rewards_per_func.size(1),
                     fresh_totals.min().item(),
@@ -741,8 +742,8 @@ def say_task_id_source(rows: list[dict], column: str) -> None:
         logger.warning("trl_exreplay: task ids from the dataset's %r column (task_id_column).", column)
     elif missing == len(rows):
         logger.warning(
-            "trl_exreplay: the dataset rows have no %r column (task_id_column; their columns: %s), so a task's id is a "
-            "hash of its prompt: rows with the same prompt are one task. To name tasks, add that column or set "
+            "trl_exreplay: the dataset rows have no %r column (task_id_column; their columns: %s), so a task's id is "
+            "a hash of its prompt: rows with the same prompt are one task. To name tasks, add that column or set "
             "task_id_column.",
             column,
             sorted(rows[0]) if rows else [],

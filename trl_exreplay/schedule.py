@@ -8,17 +8,17 @@
   (`redirect_retired_groups`), so no fresh rollout goes to a question that is already solved, and every batch keeps
   its size. A retired task is not sampled nor replayed again, so it does not leave the skip set: the retired set only
   grows, unless ``replay_revisit_ratio`` lets a share of its draws through (`revisited_groups`): a revisit that fails
-  returns the task to the fresh stream. (ExGRPO drops skip-set questions from its data at each epoch, an epoch drawing each question once: a solved
-  question is never drawn again. Here the rule acts from the next generation batch, so that it holds too where a
-  dataset repeats its questions within one epoch, as the evidence harness's do.)
+  returns the task to the fresh stream. (ExGRPO drops skip-set questions from its data at each epoch, an epoch drawing
+  each question once: a solved question is never drawn again. Here the rule acts from the next generation batch, so
+  that it holds too where a dataset repeats its questions within one epoch, as the evidence harness's do.)
 
 Both are decided on the gathered batch, identically on every rank, and depend on no data loader: the retired set is
 read after the pool has taken the previous batch's outcomes, so a run resumed from a checkpoint (whose pool has them)
 reads the same set as the run that was not stopped. The rows a resumed run draws are those of the run that was not
 stopped too: `EpochSeededSampler` makes TRL's sampler draw epoch e's order from the epoch's number, not from how many
-epochs this process has iterated (TRL's own sampler starts again from the first epoch's order on resume). What the start rule needs to survive a resume (the step replay started
-at) is `ReplaySchedule`, saved beside the pool in every checkpoint as `exreplay_schedule.json`; the retired set is the
-pool's skip set, saved with the pool.
+epochs this process has iterated (TRL's own sampler starts again from the first epoch's order on resume). What the
+start rule needs to survive a resume (the step replay started at) is `ReplaySchedule`, saved beside the pool in every
+checkpoint as `exreplay_schedule.json`; the retired set is the pool's skip set, saved with the pool.
 
 Example:
 
@@ -108,8 +108,8 @@ class EpochSeededSampler(Sampler):
     """TRL's `RepeatSampler` (`inner`), its epoch e drawing TRL's e-th shuffle whatever came before.
 
     The Trainer calls `set_epoch(e)` before each epoch, resumed or not. A run that is not stopped draws exactly what
-    `inner` draws alone (the e-th permutation of a generator seeded with the run's seed); a run resumed in epoch e draws
-    the same, where `inner` would draw the first epoch's order again."""
+    `inner` draws alone (the e-th permutation of a generator seeded with the run's seed); a run resumed in epoch e
+    draws the same, where `inner` would draw the first epoch's order again."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -133,7 +133,8 @@ class ReplaySchedule:
     started_at: int | None = None  # the global step replay started at (replay_start="solved")
 
     def save(self, folder: str) -> None:
-        """Write `exreplay_schedule.json` in `folder`, whole or not at all (`write_atomic`: no temporary left on failure)."""
+        """Write `exreplay_schedule.json` in `folder`, whole or not at all (`write_atomic`: no temporary left on
+        failure)."""
         from .pool.store import write_json_atomic  # the package's one atomic writer
 
         write_json_atomic(os.path.join(folder, SCHEDULE_FILE), {"format_version": 1, **asdict(self)})
@@ -141,7 +142,8 @@ class ReplaySchedule:
     @classmethod
     def load(cls, folder: str) -> ReplaySchedule:
         """Read `exreplay_schedule.json` from `folder` (a checkpoint); a checkpoint without one (saved by a run that
-        used neither rule) gives the initial state. Raises `ValueError` naming the file and the field on bad content."""
+        used neither rule) gives the initial state. Raises `ValueError` naming the file and the field on bad
+        content."""
         path = os.path.join(folder, SCHEDULE_FILE)
         if not os.path.isfile(path):
             return cls()

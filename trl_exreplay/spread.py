@@ -30,7 +30,8 @@ estimates = SuccessEstimates(half_life=100)
 estimates.update([("easy", 8, 8), ("hard", 0, 8), ("mid", 4, 8)], step=0)
 alpha, beta = estimates.posterior(["easy", "hard", "mid", "new"], step=1)
 spread = spread_probability(alpha, beta, group_size=8)
-assert spread.argmax() == 2 and spread[0] < spread[3]  # the task solved half the time first; an unseen one beats a solved one
+# the task solved half the time first; an unseen one beats a solved one
+assert spread.argmax() == 2 and spread[0] < spread[3]
 # two groups drawn by the sampler (of "easy" and "hard"), two more candidate rows: "mid" and "new" take both groups
 plan = plan_groups(["easy", "hard", "mid", "new"], alpha, beta, np.zeros(4, bool), num_groups=2, group_size=8,
                    explore=0.0, max_groups_per_task=1, seed=1)

@@ -1,8 +1,8 @@
-"""`ExReplayGRPOTrainer`: TRL's `GRPOTrainer` with experience replay, as small overrides (listed in the class docstring)
-that delegate to `PoolKeeper` (`keeper.py`: the pool's life) and `ReplayController` (`replay.py`: each step's plan,
-splice and outcomes), and to the optional parts the arguments ask for (multi-turn games, experience-guided rollouts),
-which it knows only as `parts.StepHooks`. The algorithm's pure parts are `planner.py`, `loss.py`, `pool/rules.py`
-and `outcomes.py`; one step's state is a `step.GenerationStep`.
+"""`ExReplayGRPOTrainer`: TRL's `GRPOTrainer` with experience replay, as small overrides (listed in the class
+docstring) that delegate to `PoolKeeper` (`keeper.py`: the pool's life) and `ReplayController` (`replay.py`: each
+step's plan, splice and outcomes), and to the optional parts the arguments ask for (multi-turn games, experience-guided
+rollouts), which it knows only as `parts.StepHooks`. The algorithm's pure parts are `planner.py`, `loss.py`,
+`pool/rules.py` and `outcomes.py`; one step's state is a `step.GenerationStep`.
 """
 
 from __future__ import annotations
@@ -588,8 +588,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
         }
 
     def _log_tool_text(self) -> None:
-        """`env/special_tokens_removed` of TRL's tool loop: a running total over ranks. Collective: every rank generates
-        every batch."""
+        """`env/special_tokens_removed` of TRL's tool loop: a running total over ranks. Collective: every rank
+        generates every batch."""
         local = torch.tensor([float(self._tool_text.removed)], device=self.accelerator.device)
         total = self.accelerator.reduce(local, reduction="sum").item()
         trl_seam.logged_metrics(self)["env/special_tokens_removed"] = [total]
@@ -648,8 +648,8 @@ class ExReplayGRPOTrainer(GRPOTrainer):
     def _off_policy_term(self, inputs: dict, advantages: torch.Tensor, forward: LossForward) -> torch.Tensor:
         if forward.logps is None:
             raise RuntimeError(
-                "TRL's _compute_loss made no policy forward through _get_per_token_logps_and_entropies, so the replayed "
-                "tokens' term has no log-probs: a subclass that overrides one of them must call super()."
+                "TRL's _compute_loss made no policy forward through _get_per_token_logps_and_entropies, so the "
+                "replayed tokens' term has no log-probs: a subclass that overrides one of them must call super()."
             )
         training, logps = self.model.training, forward.logps
         mask = trl_seam.loss_mask(inputs)
@@ -743,14 +743,16 @@ class _TrainingEvents(TrainerCallback):
             self.trainer._flush_pending()
         if state.is_world_process_zero and uses_gloo_group():
             # Said at exit, only if the script did not end with exit_distributed(); the trainer cannot end the process
-            # for the script: an `atexit` hook would not know the script's exit status (a `sys.exit(1)` would become 0).
+            # for the script: an `atexit` hook would not know the script's exit status
+            # (a `sys.exit(1)` would become 0).
             advise_exit_distributed()
         for part in self.trainer._parts:
             part.train_ended()
 
 
 def _cleaned_reset(reset, clean: SpecialTokenFilter, *args, **kwargs):
-    """`reset(*args, **kwargs)`'s observation (None, a str or content blocks) with its spelled special tokens removed."""
+    """`reset(*args, **kwargs)`'s observation (None, a str or content blocks) with its spelled special tokens
+    removed."""
     return clean.content(reset(*args, **kwargs))
 
 

@@ -5,8 +5,8 @@ Two rules, as pure functions of a tokenizer and a string:
 
 * **No forged tokens.** A tokenizer parses the text of its added tokens (`<|im_start|>`, `<eos>`, a role marker)
   wherever it occurs, even inside ordinary text. Retrieved text spelling one would put a chat turn or an end of
-  sequence into the trained prompt, so `remove_token_strings` deletes every such spelling (again and again: deleting one
-  can join the pieces of another, `<eo<eos>s>`). `SpecialTokenFilter` applies it to every text of one source for a
+  sequence into the trained prompt, so `remove_token_strings` deletes every such spelling (again and again: deleting
+  one can join the pieces of another, `<eo<eos>s>`). `SpecialTokenFilter` applies it to every text of one source for a
   whole run: the pattern built once, the removals counted, and a spelling removed, refused or (a trusted source) kept.
 * **A token budget.** `token_prefix` keeps the first `max_tokens` tokens of a text without tokenizing all of it
   (a 2-million-word observation costs what its kept prefix costs), by tokenizing ever longer prefixes.
@@ -77,10 +77,11 @@ class SpelledTokens(ValueError):
 
 
 class SpecialTokenFilter:
-    """`remove_token_strings` with a tokenizer's `added_token_strings`, for every text of one untrusted source in a run.
+    """`remove_token_strings` with a tokenizer's `added_token_strings`, for every text of one untrusted source in a
+    run.
 
-    `mode`: 'remove' (every spelling removed, again and again, and counted in `removed`, a running total), 'refuse'
-    (a text that spells one raises `SpelledTokens`; one that does not is returned as it is) or 'keep' (a trusted source:
+    `mode`: 'remove' (every spelling removed, again and again, and counted in `removed`, a running total), 'refuse' (a
+    text that spells one raises `SpelledTokens`; one that does not is returned as it is) or 'keep' (a trusted source:
     the text is returned unscanned). The pattern is built once: on a short text, building it costs far more than the
     scan. Never tokenizes. Text without any spelling comes back as it is, in every mode.
     """
@@ -105,7 +106,8 @@ class SpecialTokenFilter:
         return text
 
     def content(self, content):
-        """A chat message's content cleaned: a str, or the text parts of a list of content blocks (others as they are)."""
+        """A chat message's content cleaned: a str, or the text parts of a list of content blocks (others as they
+        are)."""
         if isinstance(content, str):
             return self(content)
         if isinstance(content, list):

@@ -1,6 +1,6 @@
 """Scripted ALFWorld agents and their success on games: the floor (random) and ceilings (walkthrough, expert) that a
-trained policy is measured against. A policy (a model) is evaluated by `trl_exreplay.envs.evaluation`, the one evaluation
-module; this one only plays scripted agents, overall and per task type, with the alfworld version recorded.
+trained policy is measured against. A policy (a model) is evaluated by `trl_exreplay.envs.evaluation`, the one
+evaluation module; this one only plays scripted agents, overall and per task type, with the alfworld version recorded.
 
 An agent is a callable `(observation, admissible_actions, rng) -> action` (module-level, to reach worker processes
 when `workers` > 1), `None` for the game's stored walkthrough (played by `play_walkthrough`, which wins only if every

@@ -216,7 +216,8 @@ ENV_BACKENDS = ("processes", "ray")
 
 def check_reward_settings(script_args: AlfWorldArguments, training_args) -> None:
     """With `invalid_action_penalty` P a won episode's reward stays above 1 - max_turns * P and a lost one's is at most
-    0: `replay_success_threshold`, what counts as a win for the pool, the metrics and the evaluation, must lie between."""
+    0: `replay_success_threshold`, what counts as a win for the pool, the metrics and the evaluation, must lie
+    between."""
     penalty, max_turns = script_args.invalid_action_penalty, script_args.max_turns
     if not penalty:
         return

@@ -207,10 +207,10 @@ def build_tiny(script_args, tokenizer, training_args, path: str, state) -> str:
 
 
 def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, env_kwargs, state) -> str:
-    """SFT with TRL's `SFTTrainer` on the searching expert's won episodes of the train games, laid out token for
-    token as the RL rollouts; returns the folder of the warm-started model (cached by its settings). Collective: every
-    rank calls it. The SFT runs in processes of its own (`trl_exreplay.recipes.launch.run_as_own_launch`), on the launch's ranks
-    and with its DeepSpeed settings, so that the RL trainer's `Accelerator` is this process's first."""
+    """SFT with TRL's `SFTTrainer` on the searching expert's won episodes of the train games, laid out token for token
+    as the RL rollouts; returns the folder of the warm-started model (cached by its settings). Collective: every rank
+    calls it. The SFT runs in processes of its own (`trl_exreplay.recipes.launch.run_as_own_launch`), on the launch's
+    ranks and with its DeepSpeed settings, so that the RL trainer's `Accelerator` is this process's first."""
     from accelerate.utils import broadcast_object_list
 
     from ..recipes.launch import run_as_own_launch
@@ -287,7 +287,8 @@ def warm_start(script_args, training_args, model_args, tokenizer, train_tasks, e
         with open(tmp + ".sft.json", "w") as f:
             json.dump(spec, f)
     state.wait_for_everyone()
-    # SFT in processes of its own: two Trainers cannot share one process under DeepSpeed (see `trl_exreplay.recipes.launch`).
+    # SFT in processes of its own: two Trainers cannot share one process under DeepSpeed (see
+    # `trl_exreplay.recipes.launch`).
     run_as_own_launch(__name__, tmp + ".sft.json")
     if state.is_main_process:
         if model_args.use_peft:  # RL trains a fresh adapter on top of the merged warm start

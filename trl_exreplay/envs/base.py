@@ -69,8 +69,8 @@ def renamed_env_factory(text_env_factory, env_factory, where: str):
                 f"{where} got both `text_env_factory` and its old name `env_factory`; pass only the first."
             )
         warnings.warn(
-            f"{where}: `env_factory` is renamed `text_env_factory` (a factory of reset/step `TextEnv` games; not TRL's "
-            "`environment_factory`).",
+            f"{where}: `env_factory` is renamed `text_env_factory` (a factory of reset/step `TextEnv` games; not "
+            "TRL's `environment_factory`).",
             FutureWarning,
             stacklevel=3,
         )

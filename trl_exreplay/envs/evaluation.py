@@ -169,7 +169,8 @@ def evaluate_policy(
 
 def replay_participation(log_history: list[dict], points: int = 4) -> dict:
     """How much replay took part over a run, from the trainer's logs: the replayed-row fraction (mean over the logged
-    steps from replay's start, and max) and the pool's size at `points` evenly spaced logged steps (the last included)."""
+    steps from replay's start, and max) and the pool's size at `points` evenly spaced logged steps (the last
+    included)."""
     logged = [entry for entry in log_history if "replay/rows_fraction" in entry]
     if not logged:
         return {}

@@ -71,8 +71,8 @@ class MultiTurnRollouts(StepHooks):
             check_multi_turn_vllm(trainer.vllm_mode, args.vllm_tensor_parallel_size)
             if args.vllm_enable_sleep_mode:
                 logger.warning(
-                    "trl_exreplay: vllm_enable_sleep_mode with multi-turn rollouts reloads vLLM's weights before every "
-                    "turn (TRL's engine sleeps after each generate call); it is correct but slow."
+                    "trl_exreplay: vllm_enable_sleep_mode with multi-turn rollouts reloads vLLM's weights before "
+                    "every turn (TRL's engine sleeps after each generate call); it is correct but slow."
                 )
         if distributed_mode(trainer).is_zero3 and not args.ds3_gather_for_generation:
             # Not ours to fix: GRPOTrainer alone fails its first backward this way (TRL 1.16, DeepSpeed 0.19.8, CPU).

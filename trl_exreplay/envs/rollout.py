@@ -81,7 +81,8 @@ class ChatTurns:
         return self._render(messages + [{"role": "user", "content": observation}], generation_prompt=True)
 
     def env_turn_ids(self, observation: str) -> list[int]:
-        """Tokens that follow a closed assistant turn: the observation as a user message, then the next turn's opening."""
+        """Tokens that follow a closed assistant turn: the observation as a user message, then the next turn's
+        opening."""
         full = self._render(self._probe + [{"role": "user", "content": observation}], generation_prompt=True)
         self._check_prefix(self._closed_probe, full, "a user turn")
         return full[len(self._closed_probe) :]

@@ -1,5 +1,5 @@
-"""`MultiTurnSettings`: the multi-turn engine's settings (`trl_exreplay.envs.multiturn`), given to the trainer with its games,
-not fields of the config. Light to import: the ALFWorld recipe's `AlfWorldArguments` extends it."""
+"""`MultiTurnSettings`: the multi-turn engine's settings (`trl_exreplay.envs.multiturn`), given to the trainer with its
+games, not fields of the config. Light to import: the ALFWorld recipe's `AlfWorldArguments` extends it."""
 
 from __future__ import annotations
 

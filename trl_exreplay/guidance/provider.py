@@ -9,7 +9,8 @@ from trl_exreplay.guidance import ExperienceRecord, SummaryInput
 
 trajectory = SummaryInput(source="t1:9f2c", task_id="t1", query="put a mug in the sink", actions=["go to sink 1"],
                           reward=1.0, step=3)
-record = ExperienceRecord(task_id="t1", query=trajectory.query, content="go to sink 1", source=trajectory.source, step=3)
+record = ExperienceRecord(task_id="t1", query=trajectory.query, content="go to sink 1", source=trajectory.source,
+                          step=3)
 assert record.as_dict()["content"] == "go to sink 1"
 ```
 """

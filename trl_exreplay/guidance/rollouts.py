@@ -344,7 +344,8 @@ class GuidedRollouts(StepHooks):
 
     def _row_queries(self, rows: list[dict]) -> dict[int, str | None]:
         """Each row's task text (its first user message), what retrieval matches; None for a row without a text user
-        message (it goes unguided, and a warning says so once: an error here, on one process, would hang the others)."""
+        message (it goes unguided, and a warning says so once: an error here, on one process, would hang the
+        others)."""
         queries = {}
         for i, row in enumerate(rows):
             try:

@@ -23,6 +23,9 @@ class GuidanceSettings:
     and retrieved) is the trainer's `experience_provider`: an `OfflineExperienceProvider` when none is given, or a
     `ReMeExperienceProvider(base_url, workspace_id=..., timeout=...)` for a ReMe service.
 
+    `DEFAULT_TEMPLATE`, the default `guidance_template`, is
+    `'\n\nSome Related Experience to help you to complete the task:<EXP>{}</EXP>\n\n'`.
+
     Parameters:
         > Experience-guided rollouts (AgentEvolver's Self-Navigating; off by default)
 
@@ -41,19 +44,19 @@ class GuidanceSettings:
             as replayed tokens are) or 'hybrid' (int(tasks * guidance_keep_ratio) of a batch's tasks keep, the others
             discard).
         guidance_keep_ratio (`float`, *optional*, defaults to `1.0`):
-            Read under guidance_trained_prompt='hybrid' only (set otherwise, an error): fraction of a batch's tasks that
-            keep their guidance. In [0, 1].
-        guidance_template (`str`, *optional*, defaults to `'\n\nSome Related Experience to help you to complete the task:<EXP>{}</EXP>\n\n'`):
+            Read under guidance_trained_prompt='hybrid' only (set otherwise, an error): fraction of a batch's tasks
+            that keep their guidance. In [0, 1].
+        guidance_template (`str`, *optional*, defaults to `DEFAULT_TEMPLATE`):
             Text put before the first user message of a guided rollout; its one `{}` receives the retrieved experience
             (records joined by newlines). Must contain `{}` exactly once.
         guidance_top_k (`int`, *optional*, defaults to `3`):
             Experience records retrieved per guided rollout at most. >= 1.
         guidance_max_tokens (`int`, *optional*, defaults to `512`):
-            Tokens of retrieved experience put in one prompt at most (the records joined, before the template); the rest
-            is cut (counted in guide/experience_truncated). It is cut further where the guided prompt would leave less
-            than max_completion_length tokens of the model's context (guide/experience_cut_to_context; a row with no
-            room for any is left unguided, guide/unguided_for_context). Retrieved text is untrusted: any spelling of a
-            special or added token in it is removed (counted in guide/special_tokens_removed). >= 1.
+            Tokens of retrieved experience put in one prompt at most (the records joined, before the template); the
+            rest is cut (counted in guide/experience_truncated). It is cut further where the guided prompt would leave
+            less than max_completion_length tokens of the model's context (guide/experience_cut_to_context; a row with
+            no room for any is left unguided, guide/unguided_for_context). Retrieved text is untrusted: any spelling of
+            a special or added token in it is removed (counted in guide/special_tokens_removed). >= 1.
         guidance_update_freq (`int`, *optional*, defaults to `0`):
             Every this many optimizer steps, the successful fresh rollouts gathered since the last update are
             summarised into experience in a background thread (never blocking a step). 0: never (the store holds what
@@ -89,8 +92,9 @@ class GuidanceSettings:
             _check(_is_number(value) and 0.0 <= value <= 1.0, name, value, "numbers in [0, 1]")
         if self.guidance_ratio != 0.0 and "mixed" not in (self.guidance_train, self.guidance_eval):
             raise ValueError(
-                f"`guidance_ratio`={self.guidance_ratio!r} is not read with guidance_train={self.guidance_train!r} and "
-                f"guidance_eval={self.guidance_eval!r} (only with 'mixed'): leave it unset, or set a mode to 'mixed'."
+                f"`guidance_ratio`={self.guidance_ratio!r} is not read with guidance_train={self.guidance_train!r} "
+                f"and guidance_eval={self.guidance_eval!r} (only with 'mixed'): leave it unset, or "
+                f"set a mode to 'mixed'."
             )
         if self.guidance_keep_ratio != 1.0 and self.guidance_trained_prompt != "hybrid":
             raise ValueError(

@@ -568,7 +568,8 @@ def load_experience(folder: str) -> LoadedExperience:
             loaded.skipped += 1
     if loaded.skipped:
         logger.warning(
-            "trl_exreplay: %d backlog row(s) of the experience saved at %s have a non-finite reward and were left out.",
+            "trl_exreplay: %d backlog row(s) of the experience saved at %s have a "
+            "non-finite reward and were left out.",
             loaded.skipped,
             folder,
         )

@@ -267,8 +267,8 @@ class PoolFolder:
 
 
 def check_arrow(table: pa.Table, schema: pa.Schema, file: str, full: bool = True) -> None:
-    """The table of an Arrow file must have exactly `schema`'s columns and types, and (`full`) valid offsets and strings
-    (checked before any column is read: a bad offset would otherwise be followed out of the file)."""
+    """The table of an Arrow file must have exactly `schema`'s columns and types, and (`full`) valid offsets and
+    strings (checked before any column is read: a bad offset would otherwise be followed out of the file)."""
     expected = [(f.name, str(f.type)) for f in schema]
     try:
         found = [(f.name, str(f.type)) for f in table.schema]  # (a nested name that is not UTF-8 reads as U+FFFD)
@@ -285,7 +285,8 @@ def check_arrow(table: pa.Table, schema: pa.Schema, file: str, full: bool = True
 def compressed(metadata: pa.Buffer) -> bool:
     """Whether the metadata of an Arrow IPC message (a flatbuffer ``Message``, which Arrow verified when it read it)
     declares compressed body buffers: its ``RecordBatch`` header has field 3, ``compression``. pyarrow does not say,
-    and it decompresses in ``read_record_batch``, before any size could be checked (8.7 KB of zstd holds 256 MiB of zeros)."""
+    and it decompresses in ``read_record_batch``, before any size could be checked (8.7 KB of zstd holds 256 MiB of
+    zeros)."""
     data = metadata.to_pybytes()
 
     def at(pos: int, size: int, signed: bool = False) -> int:

@@ -103,7 +103,8 @@ class ExperiencePool:
         self._scratch = Scratch(work_dir)
         # None in a pool that holds the index only (`from_index_snapshot`)
         self._trajectories: Log | None = Log("trajectories", TRAJECTORY_SCHEMA, self._scratch, shard_rows)
-        # Each task's dataset row (JSON), by task index, in RAM (a few hundred bytes a task) and in a save's tasks table
+        # Each task's dataset row (JSON), by task index, in RAM (a few hundred bytes a task)
+        # and in a save's tasks table
         self._task_rows: dict[int, str] | None = {}
         self._write_failing = False
         self._finalizer = weakref.finalize(self, self._scratch.remove)
@@ -275,8 +276,8 @@ class ExperiencePool:
         return changed
 
     def _keep_best(self, t: int, num: int) -> list[int]:
-        """Keep only the `num` of task `t`'s trajectories that `replay_select_mode` picks first, in that order (the task's
-        store is made anew); returns their keys."""
+        """Keep only the `num` of task `t`'s trajectories that `replay_select_mode` picks first, in that order (the
+        task's store is made anew); returns their keys."""
         index = self.index
         keys = index.clear(t)
         order = selection_order(
@@ -358,8 +359,8 @@ class ExperiencePool:
         current_step: int | None = None,
         max_policy_age: int | None = None,
     ) -> list[Trajectory]:
-        """Copies of a task's stored trajectories, in store order (read from the shards); with the arguments, those young
-        enough to replay: the ones `select` chooses among."""
+        """Copies of a task's stored trajectories, in store order (read from the shards); with the arguments, those
+        young enough to replay: the ones `select` chooses among."""
         t = self.index.task_index.get(task_id)
         return [] if t is None else self._read_all(self.index.keys(t, current_step, max_policy_age))
 
@@ -580,8 +581,8 @@ class ExperiencePool:
             if pool.tokenizer_fingerprint is None and not allow_missing_fingerprint:
                 pool.close()
                 raise ValueError(
-                    f"The experience pool at {folder.path} records no tokenizer fingerprint, so nothing says its token "
-                    "ids belong to the given tokenizer. Pass allow_missing_fingerprint=True to use it with this "
+                    f"The experience pool at {folder.path} records no tokenizer fingerprint, so nothing says its "
+                    "token ids belong to the given tokenizer. Pass allow_missing_fingerprint=True to use it with this "
                     "tokenizer anyway (it is then bound to it), or start from an empty pool."
                 )
             try:

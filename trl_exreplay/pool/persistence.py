@@ -70,15 +70,16 @@ _OURS = re.compile(r"\.?(tasks|trajectories)-[0-9a-f]{16}\.arrow(\.tmp-[0-9a-f]{
 
 
 def _prune(path: str, keep: set[str]) -> None:
-    """Delete the files a save writes in `path` that are not in `keep`, and the temporary files of interrupted saves."""
+    """Delete the files a save writes in `path` that are not in `keep`, and the temporary files of interrupted
+    saves."""
     for name in os.listdir(path):
         if _OURS.fullmatch(name) and name not in keep and not os.path.isdir(os.path.join(path, name)):
             os.remove(os.path.join(path, name))
 
 
 def save_folder(path: str, log: Log, task_rows: dict[int, str], index: PoolIndex, header: dict) -> None:
-    """Commit a snapshot of the pool whose trajectory `log`, `task_rows` (task index -> JSON) and `index` are given into
-    folder `path`; `header` holds its ``settings`` and ``tokenizer_fingerprint``. See `ExperiencePool.save`."""
+    """Commit a snapshot of the pool whose trajectory `log`, `task_rows` (task index -> JSON) and `index` are given
+    into folder `path`; `header` holds its ``settings`` and ``tokenizer_fingerprint``. See `ExperiencePool.save`."""
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
     _committed_state(path)  # refuses a folder that holds something else
@@ -157,8 +158,8 @@ def _read_checked(file: str, schema: pa.Schema | None = None) -> pa.Table:
 
 
 def load_index(folder: PoolFolder, state: dict, tasks: pa.Table, log: Log, capacity: int, vocab_size, verify):
-    """Adopt the checked shards of a committed save into the empty trajectory `log` and rebuild the index from its tasks
-    table; returns the index, the task rows (task index -> JSON) and the rows left out, by reason. A trajectory's
+    """Adopt the checked shards of a committed save into the empty trajectory `log` and rebuild the index from its
+    tasks table; returns the index, the task rows (task index -> JSON) and the rows left out, by reason. A trajectory's
     key is its place among the kept ones in the tasks table's lists."""
     reasons: Counter = Counter()
     columns = {name: tasks.column(name).to_numpy() for name in STATE_COLUMNS}

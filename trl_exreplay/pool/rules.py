@@ -18,11 +18,11 @@ decision, so it can be tested by hand
 * **Which success is stored** (`best_index`, for ``replay_store_mode="best"``): the lowest-entropy one (``argmin``),
   the highest (``argmax``) or a random one.
 * **Eviction** (`eviction`): a task holds at most ``replay_max_trajectories_per_task``. At capacity, a trajectory older
-  than ``replay_max_policy_age`` policy versions goes first; else ``argmin`` replaces the highest-entropy one if the new
-  one's entropy is lower, ``argmax`` the lowest if higher, and ``random`` drops the oldest (FIFO).
+  than ``replay_max_policy_age`` policy versions goes first; else ``argmin`` replaces the highest-entropy one if the
+  new one's entropy is lower, ``argmax`` the lowest if higher, and ``random`` drops the oldest (FIFO).
 * **What can be replayed** (`replayable`): a task in a bucket, outside the skip set, whose dataset row is known and
-  that holds at least ``k`` trajectories young enough (``replay_max_policy_age``); the planner draws the step's replayed tasks
-  among them (`planner.plan_replay`, by bucket weights).
+  that holds at least ``k`` trajectories young enough (``replay_max_policy_age``); the planner draws the step's
+  replayed tasks among them (`planner.plan_replay`, by bucket weights).
 * **Selection** (`select`, one task's order: `selection_order`): which of each replayed task's trajectories are
   replayed: the lowest entropies (``argmin``; ExGRPO's ``select_best_experiences``), the highest (``argmax``) or a
   random permutation; ties go to the lowest trajectory id (the oldest). The entropies are those saved with the
@@ -39,7 +39,9 @@ assert stores_successes(successes=3, lbound=0, rbound=8) and not stores_successe
 # a full task (entropies 0.9, 0.2) offered one of entropy 0.5: argmin evicts the 0.9 one (slot 0)
 assert eviction([0.9, 0.2], [4, 5], [1, 1], 0.5, 2, mode="argmin") == ("replace", 0)
 # task "a" holds entropies 0.9, 0.2, 0.5 (ids 4, 5, 6): argmin replays positions 1 and 2; "b" (0.3, 0.1) 1 and 0
-assert select({"a": ([0.9, 0.2, 0.5], [4, 5, 6]), "b": ([0.3, 0.1], [7, 8])}, 2, "argmin") == {"a": [1, 2], "b": [1, 0]}
+assert select(
+    {"a": ([0.9, 0.2, 0.5], [4, 5, 6]), "b": ([0.3, 0.1], [7, 8])}, 2, "argmin"
+) == {"a": [1, 2], "b": [1, 0]}
 ```
 """
 
@@ -120,8 +122,8 @@ def select(
     mode: str,
     rng: np.random.Generator | None = None,
 ) -> dict[str, list[int]]:
-    """Which trajectories each replayed task replays: ``task -> (entropies, trajectory ids)`` of its candidates in store
-    order, to ``task -> positions`` of its `num` chosen ones, in the order they take the group's replayed rows
+    """Which trajectories each replayed task replays: ``task -> (entropies, trajectory ids)`` of its candidates in
+    store order, to ``task -> positions`` of its `num` chosen ones, in the order they take the group's replayed rows
     (`selection_order`, the tasks in turn, drawing from the one `rng` in that order under ``random``)."""
     return {task: selection_order(entropies, ids, num, mode, rng) for task, (entropies, ids) in candidates.items()}
 

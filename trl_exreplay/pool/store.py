@@ -84,9 +84,10 @@ def fsync_path(path: str) -> None:
 
 
 def write_atomic(path: str, write: Callable[[str], None]) -> None:
-    """`write(tmp)`, then fsync and rename to `path`: `path` appears complete or not at all, and a failure leaves neither
-    a half-written `path` nor the temporary. `write` may write a file or a folder (a saved model) at `tmp`; a folder's
-    files are fsynced with it, and `path` must then not be a folder already (no rename replaces a non-empty one).
+    """`write(tmp)`, then fsync and rename to `path`: `path` appears complete or not at all, and a failure leaves
+    neither a half-written `path` nor the temporary. `write` may write a file or a folder (a saved model) at `tmp`; a
+    folder's files are fsynced with it, and `path` must then not be a folder already (no rename replaces a non-empty
+    one).
 
     The package's one atomic writer (the pool is a library of its own, so it lives here and the rest imports it). The
     temporary is hidden, beside `path` (a rename within one filesystem), and never taken for a pool's file; a pool's

@@ -43,7 +43,8 @@ def child_environment(master_port: int | None) -> dict[str, str]:
         env["MASTER_PORT"] = str(master_port)
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # else every child waits for a store that no one serves
     env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # the same arithmetic as in this process
-    # the folder that holds the `trl_exreplay` package (never the package itself: its `alfworld` would shadow ALFWorld's)
+    # the folder that holds the `trl_exreplay` package
+    # (never the package itself: its `alfworld` would shadow ALFWorld's)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["trl_exreplay"].__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return env
