@@ -278,21 +278,16 @@ class PoolIndex:
 
     def replayable(self, tasks: np.ndarray, min_trajectories: int, current_step, max_policy_age) -> np.ndarray:
         """Mask of `tasks` (indices) that can be replayed now (`rules.replayable`, on the index's arrays)."""
-        args = (self.difficulty[tasks], self.skip_order[tasks] >= 0, self.has_row[tasks])
-        num_selectable = self.count[tasks]
-        if max_policy_age is not None and current_step is not None:
-            # Count the young trajectories of the tasks the other conditions let in (none of them can hold more than
-            # `count`): O(tasks x slots) on the index, no trajectory read.
-            ok = replayable(*args, num_selectable, min_trajectories)
-            if ok.any():
-                checked = tasks[ok]
-                slots = self.slots[checked]
-                valid = slots >= 0
-                keys = np.where(valid, slots, 0)
-                valid &= current_step - self.key_version[keys] <= max_policy_age
-                num_selectable = num_selectable.copy()
-                num_selectable[ok] = valid.sum(axis=1)
-        return replayable(*args, num_selectable, min_trajectories)
+        skipped = self.skip_order[tasks] >= 0
+        ok = replayable(self.difficulty[tasks], skipped, self.has_row[tasks], self.count[tasks], min_trajectories)
+        if max_policy_age is not None and current_step is not None and ok.any():
+            # Only the young trajectories can be selected: count them for the tasks still in (none holds more than
+            # `count`), O(tasks x slots) on the index, no trajectory read.
+            slots = self.slots[tasks[ok]]
+            valid = slots >= 0
+            valid &= current_step - self.key_version[np.where(valid, slots, 0)] <= max_policy_age
+            ok[ok] = valid.sum(axis=1) >= min_trajectories
+        return ok
 
     def replayable_listing(self, min_trajectories, current_step, max_policy_age):
         """(task indices, difficulties) of the replayable tasks, in bucket order."""
