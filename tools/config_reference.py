@@ -137,8 +137,8 @@ def profiles() -> list[str]:
         "0.35 is `replay_start_solved_fraction`'s default. The defaults before the spread plan (`teach` in the results) "
         "are `replay_spread_plan=False, replay_retire_solved=True` (a solved question leaves the fresh stream but "
         "is revisited at half its draws, returning when it fails, unlike ExGRPO's retired questions, never seen "
-        "again); before every group taught (the `exreplay` arm of the earlier tests), also `replay_rescue=0, "
-        "replay_retire_solved=False`. Which one to use: [results](results.md) compares them.",
+        "again); before every group taught (the `exreplay` arm of the earlier tests), `replay_rescue=0, "
+        "replay_retire_solved=False, replay_spread_plan=False`. Which one to use: [results](results.md) compares them.",
         "",
         "| field | default | `exgrpo` | in ExGRPO's code |",
         "|---|---|---|---|",

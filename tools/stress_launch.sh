@@ -10,8 +10,8 @@
 # ddp-tools zero3-tools (TRL's tool loop with replay, tests/scripts/tool_replay_multiprocess.py) ddp-guided
 # (experience-guided rollouts; zero3 guides too, as tests/distributed/test_multiprocess.py launches them) ddp-exgrpo
 # zero3-exgrpo (replay_profile="exgrpo": start by capability, retired questions; a whole run, then its resume)
-# ddp-teach zero3-teach (the defaults, every group teaching: rescue and revisits, saving the model after training; the
-# same)
+# ddp-teach zero3-teach (rescue and retired questions with revisits, saving the model after training; the same)
+# ddp-defaults zero3-defaults (the library's defaults: rescue and the spread plan; the same)
 # (default: these, in turn; a resume first runs the whole run it resumes from, and both count as launches), or
 # exit-race, exit-race-destroy, exit-race-plain: tests/scripts/gloo_exit.py's "natural" exit race (DDP, 3 s a launch)
 # ended by exit_distributed(), by barrier + destroy_process_group(), or not at all; name them to compare the endings
@@ -23,13 +23,13 @@
 # Environment: PYTHON (default python3), LAUNCH_TIMEOUT (seconds a launch may run, default 480).
 set -uo pipefail
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [[ $# -ge 1 && "$1" =~ ^[0-9]+$ ]] || usage
 N=$1
 OUT=${2:-stress-launch-$(date +%Y%m%d-%H%M%S)}
 shift $(( $# >= 2 ? 2 : 1 ))
 SUITE_KINDS=(ddp zero2 zero3 ddp-multi-turn zero2-multi-turn zero3-multi-turn zero2-resume zero3-resume ddp-tools
-  zero3-tools ddp-guided ddp-exgrpo zero3-exgrpo ddp-teach zero3-teach)
+  zero3-tools ddp-guided ddp-exgrpo zero3-exgrpo ddp-teach zero3-teach ddp-defaults zero3-defaults)
 ALL_KINDS=("${SUITE_KINDS[@]}" exit-race exit-race-destroy exit-race-plain)
 KINDS=("${@:-${SUITE_KINDS[@]}}")
 for kind in "${KINDS[@]}"; do
@@ -135,7 +135,7 @@ while ((launches < N)); do
         launches=$((launches + 1))
       fi
       ;;
-    *-exgrpo | *-teach)
+    *-exgrpo | *-teach | *-defaults)
       profile=${kind#*-}
       if launch "$dir/whole" "$config" "$SCRIPT" "$dir/whole/out" "$profile"; then status=0; else status=$?; fi
       launches=$((launches + 1))

@@ -234,11 +234,13 @@ def zero_spread_lines(rows: list[dict], label: dict) -> list[str]:
         split = "not recorded" if fail is None or win is None else f"{100 * fail:.1f}% / {100 * win:.1f}%"
         lines.append(f"| {_cell_name(label[r['method']])} | {after} | {fresh} | {split} |")
     calibrated = [f"- `{r['method']}`: predicted {100 * c['predicted']:.1f}%, observed {100 * c['observed']:.1f}% "
-                  f"({c['steps']} steps)" for r in rows if (c := r["calibration"])]  # fmt: skip
+                  f"(observed - predicted per seed: {100 * c['gap_range'][0]:+.1f} to {100 * c['gap_range'][1]:+.1f} "
+                  f"points; {c['seeds']} seeds)" for r in rows if (c := r["calibration"])]  # fmt: skip
     if calibrated:
         lines += [
             "",
-            "The spread plan's calibration: its planned fresh groups with spread, mean over steps:",
+            "The spread plan's calibration: its planned fresh groups with spread, each seed's mean over its steps, "
+            "then the mean over seeds:",
             *calibrated,
         ]
     return lines

@@ -20,7 +20,7 @@ call whose testbed settings differ from those of the runs already there is refus
                   "replay": {"rows_fraction": [float per step], "pool_tasks": [...], "pool_trajectories": [...],
                              "skip_set": [...], "importance_ratio_mean": [...], "policy_age": [...],
                              "buckets": [{successes: tasks} per step],                 # empty without replay
-                             "rescued_groups": [...], ...},  # TEACH_SERIES, in runs that log them (`teach`)
+                             "rescued_groups": [...], ...},  # TEACH_SERIES and SPREAD_SERIES, in runs that log them
                   "guidance": {"guided_fraction": [float per step], "success_guided": [float | null], ...},
                                                  # GUIDE_SERIES, only in experience-guided runs
                   "wall_s": float, "step_s": float,   # training time (evaluation excluded), per optimizer step
@@ -74,9 +74,9 @@ def rows_per_step(settings: dict) -> int:
 
 
 REPLAY_SERIES = ("rows_fraction", "pool_tasks", "pool_trajectories", "skip_set", "importance_ratio_mean", "policy_age")
-# What every group teaching (the defaults) logs (rescue, retired questions and their revisits), per step, in runs that log them
-# (None where a step does not: `returned_tasks` only in steps with a revisit).
 SPLIT_SERIES = ("all_fail_fresh", "all_win_fresh")  # per step: the fresh groups whose rollouts all failed, all won
+# What rescue and retired questions log (their revisits too), per step, in runs that log them (None where a step does
+# not: `returned_tasks` only in steps with a revisit).
 TEACH_SERIES = ("rescued_groups", "zero_std_rescued", "retired_tasks", "revisited_groups", "returned_tasks")
 # The spread plan's (`replay_spread_plan`), per step: the groups it redirected, and the predicted and observed share of
 # its planned fresh groups with spread (its calibration; None in a step without planned outcomes). Recorded since

@@ -194,15 +194,21 @@ def to_level(runs: dict, base_runs: dict, level: float) -> dict:
 
 
 def calibration(runs: dict) -> dict | None:
-    """The spread plan's calibration over a method's runs: the mean predicted and observed share of its planned fresh
-    groups with spread, over every step that recorded both (None where no run recorded the plan's series)."""
-    pairs = [(p, o) for run in runs.values()
-             for p, o in zip(run["replay"].get("spread_predicted_fresh", []), run["replay"].get("spread_observed_fresh", []))
-             if p is not None and o is not None]  # fmt: skip
-    if not pairs:
+    """The spread plan's calibration, per seed, then over seeds: each run's mean predicted and observed share of its
+    planned fresh groups with spread (over its steps that recorded both), their means over the runs, and the range of
+    the runs' gaps (observed - predicted). None where no run recorded the plan's series."""
+    per_seed = {}
+    for seed, run in runs.items():
+        series = zip(run["replay"].get("spread_predicted_fresh", []), run["replay"].get("spread_observed_fresh", []))
+        pairs = [(p, o) for p, o in series if p is not None and o is not None]
+        if pairs:
+            per_seed[seed] = (sum(p for p, _ in pairs) / len(pairs), sum(o for _, o in pairs) / len(pairs))
+    if not per_seed:
         return None
-    return {"predicted": sum(p for p, _ in pairs) / len(pairs), "observed": sum(o for _, o in pairs) / len(pairs),
-            "steps": len(pairs)}  # fmt: skip
+    gaps = [o - p for p, o in per_seed.values()]
+    return {"predicted": statistics.mean(p for p, _ in per_seed.values()),
+            "observed": statistics.mean(o for _, o in per_seed.values()),
+            "gap_range": (min(gaps), max(gaps)), "seeds": len(per_seed)}  # fmt: skip
 
 
 def _mean_of_series(series) -> float | None:
@@ -282,9 +288,6 @@ def summarize(
             "final_steady": paired([finals[s] - base_finals[s] for s in steady]),
             "auc_steady": paired([auc["rollouts"]["per_seed"][s] - aucs["rollouts"][baseline][s] for s in steady
                                   if s in auc["rollouts"]["per_seed"] and s in aucs["rollouts"].get(baseline, {})]),
-            # kept under their former names: the results line's test and older readers use them
-            "paired_difference": paired_interval([finals[s] - base_finals[s] for s in shared]),
-            "sign_test": sign_test([finals[s] - base_finals[s] for s in shared]) if shared else None,
             "collapsed": sum(fell.values()), "collapse_rate": sum(fell.values()) / len(runs),
             "collapsed_shared": sum(fell[s] for s in shared), "baseline_collapsed_shared": sum(base_fell.values()),
             # exact McNemar: the seeds where only one of the pair collapsed (wins: only the baseline did)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import benchmark_module
 
-from trl_exreplay.config import PROFILE_FIELDS
+from trl_exreplay.config import profile_values
 
 pytestmark = pytest.mark.fast  # in the fast lane: no training
 
@@ -207,9 +207,19 @@ def test_the_results_line_leads_with_the_rollouts_where_they_teach_test(harness)
         f"on the doors game ({auc(doors_f, seeds=False)}) and not on single-turn ({auc(single_f, seeds=False)})"
         in line
     )
-    # and the library's defaults are what the rule chose: the report runs' values, with nothing else set
-    assert harness.PRESETS[SPREAD] == {"replay_spread_plan": True, "replay_retire_solved": False}
-    assert harness.PRESETS[TEACH] == {"replay_spread_plan": False, "replay_retire_solved": True}
-    assert {f: PROFILE_FIELDS[f] for f in ("replay_rescue", "replay_retire_solved", "replay_spread_plan")} == (
-        {"replay_rescue": 1, "replay_retire_solved": False, "replay_spread_plan": True}
-    )
+    # the time axes compare: every run of a testbed pinned to one core, at one commit of the harness and the library
+    # it imported (the three methods of a seed back to back)
+    defaults = profile_values(None, {})
+    for testbed in ("single-turn", "multi-turn"):
+        (found,) = harness.load_results(SPREAD_REPORT / testbed)["testbeds"].values()
+        runs = [run for m in found["methods"].values() for run in m["runs"].values()]
+        assert {run["run"]["machine"]["cores_allowed"] for run in runs} == {1}
+        assert len({(run["run"]["commit"], run["run"]["library"]["commit"]) for run in runs}) == 1
+        # and the library's defaults are what the rule chose: the fields the report runs of the profile set (over
+        # the defaults of their commit, which differed in those alone) are today's defaults
+        preset = found["methods"][SPREAD]["preset"]
+        assert preset == {"replay_spread_plan": True, "replay_retire_solved": False}
+        assert {f: defaults[f] for f in preset} == preset
+        assert all(
+            {f: run["settings"][f] for f in preset} == preset for run in found["methods"][SPREAD]["runs"].values()
+        )

@@ -1,6 +1,7 @@
 """The one-line swap, tried as a TRL user tries it: configurations in the style of TRL's own GRPO tests
 (huggingface/trl tests/test_grpo_trainer.py: 3 completions a device, ``num_generations=3``, so ONE group a generation
-batch), written against `trl.GRPOConfig`/`trl.GRPOTrainer`, run unchanged with ours and replay on with its defaults.
+batch), written against `trl.GRPOConfig`/`trl.GRPOTrainer`, run unchanged with ours and replay on with its defaults (the
+tests of the replayed batch's layout with the spread plan off: `NO_PLAN`).
 
 TRL's tests load tiny models and datasets from the Hub; here they are local stand-ins of the same kinds (a tiny causal
 LM, a tiny sequence-classification reward model saved to a folder and named by its path, prompt-only datasets in
@@ -88,9 +89,10 @@ def replayed_on_alternate_batches(tasks: list[float]) -> bool:
     return any(tasks) and not any(tasks[n] for n in range(0, len(tasks), 2))
 
 
-# The spread plan (a default) puts the one group of these 4-task runs on whichever task looks likeliest to teach; at TRL's
-# test rate 0.1 that is soon a task every rollout solves, so the pool holds no replayable task. These tests of replay's
-# batch layout turn it off; `test_the_defaults_train_a_batch_of_one_group` trains the defaults as they are.
+# The spread plan (a default) puts the one group of these 2-task runs on whichever task looks likelier to teach; at
+# TRL's test rate 0.1 that is soon the task every rollout solves, and the pool is left with nothing to replay (its
+# estimates are overconfident: docs/results.md, "Rollouts where they teach: the results"). These tests of replay's
+# batch layout turn it off; `test_the_defaults_replay_a_batch_of_one_group` trains the defaults on 4 tasks.
 NO_PLAN = {"replay_spread_plan": False}
 
 
@@ -101,10 +103,11 @@ def test_trl_default_batch_of_one_group_replays(tmp_path, conversational):
     assert replayed_on_alternate_batches(tasks), tasks
 
 
-def test_the_defaults_train_a_batch_of_one_group(tmp_path):
-    """With the defaults (the spread plan on) a batch of one group trains (`train` checks 12 steps, moved weights and
-    replay's metrics at every step); the plan redirected the group on some steps."""
-    trainer, tasks = train(tmp_path)
+def test_the_defaults_replay_a_batch_of_one_group(tmp_path):
+    """With the defaults (the spread plan on) a batch of one group trains and replays on alternate batches, 4 tasks
+    giving the plan a choice; the plan redirected the group on some steps."""
+    trainer, tasks = train(tmp_path, dataset=prompt_only(conversational=False, num_tasks=4))
+    assert replayed_on_alternate_batches(tasks), tasks
     planned = [e["replay/spread_replanned_groups"] for e in trainer.state.log_history if "loss" in e]
     assert len(planned) == 12 and any(planned)
 

@@ -115,22 +115,24 @@ def test_rescue_with_a_kl_term_is_off_and_says_so(tmp_path, caplog):
     assert not any("replay/rescued_groups" in e for e in trainer.state.log_history)
 
 
-def test_a_threshold_every_rollout_passes_is_said_once(tmp_path, caplog):
+@pytest.mark.parametrize("settings", [{}, TEACH], ids=["defaults", "teach"])
+def test_a_threshold_every_rollout_passes_is_said_once(tmp_path, caplog, settings):
     """An always-1 format reward beside the task's: every rollout's total is at least 1, the default threshold, so
     every task would be "solved", nothing stored but the one success rescue keeps of a solved task; the trainer says so
-    once, naming the field and the totals."""
+    once, naming the field and the totals, and what follows from it under these settings."""
 
     def format_reward(completions, **kwargs):
         return [1.0] * len(completions)
 
     with caplog.at_level(logging.WARNING, logger="trl_exreplay"):
-        trainer = make_trainer(tmp_path, max_steps=3, reward_funcs=[said_target, format_reward], **TEACH)
+        trainer = make_trainer(tmp_path, max_steps=3, reward_funcs=[said_target, format_reward], **settings)
         trainer.train()
     said = [r.getMessage() for r in caplog.records if "counted as a success" in r.getMessage()]
     assert len(said) == 1 and "replay_success_threshold=1" in said[0] and "ranged 1-2" in said[0]
-    # what follows from it with the defaults: the success kept for rescue, and retirement with revisits
+    # what follows from it: the success kept for rescue (a default), and, with retirement, its revisits
     assert "(but the 1 success a solved task keeps for rescue, replay_rescue=1)" in said[0]
-    assert "it is retired: it comes back only as a revisit (replay_revisit_ratio=0.5 of its draws)" in said[0]
+    retired = "it is retired: it comes back only as a revisit (replay_revisit_ratio=0.5 of its draws)"
+    assert (retired in said[0]) == bool(settings) and ("retired" in said[0]) == bool(settings)
     # every task is "solved" from the first batch: nothing is replayed, and each keeps only the one success rescue
     # keeps of a solved task (replay_rescue=1, the default)
     assert trainer.pool.skip_set and trainer.pool.num_trajectories == len(trainer.pool.skip_set)

@@ -10,9 +10,10 @@ optimizer, RNG) of an earlier run with the same settings. `trl-options` trains w
 makes collective calls of its own (TRL's entropy selection gathers every rank's entropies) or is not the default
 clip: `loss_type="cispo"`, `top_entropy_quantile=0.5`, `entropy_coef`, `off_policy_mask_threshold`. `scratch=DIR`: the
 live pool's shards go to DIR (`replay_scratch_dir`), a machine's local disk when OUT_DIR is shared. `small-shards`: the
-trainer gets a pool whose shards hold 2 rows, so that files are written during training. `ratio=R`: `replay_ratio` (default 1). `exgrpo` (that `replay_profile`) or `teach` (the library's defaults:
-rescue, retired questions revisited) for 12 steps on a dataset of 6 rows (an epoch of 2 steps, so questions retire
-during the run), with `spread` also the spread plan (`replay_spread_plan`, no exploration floor); without either, the former defaults (no rescue, no retirement), which the other tests' figures assume. `guided`: experience-guided rollouts too (mixed, half
+trainer gets a pool whose shards hold 2 rows, so that files are written during training. `ratio=R`: `replay_ratio` (default 1). `exgrpo` (that `replay_profile`), `defaults` (the library's: rescue and the
+spread plan) or `teach` (rescue, retired questions revisited) for 12 steps on a dataset of 6 rows (an epoch of 2 steps,
+so questions retire during the run), with `spread` the plan's exploration floor at 0 (`defaults spread`); without any,
+replay alone (no rescue, no retirement, no plan), which the other tests' figures assume. `guided`: experience-guided rollouts too (mixed, half
 the tasks keep, the offline provider updated every step; evaluation guided every 3 steps, one group spanning both
 ranks); each rank records every allocation it draws.
 
@@ -158,7 +159,7 @@ def train(out_dir: str, options: list[str]) -> None:
         **(TRL_OPTIONS if "trl-options" in options else {}),
         **({k: v for k, v in GUIDED.items() if not k.startswith("guidance_")} if "guided" in options else {}),
         **PROFILE_SETTINGS[profile],
-        **({"replay_spread_plan": True, "replay_spread_explore": 0.0} if "spread" in options else {}),
+        **({"replay_spread_explore": 0.0} if "spread" in options else {}),
     )
     guidance = {}
     if "guided" in options:

@@ -15,7 +15,6 @@ from trl_exreplay.config import (
     REPLAY_PROFILES,
     ExReplayGRPOConfig,
     ReplaySettings,
-    profile_values,
     replay_settings,
 )
 from trl_exreplay.envs.multiturn import MultiTurnSettings
@@ -131,7 +130,7 @@ def test_the_exgrpo_profile_gives_exgrpos_recipe_to_the_fields_left_unset(tmp_pa
     assert mine.replay_start == "solved" and mine.replay_shaping == "exgrpo"
     # no profile: the library's defaults (revisits at 0.5 only once retirement is turned on), also for a GRPOConfig
     defaults = {**PROFILE_FIELDS, "replay_revisit_ratio": 0.0}
-    assert {name: getattr(make(tmp_path), name) for name in PROFILE_FIELDS} == defaults == profile_values(None, {})
+    assert {name: getattr(make(tmp_path), name) for name in PROFILE_FIELDS} == defaults
     settings = replay_settings(make(tmp_path, config_cls=GRPOConfig))
     assert {name: getattr(settings, name) for name in PROFILE_FIELDS} == defaults
 
